@@ -1,0 +1,57 @@
+"""nox sessions: the one place that knows how to run tests, lint, preflight and benchmarks.
+
+Sessions reuse the repo's `.venv` (made by `make setup`) instead of building their own, because the
+learner stack (torch, ray, megatron-core) is about 2 GB and CI has 20 minutes. Sessions are named by verb.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+PY = sys.executable  # the interpreter nox runs under: .venv/bin/python via `make`
+
+
+def _ensure_sshd(session: nox.Session) -> None:
+    """The Fabric tests need a real sshd binary; install it through apt-get when we are root."""
+    if shutil.which("sshd") or os.path.exists("/usr/sbin/sshd"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        session.warn("sshd missing and not root: the Fabric tests will be skipped")
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run("apt-get", "update", "-qq", external=True, env=env)
+    session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", "openssh-server",
+                external=True, env=env)
+
+
+@nox.session(venv_backend="none")
+def tests(session: nox.Session) -> None:
+    """Run the test suite (everything but `gpu`; pass `-- -m slow` etc. to narrow)."""
+    _ensure_sshd(session)
+    args = session.posargs or ["-m", "not gpu and not soak"]
+    session.run(PY, "-m", "pytest", *args)
+
+
+@nox.session(venv_backend="none")
+def lint(session: nox.Session) -> None:
+    """Static checks with ruff."""
+    session.run(PY, "-m", "ruff", "check", ".")
+
+
+@nox.session(venv_backend="none")
+def preflight(session: nox.Session) -> None:
+    """Check a launch before it happens: reads a dry run on stdin, or resolves the recipe itself."""
+    session.run(PY, "-m", "infra.preflight", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """Benchmarks; each writes bench/results/<name>.json with the machine and commit."""
+    session.run(PY, "-m", "bench", *session.posargs)

@@ -1,0 +1,248 @@
+"""One config system: pydantic models, YAML recipes under `runs/`, resolved in one place.
+
+Precedence, lowest to highest (written down once, here):
+    field defaults  <  runs/<recipe>.yaml  <  environment (DRL_* contract values)  <  command-line overrides
+`resolve()` is the only function that applies it; the dry run prints what it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RUNS_DIR = REPO_ROOT / "runs"
+
+#: recipe name -> file under runs/ (STYLE rule 7: one registry; unknown names are refused with this list)
+RECIPES: dict[str, str] = {
+    "gsm8k": "gsm8k.yaml",
+    "psqa": "psqa-decoupled/recipe.yaml",
+}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class ContractConfig(_Model):
+    """The cross-host contract every worker must match (DESIGN section 3)."""
+
+    n_samples: int = Field(8, ge=1, le=1024)
+    """DRL_N_SAMPLES: group size. A group of any other size is dropped with a counted reason."""
+    plane: Literal["bf16", "int8g64"] = "bf16"
+    """DRL_PULSE_PLANE: the weight plane published and declared by workers; both sides fail closed on mismatch."""
+    kv_mode: str | None = None
+    """DRL_KV_MODE: workers' KV-cache mode; the fleet profile requires `paged_prefix`."""
+
+
+class ModelConfig(_Model):
+    """Which policy the run trains."""
+
+    hf_id: str | None = None
+    """Hugging Face repo id downloaded on the GPU box (e.g. Qwen/Qwen2.5-1.5B-Instruct)."""
+    path: str | None = None
+    """A local HF directory (config.json + safetensors + tokenizer); wins over hf_id. `MODEL=` sets it."""
+    rotary_base: float | None = None
+    """Rotary base to launch with; None = take the HF config's rope_theta. A value that differs is refused."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Parameter dtype of the learner."""
+
+
+class EmbeddedBaseConfig(_Model):
+    """The small Qwen2-architecture base the embedded default builds when no model is given."""
+
+    hidden_size: int = 128
+    """Width of the tiny model."""
+    num_layers: int = 4
+    """Decoder layers."""
+    num_heads: int = 4
+    """Query heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (GQA groups)."""
+    intermediate_size: int = 384
+    """SwiGLU width."""
+    sft_steps: int = 600
+    """Supervised steps on generated problems before RL starts."""
+    sft_target_accuracy: tuple[float, float] = (0.2, 0.5)
+    """Held-out accuracy band the base should land in (partly right, so RL has room)."""
+    seed: int = 0
+    """Seed of the supervised data and init."""
+
+
+class EmbeddedConfig(_Model):
+    """How the embedded default (no GPU host, no R2 credentials) runs the loop on one machine."""
+
+    workers: int = 2
+    """Local reference workers started as separate processes."""
+    max_steps: int = 40
+    """Learner steps before the run stops on its own."""
+    time_budget_s: float = 600.0
+    """Wall-clock budget for the RL phase."""
+    eval_every: int = 5
+    """Held-out evaluation every this many steps."""
+    eval_problems: int = 200
+    """Held-out problems per evaluation (own seed and number ranges, never trained on)."""
+    base: EmbeddedBaseConfig = EmbeddedBaseConfig()
+
+
+class GateConfig(_Model):
+    """The asymmetric DPPO gate (research/algorithms.md section 1.3)."""
+
+    divergence: Literal["tv", "kl"] = "tv"
+    """Binary-TV or Binary-KL between the behaviour and current token probability."""
+    delta_low: float = 0.2
+    """Threshold on the negative-advantage side (p fell below p_behavior)."""
+    delta_high: float = 0.2
+    """Threshold on the positive-advantage side (p rose above p_behavior)."""
+
+
+class AlgoConfig(_Model):
+    """The learner's objective and data gates (DESIGN section 6)."""
+
+    groups_per_step: int = 8
+    """Prompt groups per learner step."""
+    staleness: int = 3
+    """Rollouts sampled more than this many versions ago are dropped."""
+    reuse_cap: int = 2
+    """A prompt group is used at most this many times."""
+    gate: GateConfig = GateConfig()
+    eps_clip: float = 0.2
+    """Lower PPO clip (ratio floor 1 - eps_clip)."""
+    eps_clip_high: float = 0.28
+    """Upper PPO clip (ratio ceiling 1 + eps_clip_high)."""
+    eps_clip_c: float = 3.0
+    """Dual-clip constant c > 1: the loss of a negative-advantage token is capped at c*|A|."""
+    kl_coef: float = 0.001
+    """Coefficient of the k3 KL to the reference model."""
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    temperature: float = 1.0
+    """Sampling temperature; the learner divides logits by it too, so ratios compare like with like."""
+    top_p: float = 1.0
+    """Nucleus cutoff (1.0 = off)."""
+    max_new_tokens: int = 1024
+    """Response budget; also the Dr.GRPO reducer's constant length."""
+
+
+class TrainConfig(_Model):
+    """Learner mechanics."""
+
+    backend: Literal["hf", "megatron"] = "hf"
+    """Learner backend: transformers (CPU, single GPU) or megatron-core (GPU scale)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward chunk."""
+    save_interval: int = 4
+    """Checkpoint every this many steps (model, optimizer, RNG, step, consumption ledger)."""
+    anchor_interval: int = 10
+    """A full anchor every this many versions (bounds a cold joiner's catch-up)."""
+    num_steps: int = 1000
+    """Learner steps before the run ends."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size (megatron backend)."""
+    seed: int = 1234
+    """Global seed."""
+    poll_interval_s: float = 2.0
+    """How often the rollout source lists the bucket when it is waiting for groups."""
+
+
+class LaunchConfig(_Model):
+    """The slime launch on a GPU box (the real trainer)."""
+
+    slime_dir: str = "/root/slime"
+    """Where slime is checked out in the image."""
+    megatron_dir: str = "/root/Megatron-LM"
+    """Where Megatron-LM is checked out in the image."""
+    remote_dir: str = "/root/dRL"
+    """Where our tree is shipped on the box."""
+    extra_args: list[str] = []
+    """Extra slime flags appended verbatim (prefer a recipe field)."""
+
+
+class RecipeConfig(_Model):
+    """A complete run recipe: what `make <recipe> RUN=...` runs."""
+
+    name: str
+    """Recipe name (gsm8k, psqa)."""
+    task: str
+    """Task registry name shared by worker and trainer."""
+    run: str | None = None
+    """DRL_RUN: the run id (bucket prefix). Set from the environment or command line, never in a recipe."""
+    store: str | None = None
+    """DRL_STORE: store URL; None = R2 when credentials exist, else the embedded file store."""
+    contract: ContractConfig = ContractConfig()
+    model: ModelConfig = ModelConfig()
+    algo: AlgoConfig = AlgoConfig()
+    train: TrainConfig = TrainConfig()
+    launch: LaunchConfig = LaunchConfig()
+    embedded: EmbeddedConfig = EmbeddedConfig()
+
+
+def recipe_path(name: str) -> Path:
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
+    return RUNS_DIR / RECIPES[name]
+
+
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r}: {p!r} is not a section")
+    node[leaf] = value
+
+
+#: environment variable -> dotted config field (the env layer of the precedence)
+ENV_FIELDS: dict[str, str] = {
+    "DRL_RUN": "run",
+    "DRL_STORE": "store",
+    "DRL_N_SAMPLES": "contract.n_samples",
+    "DRL_PULSE_PLANE": "contract.plane",
+    "DRL_KV_MODE": "contract.kv_mode",
+}
+
+
+def load_recipe_file(path: str | Path) -> dict[str, Any]:
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a recipe is a YAML mapping, got {type(data).__name__}")
+    return data
+
+
+def resolve(
+    recipe: str,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> RecipeConfig:
+    """Resolve a recipe: defaults < runs/<recipe>.yaml < environment < `overrides` (dotted keys)."""
+    import os
+
+    env = os.environ if env is None else env
+    tree = load_recipe_file(recipe_path(recipe))
+    for var, dotted in ENV_FIELDS.items():
+        if env.get(var, "") != "":
+            _set_dotted(tree, dotted, env[var])
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(tree, dotted, value)
+    try:
+        return RecipeConfig.model_validate(tree)
+    except ValueError as e:
+        raise ValueError(f"recipe {recipe!r} does not resolve:\n{e}") from None

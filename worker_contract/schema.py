@@ -1,0 +1,126 @@
+"""The rollout record: one immutable object per prompt group, written create-only by a worker.
+
+Wire form: the JSON of `RolloutRecord`, zstd-compressed (`encode_record` / `decode_record`). Every field's
+meaning is written beside it; `docs/contract.md` has an example. Structural validation lives here; checks
+that need the run's state (vocabulary, current version, staleness, reuse) live in the learner's rollout
+source, which drops a bad record with a counted reason and never stops.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Literal
+
+import zstandard
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+#: a compressed record larger than this is refused before it is decompressed
+MAX_RECORD_BYTES = 32 << 20
+#: and one that decompresses past this (a zstd bomb) is refused too
+MAX_DECOMPRESSED_BYTES = 128 << 20
+
+FinishReason = Literal["stop", "length", "abort", "tool"]
+
+
+class RecordError(ValueError):
+    """A record that cannot be decoded or does not follow the schema."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(gt=0, description="Softmax temperature the worker sampled at (the run's).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus cutoff; the contract's default is 1.0 (off).")
+    max_new_tokens: int = Field(gt=0, description="Response length budget per sample.")
+
+
+class Sample(BaseModel):
+    """One completion of the group's prompt."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    response_ids: list[int] = Field(description="Token ids after the prompt (multi-turn: tool output included).")
+    behavior_logprobs: list[float] = Field(
+        description="Log-prob of each response token under the policy that sampled it, at the run's "
+        "temperature, from the same forward it was sampled from. 0.0 where loss_mask is 0."
+    )
+    loss_mask: list[int] = Field(description="1 = train on this token; 0 = not (tool output in multi-turn).")
+    reward: float = Field(description="Scalar reward from the task's scorer.")
+    finish_reason: FinishReason = Field(description="stop (EOS), length (budget hit), abort, tool.")
+
+    @model_validator(mode="after")
+    def _lengths_agree(self) -> Sample:
+        n = len(self.response_ids)
+        if len(self.behavior_logprobs) != n or len(self.loss_mask) != n:
+            raise ValueError(
+                f"length mismatch: {n} response ids, {len(self.behavior_logprobs)} log-probs, "
+                f"{len(self.loss_mask)} mask entries"
+            )
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask entries must be 0 or 1")
+        return self
+
+
+class RolloutRecord(BaseModel):
+    """A prompt group: `n_samples` completions of one prompt, all sampled by one policy version."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = Field(SCHEMA_VERSION, description="Version of this record format.")
+    run: str = Field(description="The run id (DRL_RUN) the worker joined.")
+    worker_id: str = Field(description="Stable id of the worker that produced the group.")
+    group_id: str = Field(description="Unique id of this group (the key's last segment).")
+    policy_version: int = Field(ge=1, description="Version of the weights that sampled every sample.")
+    plane: Literal["bf16", "int8g64"] = Field(description="Weight plane the worker ran (DRL_PULSE_PLANE).")
+    task: str = Field(description="Task name (gsm8k, psqa, arithmetic, ...).")
+    prompt_id: str = Field(description="Stable id of the prompt in the task's data set; reuse is counted by it.")
+    prompt_ids: list[int] = Field(description="Prompt token ids (chat template applied).")
+    sampling: SamplingParams
+    samples: list[Sample] = Field(description="Exactly DRL_N_SAMPLES completions.")
+    created_at: float = Field(description="Unix time the worker finished the group.")
+
+    @field_validator("samples")
+    @classmethod
+    def _not_empty(cls, v: list[Sample]) -> list[Sample]:
+        if not v:
+            raise ValueError("a group needs at least one sample")
+        return v
+
+
+def encode_record(record: RolloutRecord) -> bytes:
+    """Serialize a record for upload (compact JSON, zstd level 3)."""
+    for s in record.samples:
+        if not math.isfinite(s.reward) or not all(math.isfinite(x) for x in s.behavior_logprobs):
+            raise ValueError("refusing to encode a record with non-finite reward or log-probs")
+    raw = record.model_dump_json().encode()
+    return zstandard.ZstdCompressor(level=3).compress(raw)
+
+
+def decode_record(blob: bytes) -> RolloutRecord:
+    """Parse an uploaded record; raises `RecordError` with a short reason for anything malformed."""
+    if len(blob) > MAX_RECORD_BYTES:
+        raise RecordError("oversized", f"{len(blob)} bytes > {MAX_RECORD_BYTES}")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=MAX_DECOMPRESSED_BYTES)
+    except zstandard.ZstdError as e:
+        raise RecordError("malformed", f"not zstd or too large once decompressed ({e})") from None
+    if len(raw) > MAX_DECOMPRESSED_BYTES:
+        raise RecordError("oversized", f"{len(raw)} bytes decompressed > {MAX_DECOMPRESSED_BYTES}")
+    try:
+        data = json.loads(raw, parse_constant=lambda c: float(c))  # NaN/Infinity parse, then fail below
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecordError("malformed", f"not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise RecordError("malformed", "top level is not an object")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise RecordError("schema_version", f"schema_version={data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    try:
+        return RolloutRecord.model_validate(data)
+    except ValueError as e:
+        raise RecordError("malformed", str(e).splitlines()[0] + " ...") from None

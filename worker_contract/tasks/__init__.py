@@ -1,0 +1,92 @@
+"""Tasks shared by worker and trainer: prompt format, data, answer extraction and reward.
+
+One registry (STYLE rule 7): `get_task(name)` returns the task a run's `run.json` names; an unknown name
+is refused with the list of known ones. A worker scores its samples and the trainer scores its held-out
+evaluation with the same `Task.reward`, so the two can never disagree on what "correct" means.
+
+No torch here: an MLX worker imports this package as is.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Split = Literal["train", "test"]
+SPLITS: tuple[str, ...] = ("train", "test")
+
+
+class Problem(BaseModel):
+    """One prompt of a task's data set."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+    """Stable id within the task's data set (the record's `prompt_id`; reuse is counted by it)."""
+    question: str
+    """The problem text shown to the model."""
+    answer: str
+    """The gold final answer, as a canonical number string (GSM8K: the text after `####`)."""
+    solution: str | None = None
+    """A worked solution ending in `#### <answer>`, the supervised target (None when unknown)."""
+
+
+class Task(abc.ABC):
+    """A task: data splits, the chat messages of a prompt, and the scalar reward of a completion."""
+
+    #: registry name, written into run.json and every rollout record
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def dataset(self, split: Split) -> Sequence[Problem]:
+        """The problems of a split, indexable and sized ('train' for rollouts, 'test' for held-out eval)."""
+
+    @abc.abstractmethod
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        """Chat messages (role/content) to render with the model's chat template."""
+
+    @abc.abstractmethod
+    def extract_answer(self, completion: str) -> str | None:
+        """The final answer a completion commits to, or None if it gives none."""
+
+    @abc.abstractmethod
+    def reward(self, completion: str, problem: Problem) -> float:
+        """Scalar reward of one completion of `problem`."""
+
+
+def _gsm8k() -> Task:
+    from .gsm8k import GSM8KTask
+
+    return GSM8KTask()
+
+
+def _arithmetic() -> Task:
+    from .arithmetic import ArithmeticTask
+
+    return ArithmeticTask()
+
+
+#: task name -> factory (STYLE rule 7). Add a task by writing its module and one line here.
+TASKS: dict[str, Callable[[], Task]] = {
+    "gsm8k": _gsm8k,
+    "arithmetic": _arithmetic,
+}
+
+
+def get_task(name: str) -> Task:
+    """The task registered under `name`; a ValueError naming the known tasks otherwise."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]()
+
+
+def check_split(split: str) -> Split:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not a split; known splits: {', '.join(SPLITS)}")
+    return split  # type: ignore[return-value]
+
+
+__all__ = ["Problem", "Task", "TASKS", "SPLITS", "Split", "get_task", "check_split"]

@@ -1,0 +1,167 @@
+"""GSM8K: grade-school math word problems whose solutions end in `#### <number>`.
+
+Prompt: one user message, the question followed by an instruction to put the final answer after `####`.
+Answer extraction: the number after the first `####` if there is one, else the last number in the text.
+Numbers may carry thousands separators (1,234), a sign (-3, +3, the Unicode minus), decimals (2.50),
+a currency sign ($18) or a trailing unit (18 dollars, 12 cm, 50%): all of these compare by value.
+Reward: 1.0 when the extracted answer equals the gold answer, else 0.0. There is no format bonus: every
+scored completion is already asked for the `####` form, and a bonus would pay a policy for confident
+wrong answers, which is the opposite of what the run trains.
+
+Data: the real set is `openai/gsm8k` (config `main`, splits train/test), loaded with the `datasets`
+library on the box that runs the job, or from a local copy (`DRL_GSM8K_DIR` holding `train.jsonl` and
+`test.jsonl` in the original grade-school-math format, one {"question", "answer"} object per line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+from . import Problem, Split, Task, check_split
+
+HF_DATASET = "openai/gsm8k"
+HF_CONFIG = "main"
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+# A number as written in a solution: optional sign and currency sign, digits with optional thousands
+# groups, optional decimals (or a bare decimal like .5). Python's re has no number grammar, so we write one.
+# A sign counts only when it is not an operator (not right after a word, digit or bracket: "12-5" is 12, 5).
+_NUMBER = re.compile(
+    r"(?:(?<![\w)\]])(?P<sign>[-+\u2212]))?\$?"
+    r"(?P<num>(?<![\d.])(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+))"
+)
+_MARKER = "####"
+
+
+def canonical_number(text: str) -> str | None:
+    """'1,234.50' -> '1234.5', '-0' -> '0', '18.00' -> '18'; None when `text` is not one number."""
+    m = _NUMBER.fullmatch(text.strip())
+    if not m:
+        return None
+    return _canon(m)
+
+
+def _canon(m: re.Match[str]) -> str | None:
+    try:
+        value = Decimal(m.group("num").replace(",", ""))
+    except InvalidOperation:
+        return None
+    if m.group("sign") in ("-", "\u2212"):
+        value = -value
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def extract_answer(completion: str) -> str | None:
+    """The number after the first `####`, else the last number anywhere; canonical form, or None."""
+    idx = completion.find(_MARKER)
+    if idx >= 0:
+        line = completion[idx + len(_MARKER):].split("\n", 1)[0]
+        m = _NUMBER.search(line)
+        if m:
+            return _canon(m)
+    last = None
+    for m in _NUMBER.finditer(completion):
+        last = m
+    return _canon(last) if last else None
+
+
+def answers_match(predicted: str | None, gold: str) -> bool:
+    if predicted is None:
+        return False
+    gold_c = canonical_number(gold)
+    if gold_c is None:
+        return predicted.strip() == gold.strip()
+    return Decimal(predicted) == Decimal(gold_c)
+
+
+def gold_answer(solution: str) -> str:
+    """The canonical answer of a GSM8K reference solution (the text after its `####`)."""
+    if _MARKER not in solution:
+        raise ValueError(f"a GSM8K solution ends in '#### <answer>'; got {solution[-60:]!r}")
+    answer = canonical_number(solution.rsplit(_MARKER, 1)[1])
+    if answer is None:
+        raise ValueError(f"GSM8K solution's final answer is not a number: {solution[-60:]!r}")
+    return answer
+
+
+def prompt_text(question: str) -> str:
+    return f"{question.strip()}\n{INSTRUCTION}"
+
+
+class _Rows(Sequence[Problem]):
+    """(question, solution) rows exposed as `Problem`s with ids `gsm8k-<split>-<index>`."""
+
+    def __init__(self, split: str, rows: list[tuple[str, str]]):
+        self.split, self.rows = split, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        q, sol = self.rows[i]
+        return Problem(id=f"gsm8k-{self.split}-{i % len(self)}", question=q, answer=gold_answer(sol), solution=sol)
+
+
+def load_jsonl(path: str | Path) -> list[tuple[str, str]]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                obj = json.loads(line)
+                if "question" not in obj or "answer" not in obj:
+                    raise ValueError(f"{path}:{n}: a GSM8K row needs 'question' and 'answer'")
+                rows.append((obj["question"], obj["answer"]))
+    return rows
+
+
+def load_gsm8k(split: Split, local_dir: str | None = None) -> list[tuple[str, str]]:
+    """The real GSM8K split: from `local_dir`/$DRL_GSM8K_DIR if set, else `datasets` (downloads once)."""
+    local_dir = local_dir or os.environ.get("DRL_GSM8K_DIR") or None
+    if local_dir:
+        path = Path(local_dir) / f"{split}.jsonl"
+        if not path.exists():
+            raise ValueError(f"DRL_GSM8K_DIR={local_dir!r} has no {split}.jsonl; put the GSM8K {split} split there")
+        return load_jsonl(path)
+    try:
+        import datasets  # the HF loader, present on the GPU box image; not a dependency of the contract
+    except ImportError:
+        raise ValueError(
+            f"the real GSM8K data needs the `datasets` package (pip install datasets) to download "
+            f"{HF_DATASET}, or DRL_GSM8K_DIR pointing at train.jsonl/test.jsonl"
+        ) from None
+    ds = datasets.load_dataset(HF_DATASET, HF_CONFIG, split=split)
+    return [(row["question"], row["answer"]) for row in ds]
+
+
+class GSM8KTask(Task):
+    """GSM8K prompt format, extraction and reward over the real data set."""
+
+    name = "gsm8k"
+
+    def __init__(self, local_dir: str | None = None):
+        self.local_dir = local_dir
+        self._cache: dict[str, Sequence[Problem]] = {}
+
+    def dataset(self, split: Split) -> Sequence[Problem]:
+        split = check_split(split)
+        if split not in self._cache:
+            self._cache[split] = _Rows(split, load_gsm8k(split, self.local_dir))
+        return self._cache[split]
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        return [{"role": "user", "content": prompt_text(problem.question)}]
+
+    def extract_answer(self, completion: str) -> str | None:
+        return extract_answer(completion)
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return 1.0 if answers_match(self.extract_answer(completion), problem.answer) else 0.0

@@ -1,0 +1,276 @@
+"""PaperSearchQA: biomedical factoid questions answered by searching a corpus of paper abstracts.
+
+Episode format (multi-turn, assembled at the token-id level so the recorded log-probs are exactly those
+the worker sampled): the model writes an assistant turn that ends either in `<search> query </search>`
+or in `<answer> ... </answer>` (or EOS). After a search the retriever's top documents are appended as a
+tool turn, `\\n\\n<information>...</information>\\n\\n`, tokenized on its own; those tokens carry loss mask
+0 and log-prob 0.0 (the policy did not sample them), every sampled token carries mask 1. The model then
+continues from the whole context. The response budget (`max_new_tokens`) covers sampled and tool tokens.
+
+Reward (cover-EM): 1.0 when some normalized gold answer is covered by the normalized predicted answer,
+as whole words (" dmd protein " covers " dmd "), else 0.0. Normalization: lower case, punctuation and
+the articles a/an/the removed, whitespace collapsed. Whole words, not raw substrings, so "a" never
+matches inside "cat". pass@k uses the unbiased estimator over n samples with c correct.
+
+Data: `jmhb/PaperSearchQA` (train 54,907 / test 5,000 rows: question, answer, golden_answers, pmid,
+category), loaded with `datasets` on the box, or from `DRL_PSQA_DIR` holding train.jsonl / test.jsonl
+with the same fields. The search corpus (`jmhb/pubmed_bioasq_2022`) is served by infra/retriever.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from pydantic import Field
+
+from ..schema import Sample
+from . import Problem, Split, Task, check_split
+
+HF_DATASET = "jmhb/PaperSearchQA"
+HF_CORPUS = "jmhb/pubmed_bioasq_2022"
+SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+INFO_OPEN, INFO_CLOSE = "<information>", "</information>"
+#: the generator must stop right after either of these (or at EOS)
+STOP_STRINGS = (SEARCH_CLOSE, ANSWER_CLOSE)
+
+INSTRUCTION = (
+    "Answer the question below. Reason inside <think> and </think> each time you receive new "
+    "information. When you need facts you do not have, search a corpus of biomedical paper abstracts by "
+    "writing <search> your query </search>; the top results come back between <information> and "
+    "</information>. Search as often as you need. When you are sure, write only the short final answer "
+    "inside <answer> and </answer>, for example <answer> dystrophin </answer>."
+)
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.DOTALL | re.IGNORECASE)
+_INFO_RE = re.compile(r"<information>.*?</information>", re.DOTALL | re.IGNORECASE)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans({c: " " for c in string.punctuation})
+
+
+class PsqaProblem(Problem):
+    """A PaperSearchQA question with every accepted spelling of its answer."""
+
+    golden_answers: tuple[str, ...] = Field(min_length=1)
+    """Accepted answers (synonyms, abbreviations); `answer` is the first."""
+    pmid: str | None = None
+    """PubMed id of the abstract the question was written from."""
+    category: str | None = None
+    """Topic category of the question (one of ten biomedical categories)."""
+
+
+def normalize_answer(text: str) -> str:
+    text = text.lower().translate(_PUNCT)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def cover_em(prediction: str | None, golden_answers: Sequence[str]) -> float:
+    """1.0 if some normalized gold answer appears, as whole words, in the normalized prediction."""
+    if prediction is None:
+        return 0.0
+    pred = f" {normalize_answer(prediction)} "
+    for gold in golden_answers:
+        g = normalize_answer(str(gold))
+        if g and f" {g} " in pred:
+            return 1.0
+    return 0.0
+
+
+def extract_answer(completion: str) -> str | None:
+    """The last `<answer>` of the model's own text (retrieved documents are ignored), or None."""
+    found = _ANSWER_RE.findall(_INFO_RE.sub(" ", completion))
+    return found[-1].strip() if found else None
+
+
+def parse_search(turn_text: str) -> str | None:
+    """The query of a turn that ends in `</search>`, or None when the turn does not call the tool."""
+    if not turn_text.rstrip().endswith(SEARCH_CLOSE):
+        return None
+    found = _SEARCH_RE.findall(turn_text)
+    query = found[-1].strip() if found else ""
+    return query or None
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one prompt: n samples, c of them correct (1 - C(n-c, k) / C(n, k))."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def tool_turn_text(documents: str) -> str:
+    return f"\n\n{INFO_OPEN}{documents}{INFO_CLOSE}\n\n"
+
+
+class TurnOutput(NamedTuple):
+    """What a generator returns for one assistant turn."""
+
+    token_ids: list[int]
+    """Sampled token ids (EOS included when the turn ended on it)."""
+    logprobs: list[float]
+    """Log-prob of each sampled token at the run's temperature."""
+    text: str
+    """Decoded text of the turn."""
+    eos: bool
+    """True when the turn ended on the end-of-sequence token."""
+
+
+#: (context ids, token budget) -> the next assistant turn, stopped after a STOP_STRING or at EOS
+Generate = Callable[[list[int], int], TurnOutput]
+#: text -> token ids, no special tokens added
+Encode = Callable[[str], list[int]]
+#: query -> formatted documents (infra retriever, a local index, ...)
+Search = Callable[[str], str]
+
+
+@dataclass
+class Episode:
+    """One multi-turn completion with its per-token loss mask."""
+
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    searches: list[str] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+    def _append(self, ids: list[int], lps: list[float] | None, text: str) -> None:
+        trainable = lps is not None
+        assert lps is None or len(lps) == len(ids), "one log-prob per sampled token"
+        self.response_ids += ids
+        self.loss_mask += [1 if trainable else 0] * len(ids)
+        self.behavior_logprobs += list(lps) if trainable else [0.0] * len(ids)
+        self.text += text
+
+    def to_sample(self, reward: float) -> Sample:
+        return Sample(response_ids=self.response_ids, behavior_logprobs=self.behavior_logprobs,
+                      loss_mask=self.loss_mask, reward=reward, finish_reason=self.finish_reason)  # type: ignore[arg-type]
+
+
+def run_episode(prompt_ids: list[int], generate: Generate, encode: Encode, search: Search,
+                max_new_tokens: int, max_turns: int = 4) -> Episode:
+    """Drive one search episode. `max_turns` bounds tool calls; finish_reason is 'stop' (answer or EOS),
+    'length' (budget spent) or 'tool' (still searching when the turns ran out)."""
+    ep = Episode()
+    for turn in range(max_turns + 1):
+        budget = max_new_tokens - len(ep.response_ids)
+        if budget <= 0:
+            ep.finish_reason = "length"
+            return ep
+        out = generate(prompt_ids + ep.response_ids, budget)
+        ep._append(list(out.token_ids[:budget]), list(out.logprobs[:budget]), out.text)
+        query = None if out.eos else parse_search(out.text)
+        if query is None:
+            done = out.eos or extract_answer(out.text) is not None
+            ep.finish_reason = "stop" if done else "length"
+            return ep
+        ep.searches.append(query)
+        if turn == max_turns:
+            ep.finish_reason = "tool"
+            return ep
+        tool_text = tool_turn_text(search(query))
+        tool_ids = encode(tool_text)
+        room = max_new_tokens - len(ep.response_ids)
+        ep._append(tool_ids[:room], None, tool_text)
+        if len(tool_ids) >= room:
+            ep.finish_reason = "length"
+            return ep
+    raise AssertionError("unreachable: the loop returns on its last turn")
+
+
+def _golden(row: dict) -> tuple[str, ...]:
+    gold = row.get("golden_answers")
+    if isinstance(gold, str):
+        try:
+            gold = json.loads(gold)
+        except ValueError:
+            gold = [gold]
+    answers = [str(a) for a in (gold or []) if str(a).strip()]
+    if row.get("answer") and str(row["answer"]) not in answers:
+        answers.insert(0, str(row["answer"]))
+    if not answers:
+        raise ValueError(f"a PaperSearchQA row needs 'answer' or 'golden_answers'; got keys {sorted(row)}")
+    return tuple(answers)
+
+
+def problem_from_row(split: str, index: int, row: dict) -> PsqaProblem:
+    if not str(row.get("question", "")).strip():
+        raise ValueError(f"PaperSearchQA {split} row {index} has no 'question'")
+    gold = _golden(row)
+    pmid = row.get("pmid")
+    return PsqaProblem(id=f"psqa-{split}-{index}", question=str(row["question"]).strip(), answer=gold[0],
+                       golden_answers=gold, pmid=None if pmid in (None, "") else str(pmid),
+                       category=row.get("category"))
+
+
+class _Rows(Sequence[PsqaProblem]):
+    def __init__(self, split: str, rows: list[dict]):
+        self.split, self.rows = split, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return problem_from_row(self.split, i % len(self), self.rows[i])
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_psqa(split: Split, local_dir: str | None = None, revision: str | None = None) -> list[dict]:
+    """The real split: from `local_dir`/$DRL_PSQA_DIR when set, else `datasets` (downloads once)."""
+    local_dir = local_dir or os.environ.get("DRL_PSQA_DIR") or None
+    if local_dir:
+        path = Path(local_dir) / f"{split}.jsonl"
+        if not path.exists():
+            raise ValueError(f"DRL_PSQA_DIR={local_dir!r} has no {split}.jsonl; put the PaperSearchQA {split} split there")
+        return load_jsonl(path)
+    try:
+        import datasets  # present on the GPU box image; not a dependency of the contract
+    except ImportError:
+        raise ValueError(f"the real PaperSearchQA data needs `datasets` (pip install datasets) to download "
+                         f"{HF_DATASET}, or DRL_PSQA_DIR pointing at train.jsonl/test.jsonl") from None
+    ds = datasets.load_dataset(HF_DATASET, split=split, revision=revision or os.environ.get("DRL_PSQA_REVISION"))
+    return [dict(row) for row in ds]
+
+
+class PsqaTask(Task):
+    """PaperSearchQA prompt, answer extraction and cover-EM reward; episodes via `run_episode`."""
+
+    name = "psqa"
+
+    def __init__(self, local_dir: str | None = None):
+        self.local_dir = local_dir
+        self._cache: dict[str, Sequence[PsqaProblem]] = {}
+
+    def dataset(self, split: Split) -> Sequence[PsqaProblem]:
+        split = check_split(split)
+        if split not in self._cache:
+            self._cache[split] = _Rows(split, load_psqa(split, self.local_dir))
+        return self._cache[split]
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        question = problem.question.strip()
+        return [{"role": "user", "content": f"{INSTRUCTION}\nQuestion: {question}"}]
+
+    def extract_answer(self, completion: str) -> str | None:
+        return extract_answer(completion)
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        gold = getattr(problem, "golden_answers", None) or (problem.answer,)
+        return cover_em(self.extract_answer(completion), gold)

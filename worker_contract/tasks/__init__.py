@@ -69,10 +69,17 @@ def _arithmetic() -> Task:
     return ArithmeticTask()
 
 
+def _psqa() -> Task:
+    from .psqa import PsqaTask
+
+    return PsqaTask()
+
+
 #: task name -> factory (STYLE rule 7). Add a task by writing its module and one line here.
 TASKS: dict[str, Callable[[], Task]] = {
     "gsm8k": _gsm8k,
     "arithmetic": _arithmetic,
+    "psqa": _psqa,
 }
 
 

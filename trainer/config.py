@@ -65,8 +65,16 @@ class EmbeddedBaseConfig(_Model):
     """Key/value heads (GQA groups)."""
     intermediate_size: int = 384
     """SwiGLU width."""
+    vocab_size: int = 512
+    """Byte-level BPE vocabulary trained on generated problems (digits are one token each)."""
+    tokenizer_corpus: int = 4000
+    """Generated problems the tokenizer is trained on."""
     sft_steps: int = 600
     """Supervised steps on generated problems before RL starts."""
+    sft_batch_size: int = 32
+    """Problems per supervised step."""
+    sft_lr: float = 3e-3
+    """Peak supervised learning rate (warmup then cosine decay)."""
     sft_target_accuracy: tuple[float, float] = (0.2, 0.5)
     """Held-out accuracy band the base should land in (partly right, so RL has room)."""
     seed: int = 0
@@ -87,6 +95,9 @@ class EmbeddedConfig(_Model):
     eval_problems: int = 200
     """Held-out problems per evaluation (own seed and number ranges, never trained on)."""
     base: EmbeddedBaseConfig = EmbeddedBaseConfig()
+    overrides: dict[str, Any] = {}
+    """Recipe values the embedded run replaces (dotted keys, e.g. `algo.lr: 2.0e-4`): the tiny CPU model
+    needs its own learning rate, response budget and so on. Applied by `embedded_recipe()`."""
 
 
 class GateConfig(_Model):

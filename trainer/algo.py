@@ -1,0 +1,179 @@
+"""The learner's objective (DESIGN section 6; formulas in research/algorithms.md sections 1-4).
+
+Per token: dual-clip PPO on the ratio to the behaviour log-probs the worker recorded, gated by the
+asymmetric DPPO mask (a token loses its gradient only once it has moved past the divergence threshold in
+the direction its advantage pushes), plus `kl_coef` times the k3 estimate of KL to the frozen reference.
+Advantages are Dr.GRPO (reward minus group mean); the reducer sums masked token losses and divides by a
+constant (rows x max_len). The names below are fixed: outside checks call them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .config import AlgoConfig
+
+#: ratio = exp(logp - behavior_logp) is computed with the log difference clamped to this range
+LOG_RATIO_CLAMP = 20.0
+#: slack allowed in the gate's threshold comparison: p = exp(logp) does not round-trip exactly, and a
+#: divergence written exactly at the threshold must stay kept (the rule is strict `>`)
+GATE_TOLERANCE = 1e-6
+_P_MAX = 1.0 - 1e-7  # keeps log(1 - p) finite in the Binary-KL
+
+
+def drgrpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO advantages: each reward minus its group's mean, no division by the std.
+
+    `rewards` is `[groups, n]`; the result has the same shape.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be shaped [groups, n], got {tuple(rewards.shape)}")
+    return rewards - rewards.mean(dim=-1, keepdim=True)
+
+
+def _binary_kl(p_mu: torch.Tensor, logp_mu: torch.Tensor, p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(p_mu) || Bernoulli(p)): the sampled token against everything else."""
+    first = p_mu * (logp_mu - logp)
+    second = (1.0 - p_mu) * (torch.log1p(-p_mu.clamp(max=_P_MAX)) - torch.log1p(-p.clamp(max=_P_MAX)))
+    return first + second
+
+
+def dppo_keep_mask(
+    logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    delta_low: float,
+    delta_high: float,
+    divergence: str = "tv",
+) -> torch.Tensor:
+    """The asymmetric DPPO gate: True where a token keeps its gradient.
+
+    A token is dropped only when it has already left the trust region in the direction its advantage
+    pushes it: A > 0 and p rose above p_behavior by more than `delta_high`; A <= 0 and p fell below
+    p_behavior by more than `delta_low`. `divergence` picks the measure: "tv" = |p - p_behavior|,
+    "kl" = KL(Bernoulli(p_behavior) || Bernoulli(p)). Exactly at the threshold is kept.
+    `advantages` broadcasts against `logp` (per sequence `[B, 1]` or per token).
+    """
+    if divergence not in ("tv", "kl"):
+        raise ValueError(f"divergence={divergence!r} is not known; use 'tv' (Binary-TV) or 'kl' (Binary-KL)")
+    # float64 so the comparison against the threshold is as exact as the inputs allow
+    logp = logp.detach().double()
+    logp_mu = behavior_logp.detach().double()
+    adv = torch.as_tensor(advantages).detach().to(logp.device)
+    p, p_mu = logp.exp(), logp_mu.exp()
+    rose, fell = p > p_mu, p < p_mu
+    if divergence == "tv":
+        dist = (p - p_mu).abs()
+    else:
+        dist = _binary_kl(p_mu, logp_mu, p, logp)
+    out_high = rose & (dist > delta_high + GATE_TOLERANCE)
+    out_low = fell & (dist > delta_low + GATE_TOLERANCE)
+    dropped = torch.where(adv > 0, out_high, out_low)
+    return ~dropped
+
+
+def ratio_from_logp(logp: torch.Tensor, behavior_logp: torch.Tensor) -> torch.Tensor:
+    """pi/mu per token, with the log difference clamped to +-20 so it stays finite."""
+    return torch.exp((logp - behavior_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def dual_clip_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, c: float
+) -> torch.Tensor:
+    """Per-token dual-clip PPO loss (to minimise).
+
+    L = min(r*A, clip(r, 1-eps_low, 1+eps_high)*A); for A < 0, L = max(L, c*A); the loss is -L, so a
+    negative-advantage token never costs more than c*|A| however large its ratio grows.
+    """
+    if c <= 1:
+        raise ValueError(f"dual-clip constant c={c} must be > 1 (algo.eps_clip_c; the paper uses 3)")
+    adv = torch.as_tensor(advantages, dtype=ratio.dtype, device=ratio.device)
+    surr = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
+    dual = torch.maximum(surr, c * adv)
+    return -torch.where(adv < 0, dual, surr)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 ("low-variance") KL estimate to the reference: exp(d) - d - 1, d = ref - logp.
+
+    d is clamped to [-20, 20] and the result to at most 10, as in the usual implementation.
+    """
+    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    return (torch.exp(d) - d - 1.0).clamp(max=10.0)
+
+
+def drgrpo_reduce(values: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Dr.GRPO reducer: sum(mask * values) / (rows * max_len), a constant denominator.
+
+    rows = values.shape[0]; a constant length keeps long and short responses weighted per token.
+    """
+    if max_len <= 0:
+        raise ValueError(f"max_len={max_len} must be positive (algo.max_new_tokens)")
+    rows = values.shape[0]
+    return (values * mask.to(values.dtype)).sum() / (rows * max_len)
+
+
+def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+    sel = x.detach()[mask]
+    if sel.numel() == 0:
+        return 0.0, 0.0, 0.0
+    return float(sel.mean()), float(sel.max()), float(sel.min())
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: AlgoConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The recipe's loss for one (micro-)batch and its metrics.
+
+    logp, behavior_logp, ref_logp and mask are `[B, R]` over response positions; advantages are `[B]`
+    (per sequence) or `[B, R]`. Returns (scalar loss, metrics); fractions are over mask tokens.
+    """
+    adv = advantages if advantages.dim() == logp.dim() else advantages.unsqueeze(-1)
+    adv = adv.to(logp.dtype).expand_as(logp)
+    valid = mask.bool()
+    gate = cfg.gate
+    keep = dppo_keep_mask(logp, behavior_logp, adv, gate.delta_low, gate.delta_high, gate.divergence)
+    ratio = ratio_from_logp(logp, behavior_logp)
+    pg = dual_clip_loss(ratio, adv, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
+    keep_f = keep.to(logp.dtype)
+    pg_loss = drgrpo_reduce(pg * keep_f, mask, cfg.max_new_tokens)
+    if ref_logp is not None and cfg.kl_coef != 0:
+        kl = k3_kl(logp, ref_logp)
+        kl_loss = drgrpo_reduce(kl, mask, cfg.max_new_tokens)
+    else:
+        kl = torch.zeros_like(logp)
+        kl_loss = logp.new_zeros(())
+    loss = pg_loss + cfg.kl_coef * kl_loss
+
+    with torch.no_grad():
+        n = max(int(valid.sum()), 1)
+        r = ratio.detach()
+        clip_low = valid & (adv < 0) & (r < 1.0 - cfg.eps_clip)
+        clip_high = valid & (adv > 0) & (r > 1.0 + cfg.eps_clip_high)
+        clip_dual = valid & (adv < 0) & (r > cfg.eps_clip_c)
+        r_mean, r_max, r_min = _masked_stats(r, valid)
+        kl_mean, kl_max, _ = _masked_stats(kl, valid)
+        metrics = {
+            "loss": float(loss.detach()),
+            "pg_loss": float(pg_loss.detach()),
+            "kl_loss": float(kl_loss.detach()),
+            "gate_drop_frac": float((valid & ~keep).sum()) / n,
+            "clip_low_frac": float(clip_low.sum()) / n,
+            "clip_high_frac": float(clip_high.sum()) / n,
+            "clip_dual_frac": float(clip_dual.sum()) / n,
+            "ratio_mean": r_mean,
+            "ratio_max": r_max,
+            "ratio_min": r_min,
+            "kl_mean": kl_mean,
+            "kl_max": kl_max,
+            "tokens": float(valid.sum()),
+        }
+    return loss, metrics

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from trainer.algo import (
+    dppo_keep_mask,
     drgrpo_advantages,
     drgrpo_reduce,
-    dppo_keep_mask,
     dual_clip_loss,
     k3_kl,
     policy_loss,

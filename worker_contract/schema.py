@@ -13,7 +13,8 @@ import math
 from typing import Literal
 
 import zstandard
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 SCHEMA_VERSION = 1
 #: a compressed record larger than this is refused before it is decompressed
@@ -58,9 +59,11 @@ class Sample(BaseModel):
     def _lengths_agree(self) -> Sample:
         n = len(self.response_ids)
         if len(self.behavior_logprobs) != n or len(self.loss_mask) != n:
-            raise ValueError(
-                f"length mismatch: {n} response ids, {len(self.behavior_logprobs)} log-probs, "
-                f"{len(self.loss_mask)} mask entries"
+            # a typed error so decode_record can report it with its own reason ("length_mismatch")
+            raise PydanticCustomError(
+                "length_mismatch",
+                "length mismatch: {n} response ids, {lp} log-probs, {lm} mask entries",
+                {"n": n, "lp": len(self.behavior_logprobs), "lm": len(self.loss_mask)},
             )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("loss_mask entries must be 0 or 1")
@@ -122,5 +125,14 @@ def decode_record(blob: bytes) -> RolloutRecord:
         raise RecordError("schema_version", f"schema_version={data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
     try:
         return RolloutRecord.model_validate(data)
-    except ValueError as e:
-        raise RecordError("malformed", str(e).splitlines()[0] + " ...") from None
+    except ValidationError as e:
+        errors = e.errors()
+        if any(err["type"] == "length_mismatch" for err in errors):
+            first = next(err for err in errors if err["type"] == "length_mismatch")
+            raise RecordError("length_mismatch", f"{_loc(first)}: {first['msg']}") from None
+        raise RecordError("malformed", f"{_loc(errors[0])}: {errors[0]['msg']}"
+                          + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else "")) from None
+
+
+def _loc(err: dict) -> str:
+    return ".".join(str(p) for p in err.get("loc", ())) or "record"

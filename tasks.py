@@ -6,3 +6,12 @@ assembles the namespace. `invoke --list` shows them; every task that changes a m
 from invoke import Collection
 
 ns = Collection()
+
+from infra import contract_tasks  # noqa: E402  (the worker contract: joincard)
+
+ns.add_task(contract_tasks.joincard)
+
+from infra import ops_tasks  # noqa: E402  (operator view: status, plot, gc, preflight)
+
+for _t in (ops_tasks.status, ops_tasks.plot, ops_tasks.gc):
+    ns.add_task(_t)

@@ -1,0 +1,163 @@
+"""`invoke gc --run <id> --keep-anchors K`: delete what no joiner can need any more.
+
+A joiner takes the newest anchor at or below the pointer and applies patches up to the pointer (DESIGN
+section 4). Keeping the newest K anchors at or below the pointer, and every patch after the oldest of them,
+keeps every kept anchor a valid starting point. So gc deletes only:
+- anchors older than the oldest kept anchor (every key under their prefix, manifest first, so a half-deleted
+  anchor never looks complete);
+- patches below the oldest kept anchor (nobody starting at a kept anchor needs them; the patch that made
+  the anchor itself stays, so nothing at or above a kept anchor is touched);
+- rollouts sampled more than the staleness bound before the pointer (the learner drops those anyway).
+Invariants, checked before anything is deleted: nothing at or above the newest kept anchor, nothing the
+pointer names, never run.json, the pointer, stats or anything outside these three prefixes. The pointer only
+moves forward, so a plan made from an older pointer is only more conservative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict
+
+from worker_contract import layout
+from worker_contract.store import Store
+
+from .cost import storage_usd_per_month
+from .status import list_anchors, read_manifest, read_pointer
+
+
+class GcError(ValueError):
+    """gc cannot run safely on this run (no pointer, no anchor at or below it, bad K)."""
+
+
+class GcPlan(BaseModel):
+    """What gc will delete and why; `--dry-run` prints it and stops."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    run: str
+    """The run id."""
+    pointer_version: int
+    """The version the pointer named when the plan was made."""
+    kept_anchors: list[int]
+    """Anchor versions kept (the newest K at or below the pointer, plus any above it)."""
+    staleness: int
+    """The run's staleness bound (run.json)."""
+    anchor_keys: list[str]
+    """Keys of the anchors that go (manifests first)."""
+    patch_keys: list[str]
+    """Patches that go."""
+    rollout_keys: list[str]
+    """Rollout records that go."""
+    bytes_freed: int
+    """Total size of everything that goes."""
+
+    @property
+    def keys(self) -> list[str]:
+        return [*self.anchor_keys, *self.patch_keys, *self.rollout_keys]
+
+    def summary(self) -> str:
+        usd = storage_usd_per_month(self.bytes_freed)
+        return (f"run {self.run}: pointer v{self.pointer_version}, keeping anchors "
+                f"{', '.join(f'v{v}' for v in self.kept_anchors)}; deleting {len(self.anchor_keys)} anchor "
+                f"objects, {len(self.patch_keys)} patches, {len(self.rollout_keys)} rollouts "
+                f"({self.bytes_freed:,} bytes, ${usd:.4f}/month of R2 storage)")
+
+
+def _anchor_objects(store: Store, run: str, drop: set[int]) -> tuple[list[str], int]:
+    manifests, shards, size = [], [], 0
+    for o in store.list(layout.anchors_prefix(run)):
+        if _version_in(o.key, run) not in drop:
+            continue
+        (manifests if o.key.endswith("/manifest.json") else shards).append(o.key)
+        size += o.size
+    return manifests + shards, size
+
+
+def _patch_objects(store: Store, run: str, up_to: int) -> tuple[list[str], int]:
+    keys, size = [], 0
+    if up_to < 2:
+        return keys, size
+    last = layout.patch_key(run, up_to)
+    for o in store.list(layout.versions_prefix(run)):
+        if o.key > last:
+            break  # keys sort by version: the rest are needed
+        if layout.patch_version_of(o.key) is not None:
+            keys.append(o.key)
+            size += o.size
+    return keys, size
+
+
+def _rollout_objects(store: Store, run: str, below: int) -> tuple[list[str], int]:
+    keys, size = [], 0
+    if below < 2:
+        return keys, size
+    stop = layout.rollout_version_prefix(run, below)
+    for o in store.list(layout.rollouts_prefix(run)):
+        if o.key >= stop:
+            break  # listing is in key order and version prefixes sort numerically: bounded by what goes
+        keys.append(o.key)
+        size += o.size
+    return keys, size
+
+
+def plan_gc(store: Store, run: str, keep_anchors: int) -> GcPlan:
+    """Work out what may go, without deleting anything."""
+    if not isinstance(keep_anchors, int) or keep_anchors < 1:
+        raise GcError(f"--keep-anchors={keep_anchors!r} must be at least 1: a joiner needs an anchor to start")
+    pointer, _ = read_pointer(store, run)
+    if pointer is None:
+        raise GcError(f"run {run!r} has no pointer in {store.url}: nothing is published, nothing to collect")
+    manifest = read_manifest(store, run)
+    if manifest is None:
+        raise GcError(f"run {run!r} has no run.json in {store.url}; refusing to guess its staleness bound")
+    anchors = list_anchors(store, run)
+    usable = [v for v in anchors if v <= pointer]
+    if not usable:
+        raise GcError(f"run {run!r}: no anchor at or below the pointer v{pointer}; a joiner could not start, "
+                      "so gc deletes nothing (publish an anchor first)")
+    kept_usable = usable[-keep_anchors:]
+    oldest_kept = kept_usable[0]
+    kept = sorted(set(kept_usable) | {v for v in anchors if v > pointer})
+    drop = {v for v in anchors if v < oldest_kept}
+    anchor_keys, a_bytes = _anchor_objects(store, run, drop)
+    patch_keys, p_bytes = _patch_objects(store, run, oldest_kept - 1)
+    rollout_keys, r_bytes = _rollout_objects(store, run, pointer - manifest.staleness)
+    plan = GcPlan(run=run, pointer_version=pointer, kept_anchors=kept, staleness=manifest.staleness,
+                  anchor_keys=anchor_keys, patch_keys=patch_keys, rollout_keys=rollout_keys,
+                  bytes_freed=a_bytes + p_bytes + r_bytes)
+    check_plan(plan)
+    return plan
+
+
+def _version_in(key: str, run: str) -> int | None:
+    """The version segment of an anchor, patch or rollout key."""
+    rest = key[len(layout.run_prefix(run)):].split("/")
+    if rest[0] == "versions":
+        return layout.patch_version_of(key)
+    seg = rest[1] if len(rest) > 1 else ""
+    return int(seg[1:]) if seg.startswith("v") and seg[1:].isdigit() else None
+
+
+def check_plan(plan: GcPlan) -> None:
+    """Our own invariants (a failure here is a bug in this module, never user input)."""
+    newest_kept = max(plan.kept_anchors)
+    allowed = (layout.anchors_prefix(plan.run), layout.versions_prefix(plan.run), layout.rollouts_prefix(plan.run))
+    for key in plan.keys:
+        assert key.startswith(allowed), f"gc planned to delete {key}, outside anchors/versions/rollouts"
+        v = _version_in(key, plan.run)
+        assert v is not None, f"gc planned to delete {key}, which names no version"
+        assert v != plan.pointer_version, f"gc planned to delete {key}, which the pointer names"
+        if not key.startswith(layout.rollouts_prefix(plan.run)):
+            assert v < newest_kept, f"gc planned to delete {key}, at or above the newest kept anchor"
+        else:
+            assert v < plan.pointer_version - plan.staleness, f"gc planned to delete {key}, inside the window"
+
+
+def apply_gc(store: Store, plan: GcPlan, advance: Callable[[float], None] = lambda n=1: None) -> int:
+    """Delete what the plan names, oldest anchors first; returns the number of keys deleted."""
+    check_plan(plan)
+    for key in plan.keys:
+        store.delete(key)
+        advance(1)
+    return len(plan.keys)

@@ -1,0 +1,304 @@
+"""`invoke status --run <id>`: the state of a run, read from the bucket alone.
+
+Nothing here talks to the trainer: a laptop with the join card sees what the trainer box sees. Listing
+stays bounded by the run's recent versions (rollouts are filed by version, so the workers' view lists only
+the few version prefixes around the pointer, and stats/patches start after a recent key); only the
+bytes-by-prefix summary lists the whole run, page by page, and the watch loop refreshes it less often.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict
+
+from worker_contract import layout
+from worker_contract.manifest import RunManifest
+from worker_contract.schema import RecordError, decode_record
+from worker_contract.store import NotFound, ObjectInfo, Store
+
+from .cost import BucketUsage, CostEstimate, UsageAssumptions, bucket_usage, estimate_cost
+
+#: versions before the pointer whose rollout prefixes the workers' view lists, beyond the staleness bound
+EXTRA_VERSIONS_BACK = 4
+#: stats objects and patches read for the publish table
+RECENT_PUBLISHES = 12
+#: records read for their created_at when the store's listing carries no modification time
+MAX_RECORD_READS = 64
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class WorkerSeen(_Model):
+    """One worker, as its rollout keys show it."""
+
+    worker_id: str
+    """The worker's id (a key segment of its rollouts)."""
+    versions: list[int]
+    """Policy versions it sampled from, within the listed window."""
+    newest_version: int
+    """The newest of them."""
+    lag: int
+    """Pointer version minus its newest version (0 = up to date)."""
+    groups: int
+    """Groups it uploaded within the listed window."""
+    groups_recent: int | None
+    """Groups uploaded in the last `window_min` minutes (None when no times are known)."""
+    last_seen_s: float | None
+    """Seconds since its newest upload (None when unknown)."""
+
+
+class PublishSeen(_Model):
+    """One published version, from its patch object and the trainer's stats object."""
+
+    version: int
+    """The version."""
+    patch_bytes: int | None
+    """Size of the patch that made it (None for anchors-only versions or unknown)."""
+    latency_s: float | None
+    """Seconds from the end of the learner step to the pointer moving (trainer's stats)."""
+    groups: int | None
+    """Groups the step consumed (trainer's stats)."""
+
+
+class RunStatus(_Model):
+    """Everything `status` shows; `--json` prints exactly this."""
+
+    run: str
+    """The run id."""
+    store: str
+    """The store URL (no secret in it)."""
+    generated_at: float
+    """Unix time this status was read."""
+    manifest: dict | None
+    """Contract fields of run.json (None if the run is not published)."""
+    pointer_version: int | None
+    """The version current.json names (None before the first publish)."""
+    pointer_age_s: float | None
+    """Seconds since the pointer was written (None if it records no time)."""
+    anchors: list[int]
+    """Anchor versions with a manifest, oldest first."""
+    window_min: float
+    """Minutes that count as 'recent' for workers and rates."""
+    workers: list[WorkerSeen]
+    """Workers with uploads in the listed version window, most recent first."""
+    active_workers: int
+    """Workers seen within the last window_min minutes (or in the window when times are unknown)."""
+    groups_per_minute: float | None
+    """Uploads per minute over the last window_min minutes (None when times are unknown)."""
+    staleness: dict[int, int]
+    """Groups waiting in the bucket by staleness (pointer version minus sampling version)."""
+    drops: dict[str, int]
+    """Groups dropped by the learner, by reason, summed over the recent stats objects."""
+    publishes: list[PublishSeen]
+    """The most recent published versions, newest first."""
+    bytes_by_prefix: BucketUsage | None
+    """The whole run's objects by prefix (None when skipped)."""
+    cost: CostEstimate | None
+    """Estimated R2 cost so far and per hour (for a file store: what it would cost on R2)."""
+    remote: dict | None
+    """The trainer box's own view (with --host), from infra.remote."""
+    notes: list[str]
+    """Anything the reader should know (missing objects, partial data)."""
+
+
+def _mtime(o: ObjectInfo) -> float | None:
+    """Modification time from the listing, when the store's ObjectInfo carries one."""
+    t = getattr(o, "last_modified", None)
+    if isinstance(t, datetime):
+        return t.timestamp()
+    return float(t) if isinstance(t, int | float) else None
+
+
+def read_pointer(store: Store, run: str) -> tuple[int | None, float | None]:
+    """(version, unix time written) of current.json; (None, None) before the first publish."""
+    try:
+        raw = json.loads(store.get(layout.pointer_key(run)))
+    except NotFound:
+        return None, None
+    body = raw.get("body", raw) if isinstance(raw, dict) else {}
+    version = body.get("version")
+    written = next((body[k] for k in ("published_at", "created_at", "time") if k in body), None)
+    return (int(version) if isinstance(version, int) else None), (float(written) if written else None)
+
+
+def read_manifest(store: Store, run: str) -> RunManifest | None:
+    try:
+        return RunManifest.from_bytes(store.get(layout.manifest_key(run)))
+    except NotFound:
+        return None
+
+
+def list_anchors(store: Store, run: str) -> list[int]:
+    """Anchor versions that have a manifest (an anchor without one is incomplete), oldest first."""
+    out = []
+    for o in store.list(layout.anchors_prefix(run)):
+        v = layout.anchor_version_of(o.key)
+        if v is not None:
+            out.append(v)
+    return sorted(out)
+
+
+def recent_rollouts(store: Store, run: str, first: int, last: int) -> list[tuple[layout.RolloutKey, ObjectInfo]]:
+    """Rollout keys under the version prefixes first..last (inclusive): the bounded listing."""
+    out = []
+    for v in range(max(first, 1), last + 1):
+        for o in store.list(layout.rollout_version_prefix(run, v)):
+            try:
+                out.append((layout.parse_rollout_key(o.key), o))
+            except ValueError:
+                continue  # a stray object is not a worker's upload; the learner drops it too
+    return out
+
+
+def _upload_times(store: Store, items: list[tuple[layout.RolloutKey, ObjectInfo]]) -> dict[str, float]:
+    """key -> upload time: from the listing, else the record's created_at for the newest few keys."""
+    times = {o.key: t for _, o in items if (t := _mtime(o)) is not None}
+    if times or not items:
+        return times
+    newest = sorted(items, key=lambda kv: (kv[0].version, kv[1].key), reverse=True)[:MAX_RECORD_READS]
+    for _, o in newest:
+        try:
+            times[o.key] = decode_record(store.get(o.key)).created_at
+        except (NotFound, RecordError):
+            continue
+    return times
+
+
+def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
+                      window_s: float) -> tuple[list[WorkerSeen], float | None]:
+    """Per-worker rows and the upload rate over the window."""
+    by_worker: dict[str, list[tuple[layout.RolloutKey, ObjectInfo]]] = {}
+    for k, o in items:
+        by_worker.setdefault(k.worker_id, []).append((k, o))
+    rows = []
+    for wid, kos in by_worker.items():
+        versions = sorted({k.version for k, _ in kos})
+        wt = [times[o.key] for _, o in kos if o.key in times]
+        rows.append(WorkerSeen(
+            worker_id=wid, versions=versions, newest_version=versions[-1], lag=pointer - versions[-1],
+            groups=len(kos),
+            groups_recent=sum(now - t <= window_s for t in wt) if times else None,
+            last_seen_s=(now - max(wt)) if wt else None,
+        ))
+    rows.sort(key=lambda r: (r.last_seen_s if r.last_seen_s is not None else float("inf"), r.lag, r.worker_id))
+    rate = None
+    if times:
+        rate = sum(now - t <= window_s for t in times.values()) / (window_s / 60)
+    return rows, rate
+
+
+def read_stats(store: Store, run: str, pointer: int) -> dict[int, dict]:
+    """The trainer's per-version stats objects for the last RECENT_PUBLISHES versions."""
+    start = layout.stats_key(run, pointer - RECENT_PUBLISHES) if pointer > RECENT_PUBLISHES else None
+    out = {}
+    for o in store.list(layout.stats_prefix(run), start_after=start):
+        try:
+            v = int(o.key.rsplit("/", 1)[1].split(".")[0][1:])
+            out[v] = json.loads(store.get(o.key))
+        except (ValueError, NotFound):
+            continue
+    return out
+
+
+def recent_patch_sizes(store: Store, run: str, pointer: int) -> dict[int, int]:
+    start = layout.patch_key(run, pointer - RECENT_PUBLISHES) if pointer - RECENT_PUBLISHES >= 2 else None
+    out = {}
+    for o in store.list(layout.versions_prefix(run), start_after=start):
+        v = layout.patch_version_of(o.key)
+        if v is not None:
+            out[v] = o.size
+    return out
+
+
+def _num(d: dict, *names: str) -> float | None:
+    for n in names:
+        if isinstance(d.get(n), int | float):
+            return float(d[n])
+    return None
+
+
+def summarize_publishes(stats: dict[int, dict], patches: dict[int, int], pointer: int) -> list[PublishSeen]:
+    versions = sorted(set(stats) | set(patches), reverse=True)[:RECENT_PUBLISHES]
+    rows = []
+    for v in versions:
+        s = stats.get(v, {})
+        pub = s.get("publish", s) if isinstance(s.get("publish", s), dict) else s
+        groups = _num(s, "groups", "groups_consumed")
+        rows.append(PublishSeen(
+            version=v, patch_bytes=patches.get(v, None) or (int(b) if (b := _num(pub, "patch_bytes")) else None),
+            latency_s=_num(pub, "latency_s", "publish_latency_s"),
+            groups=int(groups) if groups is not None else None,
+        ))
+    return rows
+
+
+def sum_drops(stats: dict[int, dict]) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for s in stats.values():
+        drops = s.get("drops") or {}
+        if isinstance(drops, dict):
+            total.update({str(k): int(v) for k, v in drops.items() if isinstance(v, int | float)})
+    return dict(total.most_common())
+
+
+_MANIFEST_FIELDS = ("n_samples", "plane", "kv_mode", "task", "model_id", "staleness", "anchor_interval",
+                    "created_at")
+
+
+def collect_status(
+    store: Store,
+    run: str,
+    *,
+    window_min: float = 5.0,
+    include_bytes: bool = True,
+    bytes_cache: BucketUsage | None = None,
+    now: float | None = None,
+    advance: Callable[[float], None] = lambda n=1: None,
+) -> RunStatus:
+    """Read the run's state from the bucket (see the module docstring for what is listed)."""
+    layout.check_run_id(run)
+    now = time.time() if now is None else now
+    notes: list[str] = []
+    manifest = read_manifest(store, run)
+    if manifest is None:
+        notes.append(f"{layout.manifest_key(run)} is absent: the run has not been published in {store.url}")
+    pointer, written = read_pointer(store, run)
+    anchors = list_anchors(store, run)
+    staleness_bound = manifest.staleness if manifest else 3
+    workers, rate, hist, drops, publishes = [], None, {}, {}, []
+    if pointer is None:
+        notes.append("no pointer yet (current.json): the trainer has not published version 1")
+    else:
+        items = recent_rollouts(store, run, pointer - staleness_bound - EXTRA_VERSIONS_BACK, pointer + 1)
+        times = _upload_times(store, items)
+        if items and not times:
+            notes.append("upload times unknown: the store lists no modification times")
+        workers, rate = summarize_workers(items, times, pointer, now, window_min * 60)
+        hist = dict(sorted(Counter(pointer - k.version for k, _ in items).items()))
+        stats = read_stats(store, run, pointer)
+        drops = sum_drops(stats)
+        publishes = summarize_publishes(stats, recent_patch_sizes(store, run, pointer), pointer)
+    active = sum(1 for w in workers if w.groups_recent is None or w.groups_recent > 0)
+    usage = bytes_cache
+    if usage is None and include_bytes:
+        usage = bucket_usage(store, run, advance=advance)
+    cost = None
+    if usage is not None and manifest is not None:  # on a file store: what the run would cost on R2
+        cost = estimate_cost(usage, elapsed_s=now - manifest.created_at, versions=pointer or 0,
+                             workers=max(active, 1), staleness=staleness_bound,
+                             assumptions=UsageAssumptions())
+    return RunStatus(
+        run=run, store=store.url, generated_at=now,
+        manifest={k: getattr(manifest, k) for k in _MANIFEST_FIELDS} if manifest else None,
+        pointer_version=pointer, pointer_age_s=(now - written) if written else None, anchors=anchors,
+        window_min=window_min, workers=workers, active_workers=active, groups_per_minute=rate,
+        staleness=hist, drops=drops, publishes=publishes, bytes_by_prefix=usage, cost=cost, remote=None,
+        notes=notes,
+    )

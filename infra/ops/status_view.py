@@ -1,0 +1,219 @@
+"""Rich rendering of a `RunStatus` for people (scripts use `--json`)."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from .status import RunStatus
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def human_age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 90:
+        return f"{s:.0f}s ago"
+    if s < 5400:
+        return f"{s / 60:.0f}m ago"
+    return f"{s / 3600:.1f}h ago"
+
+
+def _overview(st: RunStatus) -> Table:
+    t = Table(title=f"run {st.run}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("store", st.store)
+    m = st.manifest or {}
+    if m:
+        t.add_row("contract", f"n_samples={m['n_samples']} plane={m['plane']} kv_mode={m['kv_mode'] or '-'} "
+                  f"task={m['task']} staleness={m['staleness']}")
+        t.add_row("model", str(m["model_id"]))
+    ptr = "-" if st.pointer_version is None else f"v{st.pointer_version} ({human_age(st.pointer_age_s)})"
+    t.add_row("pointer", ptr)
+    t.add_row("anchors", ", ".join(f"v{v}" for v in st.anchors) or "-")
+    rate = "-" if st.groups_per_minute is None else f"{st.groups_per_minute:.1f}"
+    t.add_row("workers", f"{st.active_workers} active in the last {st.window_min:g} min, groups/min {rate}")
+    return t
+
+
+def _workers(st: RunStatus) -> Table:
+    t = Table(title="workers (recent version prefixes)", title_justify="left")
+    for col in ("worker", "newest", "lag", "groups", f"last {st.window_min:g}m", "last seen", "versions"):
+        t.add_column(col, justify="left" if col in ("worker", "versions") else "right")
+    for w in st.workers:
+        lag = Text(str(w.lag), style="red" if st.manifest and w.lag > st.manifest["staleness"] else "")
+        t.add_row(w.worker_id, f"v{w.newest_version}", lag, str(w.groups),
+                  "-" if w.groups_recent is None else str(w.groups_recent), human_age(w.last_seen_s),
+                  " ".join(str(v) for v in w.versions[-8:]))
+    return t
+
+
+def _histogram(st: RunStatus) -> Table:
+    t = Table(title="staleness of waiting groups (versions behind the pointer)", title_justify="left")
+    t.add_column("staleness", justify="right")
+    t.add_column("groups", justify="right")
+    t.add_column("")
+    top = max(st.staleness.values(), default=1)
+    bound = st.manifest["staleness"] if st.manifest else None
+    for s, n in st.staleness.items():
+        style = "red" if bound is not None and (s > bound or s < 0) else "green"
+        t.add_row(str(s), str(n), Text("#" * max(1, round(30 * n / top)), style=style))
+    return t
+
+
+def _drops(st: RunStatus) -> Table:
+    t = Table(title="drops by reason (recent versions)", title_justify="left")
+    t.add_column("reason")
+    t.add_column("groups", justify="right")
+    for reason, n in st.drops.items():
+        t.add_row(reason, str(n))
+    return t
+
+
+def _publishes(st: RunStatus) -> Table:
+    t = Table(title="recent publishes", title_justify="left")
+    for col in ("version", "patch", "latency", "groups"):
+        t.add_column(col, justify="right")
+    for p in st.publishes:
+        t.add_row(f"v{p.version}", human_bytes(p.patch_bytes),
+                  "-" if p.latency_s is None else f"{p.latency_s:.2f}s", "-" if p.groups is None else str(p.groups))
+    return t
+
+
+def _bytes(st: RunStatus) -> Table:
+    t = Table(title="bucket bytes by prefix", title_justify="left")
+    for col in ("prefix", "objects", "bytes"):
+        t.add_column(col, justify="left" if col == "prefix" else "right")
+    usage = st.bytes_by_prefix
+    assert usage is not None
+    for name, u in sorted(usage.prefixes.items(), key=lambda kv: -kv[1].bytes):
+        t.add_row(name, str(u.objects), human_bytes(u.bytes))
+    t.add_row("total", str(sum(u.objects for u in usage.prefixes.values())), human_bytes(usage.total_bytes),
+              style="bold")
+    return t
+
+
+def _cost(st: RunStatus) -> Table:
+    c = st.cost
+    assert c is not None
+    on = " (as if on R2)" if st.store.startswith("file://") else ""
+    t = Table(title=f"estimated R2 cost{on}, before the free tier", title_justify="left")
+    for col in ("", "so far", "per hour"):
+        t.add_column(col, justify="left" if not col else "right")
+    t.add_row("storage", f"{c.gb_month_so_far:.4f} GB-month", f"{c.storage_gb:.3f} GB held")
+    t.add_row("class A ops", f"{c.class_a_ops:,}", f"{c.class_a_per_hour:,.0f}")
+    t.add_row("class B ops", f"{c.class_b_ops:,}", f"{c.class_b_per_hour:,.0f}")
+    t.add_row("USD", f"${c.usd_total:.4f}", f"${c.usd_per_hour:.4f}", style="bold")
+    return t
+
+
+def _remote(st: RunStatus) -> Table:
+    t = Table(title="trainer box", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in (st.remote or {}).items():
+        t.add_row(str(k), str(v))
+    return t
+
+
+def render_status(st: RunStatus) -> RenderableType:
+    parts: list[RenderableType] = [_overview(st)]
+    if st.workers:
+        parts.append(_workers(st))
+    if st.staleness:
+        parts.append(_histogram(st))
+    if st.drops:
+        parts.append(_drops(st))
+    if st.publishes:
+        parts.append(_publishes(st))
+    if st.bytes_by_prefix is not None:
+        parts.append(_bytes(st))
+    if st.cost is not None:
+        parts.append(_cost(st))
+    if st.remote is not None:
+        parts.append(_remote(st))
+    parts += [Text(f"note: {n}", style="yellow") for n in st.notes]
+    return Group(*parts)
+
+
+#: seconds between refreshes of `--watch`, and between its full (bytes-by-prefix) listings
+WATCH_INTERVAL_S = 5.0
+BYTES_REFRESH_S = 60.0
+
+
+def attach_remote(st: RunStatus, host: str) -> None:
+    """Add the trainer box's own view (infra.remote) to `st`, or say why it is missing."""
+    try:
+        from infra.remote import remote_status
+    except ImportError:
+        st.notes.append("--host given, but infra.remote.remote_status is not available in this checkout")
+        return
+    try:
+        st.remote = dict(remote_status(host, st.run))
+    except Exception as e:  # a status view reports a box it cannot reach; it does not crash on it
+        from worker_contract.env import redact
+
+        st.notes.append(f"trainer box {host}: {redact(str(e))}")
+
+
+def show_status(store, run: str, *, watch: bool = False, as_json: bool = False, host: str | None = None,
+                window_min: float = 5.0, iterations: int | None = None) -> RunStatus:
+    """Print the status once (rich tables, or JSON), or keep refreshing it with `watch`.
+
+    With `watch` and `as_json` every refresh prints one JSON line (for scripts that follow the run).
+    `iterations` bounds the watch loop (tests); None refreshes until Ctrl-C.
+    """
+    import contextlib
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from trainer.progress import progress
+
+    from .status import collect_status
+
+    console = Console()
+    state = {"bytes_at": 0.0}
+
+    def read(prev: RunStatus | None) -> RunStatus:
+        fresh = prev is None or time.monotonic() - state["bytes_at"] >= BYTES_REFRESH_S
+        with progress("listing the run", unit="items") as advance:
+            st = collect_status(store, run, window_min=window_min, advance=advance,
+                                bytes_cache=None if fresh else prev.bytes_by_prefix)
+        if fresh:
+            state["bytes_at"] = time.monotonic()
+        if host:
+            attach_remote(st, host)
+        return st
+
+    st = read(None)
+    if as_json:
+        print(st.model_dump_json(indent=None if watch else 2), flush=True)
+    if not watch:
+        if not as_json:
+            console.print(render_status(st))
+        return st
+    live = contextlib.nullcontext() if as_json else Live(render_status(st), console=console, refresh_per_second=2)
+    with live, contextlib.suppress(KeyboardInterrupt):
+        n = 1
+        while iterations is None or n < iterations:
+            time.sleep(WATCH_INTERVAL_S)
+            st = read(st)
+            if as_json:
+                print(st.model_dump_json(), flush=True)
+            else:
+                live.update(render_status(st))
+            n += 1
+    return st

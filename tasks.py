@@ -15,3 +15,7 @@ from infra import ops_tasks  # noqa: E402  (operator view: status, plot, gc, pre
 
 for _t in (ops_tasks.status, ops_tasks.plot, ops_tasks.gc):
     ns.add_task(_t)
+
+from infra import retriever_tasks  # noqa: E402  (BM25 retriever for the PaperSearchQA fleet)
+
+ns.add_collection(retriever_tasks.ns)

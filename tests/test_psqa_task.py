@@ -106,8 +106,8 @@ def test_episode_masks_tool_turns(tok):
     t2 = encode(turns[1]) + [tok.token_to_id("<eos>")]
     assert ep.response_ids == t1 + tool + t2
     assert ep.loss_mask == [1] * len(t1) + [0] * len(tool) + [1] * len(t2)
-    assert all(lp == 0.0 for lp, m in zip(ep.behavior_logprobs, ep.loss_mask) if m == 0)
-    assert all(lp < 0 for lp, m in zip(ep.behavior_logprobs, ep.loss_mask) if m == 1)
+    assert all(lp == 0.0 for lp, m in zip(ep.behavior_logprobs, ep.loss_mask, strict=True) if m == 0)
+    assert all(lp < 0 for lp, m in zip(ep.behavior_logprobs, ep.loss_mask, strict=True) if m == 1)
     # the second turn was generated from prompt + first turn + tool output, token for token
     assert policy.contexts[1] == prompt + t1 + tool
     assert ep.finish_reason == "stop"

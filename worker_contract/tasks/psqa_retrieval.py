@@ -116,3 +116,16 @@ def format_hits(hits: list[SearchHit]) -> str:
 
 def dumps(model: BaseModel) -> bytes:
     return json.dumps(model.model_dump(), ensure_ascii=False).encode()
+
+
+def search_tool(client: RetrieverClient, k: int = 3):
+    """The `Search` callable an episode uses: query -> formatted documents. A retriever failure becomes a
+    short tool message instead of an exception, so one flaky request never kills a worker's group."""
+
+    def search(query: str) -> str:
+        try:
+            return format_hits(client.search(query, k).hits)
+        except RetrieverError as e:
+            return f"Search failed ({str(e)[:200]})."
+
+    return search

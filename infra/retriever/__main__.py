@@ -1,0 +1,61 @@
+"""`python -m infra.retriever {build,serve,generate}`: build the BM25 index, serve it, or write a small
+generated corpus for a smoke run. The Invoke task `retriever` (infra/retriever_tasks.py) calls `main`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infra.retriever", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="index a JSONL corpus and save it to --out")
+    b.add_argument("--corpus", help="JSONL corpus; omit with --download to fetch the real PubMed corpus")
+    b.add_argument("--download", action="store_true", help="fetch jmhb/pubmed_bioasq_2022 (about 23 GB)")
+    b.add_argument("--out", required=True, help="index directory to write")
+    b.add_argument("--limit", type=int, default=None, help="index only the first N documents")
+    s = sub.add_parser("serve", help="serve a built index (or build one from --corpus in memory)")
+    s.add_argument("--index", help="index directory written by `build`")
+    s.add_argument("--corpus", help="JSONL corpus to index in memory instead (small corpora)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to serve the fleet)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
+    g = sub.add_parser("generate", help="write a small generated corpus (JSONL)")
+    g.add_argument("--out", required=True)
+    g.add_argument("--docs", type=int, default=200)
+    g.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from . import corpus
+
+    if args.cmd == "generate":
+        path = corpus.write_jsonl(corpus.synthetic_corpus(args.docs, args.seed), args.out)
+        print(f"wrote {args.docs} documents to {path}")
+        return 0
+    from .index import BM25Index
+
+    if args.cmd == "build":
+        if not args.corpus and not args.download:
+            raise SystemExit("build needs --corpus PATH or --download")
+        path = args.corpus or str(corpus.download_corpus())
+        index = BM25Index.build(corpus.iter_jsonl(path, args.limit), source=path)
+        out = index.save(args.out)
+        print(f"indexed {index.documents} documents from {path} into {out}")
+        return 0
+    from .server import serve
+
+    if bool(args.index) == bool(args.corpus):
+        raise SystemExit("serve needs exactly one of --index DIR or --corpus PATH")
+    index = (BM25Index.load(args.index) if args.index
+             else BM25Index.build(corpus.iter_jsonl(args.corpus), source=args.corpus))
+    serve(index, args.host, args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The rollout source: validation with counted reasons, window-bounded listing, reuse cap and its ledger."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import zstandard
+
+from trainer.rollouts import DROP_REASONS, RolloutSource
+from worker_contract import layout
+from worker_contract.schema import RolloutRecord, encode_record
+from worker_contract.store.file import FileStore
+
+RUN = "t-run"
+N = 4
+VOCAB = 50
+
+
+class CountingStore(FileStore):
+    """A real file store that also records every listing it serves."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.lists: list[tuple[str, str | None]] = []
+
+    def list(self, prefix="", start_after=None):
+        self.lists.append((prefix, start_after))
+        return super().list(prefix, start_after)
+
+
+def record_dict(version=5, worker="w1", group="g1", **over) -> dict:
+    samples = [
+        {"response_ids": [3, 4, 5], "behavior_logprobs": [-0.5, -1.0, -2.0], "loss_mask": [1, 1, 1],
+         "reward": float(i % 2), "finish_reason": "stop"}
+        for i in range(N)
+    ]
+    d = {"schema_version": 1, "run": RUN, "worker_id": worker, "group_id": group, "policy_version": version,
+         "plane": "bf16", "task": "arithmetic", "prompt_id": f"p-{group}", "prompt_ids": [1, 2],
+         "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16}, "samples": samples,
+         "created_at": 0.0}
+    d.update(over)
+    return d
+
+
+def raw(d: dict) -> bytes:
+    """Compress a record dict as-is (bypasses the model, so invalid records can be written)."""
+    return zstandard.ZstdCompressor().compress(json.dumps(d).encode())
+
+
+def put_record(store, d: dict, *, key_version=None, key_worker=None, key_group=None, blob=None) -> str:
+    key = layout.rollout_key(RUN, key_version or d["policy_version"], key_worker or d["worker_id"],
+                             key_group or d["group_id"])
+    store.put_if_absent(key, blob if blob is not None else encode_record(RolloutRecord.model_validate(d)))
+    return key
+
+
+def source(store, **kw) -> RolloutSource:
+    args = dict(run=RUN, n_samples=N, plane="bf16", vocab_size=VOCAB, temperature=1.0, top_p=1.0,
+                max_new_tokens=16, staleness=3, reuse_cap=2, groups_per_step=3)
+    args.update(kw)
+    return RolloutSource(store, **args)
+
+
+def _sample_edit(field, value, i=0):
+    def edit(d):
+        d["samples"][i][field] = value
+        return d
+    return edit
+
+
+# reason, how the record dict is broken (None = raw bytes given), extra put arguments
+BAD = [
+    ("malformed", None, {"blob": b"this is not zstd"}),
+    ("malformed", None, {"blob": zstandard.ZstdCompressor().compress(b"{not json")}),
+    ("malformed", lambda d: {k: v for k, v in d.items() if k != "prompt_ids"}, {}),
+    ("malformed", _sample_edit("loss_mask", [1, 2, 1]), {}),
+    ("schema_version", lambda d: {**d, "schema_version": 2}, {}),
+    ("length_mismatch", _sample_edit("behavior_logprobs", [-0.5, -1.0]), {}),
+    ("wrong_run", lambda d: {**d, "run": "other-run"}, {}),
+    ("future_version", lambda d: {**d, "policy_version": 6}, {"key_version": 5}),
+    ("stale", lambda d: {**d, "policy_version": 1}, {"key_version": 5}),
+    ("key_mismatch", lambda d: {**d, "policy_version": 4}, {"key_version": 5}),
+    ("key_mismatch", lambda d: {**d, "worker_id": "w-other"}, {"key_worker": "w1"}),
+    ("key_mismatch", lambda d: {**d, "group_id": "g-other"}, {"key_group": "gx"}),
+    ("wrong_plane", lambda d: {**d, "plane": "int8g64"}, {}),
+    ("group_size", lambda d: {**d, "samples": d["samples"][:3]}, {}),
+    ("sampling_mismatch", lambda d: {**d, "sampling": {**d["sampling"], "temperature": 0.7}}, {}),
+    ("sampling_mismatch", lambda d: {**d, "sampling": {**d["sampling"], "max_new_tokens": 32}}, {}),
+    ("vocab", _sample_edit("response_ids", [3, VOCAB, 5]), {}),
+    ("vocab", lambda d: {**d, "prompt_ids": [-1, 2]}, {}),
+    ("logprob_not_finite", _sample_edit("behavior_logprobs", [-0.5, float("nan"), -1.0], i=3), {}),
+    ("logprob_not_finite", _sample_edit("behavior_logprobs", [float("-inf"), -1.0, -1.0]), {}),
+    ("logprob_positive", _sample_edit("behavior_logprobs", [-0.5, 0.5, -1.0]), {}),
+    ("reward_not_finite", _sample_edit("reward", float("inf"), i=2), {}),
+]
+
+
+def test_every_bad_record_is_dropped_with_its_reason_while_good_ones_are_used(tmp_path):
+    store = FileStore(tmp_path)
+    good = [put_record(store, record_dict(worker="good", group=f"ok{i}", version=4 + i % 2)) for i in range(3)]
+    expected: dict[str, int] = {}
+    for i, (reason, edit, put_kw) in enumerate(BAD):
+        d = record_dict(version=5, worker=f"bad{i}", group=f"b{i}")
+        blob = put_kw.get("blob") or raw(edit(d))
+        key = layout.rollout_key(RUN, put_kw.get("key_version", 5), put_kw.get("key_worker", f"bad{i}"),
+                                 put_kw.get("key_group", f"b{i}"))
+        store.put_if_absent(key, blob)
+        expected[reason] = expected.get(reason, 0) + 1
+    # objects that never parse as a record key, and one too large to read
+    store.put(f"{RUN}/rollouts/v0000000005/loose.json.zst", b"x")
+    store.put(f"{RUN}/rollouts/v0000000005/w/g.json", b"x")
+    store.put(layout.rollout_key(RUN, 5, "big", "g0"), os.urandom(5000))
+    expected["bad_key"] = 2
+    expected["oversized"] = 1
+
+    src = source(store, max_record_bytes=4096)
+    assert src.poll(5) == 3
+    batch = src.take_batch(5)
+    assert batch is not None and sorted(g.key for g in batch.groups) == sorted(good)
+    assert {r: n for r, n in src.drops.items() if n} == expected
+    assert set(expected) <= set(DROP_REASONS)
+    stats = src.worker_stats()
+    assert stats["good"]["groups"] == 3 and stats["good"]["used"] == 3
+    assert stats["bad5"]["drops"] == {"length_mismatch": 1}
+    m = src.metrics()
+    assert m["rollout/drops/vocab"] == 2 and m["worker/good/groups"] == 3
+    assert batch.metrics["rollout/raw_reward"] == 0.5
+    assert batch.metrics["rollout/staleness_hist/0"] == 1 and batch.metrics["rollout/staleness_hist/1"] == 2
+
+
+def test_listing_is_confined_to_the_staleness_window(tmp_path):
+    store = CountingStore(tmp_path)
+    for v in range(1, 21):  # a long history: 20 versions x 2 groups
+        for g in range(2):
+            put_record(store, record_dict(version=v, group=f"g{v}-{g}"))
+    src = source(store, staleness=3, sweep_every=1000)
+    src.poll(20)
+    window = {layout.rollout_version_prefix(RUN, v) for v in range(17, 21)}
+    assert {p for p, _ in store.lists} == window and len(store.lists) == 4
+    assert src.accepted == 8  # only the window's groups were read
+    # the next poll lists from the last key seen in each prefix
+    store.lists.clear()
+    src.poll(20)
+    assert len(store.lists) == 4 and all(after is not None and after.startswith(p) for p, after in store.lists)
+    # the window moves with the version; prefixes that left it are never listed again
+    store.lists.clear()
+    src.poll(22)
+    assert {p for p, _ in store.lists} == {layout.rollout_version_prefix(RUN, v) for v in range(19, 23)}
+
+
+def test_a_late_upload_that_sorts_before_the_last_seen_key_is_found_by_the_sweep(tmp_path):
+    store = CountingStore(tmp_path)
+    put_record(store, record_dict(version=5, worker="zz", group="g1"))
+    src = source(store, sweep_every=3, groups_per_step=1)
+    assert src.poll(5) == 1
+    late = put_record(store, record_dict(version=5, worker="aa", group="g1"))
+    assert src.poll(5) == 0  # start_after skips it
+    assert src.poll(5) == 1  # the sweep (every 3rd poll) lists the prefix whole
+    assert src.poll(5) == 0 and src.accepted == 2  # and nothing is taken twice
+    assert late in src._pool
+
+
+def test_a_group_is_used_at_most_reuse_cap_times_and_the_ledger_survives_a_restart(tmp_path):
+    store = FileStore(tmp_path)
+    keys = [put_record(store, record_dict(version=5, group=f"g{i}")) for i in range(3)]
+    src = source(store, groups_per_step=3)
+    b1, b2 = src.next_batch(5), src.next_batch(5)
+    assert [g.use for g in b1.groups] == [1, 1, 1] and [g.use for g in b2.groups] == [2, 2, 2]
+    assert src.next_batch(5) is None
+    state = json.loads(json.dumps(src.ledger_state()))
+    assert state["uses"] == {k: 2 for k in keys}
+
+    # a restart that resumes from a checkpoint taken after the first batch may use each group once more
+    after_first = {"version": 1, "reuse_cap": 2, "uses": {k: 1 for k in keys}}
+    again = source(store, groups_per_step=3)
+    again.load_ledger_state(after_first)
+    b = again.next_batch(5)
+    assert [g.use for g in b.groups] == [2, 2, 2] and again.next_batch(5) is None
+    # one resumed from the final state drops every group as used up
+    spent = source(store, groups_per_step=3)
+    spent.load_ledger_state(state)
+    assert spent.next_batch(5) is None and spent.drops["reuse_cap"] == 3
+
+
+def test_fresh_groups_go_first_and_unused_groups_that_age_out_count_as_stale(tmp_path):
+    store = FileStore(tmp_path)
+    put_record(store, record_dict(version=2, group="old"))
+    put_record(store, record_dict(version=3, group="mid"))
+    src = source(store, groups_per_step=1)
+    assert src.next_batch(3).groups[0].record.group_id == "mid"  # newest policy first
+    put_record(store, record_dict(version=4, group="new"))
+    assert src.next_batch(4).groups[0].record.group_id == "new"  # fresh before reused
+    assert src.next_batch(4).groups[0].record.group_id == "old"  # unused before reused
+    # at version 7 the window is 4..7: "mid" (used once) retires quietly, nothing unused was lost
+    src.poll(7)
+    assert src.drops["stale"] == 0
+    put_record(store, record_dict(version=7, group="never"))
+    src.poll(7)
+    src.poll(11)  # "never" (version 7) leaves the window unused
+    assert src.drops["stale"] == 1
+
+
+def test_duplicate_group_under_a_second_key_is_dropped(tmp_path):
+    store = FileStore(tmp_path)
+    put_record(store, record_dict(version=4, group="same"))
+    put_record(store, record_dict(version=5, group="same"))
+    src = source(store, groups_per_step=1)
+    assert src.poll(5) == 1 and src.drops["duplicate"] == 1
+
+
+class VanishingStore(FileStore):
+    """A real file store where another party deletes one object between its listing and its read."""
+
+    victim = ""
+
+    def list(self, prefix="", start_after=None):
+        infos = list(super().list(prefix, start_after))
+        if any(i.key == self.victim for i in infos):
+            self.delete(self.victim)
+        return iter(infos)
+
+
+class BrokenListStore(FileStore):
+    fail = True
+
+    def list(self, prefix="", start_after=None):
+        if self.fail:
+            from worker_contract.store import StoreError
+            raise StoreError("503 slow down")
+        return super().list(prefix, start_after)
+
+
+def test_store_trouble_is_counted_or_retried_never_raised(tmp_path):
+    store = VanishingStore(tmp_path / "a")
+    store.victim = put_record(store, record_dict(group="gone"))
+    put_record(store, record_dict(group="stays"))
+    src = source(store, groups_per_step=1)
+    assert src.poll(5) == 1 and src.drops["vanished"] == 1
+
+    broken = BrokenListStore(tmp_path / "b")
+    put_record(broken, record_dict(group="g"))
+    src = source(broken, groups_per_step=1)
+    assert src.next_batch(5, timeout_s=0) is None
+    broken.fail = False
+    assert src.next_batch(5, timeout_s=0) is not None
+
+
+def test_next_batch_waits_for_groups_and_stops_on_request(tmp_path):
+    store = FileStore(tmp_path)
+    src = source(store, groups_per_step=2)
+    stop = threading.Event()
+    timer = threading.Timer(0.2, lambda: [put_record(store, record_dict(group=f"g{i}")) for i in range(2)])
+    timer.start()
+    batch = src.next_batch(5, timeout_s=10, poll_interval_s=0.05, stop_event=stop)
+    timer.join()
+    assert batch is not None and len(batch.groups) == 2
+    assert src.next_batch(5).groups[0].use == 2  # the second (last) use of both groups
+    stop.set()
+    t0 = time.monotonic()
+    assert src.next_batch(5, timeout_s=10, poll_interval_s=5, stop_event=stop) is None
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_bad_settings_and_ledgers_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="reuse_cap=0"):
+        source(FileStore(tmp_path), reuse_cap=0)
+    with pytest.raises(ValueError, match="consumption ledger"):
+        source(FileStore(tmp_path)).load_ledger_state({"uses": []})

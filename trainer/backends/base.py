@@ -1,0 +1,138 @@
+"""The learner backend interface: what the learner loop needs from a model, whatever runs it.
+
+Two backends implement it and register in `trainer.backends` (STYLE rule 7): `hf` (transformers; CPU
+and one GPU) and `megatron` (megatron-core; GPU scale). A backend:
+- loads from an HF directory (config.json, safetensors) and keeps a frozen reference copy;
+- gives per-token log-probs of the response tokens of a `TrainBatch`, with logits divided by the run's
+  temperature, computed in vocabulary chunks so memory stays bounded (`token_logprobs`);
+- runs one optimizer step on a loss the learner supplies (`train_step`), in micro-batches;
+- hands out its weights under HF names for publishing (`state_dict_hf`);
+- saves and restores its own state (model, optimizer) into a checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..batch import TrainBatch
+
+if TYPE_CHECKING:
+    from ..config import RecipeConfig
+
+#: loss_fn(logp [b, R] with grad, micro-batch) -> (loss reduced over the micro-batch's rows, metrics).
+#: The backend weights each micro-batch's loss by its share of the batch's rows, so the gradient of a
+#: step equals the full batch's whatever the micro-batch size (the Dr.GRPO reducer divides by rows).
+LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
+
+DEFAULT_VOCAB_CHUNK = 8192
+
+
+def _chunk_lse_and_target(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    local = targets - start
+    inside = (local >= 0) & (local < weight.shape[0])
+    picked = logits.gather(1, local.clamp(0, weight.shape[0] - 1).unsqueeze(1)).squeeze(1)
+    return torch.logsumexp(logits, dim=1), torch.where(inside, picked, torch.zeros_like(picked))
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_VOCAB_CHUNK,
+) -> torch.Tensor:
+    """log softmax(hidden @ weight.T / temperature)[target] per row, in float32, vocab chunk by chunk.
+
+    hidden [N, H], weight [V, H] (the output embedding), targets [N]. Only an [N, chunk] slice of logits
+    exists at a time; under autograd each chunk is recomputed in backward instead of kept.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be positive")
+    h = hidden.float() / temperature
+    w = weight.float()
+    b = None if bias is None else bias.float() / temperature
+    lses, picked = [], torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+    grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
+    for start in range(0, w.shape[0], chunk_size):
+        wc = w[start : start + chunk_size]
+        bc = None if b is None else b[start : start + chunk_size]
+        if grad:
+            lse, tgt = checkpoint(_chunk_lse_and_target, h, wc, bc, targets, start, use_reentrant=False)
+        else:
+            lse, tgt = _chunk_lse_and_target(h, wc, bc, targets, start)
+        lses.append(lse)
+        picked = picked + tgt
+    return picked - torch.logsumexp(torch.stack(lses, dim=0), dim=0)
+
+
+def combine_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Merge micro-batch metrics: `*_max` max, `*_min` min, `tokens` summed, the rest row-weighted means."""
+    total = sum(rows for rows, _ in parts) or 1
+    out: dict[str, float] = {}
+    for key in {k for _, m in parts for k in m}:
+        vals = [(rows, m[key]) for rows, m in parts if key in m]
+        if key.endswith("_max"):
+            out[key] = max(v for _, v in vals)
+        elif key.endswith("_min"):
+            out[key] = min(v for _, v in vals)
+        elif key == "tokens":
+            out[key] = sum(v for _, v in vals)
+        else:
+            out[key] = sum(r * v for r, v in vals) / total
+    return out
+
+
+class Backend(abc.ABC):
+    """One policy being trained, its optimizer, and a frozen reference copy."""
+
+    #: registry name ("hf", "megatron")
+    name: ClassVar[str]
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, model_dir: str | Path, cfg: RecipeConfig, *, device: str | None = None) -> Backend:
+        """Build policy, reference and optimizer from an HF model directory and the recipe."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Rows of the output embedding."""
+
+    @abc.abstractmethod
+    def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
+        """[B, R] float32 log-probs of the response tokens (0 past each response), no gradient.
+
+        `reference=True` uses the frozen reference policy instead of the current one.
+        """
+
+    @abc.abstractmethod
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over `batch` in micro-batches; gradient clipping included.
+
+        Returns the combined loss_fn metrics plus `grad_norm` and `lr`.
+        """
+
+    @abc.abstractmethod
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        """The current weights under HF names, on CPU, in the run's dtype, one entry per tied tensor."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, path: Path) -> None:
+        """Write model and optimizer state into the (existing, empty) directory `path`."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore what `save_checkpoint` wrote."""

@@ -162,6 +162,12 @@ class TrainConfig(_Model):
     """Global seed."""
     poll_interval_s: float = 2.0
     """How often the rollout source lists the bucket when it is waiting for groups."""
+    vocab_chunk: int = Field(8192, ge=1)
+    """Vocabulary rows per chunk when computing log-probs (bounds the logits held at once)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (hf backend): less memory, about a third more compute."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk: the newest and the ones before it (2 = newest + one previous)."""
 
 
 class LaunchConfig(_Model):

@@ -1,0 +1,202 @@
+"""Apply our slime patches (infra/patches/*.patch) to a slime tree, idempotently, and check they applied.
+
+    python -m infra.patches.apply --tree /root/slime            # apply what is missing, verify all
+    python -m infra.patches.apply --tree /root/slime --dry-run  # report only
+
+For each patch, in name order:
+  * already applied (`git apply --check --reverse` passes): skipped;
+  * applies as is (`git apply --check`): applied;
+  * the tree is a git checkout and a three-way merge is clean (`git apply --3way --check` reports no
+    conflict): applied with `--3way`;
+  * otherwise the whole set is refused before anything changes, naming the patch, the slime commit it fits
+    and the tree's commit.
+After applying, every patch must be found in the tree (the reverse check, or after a three-way merge every
+line it adds in place), or the run stops. Each patch file starts with a
+header (STYLE rule 12): `Upstream:`, `Fits:`, `Need:`, `Can go:`; a patch without one is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+PATCH_DIR = Path(__file__).resolve().parent
+HEADER_FIELDS = ("Upstream:", "Fits:", "Need:", "Can go:")
+#: a file every slime tree has; a tree without it is not slime
+SLIME_MARKER = "slime/utils/arguments.py"
+
+State = Literal["applied", "applies", "applies-3way", "conflict"]
+
+
+class PatchRefused(RuntimeError):
+    """The patch set does not fit this tree; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    path: Path
+    header: dict[str, str]
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def _header(path: Path) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    current = None
+    for line in path.read_text().splitlines():
+        if line.startswith("diff --git "):
+            break
+        key = next((f for f in HEADER_FIELDS if line.startswith(f)), None)
+        if key:
+            current = key[:-1]
+            fields[current] = line[len(key):].strip()
+        elif current and line.startswith(" "):
+            fields[current] += " " + line.strip()
+    missing = [f[:-1] for f in HEADER_FIELDS if f[:-1] not in fields]
+    if missing:
+        raise ValueError(f"{path}: the patch header lacks {', '.join(missing)} (STYLE rule 12); add them")
+    return fields
+
+
+def load_patches(directory: Path = PATCH_DIR) -> list[Patch]:
+    """The patch set, in name order, each with its header."""
+    return [Patch(p, _header(p)) for p in sorted(directory.glob("*.patch"))]
+
+
+def _git(tree: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # A ceiling at the tree's parent keeps git from treating an enclosing repository as the tree's own.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.resolve().parent), "LC_ALL": "C"}
+    return subprocess.run(["git", *args], cwd=tree, env=env, capture_output=True, text=True, check=False)
+
+
+def _is_git_checkout(tree: Path) -> bool:
+    return _git(tree, "rev-parse", "--is-inside-work-tree").stdout.strip() == "true"
+
+
+def tree_commit(tree: Path) -> str:
+    """The tree's commit (`<sha> <date>`), or a note that it is not a git checkout."""
+    if not _is_git_checkout(tree):
+        return "not a git checkout"
+    out = _git(tree, "log", "-1", "--format=%H %cs")
+    return out.stdout.strip() or "unknown commit"
+
+
+def _added_blocks(patch: Patch) -> dict[str, list[list[str]]]:
+    """file -> the runs of lines the patch adds (each run contiguous in the patched file)."""
+    blocks: dict[str, list[list[str]]] = {}
+    current, run = None, []
+    for line in patch.path.read_text().splitlines() + ["diff --git end"]:
+        if line.startswith("+") and not line.startswith("+++ ") and current:
+            run.append(line[1:])
+            continue
+        if run:
+            blocks.setdefault(current, []).append(run)
+            run = []
+        if line.startswith("+++ b/"):
+            current = line[len("+++ b/"):]
+        elif line.startswith("diff --git"):
+            current = None
+    return blocks
+
+
+def _holds_additions(tree: Path, patch: Patch) -> bool:
+    """Every added run is in its file: true after a plain or a three-way apply (where the reverse check,
+    which needs the patch's own context, can fail on drifted context)."""
+    blocks = _added_blocks(patch)
+    if not blocks:
+        return False
+    for rel, runs in blocks.items():
+        f = tree / rel
+        if not f.is_file():
+            return False
+        text = "\n" + f.read_text()
+        if not all("\n" + "\n".join(r) + "\n" in text for r in runs):
+            return False
+    return True
+
+
+def patch_state(tree: Path, patch: Patch) -> tuple[State, str]:
+    """Where `patch` stands on `tree`, with git's message when it does not fit."""
+    if _git(tree, "apply", "--check", "--reverse", str(patch.path)).returncode == 0:
+        return "applied", ""
+    if _holds_additions(tree, patch):
+        return "applied", ""
+    plain = _git(tree, "apply", "--check", str(patch.path))
+    if plain.returncode == 0:
+        return "applies", ""
+    if _is_git_checkout(tree):
+        three = _git(tree, "apply", "--3way", "--check", str(patch.path))
+        text = three.stdout + three.stderr
+        if three.returncode == 0 and "with conflicts" not in text:
+            return "applies-3way", ""
+    return "conflict", plain.stderr.strip()
+
+
+def check_slime_tree(tree: Path) -> None:
+    if not (tree / SLIME_MARKER).is_file():
+        raise PatchRefused(f"{tree} is not a slime checkout (no {SLIME_MARKER}); pass --tree /path/to/slime")
+
+
+def apply_patches(tree: str | Path, *, dry_run: bool = False, patches: list[Patch] | None = None,
+                  log=print) -> dict[str, State]:
+    """Bring `tree` to "every patch applied"; returns each patch's state before this call."""
+    tree = Path(tree)
+    check_slime_tree(tree)
+    patches = load_patches() if patches is None else patches
+    states = {p.name: patch_state(tree, p) for p in patches}
+    refused = [(p, msg) for p in patches for st, msg in [states[p.name]] if st == "conflict"]
+    if refused:
+        lines = [f"refusing to patch {tree} ({tree_commit(tree)}); nothing was changed:"]
+        for p, msg in refused:
+            lines.append(f"  {p.name} does not fit this tree. It fits {p.header['Upstream']} at {p.header['Fits']}")
+            lines += [f"    git: {m}" for m in msg.splitlines()[:6]]
+        lines.append("Fix: use a slime commit the patch fits (cd <slime> && git checkout <commit>), "
+                     "or an image whose /root/slime is one.")
+        raise PatchRefused("\n".join(lines))
+    for p in patches:
+        st = states[p.name][0]
+        if st == "applied":
+            log(f"patch {p.name}: already applied")
+            continue
+        if dry_run:
+            log(f"patch {p.name}: would apply ({st}) [dry run]")
+            continue
+        res = _git(tree, "apply", *(["--3way"] if st == "applies-3way" else []), str(p.path))
+        if res.returncode != 0:
+            raise PatchRefused(f"patch {p.name} failed to apply to {tree}: {res.stderr.strip()}")
+        log(f"patch {p.name}: applied{' (3-way)' if st == 'applies-3way' else ''}")
+    if not dry_run:
+        verify_applied(tree, patches)
+    return {name: st for name, (st, _) in states.items()}
+
+
+def verify_applied(tree: str | Path, patches: list[Patch] | None = None) -> None:
+    """Raise unless every patch is in the tree (reverse check, or every added line in place)."""
+    tree = Path(tree)
+    for p in load_patches() if patches is None else patches:
+        if patch_state(tree, p)[0] != "applied":
+            raise PatchRefused(f"patch {p.name} is not applied to {tree} after applying it; inspect the tree")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tree", default="/root/slime", help="the slime checkout (default /root/slime)")
+    ap.add_argument("--dry-run", action="store_true", help="report what would be applied; change nothing")
+    args = ap.parse_args(argv)
+    try:
+        apply_patches(args.tree, dry_run=args.dry_run)
+    except (PatchRefused, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

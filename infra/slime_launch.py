@@ -1,0 +1,262 @@
+"""The resolved slime launch for a run, generated from its recipe (runs/*.yaml): one function per part.
+
+Everything here is data-driven from `RecipeConfig`; the GSM8K quickstart and the PaperSearchQA fleet differ
+only in their recipe values (the fleet's --save-interval 4, --eps-clip 10000 --eps-clip-high 19
+--eps-clip-c 20 are its recipe's numbers, not code). Facts about slime's flags: research/slime.md.
+
+Trainer-only mode. The learner needs no SGLang engine: rollouts come from the bucket. Two slime modes give
+that. `--rollout-num-gpus 0` (slime PR #2057, 2026-06-12, in v0.3.1) keeps slime's router and short-circuits
+the weight push when no engine is registered; it is the default because our patch set already pins slime at
+or after that commit, and the router lets an external engine serve the optional held-out eval.
+`--debug-train-only` (every slime since v0.1.0) skips SGLang entirely but also makes `eval()` a no-op; use
+it on an older slime (`trainer_only="debug-train-only"`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Mapping
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from trainer.config import RecipeConfig
+
+TrainerOnly = Literal["rollout-num-gpus-0", "debug-train-only"]
+
+#: dotted paths slime loads inside its Ray actors (our tree is on PYTHONPATH through the runtime env)
+PLUGIN = "trainer.slime_plugin"
+ROLLOUT_FN = f"{PLUGIN}.rollout.generate_rollout"
+REWARD_POST_FN = f"{PLUGIN}.objective.drgrpo_rewards"
+GATE_FN = f"{PLUGIN}.objective.dppo_gate"
+REDUCER_FN = f"{PLUGIN}.objective.drgrpo_reducer"
+PUBLISH_HOOK_FN = f"{PLUGIN}.publish.after_train"
+#: the flag our patch 0001 adds to slime (infra/patches/0001-after-train-hook.patch)
+AFTER_TRAIN_FLAG = "--custom-after-train-hook-path"
+DASHBOARD = "http://127.0.0.1:8265"
+
+
+class BoxPaths(BaseModel):
+    """Where a run's files live on the GPU box; every path derives from `remote_dir` and the run id."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    remote_dir: str
+    run: str
+    model_dir_override: str | None = None
+
+    @property
+    def _root(self) -> PurePosixPath:
+        return PurePosixPath(self.remote_dir)
+
+    @property
+    def env_file(self) -> str:
+        return str(self._root / ".r2env")
+
+    @property
+    def state_dir(self) -> str:
+        return str(self._root / ".stoa" / "runs" / self.run)
+
+    @property
+    def models_dir(self) -> str:
+        return str(self._root / ".stoa" / "models")
+
+    def hf_dir(self, hf_id: str | None) -> str:
+        if self.model_dir_override:
+            return self.model_dir_override
+        if not hf_id:
+            raise ValueError("model.hf_id is not set and no MODEL= directory was given; set one of them")
+        return str(PurePosixPath(self.models_dir) / re.sub(r"[^A-Za-z0-9._-]", "--", hf_id))
+
+    def torch_dist_dir(self, hf_id: str | None) -> str:
+        return str(PurePosixPath(self.models_dir) / (PurePosixPath(self.hf_dir(hf_id)).name + "_torch_dist"))
+
+    @property
+    def ckpt_dir(self) -> str:
+        return str(PurePosixPath(self.state_dir) / "ckpt")
+
+    @property
+    def recipe_file(self) -> str:
+        return str(PurePosixPath(self.state_dir) / "recipe.json")
+
+    @property
+    def key_file(self) -> str:
+        return str(PurePosixPath(self.state_dir) / "trainer.key")
+
+    @property
+    def pid_file(self) -> str:
+        return str(PurePosixPath(self.state_dir) / "trainer.pid")
+
+    @property
+    def log_file(self) -> str:
+        return str(self._root / "logs" / f"{self.run}.log")
+
+
+# -- model flags from the HF config ---------------------------------------------------------------------
+#: Architecture facts of the recipe models, used only when a dry run cannot read config.json (the model is
+#: downloaded on the box). On the box the flags always come from the downloaded config.json.
+KNOWN_HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-1.5B-Instruct": {
+        "model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 1536, "intermediate_size": 8960,
+        "num_attention_heads": 12, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "vocab_size": 151936, "tie_word_embeddings": True,
+    },
+}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def rotary_base(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> float:
+    """The rotary base to launch with: the HF rope_theta; a recipe value that differs is refused."""
+    theta = hf_config.get("rope_theta") or (hf_config.get("rope_scaling") or {}).get("rope_theta")
+    if theta is None:
+        raise ValueError("the model's config.json has no rope_theta; cannot check the rotary base")
+    if cfg.model.rotary_base is not None and float(cfg.model.rotary_base) != float(theta):
+        raise ValueError(
+            f"model.rotary_base={cfg.model.rotary_base} differs from the HF config's rope_theta={theta}: the "
+            "trainer would be a different model than the workers. Remove model.rotary_base from the recipe "
+            "(it then follows rope_theta) or fix it to the HF value."
+        )
+    return float(theta)
+
+
+def _qwen2_like(cfg: RecipeConfig, c: Mapping[str, Any]) -> list[str]:
+    args = [
+        "--swiglu", "--num-layers", str(c["num_hidden_layers"]), "--hidden-size", str(c["hidden_size"]),
+        "--ffn-hidden-size", str(c["intermediate_size"]), "--num-attention-heads", str(c["num_attention_heads"]),
+        "--use-rotary-position-embeddings", "--disable-bias-linear",
+        "--normalization", "RMSNorm", "--norm-epsilon", repr(float(c["rms_norm_eps"])),
+        "--rotary-base", _num(rotary_base(cfg, c)), "--vocab-size", str(c["vocab_size"]),
+    ]
+    if c.get("model_type") == "qwen2":
+        args.append("--add-qkv-bias")
+    if c.get("model_type") == "qwen3":
+        args.append("--qk-layernorm")
+    kv = c.get("num_key_value_heads", c["num_attention_heads"])
+    if kv != c["num_attention_heads"]:
+        args += ["--group-query-attention", "--num-query-groups", str(kv)]
+    if not c.get("tie_word_embeddings", False):
+        args.append("--untie-embeddings-and-output-weights")
+    return args
+
+
+#: HF model_type -> Megatron model flags (STYLE rule 7: one registry; unknown types are refused)
+MODEL_ARGS = {"qwen2": _qwen2_like, "qwen3": _qwen2_like, "llama": _qwen2_like}
+
+
+def model_args(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> list[str]:
+    mt = hf_config.get("model_type")
+    if mt not in MODEL_ARGS:
+        raise ValueError(
+            f"model_type={mt!r} has no Megatron flag mapping; known: {', '.join(sorted(MODEL_ARGS))}. "
+            "Add one to infra/slime_launch.py MODEL_ARGS, or pass the model flags in launch.extra_args"
+        )
+    return MODEL_ARGS[mt](cfg, hf_config)
+
+
+# -- the slime flags ------------------------------------------------------------------------------------
+def cluster_args(cfg: RecipeConfig, trainer_only: TrainerOnly) -> list[str]:
+    gpus = cfg.train.tensor_parallel
+    args = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(gpus)]
+    return args + (["--rollout-num-gpus", "0"] if trainer_only == "rollout-num-gpus-0" else ["--debug-train-only"])
+
+
+def checkpoint_args(cfg: RecipeConfig, paths: BoxPaths) -> list[str]:
+    hf_id = cfg.model.hf_id
+    return [
+        "--hf-checkpoint", paths.hf_dir(hf_id), "--ref-load", paths.torch_dist_dir(hf_id),
+        "--load", paths.ckpt_dir, "--save", paths.ckpt_dir, "--save-interval", str(cfg.train.save_interval),
+    ]
+
+
+def rollout_args(cfg: RecipeConfig) -> list[str]:
+    a, n = cfg.algo, cfg.contract.n_samples
+    return [
+        "--rollout-function-path", ROLLOUT_FN, "--disable-rollout-global-dataset",
+        "--num-rollout", str(cfg.train.num_steps),
+        "--rollout-batch-size", str(a.groups_per_step), "--n-samples-per-prompt", str(n),
+        "--global-batch-size", str(a.groups_per_step * n),
+        "--rollout-max-response-len", str(a.max_new_tokens),
+        "--rollout-temperature", _num(a.temperature), "--rollout-top-p", _num(a.top_p),
+    ]
+
+
+def objective_args(cfg: RecipeConfig) -> list[str]:
+    a = cfg.algo
+    return [
+        "--advantage-estimator", "grpo", "--disable-grpo-std-normalization",
+        "--custom-reward-post-process-path", REWARD_POST_FN,
+        "--use-rollout-logprobs",
+        "--eps-clip", _num(a.eps_clip), "--eps-clip-high", _num(a.eps_clip_high), "--eps-clip-c", _num(a.eps_clip_c),
+        "--use-kl-loss", "--kl-loss-coef", _num(a.kl_coef), "--kl-loss-type", "low_var_kl", "--entropy-coef", "0",
+        "--get-mismatch-metrics", "--custom-tis-function-path", GATE_FN,
+        "--custom-pg-loss-reducer-function-path", REDUCER_FN,
+        AFTER_TRAIN_FLAG, PUBLISH_HOOK_FN,
+    ]
+
+
+def optimizer_args(cfg: RecipeConfig) -> list[str]:
+    a = cfg.algo
+    return [
+        "--optimizer", "adam", "--lr", _num(a.lr), "--lr-decay-style", "constant",
+        "--weight-decay", _num(a.weight_decay), "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+        "--clip-grad", _num(a.grad_clip), "--seed", str(cfg.train.seed),
+    ]
+
+
+def perf_args(cfg: RecipeConfig) -> list[str]:
+    tp = cfg.train.tensor_parallel
+    args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "1",
+            "--context-parallel-size", "1", "--micro-batch-size", str(cfg.train.micro_batch_size)]
+    if tp > 1:
+        args.append("--sequence-parallel")
+    if cfg.model.dtype == "bfloat16":
+        args.append("--bf16")
+    return args + ["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+                   "--attention-softmax-in-fp32", "--attention-backend", "flash"]
+
+
+def slime_args(cfg: RecipeConfig, paths: BoxPaths, hf_config: Mapping[str, Any], *,
+               trainer_only: TrainerOnly = "rollout-num-gpus-0") -> list[str]:
+    """Every flag after `train.py`, in a fixed order (tests compare flag by flag)."""
+    return [
+        *cluster_args(cfg, trainer_only), *model_args(cfg, hf_config), *checkpoint_args(cfg, paths),
+        *rollout_args(cfg), *objective_args(cfg), *optimizer_args(cfg), *perf_args(cfg),
+        *cfg.launch.extra_args,
+    ]
+
+
+def runtime_env(cfg: RecipeConfig, paths: BoxPaths) -> dict[str, Any]:
+    """The Ray runtime env of the job: our tree and Megatron on PYTHONPATH, where the plugin finds its run.
+
+    Credentials are never in here: the plugin reads them from `DRL_ENV_FILE` (mode 0600) on the box.
+    """
+    return {"env_vars": {
+        "PYTHONPATH": f"{cfg.launch.megatron_dir}:{paths.remote_dir}",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "DRL_RECIPE_FILE": paths.recipe_file,
+        "DRL_ENV_FILE": paths.env_file,
+        "DRL_STATE_DIR": paths.state_dir,
+    }}
+
+
+def launch_command(cfg: RecipeConfig, paths: BoxPaths, hf_config: Mapping[str, Any], *,
+                   trainer_only: TrainerOnly = "rollout-num-gpus-0") -> list[str]:
+    """`ray job submit` of slime's synchronous train.py with our flags (argv form)."""
+    train_py = str(PurePosixPath(cfg.launch.slime_dir) / "train.py")
+    return [
+        "ray", "job", "submit", "--address", DASHBOARD,
+        "--metadata-json", json.dumps({"stoa_run": paths.run}, separators=(",", ":")),
+        "--runtime-env-json", json.dumps(runtime_env(cfg, paths), separators=(",", ":"), sort_keys=True),
+        "--", "python3", train_py, *slime_args(cfg, paths, hf_config, trainer_only=trainer_only),
+    ]
+
+
+def quote(argv: list[str]) -> str:
+    return shlex.join(argv)

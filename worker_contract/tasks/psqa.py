@@ -128,6 +128,8 @@ class TurnOutput(NamedTuple):
 
 #: (context ids, token budget) -> the next assistant turn, stopped after a STOP_STRING or at EOS
 Generate = Callable[[list[int], int], TurnOutput]
+#: (contexts, budgets) -> one turn per context, same contract as Generate
+GenerateBatch = Callable[[list[list[int]], list[int]], list[TurnOutput]]
 #: text -> token ids, no special tokens added
 Encode = Callable[[str], list[int]]
 #: query -> formatted documents (infra retriever, a local index, ...)
@@ -158,35 +160,51 @@ class Episode:
                       loss_mask=self.loss_mask, reward=reward, finish_reason=self.finish_reason)  # type: ignore[arg-type]
 
 
+def _advance(ep: Episode, out: TurnOutput, max_new_tokens: int, max_turns: int, encode: Encode,
+             search: Search) -> bool:
+    """Apply one sampled turn (and its tool turn) to `ep`; True while the episode goes on."""
+    budget = max_new_tokens - len(ep.response_ids)
+    ep._append(list(out.token_ids[:budget]), list(out.logprobs[:budget]), out.text)
+    query = None if out.eos else parse_search(out.text)
+    if query is None:
+        done = out.eos or extract_answer(out.text) is not None
+        ep.finish_reason = "stop" if done else "length"
+        return False
+    ep.searches.append(query)
+    if len(ep.searches) > max_turns:
+        ep.finish_reason = "tool"
+        return False
+    tool_text = tool_turn_text(search(query))
+    tool_ids = encode(tool_text)
+    room = max_new_tokens - len(ep.response_ids)
+    ep._append(tool_ids[:room], None, tool_text)
+    if len(tool_ids) >= room:
+        ep.finish_reason = "length"
+        return False
+    return True
+
+
+def run_episodes(prompts: list[list[int]], generate_batch: GenerateBatch, encode: Encode, search: Search,
+                 max_new_tokens: int, max_turns: int = 4) -> list[Episode]:
+    """Drive several search episodes in lockstep (one batched generate call per turn). `max_turns` bounds
+    tool calls; finish_reason is 'stop' (answer or EOS), 'length' (budget spent) or 'tool' (still
+    searching when the turns ran out)."""
+    eps = [Episode() for _ in prompts]
+    active = list(range(len(prompts)))
+    while active:
+        budgets = [max_new_tokens - len(eps[i].response_ids) for i in active]
+        outs = generate_batch([prompts[i] + eps[i].response_ids for i in active], budgets)
+        assert len(outs) == len(active), "one turn per context"
+        active = [i for i, out in zip(active, outs, strict=True)
+                  if _advance(eps[i], out, max_new_tokens, max_turns, encode, search)]
+    return eps
+
+
 def run_episode(prompt_ids: list[int], generate: Generate, encode: Encode, search: Search,
                 max_new_tokens: int, max_turns: int = 4) -> Episode:
-    """Drive one search episode. `max_turns` bounds tool calls; finish_reason is 'stop' (answer or EOS),
-    'length' (budget spent) or 'tool' (still searching when the turns ran out)."""
-    ep = Episode()
-    for turn in range(max_turns + 1):
-        budget = max_new_tokens - len(ep.response_ids)
-        if budget <= 0:
-            ep.finish_reason = "length"
-            return ep
-        out = generate(prompt_ids + ep.response_ids, budget)
-        ep._append(list(out.token_ids[:budget]), list(out.logprobs[:budget]), out.text)
-        query = None if out.eos else parse_search(out.text)
-        if query is None:
-            done = out.eos or extract_answer(out.text) is not None
-            ep.finish_reason = "stop" if done else "length"
-            return ep
-        ep.searches.append(query)
-        if turn == max_turns:
-            ep.finish_reason = "tool"
-            return ep
-        tool_text = tool_turn_text(search(query))
-        tool_ids = encode(tool_text)
-        room = max_new_tokens - len(ep.response_ids)
-        ep._append(tool_ids[:room], None, tool_text)
-        if len(tool_ids) >= room:
-            ep.finish_reason = "length"
-            return ep
-    raise AssertionError("unreachable: the loop returns on its last turn")
+    """One episode with a one-sequence generator (see `run_episodes`)."""
+    batch = lambda ctxs, budgets: [generate(c, b) for c, b in zip(ctxs, budgets, strict=True)]  # noqa: E731
+    return run_episodes([prompt_ids], batch, encode, search, max_new_tokens, max_turns)[0]
 
 
 def _golden(row: dict) -> tuple[str, ...]:

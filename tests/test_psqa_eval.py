@@ -1,0 +1,115 @@
+"""Held-out PaperSearchQA evaluation: exact metrics on a scripted policy, stop-string cutting, and the
+whole CLI on a tiny LFM2-MoE checkpoint built on the spot against a real retriever on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from trainer import psqa_eval
+from worker_contract.tasks.psqa import PsqaProblem, PsqaTask, TurnOutput
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    text = ["<search> dystrophin gene </search> <answer> DMD </answer> <information> Doc </information>"] * 20
+    t.train_from_iterator(text, trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<eos>"],
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", pad_token="<pad>",
+                                   chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}A:")
+
+
+def test_metrics_on_a_scripted_policy():
+    tok = _tokenizer()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    # problem 0: samples 0 and 1 search then answer right, 2 and 3 answer wrong at once; problem 1: all wrong
+    plan = {0: ["<search> q </search>", "<answer> DMD </answer>"], 1: ["<search> q </search>", "<answer>dmd</answer>"],
+            2: ["<answer> utrophin </answer>"], 3: ["<answer> x </answer>"]}
+    turns: dict[tuple[str, int], int] = {}
+
+    def generate_batch(contexts, budgets):
+        outs = []
+        for row, ctx in enumerate(contexts):
+            problem = "q0" if "Question: q0" in tok.decode(ctx) else "q1"
+            turn = turns.get((problem, row), 0)
+            turns[(problem, row)] = turn + 1
+            text = plan[row][turn] if problem == "q0" else "<answer> nope </answer>"
+            ids = enc(text)
+            outs.append(TurnOutput(ids, [-0.1] * len(ids), text, False))
+        return outs
+
+    problems = [PsqaProblem(id=f"psqa-test-{i}", question=f"q{i}", answer="DMD", golden_answers=("DMD",)) for i in range(2)]
+    encode_prompt = lambda msgs: enc(msgs[0]["content"])  # noqa: E731
+
+    point = psqa_eval.evaluate(problems, PsqaTask(), encode_prompt, generate_batch, enc, lambda q: "Doc 1",
+                               k=4, max_new_tokens=200, max_turns=2, version=7)
+    assert point.version == 7 and point.questions == 2 and point.k == 4
+    assert point.pass1 == pytest.approx((2 / 4 + 0) / 2)
+    assert point.pass_k == pytest.approx((1.0 + 0.0) / 2)
+    assert point.search_rate == pytest.approx((2 / 4 + 0) / 2)
+    assert point.searches_per_episode == pytest.approx(0.25)
+
+
+def test_cut_at_stop():
+    tok = _tokenizer()
+    ids = tok.encode("<think> x </think><search> dystrophin </search> junk after", add_special_tokens=False)
+    dec = lambda i: tok.decode(i)  # noqa: E731
+    cut = psqa_eval.cut_at_stop(dec, ids, 0, ("</search>", "</answer>"))
+    assert dec(ids[:cut]).endswith("</search>") and "junk" not in dec(ids[:cut])
+    assert psqa_eval.cut_at_stop(dec, ids[: cut - 1], 0, ("</search>",)) is None
+
+
+def test_heldout_subset_is_stable():
+    items = list(range(100))
+    assert psqa_eval.heldout_subset(items, 10, seed=1) == psqa_eval.heldout_subset(items, 10, seed=1)
+    assert len(psqa_eval.heldout_subset(items, 1000)) == 100
+
+
+@pytest.mark.integration
+def test_cli_on_a_tiny_lfm2_moe_checkpoint(tmp_path, monkeypatch):
+    import torch
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    from infra.retriever.corpus import synthetic_corpus
+    from infra.retriever.index import BM25Index
+    from infra.retriever.server import make_server
+
+    torch.manual_seed(0)
+    tok = _tokenizer()
+    cfg = Lfm2MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_dense_layers=1,
+                        num_experts=4, num_experts_per_tok=2, layer_types=["conv", "full_attention", "conv"],
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    ckpt = tmp_path / "ckpts" / "v3"
+    Lfm2MoeForCausalLM(cfg).save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"question": f"Which gene {i}?", "answer": "dystrophin", "golden_answers": ["dystrophin"]} for i in range(3)]
+    (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    srv = make_server(BM25Index.build(synthetic_corpus(40)), "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        argv = ["--watch", str(tmp_path / "ckpts"), "--out", str(tmp_path / "out"), "--retriever", srv.url,
+                "--data-dir", str(data), "--questions", "2", "--k", "2", "--max-new-tokens", "12",
+                "--device", "cpu", "--poll-s", "0"]
+        monkeypatch.setattr(psqa_eval.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            psqa_eval.main(argv)  # one pass over the watched directory, then stop at the poll sleep
+        points = psqa_eval.read_curve(tmp_path / "out")
+        assert [p.version for p in points] == [3] and points[0].questions == 2 and points[0].k == 2
+        assert 0 < points[0].response_tokens <= 12 and 0.0 <= points[0].pass1 <= 1.0
+        assert (tmp_path / "out" / "psqa_eval.png").stat().st_size > 1000
+        with pytest.raises(KeyboardInterrupt):
+            psqa_eval.main(argv)  # resumes: version 3 is not evaluated twice
+        assert len(psqa_eval.read_curve(tmp_path / "out")) == 1
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -1,0 +1,250 @@
+"""The env contract (DESIGN section 3): parse and validate `DRL_*`, load credentials, keep secrets secret.
+
+Credentials come from an env file (default `.r2env` in the repo root) that must be private (mode 0600),
+and from the environment, which wins over the file. Secret values are held as `SecretStr` (their repr is
+`'**********'`) and registered with `redact()`, which every error message of the store passes through and
+which a log-record factory applies to every log line of the process, third-party libraries included
+(botocore's DEBUG log prints the Authorization header, which names the access key id).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from . import layout
+
+DEFAULT_ENV_FILE = ".r2env"
+#: the four values a joiner needs to reach the bucket (DESIGN section 3)
+R2_VARS = ("R2_ACCOUNT_ID", "R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY", "R2_BUCKET")
+#: variables whose values are secrets wherever they come from
+SECRET_VARS = frozenset({"R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID",
+                         "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
+PLANES = ("bf16", "int8g64")
+STORE_SCHEMES = ("file", "r2", "s3")
+REDACTED = "**********"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+class EnvError(ValueError):
+    """An environment variable or env file is malformed; the message names the variable and the fix."""
+
+
+# -- redaction ----------------------------------------------------------------------------------------
+_secrets: set[str] = set()
+_secrets_lock = threading.Lock()
+_factory_installed = False
+
+
+def register_secret(value: str | SecretStr | None) -> None:
+    """Redact `value` from every later error message and log line of this process."""
+    global _factory_installed
+    raw = value.get_secret_value() if isinstance(value, SecretStr) else value
+    if not raw or len(raw) < 4:  # a 1-3 character "secret" would redact ordinary text
+        return
+    with _secrets_lock:
+        _secrets.add(raw)
+        if not _factory_installed:
+            previous = logging.getLogRecordFactory()
+
+            def factory(*args, **kwargs):
+                record = previous(*args, **kwargs)
+                try:
+                    text = record.getMessage()
+                except Exception:  # a malformed call: leave it to the handler's own error path
+                    return record
+                clean = redact(text)
+                if clean != text:
+                    record.msg, record.args = clean, None
+                if record.exc_info and not record.exc_text:
+                    record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+                return record
+
+            logging.setLogRecordFactory(factory)
+            _factory_installed = True
+
+
+def redact(text: str) -> str:
+    """`text` with every registered secret value replaced by asterisks."""
+    for s in sorted(_secrets, key=len, reverse=True):
+        if s in text:
+            text = text.replace(s, REDACTED)
+    return text
+
+
+# -- env file -----------------------------------------------------------------------------------------
+def _parse_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines, `#` comments, optional `export ` and quotes.
+
+    Written by hand instead of using python-dotenv: the contract core stays at its five dependencies, and
+    an error here may name the line number only, never echo the line (it may hold a secret).
+    """
+    out: dict[str, str] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):].lstrip()
+        key, sep, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key.replace("_", "").isalnum() or key[0].isdigit():
+            raise EnvError(f"{path}:{n}: expected KEY=VALUE (line not shown: it may hold a secret)")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key] = value
+    return out
+
+
+def read_env_file(path: str | Path) -> dict[str, str]:
+    """Read a credentials file, refusing one that anybody but its owner can read or write."""
+    path = Path(path)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise EnvError(
+            f"{path} has mode {mode:04o}: it holds credentials and must be readable by its owner only; "
+            f"fix it with: chmod 600 {path}"
+        )
+    values = _parse_env_file(path)
+    for key, value in values.items():
+        if key in SECRET_VARS:
+            register_secret(value)
+    return values
+
+
+def load_env(env: Mapping[str, str] | None = None, env_file: str | Path | None = None,
+             repo_root: str | Path | None = None) -> dict[str, str]:
+    """The effective environment: the env file's values, overridden by non-empty environment values.
+
+    `env_file` None means `<repo_root>/.r2env` if it exists; an explicit path must exist.
+    """
+    env = dict(os.environ if env is None else env)
+    if env_file is None:
+        root = Path(repo_root) if repo_root is not None else Path.cwd()
+        candidate = root / DEFAULT_ENV_FILE
+        file_values = read_env_file(candidate) if candidate.exists() else {}
+    else:
+        if not Path(env_file).exists():
+            raise EnvError(f"env file {env_file} does not exist; create it from .r2env.example (mode 0600)")
+        file_values = read_env_file(env_file)
+    merged = {**file_values, **{k: v for k, v in env.items() if v != ""}}
+    for key in SECRET_VARS & merged.keys():
+        register_secret(merged[key])
+    return merged
+
+
+# -- the contract -------------------------------------------------------------------------------------
+class EnvContract(BaseModel):
+    """The cross-host values of DESIGN section 3, validated. Secrets repr as asterisks."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    run: str | None = None
+    """DRL_RUN: the run id and bucket prefix `<run>/`; None when unset."""
+    n_samples: int = Field(8, ge=1)
+    """DRL_N_SAMPLES: the group size; a group of any other size is dropped."""
+    plane: Literal["bf16", "int8g64"] | None = None
+    """DRL_PULSE_PLANE: the weight plane; None when unset (the recipe decides)."""
+    kv_mode: str | None = None
+    """DRL_KV_MODE: the workers' KV-cache mode (the fleet requires paged_prefix)."""
+    store: str | None = None
+    """DRL_STORE: the store URL; None = R2 when its four values exist, else the embedded file store."""
+    dry_run: bool = False
+    """DRL_DRY_RUN: print the resolved launch and exit."""
+    r2_account_id: str | None = None
+    """R2_ACCOUNT_ID: names the endpoint https://<id>.r2.cloudflarestorage.com (not a secret)."""
+    r2_access_key_id: SecretStr | None = None
+    """R2_ACCESS_KEY_ID: the API token's access key id (secret)."""
+    r2_secret_access_key: SecretStr | None = None
+    """R2_SECRET_ACCESS_KEY: the API token's secret (secret)."""
+    r2_bucket: str | None = None
+    """R2_BUCKET: the bucket both sides use."""
+
+    def require_run(self) -> str:
+        if self.run is None:
+            raise EnvError("DRL_RUN is not set: choose a fresh run id, e.g. DRL_RUN=gsm8k-2026-11-30a")
+        return self.run
+
+    @property
+    def has_r2(self) -> bool:
+        """All four R2 values are present."""
+        return all((self.r2_account_id, self.r2_access_key_id, self.r2_secret_access_key, self.r2_bucket))
+
+
+def _int(name: str, value: str, minimum: int) -> int:
+    try:
+        out = int(value)
+    except ValueError:
+        out = None
+    if out is None or out < minimum:
+        raise EnvError(f"{name}={value!r} must be an integer >= {minimum} (for example {name}=8)")
+    return out
+
+
+def _bool(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE or v in _FALSE:
+        return v in _TRUE
+    raise EnvError(f"{name}={value!r} must be 1 or 0 (also accepted: true/false, yes/no, on/off)")
+
+
+def check_store_url(url: str) -> str:
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in STORE_SCHEMES:
+        raise EnvError(f"DRL_STORE={url!r} must be file:///abs/path, r2://<bucket> or s3://<bucket>")
+    return url
+
+
+def parse_env(env: Mapping[str, str] | None = None) -> EnvContract:
+    """Validate the contract variables of `env` (default os.environ); each error names variable and fix."""
+    env = os.environ if env is None else env
+
+    def get(name: str) -> str | None:
+        v = env.get(name)
+        return None if v is None or v.strip() == "" else v.strip()
+
+    values: dict[str, object] = {}
+    if (run := get("DRL_RUN")) is not None:
+        try:
+            values["run"] = layout.check_run_id(run)
+        except ValueError as e:
+            raise EnvError(str(e)) from None
+    if (n := get("DRL_N_SAMPLES")) is not None:
+        values["n_samples"] = _int("DRL_N_SAMPLES", n, 1)
+    if (plane := get("DRL_PULSE_PLANE")) is not None:
+        if plane not in PLANES:
+            raise EnvError(f"DRL_PULSE_PLANE={plane!r} must be one of: {', '.join(PLANES)}")
+        values["plane"] = plane
+    if (kv := get("DRL_KV_MODE")) is not None:
+        if not kv.replace("_", "").replace("-", "").isalnum():
+            raise EnvError(f"DRL_KV_MODE={kv!r} must be a mode name like paged_prefix")
+        values["kv_mode"] = kv
+    if (store := get("DRL_STORE")) is not None:
+        values["store"] = check_store_url(store)
+    values["dry_run"] = _bool("DRL_DRY_RUN", env.get("DRL_DRY_RUN", ""))
+    for var in R2_VARS:
+        if (v := get(var)) is not None:
+            if var in SECRET_VARS:
+                register_secret(v)
+                values[var.lower()] = SecretStr(v)
+            else:
+                values[var.lower()] = v
+    return EnvContract(**values)
+
+
+def default_store_url(env: Mapping[str, str], repo_root: str | Path) -> str:
+    """DRL_STORE if set; else r2://$R2_BUCKET when all four R2 values exist; else the repo's file store."""
+    if env.get("DRL_STORE", "").strip():
+        return check_store_url(env["DRL_STORE"].strip())
+    if all(env.get(v, "").strip() for v in R2_VARS):
+        return f"r2://{env['R2_BUCKET'].strip()}"
+    return f"file://{Path(repo_root).resolve() / '.stoa' / 'bucket'}"

@@ -1,0 +1,195 @@
+"""The join card: exactly what a worker needs to join a run, handed over out of band (DESIGN section 3).
+
+The contract values come from the run's published `run.json` (the authority a worker checks itself
+against); the bucket values and the retriever URL come from the operator's environment. Secrets print as
+asterisks unless `reveal` is set; `write_card` creates its file with mode 0600 from the first byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, SecretStr
+
+from . import env as envmod
+from .manifest import ContractMismatch, format_diff, load_manifest
+from .signing import fingerprint
+from .store import NotFound, Store, open_store
+
+FORMATS = ("text", "env", "json")
+Format = Literal["text", "env", "json"]
+
+
+class JoinCardError(ValueError):
+    """The card cannot be made (no run.json, bad option); the message says what to do."""
+
+
+class JoinCard(BaseModel):
+    """One run's join card. `entries()` is its wire form: env variable, value, whether it is secret."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    run: str
+    """DRL_RUN: the run id (bucket prefix)."""
+    n_samples: int
+    """DRL_N_SAMPLES: group size, from run.json."""
+    plane: str
+    """DRL_PULSE_PLANE: weight plane, from run.json."""
+    kv_mode: str | None = None
+    """DRL_KV_MODE: workers' KV-cache mode, from run.json (omitted when the run sets none)."""
+    trainer_key_fingerprint: str
+    """Fingerprint of run.json's trainer_public_key; a worker compares it before trusting the run."""
+    retriever_url: str | None = None
+    """DRL_RETRIEVER_URL: the fleet's search service (PaperSearchQA); None when the run needs none."""
+    store: str
+    """The store URL the trainer uses (r2://, s3:// or file://)."""
+    s3_endpoint: str | None = None
+    """DRL_S3_ENDPOINT for an s3:// store on a server other than AWS."""
+    r2_account_id: str | None = None
+    """R2_ACCOUNT_ID (r2:// stores)."""
+    r2_bucket: str | None = None
+    """R2_BUCKET (r2:// stores)."""
+    access_key_var: str = "R2_ACCESS_KEY_ID"
+    """Which variable pair carries the credentials (R2_* or AWS_*)."""
+    access_key_id: SecretStr | None = None
+    """The access key id (secret)."""
+    secret_access_key: SecretStr | None = None
+    """The secret access key (secret)."""
+
+    def entries(self) -> list[tuple[str, str | SecretStr, bool]]:
+        scheme = urlparse(self.store).scheme
+        out: list[tuple[str, str | SecretStr, bool]] = []
+        if scheme == "r2":
+            out.append(("R2_ACCOUNT_ID", self.r2_account_id or "", False))
+        else:
+            out.append(("DRL_STORE", self.store, False))
+            if self.s3_endpoint:
+                out.append(("DRL_S3_ENDPOINT", self.s3_endpoint, False))
+        if self.access_key_id is not None and self.secret_access_key is not None:
+            prefix = self.access_key_var.split("_", 1)[0]
+            out.append((f"{prefix}_ACCESS_KEY_ID", self.access_key_id, True))
+            out.append((f"{prefix}_SECRET_ACCESS_KEY", self.secret_access_key, True))
+        if scheme == "r2":
+            out.append(("R2_BUCKET", self.r2_bucket or "", False))
+        out += [("DRL_RUN", self.run, False), ("DRL_N_SAMPLES", str(self.n_samples), False),
+                ("DRL_PULSE_PLANE", self.plane, False)]
+        if self.kv_mode:
+            out.append(("DRL_KV_MODE", self.kv_mode, False))
+        out.append(("DRL_TRAINER_KEY_FINGERPRINT", self.trainer_key_fingerprint, False))
+        if self.retriever_url:
+            out.append(("DRL_RETRIEVER_URL", self.retriever_url, False))
+        return out
+
+
+def _check_env_agrees(contract: envmod.EnvContract, env: Mapping[str, str], card: JoinCard) -> None:
+    """Fail closed when the operator's own DRL_* values contradict the run they are handing out."""
+    diff = []
+    if env.get("DRL_N_SAMPLES", "").strip() and contract.n_samples != card.n_samples:
+        diff.append(("n_samples", card.n_samples, contract.n_samples))
+    if contract.plane is not None and contract.plane != card.plane:
+        diff.append(("plane", card.plane, contract.plane))
+    if contract.kv_mode is not None and contract.kv_mode != card.kv_mode:
+        diff.append(("kv_mode", card.kv_mode, contract.kv_mode))
+    if diff:
+        raise ContractMismatch(f"the environment contradicts run {card.run!r}'s run.json:\n"
+                               + format_diff(diff, "run.json", "environment")
+                               + "\nunset those variables or fix them; the card states run.json's values")
+
+
+def build_card(store: Store, run: str, env: Mapping[str, str], retriever_url: str | None = None) -> JoinCard:
+    """The card of `run` in `store`; `env` is the effective environment (see env.load_env)."""
+    contract = envmod.parse_env(env)
+    try:
+        manifest = load_manifest(store, run)
+    except NotFound:
+        raise JoinCardError(f"run {run!r} has no run.json in {store.url}: start its trainer first (it "
+                            "publishes run.json), or check DRL_RUN and DRL_STORE") from None
+    retriever_url = retriever_url or env.get("DRL_RETRIEVER_URL", "").strip() or None
+    if retriever_url and urlparse(retriever_url).scheme not in ("http", "https"):
+        raise JoinCardError(f"retriever URL {retriever_url!r} must be an http:// or https:// URL")
+    parsed = urlparse(store.url)
+    use_r2 = parsed.scheme == "r2" or bool(env.get("R2_ACCESS_KEY_ID") and env.get("R2_SECRET_ACCESS_KEY"))
+    var = "R2_ACCESS_KEY_ID" if use_r2 else "AWS_ACCESS_KEY_ID"
+    key_id, secret = env.get(var), env.get(var.replace("ACCESS_KEY_ID", "SECRET_ACCESS_KEY"))
+    card = JoinCard(
+        run=manifest.run, n_samples=manifest.n_samples, plane=manifest.plane, kv_mode=manifest.kv_mode,
+        trainer_key_fingerprint=fingerprint(manifest.trainer_public_key), retriever_url=retriever_url,
+        store=store.url, s3_endpoint=(env.get("DRL_S3_ENDPOINT") or None) if parsed.scheme == "s3" else None,
+        r2_account_id=env.get("R2_ACCOUNT_ID") if parsed.scheme == "r2" else None,
+        r2_bucket=parsed.netloc if parsed.scheme == "r2" else None, access_key_var=var,
+        access_key_id=SecretStr(key_id) if key_id and parsed.scheme != "file" else None,
+        secret_access_key=SecretStr(secret) if secret and parsed.scheme != "file" else None,
+    )
+    _check_env_agrees(contract, env, card)
+    return card
+
+
+def render(card: JoinCard, fmt: str = "text", reveal: bool = False) -> str:
+    """The card as `text` (for people), `env` (to source) or `json` (for scripts)."""
+    if fmt not in FORMATS:
+        raise JoinCardError(f"--format={fmt!r} is not a card format; use one of: {', '.join(FORMATS)}")
+
+    def show(value: str | SecretStr) -> str:
+        if isinstance(value, SecretStr):
+            return value.get_secret_value() if reveal else envmod.REDACTED
+        return value
+
+    rows = [(name, show(value)) for name, value, _ in card.entries()]
+    hidden = not reveal and any(secret for _, _, secret in card.entries())
+    if fmt == "json":
+        return json.dumps(dict(rows), indent=2)
+    if fmt == "env":
+        head = [f"# join card of run {card.run}: source it, then start a worker"]
+        if hidden:
+            head.append("# secrets redacted; the operator can print them with --reveal")
+        return "\n".join(head + [f"{k}={shlex.quote(v)}" for k, v in rows])
+    width = max(len(k) for k, _ in rows)
+    lines = [f"Join card for run {card.run}", ""] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    if not card.retriever_url:
+        lines.append(f"  {'DRL_RETRIEVER_URL'.ljust(width)}  (not set; the fleet task needs one: "
+                     "--retriever-url or DRL_RETRIEVER_URL)")
+    if hidden:
+        lines += ["", "Secrets are redacted; rerun with --reveal to include them (hand the card over privately)."]
+    return "\n".join(lines)
+
+
+def write_card(text: str, out: str | Path) -> Path:
+    """Write `text` to `out` with mode 0600: a private temp file (mkstemp makes it 0600) renamed into place,
+    so the card is never readable by others, not even for an instant, whatever the umask or old file."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def joincard(repo_root: str | Path, *, run: str | None = None, store: str | None = None,
+             env_file: str | None = None, fmt: str = "text", reveal: bool = False, out: str | None = None,
+             retriever_url: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The `invoke joincard` flow: load the environment, open the store, build and render (and write) the card."""
+    if fmt not in FORMATS:
+        raise JoinCardError(f"--format={fmt!r} is not a card format; use one of: {', '.join(FORMATS)}")
+    env = envmod.load_env(environ, env_file=env_file, repo_root=repo_root)
+    run = run or envmod.parse_env(env).require_run()
+    url = envmod.check_store_url(store) if store else envmod.default_store_url(env, repo_root)
+    card = build_card(open_store(url, env), run, env, retriever_url=retriever_url)
+    text = render(card, fmt, reveal)
+    if out:
+        write_card(text, out)
+    return text

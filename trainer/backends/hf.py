@@ -1,0 +1,163 @@
+"""The transformers backend: CPU and one GPU, for small models and the embedded default.
+
+The policy keeps float32 master weights (an lr-1e-6 Adam update is below half a bf16 ulp for most
+weights, so bf16 master weights would not learn); on CUDA the forward runs under bf16 autocast when the
+recipe's dtype is bfloat16. Published weights are cast to the recipe's dtype. The reference policy is a
+frozen copy of the loaded weights in the compute dtype. Logits are divided by the sampling temperature
+and reduced over the vocabulary in chunks (`token_logprobs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..batch import TrainBatch
+from .base import Backend, LossFn, combine_metrics, token_logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..config import RecipeConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _pick_device(device: str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class HFBackend(Backend):
+    name = "hf"
+
+    def __init__(self, model: PreTrainedModel, cfg: RecipeConfig, *, device: str | None = None):
+        self.cfg = cfg
+        self.device = _pick_device(device)
+        self.publish_dtype = _DTYPES[cfg.model.dtype]
+        on_cuda = self.device.type == "cuda"
+        # bf16 compute only on CUDA; CPU autocast to bf16 is slow and the CPU path serves tiny models
+        self.compute_dtype = self.publish_dtype if on_cuda else torch.float32
+        self.model = model.to(device=self.device, dtype=torch.float32)
+        self.model.eval()  # no dropout: the learner's log-probs must match the sampler's
+        if cfg.train.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.reference = copy.deepcopy(self.model).to(self.compute_dtype).eval()
+        self.reference.requires_grad_(False)
+        algo = cfg.algo
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=algo.lr, weight_decay=algo.weight_decay, betas=(0.9, 0.999), eps=1e-8,
+        )
+        self._check_head(self.model)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, cfg: RecipeConfig, *, device: str | None = None) -> HFBackend:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        return cls(model, cfg, device=device)
+
+    @staticmethod
+    def _check_head(model: PreTrainedModel) -> None:
+        for attr in ("final_logit_softcapping", "logit_scale"):
+            if getattr(model.config, attr, None) not in (None, 1.0):
+                raise ValueError(f"model config {attr}={getattr(model.config, attr)!r}: the hf backend computes "
+                                 "log-probs from the plain output embedding and does not apply it")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    # -- forward -----------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.device.type == "cuda" and self.compute_dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def _response_logp(self, model: PreTrainedModel, mb: TrainBatch) -> torch.Tensor:
+        with self._autocast():
+            hidden = model.base_model(
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
+            ).last_hidden_state
+        rows, cols, pos = mb.response_index()
+        targets = mb.input_ids[rows, pos + 1]
+        head = model.get_output_embeddings()
+        lp = token_logprobs(hidden[rows, pos], head.weight, targets, self.cfg.algo.temperature,
+                            bias=head.bias, chunk_size=self.cfg.train.vocab_chunk)
+        out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
+        return out.index_put((rows, cols), lp)
+
+    def _micro_batches(self, batch: TrainBatch):
+        step = max(1, self.cfg.train.micro_batch_size)
+        for start in range(0, batch.rows, step):
+            yield batch.select(start, min(start + step, batch.rows))
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
+        model = self.reference if reference else self.model
+        batch = batch.to(self.device)
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
+        row = 0
+        for mb in self._micro_batches(batch):
+            lp = self._response_logp(model, mb)
+            out[row : row + mb.rows, : lp.shape[1]] = lp
+            row += mb.rows
+        return out
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        batch = batch.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = []
+        for mb in self._micro_batches(batch):
+            logp = self._response_logp(self.model, mb)
+            loss, metrics = loss_fn(logp, mb)
+            (loss * (mb.rows / batch.rows)).backward()
+            parts.append((mb.rows, metrics))
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.algo.grad_clip)
+        out = combine_metrics(parts)
+        out["grad_norm"] = float(grad_norm)
+        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if math.isfinite(out["grad_norm"]):
+            self.optimizer.step()
+        else:  # one bad batch must not poison the weights; the step is skipped and reported
+            log.warning("non-finite gradient norm; optimizer step skipped")
+            out["skipped"] = 1.0
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
+
+    # -- weights and state -------------------------------------------------------------------------
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for name, tensor in self.model.state_dict().items():
+            ident = (tensor.data_ptr(), tuple(tensor.shape))
+            if ident in seen:  # tied weights (lm_head = embed_tokens) are published once, as HF saves them
+                continue
+            seen.add(ident)
+            copy_ = tensor.detach().to(device="cpu", dtype=self.publish_dtype)
+            if copy_.data_ptr() == tensor.data_ptr():  # same device and dtype: never hand out the live weights
+                copy_ = copy_.clone()
+            out[name] = copy_.contiguous()
+        return out
+
+    def save_checkpoint(self, path: Path) -> None:
+        torch.save(self.model.state_dict(), Path(path) / "model.pt")
+        torch.save(self.optimizer.state_dict(), Path(path) / "optimizer.pt")
+
+    def load_checkpoint(self, path: Path) -> None:
+        path = Path(path)
+        state = torch.load(path / "model.pt", map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state)
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device,
+                                                  weights_only=True))

@@ -1,0 +1,97 @@
+"""Test-only shims that let megatron-core run on a CPU-only torch (CI has no GPU).
+
+megatron-core has no CPU path: a few calls assume CUDA (research/megatron_and_r2.md, Part 1d). These
+replacements live here, in tests, and nowhere in the product: the product runs on a CUDA host.
+
+- `torch.cuda.current_device` -> the CPU device (rotary `inv_freq`, the global memory buffer, DCP saver);
+- `torch.cuda.synchronize` -> no-op (the torch_dist writer's tensor preload);
+- the model-parallel RNG tracker is created with `inference_rng_tracker=True`, whose `fork()` does
+  nothing, instead of `model_parallel_cuda_manual_seed` (which asserts CUDA).
+
+`install()` is idempotent and must run in every process that touches megatron (spawned writers too:
+`init_distributed` re-installs through `tests.megatron_cpu` being imported by the child's target).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Patch the CUDA calls megatron-core makes unconditionally (no-op on a CUDA build)."""
+    global _INSTALLED
+    if _INSTALLED or torch.cuda.is_available():
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    _INSTALLED = True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None, tp: int = 1) -> None:
+    """gloo process group on loopback + megatron model-parallel state + the no-op RNG tracker."""
+    install()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    if not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port or free_port())
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def shutdown_distributed() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def make_tiny_qwen2(out_dir, *, tied: bool = True, rope_theta: float = 1e6, vocab: int = 128, hidden: int = 64,
+                    layers: int = 2, heads: int = 4, kv_heads: int = 2, ffn: int = 96, seed: int = 0,
+                    dtype=None):
+    """A random Qwen2ForCausalLM saved as an HF directory (safetensors, config.json, tokenizer.json,
+    tokenizer_config.json with a chat template). Norm weights and biases are randomised too, so a
+    mapping that drops or swaps them changes the logits. Returns the model (eager attention, fp32)."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=rope_theta,
+                      tie_word_embeddings=tied, max_position_embeddings=256)
+    cfg._attn_implementation = "eager"
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.5)
+    if dtype is not None:
+        model = model.to(dtype)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"}))
+    return model

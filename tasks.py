@@ -19,3 +19,7 @@ for _t in (ops_tasks.status, ops_tasks.plot, ops_tasks.gc):
 from infra import retriever_tasks  # noqa: E402  (BM25 retriever for the PaperSearchQA fleet)
 
 ns.add_collection(retriever_tasks.ns)
+
+from infra import convert_tasks  # noqa: E402  (HF -> Megatron torch_dist conversion)
+
+ns.add_task(convert_tasks.convert)

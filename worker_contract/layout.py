@@ -31,7 +31,7 @@ SEGMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 def check_run_id(run: str) -> str:
     """Validate a run id (the `DRL_RUN` value) as a bucket prefix."""
-    if not isinstance(run, str) or not RUN_ID_RE.match(run):
+    if not isinstance(run, str) or not RUN_ID_RE.fullmatch(run):
         raise ValueError(
             f"DRL_RUN={run!r} is not a valid run id: use 1-63 characters of lowercase letters, digits, "
             "'.', '_' or '-', starting with a letter or digit (for example DRL_RUN=gsm8k-2026-11-30a)"
@@ -40,7 +40,7 @@ def check_run_id(run: str) -> str:
 
 
 def check_segment(value: str, what: str) -> str:
-    if not isinstance(value, str) or not SEGMENT_RE.match(value):
+    if not isinstance(value, str) or not SEGMENT_RE.fullmatch(value):
         raise ValueError(
             f"{what}={value!r} is not a valid key segment: use 1-128 characters of letters, digits, "
             "'.', '_' or '-', starting with a letter or digit"
@@ -55,7 +55,7 @@ def _v(version: int) -> str:
 
 
 def _parse_v(text: str) -> int:
-    if len(text) != VERSION_DIGITS + 1 or text[0] != "v" or not text[1:].isdigit():
+    if len(text) != VERSION_DIGITS + 1 or text[0] != "v" or not (text[1:].isascii() and text[1:].isdigit()):
         raise ValueError(f"{text!r} is not a version segment like v{1:0{VERSION_DIGITS}d}")
     return int(text[1:])
 

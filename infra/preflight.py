@@ -1,0 +1,202 @@
+"""`nox -s preflight` / `invoke preflight` / `python -m infra.preflight`: check a launch before it happens.
+
+Reads the resolved launch, either piped from a dry run
+
+    DRL_DRY_RUN=1 make psqa RUN=<id> HOST=<box> | DRL_PREFLIGHT_PROFILE=fleet nox -s preflight
+
+or resolved here from a recipe and the environment (`--recipe psqa`), and checks it against the profile
+DRL_PREFLIGHT_PROFILE names (`quickstart` or `fleet`). Prints one row per check (PASS / FAIL / WARN, the
+value seen, the value required, and for every FAIL the exact fix) and exits 1 on any FAIL. No secret is
+printed: every line passes through the contract's redaction, and a final guard refuses to print a line
+that still holds a credential.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROFILE_VAR = "DRL_PREFLIGHT_PROFILE"
+#: recipe name -> the profile it launches under when DRL_PREFLIGHT_PROFILE is unset
+DEFAULT_PROFILE = {"gsm8k": "quickstart", "psqa": "fleet"}
+
+
+def _checks():
+    """(check function, profiles it runs in, needs a box) in report order."""
+    from infra import preflight_checks as c
+    from infra import preflight_env as e
+
+    both, quick, fleet = {"quickstart", "fleet"}, {"quickstart"}, {"fleet"}
+    return [
+        (c.check_n_samples, both, False), (c.check_plane, both, False), (c.check_kv_mode, both, False),
+        (c.check_contract_agrees, both, False),
+        (c.check_save_interval, fleet, False), (c.check_dual_clip, both, False), (c.check_gate, both, False),
+        (c.check_reducer, both, False), (c.check_no_save_hf, both, False),
+        (c.check_algo, quick, False), (c.check_batch, quick, False),
+        (c.check_rotary, both, False), (c.check_vocab_tokenizer, both, False),
+        (e.check_credentials, both, False), (e.check_store, both, False), (e.check_bucket, both, False),
+        (e.check_run_id, both, False), (e.check_base_anchor, both, False),
+        (e.check_gpu, both, True), (e.check_disk, both, True), (e.check_ray_dashboard, both, True),
+    ]
+
+
+def ssh_runner(host: str, ssh_key: str | None = None) -> Callable[[str], tuple[int, str]]:
+    """Run shell commands on `host` over SSH (Fabric); returns (exit code, stdout)."""
+    from fabric import Connection
+
+    kwargs = {"key_filename": ssh_key} if ssh_key else {}
+    conn = Connection(host, connect_kwargs=kwargs, connect_timeout=15)
+
+    def run(cmd: str) -> tuple[int, str]:
+        r = conn.run(cmd, hide=True, warn=True, in_stream=False)
+        return r.exited, r.stdout
+
+    return run
+
+
+def build_context(plan, *, profile: str, env: Mapping[str, str] | None = None, env_file: str | None = None,
+                  store: str | None = None, hf_dir: str | None = None, host: str | None = None,
+                  run_box: Callable[[str], tuple[int, str]] | None = None, ssh_key: str | None = None):
+    """Everything the checks read: the plan, its recipe, the local credentials, the store and run.json."""
+    from infra.preflight_checks import PROFILES, Context
+    from trainer.config import RecipeConfig
+    from worker_contract.env import EnvError, default_store_url, load_env, redact
+    from worker_contract.manifest import load_manifest
+    from worker_contract.store import NotFound, open_store
+
+    if profile not in PROFILES:
+        raise ValueError(f"{PROFILE_VAR}={profile!r} is not a profile; known: {', '.join(sorted(PROFILES))}")
+    cfg = RecipeConfig.model_validate(plan.recipe)
+    base = dict(os.environ if env is None else env)
+    env_path = Path(env_file) if env_file else REPO_ROOT / ".r2env"
+    env_error = None
+    try:
+        effective = load_env(base, env_file=env_file, repo_root=REPO_ROOT)
+    except EnvError as e:
+        effective, env_error = base, str(e)
+    url = store or cfg.store or default_store_url(effective, REPO_ROOT)
+    host = host or plan.host
+    if host and run_box is None:
+        run_box = ssh_runner(host, ssh_key)
+    local_hf = hf_dir or (cfg.model.path if cfg.model.path and Path(cfg.model.path).is_dir() else None)
+    ctx = Context(plan=plan, cfg=cfg, profile=PROFILES[profile], env=effective, env_file=env_path,
+                  env_error=env_error, store_url=url, hf_dir=Path(local_hf) if local_hf else None, run_box=run_box)
+    try:
+        ctx.store = open_store(url, effective)
+        ctx.manifest = load_manifest(ctx.store, plan.run)
+    except NotFound:
+        ctx.manifest = None
+    except Exception as e:  # reported by the bucket check, redacted
+        ctx.facts["store_error"] = f"{url}: {type(e).__name__}: {redact(str(e))[:300]}"
+    return ctx
+
+
+def run_checks(ctx) -> list:
+    """Every check of the profile, in order; a check that crashes is a FAIL row naming the crash."""
+    from infra.preflight_checks import Row
+    from worker_contract.env import redact
+
+    rows = []
+    for fn, profiles, needs_box in _checks():
+        if ctx.profile.name not in profiles or (needs_box and ctx.run_box is None):
+            continue
+        try:
+            row = fn(ctx)
+        except Exception as e:  # a check must never hide the others
+            row = Row(check=fn.__name__.removeprefix("check_"), status="FAIL",
+                      seen=f"check crashed: {type(e).__name__}: {e}", required="-",
+                      fix="fix the input named above (the check could not read it)")
+        rows.append(row.model_copy(update={k: redact(getattr(row, k)) for k in ("seen", "required", "fix")}))
+    return rows
+
+
+def render_rows(rows, profile: str, secrets: list[str]) -> str:
+    """Fixed-width text (a pipe-friendly table); refuses to return text holding a secret."""
+    w = max((len(r.check) for r in rows), default=10)
+    lines = [f"stoa preflight, profile {profile}", f"{'':4}  {'check':<{w}}  seen  ->  required"]
+    for r in rows:
+        lines.append(f"{r.status:<4}  {r.check:<{w}}  {r.seen}  ->  {r.required}")
+        if r.status == "FAIL" and r.fix:
+            lines.append(f"{'':4}  {'':<{w}}  fix: {r.fix}")
+    counts = {s: sum(r.status == s for r in rows) for s in ("PASS", "WARN", "FAIL")}
+    verdict = "do NOT launch" if counts["FAIL"] else "the launch may go ahead"
+    lines.append(f"{counts['PASS']} PASS, {counts['WARN']} WARN, {counts['FAIL']} FAIL: {verdict}")
+    text = "\n".join(lines) + "\n"
+    if any(s and s in text for s in secrets):
+        raise AssertionError("a credential reached the preflight report; refusing to print it")
+    return text
+
+
+def _secrets(env: Mapping[str, str]) -> list[str]:
+    from worker_contract.env import SECRET_VARS
+
+    return [v for k, v in env.items() if k in SECRET_VARS and v and len(v) >= 4]
+
+
+def read_plan(args, stdin) -> object:
+    from infra.launch_plan import parse_plan
+
+    if args.recipe:
+        from infra.launch_plan import PlanError
+
+        try:
+            from trainer.launch import build_plan  # the launcher's own resolution, so both agree
+        except ImportError:
+            raise PlanError("--recipe needs the launcher (trainer.launch.build_plan), which this checkout "
+                            "lacks; pipe a dry run instead: DRL_DRY_RUN=1 make <recipe> RUN=<id> | "
+                            "nox -s preflight") from None
+        return build_plan(recipe=args.recipe, run=args.run, host=args.host)
+    if stdin.isatty():
+        raise SystemExit("preflight: pipe a dry run into it (DRL_DRY_RUN=1 make gsm8k RUN=<id> | nox -s preflight) "
+                         "or pass --recipe gsm8k|psqa")
+    return parse_plan(stdin.read())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m infra.preflight", description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", help="resolve this recipe here instead of reading a dry run on stdin")
+    p.add_argument("--run", help="run id with --recipe (default DRL_RUN)")
+    p.add_argument("--profile", help=f"quickstart | fleet (default ${PROFILE_VAR}, else by recipe)")
+    p.add_argument("--host", help="GPU box user@host for the box checks (default: the plan's host)")
+    p.add_argument("--ssh-key", help="SSH private key for the box")
+    p.add_argument("--hf-dir", help="local HF checkpoint dir for the model-identity checks")
+    p.add_argument("--env-file", help="credentials file (default .r2env in the repo root, mode 0600)")
+    p.add_argument("--store", help="store URL (default: the plan's, else DRL_STORE / R2 / file store)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, stdin=None, env: Mapping[str, str] | None = None) -> int:
+    args = parse_args(argv)
+    from infra.launch_plan import PlanError
+
+    env = dict(os.environ if env is None else env)
+    try:
+        plan = read_plan(args, stdin or sys.stdin)
+        profile = args.profile or env.get(PROFILE_VAR) or DEFAULT_PROFILE.get(plan.recipe.get("name"), "quickstart")
+        ctx = build_context(plan, profile=profile, env=env, env_file=args.env_file, store=args.store,
+                            hf_dir=args.hf_dir, host=args.host, ssh_key=args.ssh_key)
+    except (PlanError, ValueError) as e:
+        from worker_contract.env import redact
+
+        print(f"preflight: {redact(str(e))}", file=sys.stderr)
+        return 2
+    rows = run_checks(ctx)
+    secrets = _secrets(ctx.env)
+    if args.json:
+        import json
+
+        text = json.dumps({"profile": profile, "rows": [r.model_dump() for r in rows]}, indent=2) + "\n"
+        assert not any(s in text for s in secrets), "a credential reached the preflight report"
+    else:
+        text = render_rows(rows, profile, secrets)
+    sys.stdout.write(text)
+    return 1 if any(r.status == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

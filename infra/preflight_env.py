@@ -1,0 +1,182 @@
+"""Preflight checks of what surrounds the launch: credentials, the bucket, the run id, the base anchor, and
+the GPU box (over SSH, when a host is given). Each returns one `Row`; see `infra.preflight_checks`.
+"""
+
+from __future__ import annotations
+
+import shlex
+import stat
+import uuid
+
+from infra import slime_launch
+from infra.preflight_checks import Context, Row, _row, hf_config
+from worker_contract import layout
+from worker_contract.env import R2_VARS, redact
+
+#: RunManifest fields the run-id check compares; n_samples / plane / kv_mode / run are contract.agree's
+RESUME_FIELDS = ("task", "temperature", "top_p", "max_new_tokens", "staleness", "anchor_interval")
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0]
+
+
+def check_credentials(ctx: Context) -> Row:
+    """The store's credentials are present, and every file that holds them is private (0600)."""
+    scheme = _scheme(ctx.store_url)
+    problems, seen = [], []
+    if ctx.env_error:
+        problems.append(ctx.env_error)
+    elif ctx.env_file is not None and ctx.env_file.exists():
+        mode = stat.S_IMODE(ctx.env_file.stat().st_mode)
+        seen.append(f"{ctx.env_file} mode {mode:04o}")
+    if scheme == "r2":
+        missing = [v for v in R2_VARS if not ctx.env.get(v, "").strip()]
+        seen.append("R2 values: " + ("missing " + ", ".join(missing) if missing else "all four set"))
+        if missing:
+            problems.append(f"missing {', '.join(missing)}")
+    elif scheme == "s3":
+        have = any(ctx.env.get(k) for k in ("R2_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID", "AWS_PROFILE"))
+        seen.append("S3 keys " + ("set" if have else "missing"))
+        if not have:
+            problems.append("no R2_ACCESS_KEY_ID / AWS_ACCESS_KEY_ID")
+    else:
+        seen.append("file store: no credentials needed")
+    if ctx.run_box is not None:
+        path = f"{ctx.plan.remote_dir}/.r2env"
+        rc, out = ctx.run_box(f"stat -c %a {shlex.quote(path)} 2>/dev/null || echo absent")
+        box_mode = out.strip() or "absent"
+        seen.append(f"box {path} mode {box_mode}")
+        if box_mode not in ("600", "400", "absent"):
+            problems.append(f"box {path} mode {box_mode}")
+    fix = ("put R2_ACCOUNT_ID, R2_ACCESS_KEY_ID, R2_SECRET_ACCESS_KEY, R2_BUCKET in .r2env (see docs/r2-setup.md) "
+           "and make every credentials file private: chmod 600 .r2env"
+           + (f" (and on the box: chmod 600 {ctx.plan.remote_dir}/.r2env)" if ctx.run_box else ""))
+    return _row("credentials", not problems, "; ".join(seen + problems), "present, mode 0600", fix)
+
+
+def check_store(ctx: Context) -> Row:
+    """Workers on other machines can reach the store: a fleet (or a remote box) needs R2 / S3."""
+    remote = ctx.profile.name == "fleet" or ctx.plan.host is not None
+    ok = not remote or _scheme(ctx.store_url) in ("r2", "s3")
+    return _row("store", ok, ctx.store_url, "r2://<bucket> or s3://<bucket>" if remote else "any store",
+                "fill .r2env with the four R2 values (the store then defaults to r2://$R2_BUCKET) or set "
+                "DRL_STORE=r2://<bucket>: workers on other machines cannot reach a file store")
+
+
+def check_bucket(ctx: Context) -> Row:
+    """Reachable and writable: a create-only probe object under the run, read back, then removed."""
+    key = layout.probe_key(ctx.plan.run, f"preflight-{uuid.uuid4().hex[:12]}")
+    fix = ("check R2_BUCKET names an existing bucket and that the API token has Object Read & Write on it "
+           "(R2 dashboard > API tokens); for s3:// check DRL_S3_ENDPOINT")
+    if ctx.store is None:
+        return _row("bucket", False, ctx.facts.get("store_error", "store not opened"), "reachable and writable", fix)
+    body = b"stoa preflight probe: safe to delete\n"
+    try:
+        ctx.store.put_if_absent(key, body)
+        try:
+            back = ctx.store.get(key)
+        finally:
+            ctx.store.delete(key)
+        gone = ctx.store.head(key) is None
+    except Exception as e:  # any failure here is the finding itself; the message is shown redacted
+        return _row("bucket", False, f"{ctx.store_url}: {type(e).__name__}: {redact(str(e))[:300]}",
+                    "reachable and writable", fix)
+    ok = back == body and gone
+    ctx.bucket_ok = ok
+    return _row("bucket", ok, f"{ctx.store_url}: probe written, read back, removed" if ok else
+                f"{ctx.store_url}: probe {'did not read back' if back != body else 'was not removed'}",
+                "reachable and writable", fix)
+
+
+def _requested(ctx: Context) -> dict[str, object]:
+    a = ctx.cfg.algo
+    out: dict[str, object] = {"task": ctx.cfg.task, "temperature": a.temperature, "top_p": a.top_p,
+                              "max_new_tokens": a.max_new_tokens, "staleness": a.staleness,
+                              "anchor_interval": ctx.cfg.train.anchor_interval}
+    return out
+
+
+def check_run_id(ctx: Context) -> Row:
+    """Fresh, or resumable: run.json's contract is the one this launch would publish."""
+    run = ctx.plan.run
+    if not ctx.bucket_ok:
+        return Row(check="run_id", status="WARN", seen=f"{run}: not checked (bucket check failed)",
+                   required="fresh, or identical contract")
+    if ctx.manifest is None:
+        return _row("run_id", True, f"{run}: fresh (no run.json)", "fresh, or identical contract", "")
+    want = _requested(ctx)
+    diff = [(k, getattr(ctx.manifest, k), v) for k, v in want.items() if getattr(ctx.manifest, k) != v]
+    seen = (f"{run}: published, " + ("contract identical (resume)" if not diff else
+            "; ".join(f"{k} published {a!r}, launch {b!r}" for k, a, b in diff)))
+    return _row("run_id", not diff, seen, "fresh, or identical contract",
+                f"choose a fresh run id (DRL_RUN={run}-b), or launch with the values run.json holds")
+
+
+def check_base_anchor(ctx: Context) -> Row:
+    """v1 (or a later anchor) is in the bucket, or the launch can publish it from the model it names."""
+    if not ctx.bucket_ok:
+        return Row(check="base_anchor", status="WARN", seen="not checked (bucket check failed)",
+                   required="present or publishable")
+    from infra.ops.status import list_anchors, read_pointer
+
+    run = ctx.plan.run
+    anchors = list_anchors(ctx.store, run)
+    pointer, _ = read_pointer(ctx.store, run)
+    usable = [v for v in anchors if pointer is None or v <= pointer]
+    if usable:
+        return _row("base_anchor", True, f"present: v{usable[-1]}", "present or publishable", "")
+    m = ctx.cfg.model
+    source = m.path or m.hf_id
+    seen = f"absent; launch publishes v1 from {source}" if source else "absent, and the recipe names no model"
+    if pointer is not None:
+        seen = f"pointer v{pointer} but no anchor at or below it"
+    return _row("base_anchor", bool(source) and pointer is None, seen, "present or publishable",
+                "set model.hf_id in the recipe or pass MODEL=/path/to/hf-dir; a run whose pointer has no anchor "
+                "is damaged: start a fresh DRL_RUN")
+
+
+# -- the box --------------------------------------------------------------------------------------------
+def check_gpu(ctx: Context) -> Row:
+    assert ctx.run_box is not None
+    rc, out = ctx.run_box("nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1")
+    gpus = [ln.strip() for ln in out.splitlines() if ln.strip()] if rc == 0 else []
+    need = ctx.cfg.train.tensor_parallel
+    seen = "; ".join(gpus) if gpus else f"none (nvidia-smi rc {rc}: {out.strip()[:120]})"
+    return _row("box.gpu", len(gpus) >= need, seen, f"at least {need} CUDA GPU(s)",
+                "use a GPU box with the NVIDIA driver and the slime image (nvidia-smi must list the GPU); "
+                "in a container, start it with --gpus all")
+
+
+def check_disk(ctx: Context) -> Row:
+    assert ctx.run_box is not None
+    d = shlex.quote(ctx.plan.remote_dir)
+    rc, out = ctx.run_box(f'd={d}; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; df -Pk "$d" | tail -1')
+    try:
+        free_gb = int(out.split()[3]) * 1024 / 1e9
+    except (IndexError, ValueError):
+        return _row("box.disk", False, f"df failed (rc {rc})", "", "check the box: df -h must work", warn=True)
+    need = ctx.profile.min_free_disk_gb
+    return _row("box.disk", free_gb >= need, f"{free_gb:.0f} GB free under {ctx.plan.remote_dir}",
+                f">= {need:.0f} GB", f"free disk on the box or rent a larger disk (need {need:.0f} GB for the "
+                "model, its Megatron copy, checkpoints and logs)")
+
+
+def check_ray_dashboard(ctx: Context) -> Row:
+    """A Ray dashboard already running must listen on localhost only; the launch itself submits there."""
+    assert ctx.run_box is not None
+    port = slime_launch.DASHBOARD.rsplit(":", 1)[1]
+    rc, out = ctx.run_box(f"(ss -ltnH 2>/dev/null || netstat -ltn 2>/dev/null) | grep -E '[:.]{port}\\b' || true")
+    listeners = [ln.split()[3] if len(ln.split()) > 3 else ln for ln in out.splitlines() if ln.strip()]
+    public = [a for a in listeners if not a.startswith(("127.", "[::1]", "::1", "localhost"))]
+    address_ok = slime_launch.DASHBOARD in ctx.plan.command
+    seen = ("listening on " + ", ".join(listeners)) if listeners else "not running (the launch starts it)"
+    if not address_ok:
+        seen += "; launch command does not submit to " + slime_launch.DASHBOARD
+    return _row("box.ray_dashboard", not public and address_ok, seen, f"127.0.0.1:{port} only",
+                "stop the exposed Ray (`ray stop` on the box); the launch restarts it with "
+                "--dashboard-host 127.0.0.1 (reach it through `ssh -L 8265:127.0.0.1:8265`)")
+
+
+__all__ = ["check_credentials", "check_store", "check_bucket", "check_run_id", "check_base_anchor",
+           "check_gpu", "check_disk", "check_ray_dashboard", "hf_config"]

@@ -1,0 +1,170 @@
+"""PULSE patches: lossless sparse updates between two states of one weight plane.
+
+    patch = encode_patch(old, new, base_version=4, target_version=5)
+    new2 = apply_patch(old, patch)          # bit-identical to `new`; `old` is left as it was
+
+Both accept numpy arrays or torch tensors (of any dtype) and return the kind they were given; the core is
+numpy so a worker needs no torch. A patch names its base and target versions and the digests of its base
+and result; `apply_patch` checks the base before and the result after, and raises `PatchError` (leaving the
+caller's state untouched) on a wrong base, a truncated or corrupted patch, or a failed signature check.
+Format: docs/pulse.md. Coding: codec.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import signing
+from ..tensors import digest_of_entries, dtype_name, np_dtype, state_from_numpy, state_to_numpy, tensor_sha256
+from . import codec
+from .format import (
+    FORMAT,
+    PatchError,
+    PatchHeader,
+    TensorPatch,
+    compress_streams,
+    decompress_streams,
+    pack,
+    pack_raw,
+    signing_message,
+    split,
+)
+from .format import check_body as _check_body
+
+__all__ = ["FORMAT", "PatchError", "PatchHeader", "encode_patch", "apply_patch", "read_header",
+           "sign_patch", "verify_patch_signature", "patch_stats"]
+
+
+def _check_names(old: Mapping, new: Mapping) -> None:
+    added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+    if added or removed:
+        raise PatchError(
+            "a patch joins two states with the same tensor names; "
+            + (f"added: {', '.join(added)}; " if added else "")
+            + (f"removed: {', '.join(removed)}; " if removed else "")
+            + "publish a new anchor for a change of architecture"
+        )
+
+
+def encode_patch(old: Mapping[str, Any], new: Mapping[str, Any], *, base_version: int | None = None,
+                 target_version: int | None = None, base_entries: list[dict] | None = None) -> bytes:
+    """The patch that turns `old` into `new` (unsigned; see `sign_patch`).
+
+    `base_entries` (per-tensor records of `old` the caller already holds, e.g. the previous patch's result)
+    spare hashing `old` again.
+    """
+    o, _ = state_to_numpy(old)
+    n, _ = state_to_numpy(new)
+    _check_names(o, n)
+    base_sha = {e["name"]: e["sha256"] for e in base_entries} if base_entries is not None else {}
+    families: dict[str, list[bytes]] = {}
+    tensors, base_rows, result_rows = [], [], []
+    for name in sorted(n):
+        a, b = o[name], n[name]
+        dt = dtype_name(a)
+        if dtype_name(b) != dt or a.shape != b.shape:
+            raise PatchError(f"tensor {name}: base is {dt}{list(a.shape)}, result is {dtype_name(b)}{list(b.shape)}; "
+                             "a patch cannot change a dtype or shape (publish a new anchor)")
+        coded = codec.encode_tensor(a, b, dt)
+        for fam, chunk in coded.chunks.items():
+            families.setdefault(fam, []).append(chunk)
+        bsha = base_sha.get(name) or tensor_sha256(a)
+        rsha = tensor_sha256(b)
+        tensors.append(TensorPatch(
+            name=name, dtype=dt, shape=list(a.shape), unit=coded.unit, count=coded.count, changed=coded.changed,
+            threshold=coded.threshold, candidates=coded.candidates, changed_in=coded.changed_in,
+            gap_bytes=coded.gap_bytes, lengths={f: len(c) for f, c in coded.chunks.items()},
+            base_sha256=bsha, sha256=rsha))
+        base_rows.append({"name": name, "dtype": dt, "shape": list(a.shape), "sha256": bsha})
+        result_rows.append({"name": name, "dtype": dt, "shape": list(a.shape), "sha256": rsha})
+    streams, body = compress_streams(families)
+    header = PatchHeader(
+        base_version=base_version, target_version=target_version,
+        base_digest=digest_of_entries(base_rows), result_digest=digest_of_entries(result_rows),
+        body_sha256=hashlib.sha256(body).hexdigest(), body_size=len(body), streams=streams, tensors=tensors)
+    return pack(header, body)
+
+
+def read_header(patch: bytes) -> PatchHeader:
+    """The header of a patch (framing checked; body and signature not)."""
+    return split(patch)[1]
+
+
+def sign_patch(patch: bytes, key) -> bytes:
+    """The same patch with an Ed25519 signature over its header (which pins the body by its sha256)."""
+    hb, _header, _sig, body = split(patch)
+    return pack_raw(hb, signing.sign(key, signing_message(hb)), body)
+
+
+def verify_patch_signature(patch: bytes, public_b64: str) -> PatchHeader:
+    """The header, if the patch is signed by the run's key and its body matches; PatchError otherwise."""
+    hb, header, sig, body = split(patch)
+    try:
+        signing.verify(public_b64, signing_message(hb), sig or None)
+    except signing.SignatureError as e:
+        raise PatchError(f"PULSE patch refused: {e}") from None
+    _check_body(header, body)
+    return header
+
+
+def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: str | None = None,
+                public_key: str | None = None) -> dict[str, Any]:
+    """The state the patch produces from `old`, as a new dict of new tensors.
+
+    Refuses (PatchError) a patch for another base, a truncated or corrupted one, and (with `public_key`)
+    an unsigned or forged one. `verified_base_digest`: the digest the caller already checked `old` to have
+    (a follower keeps it from its last step), which spares hashing `old` again.
+    """
+    hb, header, sig, body = split(patch)
+    if public_key is not None:
+        verify_patch_signature(patch, public_key)
+    _check_body(header, body)
+    o, as_torch = state_to_numpy(old)
+    _check_names(o, {t.name: None for t in header.tensors})
+    for t in header.tensors:
+        a = o[t.name]
+        if dtype_name(a) != t.dtype or list(a.shape) != t.shape:
+            raise PatchError(f"wrong base for this patch: tensor {t.name} is {dtype_name(a)}{list(a.shape)}, "
+                             f"the patch expects {t.dtype}{t.shape}")
+    if verified_base_digest is None or verified_base_digest != header.base_digest:
+        for t in header.tensors:
+            if tensor_sha256(o[t.name]) != t.base_sha256:
+                raise PatchError(f"wrong base for this patch (v{header.base_version} -> v{header.target_version}): "
+                                 f"tensor {t.name} differs from the base it was made against")
+    streams = decompress_streams(header, body)
+    cursors = dict.fromkeys(streams, 0)
+    result: dict[str, np.ndarray] = {}
+    for t in header.tensors:
+        chunks = {}
+        for fam, ln in t.lengths.items():
+            if fam not in streams or cursors[fam] + ln > len(streams[fam]):
+                raise PatchError(f"corrupted PULSE patch: stream {fam} is short for tensor {t.name}")
+            chunks[fam] = streams[fam][cursors[fam]:cursors[fam] + ln]
+            cursors[fam] += ln
+        try:
+            w = codec.decode_tensor(o[t.name], _coded(t), t.dtype, chunks)
+        except codec.CodecError as e:
+            raise PatchError(f"tensor {t.name}: {e}") from None
+        arr = w.view(np_dtype(t.dtype)).reshape(t.shape)
+        if tensor_sha256(arr) != t.sha256:
+            raise PatchError(f"patch result for tensor {t.name} does not match its digest (corrupted patch or base)")
+        result[t.name] = arr
+    return state_from_numpy(result, as_torch)
+
+
+def _coded(t: TensorPatch) -> codec.Coded:
+    return codec.Coded(unit=t.unit, count=t.count, changed=t.changed, threshold=t.threshold,
+                       candidates=t.candidates, changed_in=t.changed_in, gap_bytes=t.gap_bytes)
+
+
+def patch_stats(patch: bytes) -> dict:
+    """Counts for metrics: bytes, changed words, total words, sparsity."""
+    h = read_header(patch)
+    changed = sum(t.changed for t in h.tensors)
+    total = sum(t.count for t in h.tensors)
+    return {"bytes": len(patch), "changed": changed, "words": total,
+            "sparsity": 1.0 - changed / total if total else 1.0}

@@ -1,0 +1,144 @@
+"""The PULSE patch container (format 1), documented in docs/pulse.md.
+
+    magic      8 bytes   b"STOAPLS" + format byte (1)
+    hlen       u32 LE    length of the header
+    header     hlen bytes of compact JSON (`PatchHeader`): versions, digests, per-tensor coding, streams
+    slen       u32 LE    length of the signature (0 = unsigned)
+    signature  slen bytes, base64 Ed25519 over b"stoa-pulse-header\\0" + header
+    body       the zstd frames of the streams, back to back, as the header's `streams` lists them
+
+The header carries the sha256 of the body, so a signature over the header covers the whole patch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import zstandard
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+FORMAT = 1
+MAGIC = b"STOAPLS" + bytes([FORMAT])
+_SIG_CONTEXT = b"stoa-pulse-header\0"
+MAX_HEADER_BYTES = 64 << 20
+ZSTD_LEVEL = 3
+
+
+class PatchError(ValueError):
+    """A patch that is malformed, truncated, corrupted, unsigned/forged, or meant for another base."""
+
+
+class StreamInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Stream family: gapJ / valJ (byte plane J of gaps / zigzag deltas), bitmap.")
+    offset: int = Field(ge=0, description="Start of its zstd frame in the body.")
+    size: int = Field(ge=0, description="Compressed bytes.")
+    raw_size: int = Field(ge=0, description="Decompressed bytes (the decoder refuses more).")
+
+
+class TensorPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Tensor name in the plane.")
+    dtype: str = Field(description="Canonical dtype name (torch spelling: bfloat16, float32, uint32, bool...).")
+    shape: list[int] = Field(description="Shape; equal in base and result.")
+    unit: int = Field(description="Bytes per diffed word (the itemsize, or 1 for packed unsigned codes).")
+    count: int = Field(ge=0, description="Words in the tensor.")
+    changed: int = Field(ge=0, description="Words whose bits differ between base and result.")
+    threshold: int = Field(0, ge=0, description="Sign-stripped-bits threshold of the candidate set; 0 = none.")
+    candidates: int = Field(0, ge=0, description="Size of the candidate set (a check on the base).")
+    changed_in: int = Field(0, ge=0, description="Changed words inside the candidate set.")
+    gap_bytes: int = Field(4, description="Width of a gap before byte-plane split (4, or 8 past 2^32 words).")
+    lengths: dict[str, int] = Field(default_factory=dict, description="Bytes this tensor takes in each stream.")
+    base_sha256: str = Field(description="sha256 of the base tensor's bytes.")
+    sha256: str = Field(description="sha256 of the result tensor's bytes.")
+
+
+class PatchHeader(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: int = Field(FORMAT, description="Container format version (also the magic's last byte).")
+    codec: str = Field("stoa-pulse", description="Codec family name.")
+    base_version: int | None = Field(None, description="Version the patch applies to.")
+    target_version: int | None = Field(None, description="Version it produces.")
+    base_digest: str = Field(description="State digest of the base (tensors.digest_of_entries).")
+    result_digest: str = Field(description="State digest of the result.")
+    body_sha256: str = Field(description="sha256 of the body (all stream frames).")
+    body_size: int = Field(ge=0, description="Bytes of the body.")
+    streams: list[StreamInfo] = Field(description="Stream frames in body order.")
+    tensors: list[TensorPatch] = Field(description="Every tensor of the state, sorted by name.")
+
+
+def signing_message(header_bytes: bytes) -> bytes:
+    return _SIG_CONTEXT + header_bytes
+
+
+def pack(header: PatchHeader, body: bytes, signature: str = "") -> bytes:
+    return pack_raw(header.model_dump_json().encode(), signature, body)
+
+
+def pack_raw(header_bytes: bytes, signature: str, body) -> bytes:
+    """Frame exact header bytes (as signed) with a signature and the body."""
+    sb = signature.encode()
+    return b"".join([MAGIC, struct.pack("<I", len(header_bytes)), header_bytes, struct.pack("<I", len(sb)), sb,
+                     bytes(body)])
+
+
+def split(patch: bytes) -> tuple[bytes, PatchHeader, str, memoryview]:
+    """(header bytes, header, signature, body) of a patch; PatchError on any damage to the framing."""
+    mv = memoryview(patch)
+    if len(mv) < 12 or bytes(mv[:7]) != MAGIC[:7]:
+        raise PatchError("not a PULSE patch (bad magic)")
+    if mv[7] != FORMAT:
+        raise PatchError(f"PULSE patch format {mv[7]} is not supported (this reader knows format {FORMAT})")
+    (hlen,) = struct.unpack_from("<I", mv, 8)
+    if hlen > MAX_HEADER_BYTES or 12 + hlen + 4 > len(mv):
+        raise PatchError("truncated PULSE patch (header)")
+    hb = bytes(mv[12:12 + hlen])
+    (slen,) = struct.unpack_from("<I", mv, 12 + hlen)
+    start = 16 + hlen + slen
+    if start > len(mv):
+        raise PatchError("truncated PULSE patch (signature)")
+    sig = bytes(mv[16 + hlen:start]).decode("ascii", errors="replace")
+    try:
+        header = PatchHeader.model_validate_json(hb)
+    except ValidationError as e:
+        raise PatchError(f"corrupted PULSE patch header: {e.errors()[0]['msg']}") from None
+    body = mv[start:]
+    if len(body) != header.body_size:
+        raise PatchError(f"truncated PULSE patch: body has {len(body)} bytes, header says {header.body_size}")
+    return hb, header, sig, body
+
+
+def check_body(header: PatchHeader, body: memoryview) -> None:
+    if hashlib.sha256(body).hexdigest() != header.body_sha256:
+        raise PatchError("corrupted PULSE patch: the body's sha256 does not match its header")
+
+
+def compress_streams(families: dict[str, list[bytes]]) -> tuple[list[StreamInfo], bytes]:
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    infos, frames, offset = [], [], 0
+    for name in sorted(families):
+        raw = b"".join(families[name])
+        frame = cctx.compress(raw)
+        infos.append(StreamInfo(name=name, offset=offset, size=len(frame), raw_size=len(raw)))
+        frames.append(frame)
+        offset += len(frame)
+    return infos, b"".join(frames)
+
+
+def decompress_streams(header: PatchHeader, body: memoryview) -> dict[str, bytes]:
+    dctx = zstandard.ZstdDecompressor()
+    out = {}
+    for s in header.streams:
+        frame = body[s.offset:s.offset + s.size]
+        try:
+            raw = dctx.decompress(frame, max_output_size=s.raw_size) if s.raw_size else b""
+        except zstandard.ZstdError as e:
+            raise PatchError(f"corrupted PULSE patch: stream {s.name}: {e}") from None
+        if len(raw) != s.raw_size:
+            raise PatchError(f"corrupted PULSE patch: stream {s.name} has {len(raw)} bytes, not {s.raw_size}")
+        out[s.name] = raw
+    return out

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from worker_contract import layout, signing
-from worker_contract.manifest import (ContractMismatch, RunExists, RunManifest, create_or_resume,
-                                      load_manifest)
+from worker_contract.manifest import ContractMismatch, RunExists, RunManifest, create_or_resume, load_manifest
 from worker_contract.store import NotFound
 
 

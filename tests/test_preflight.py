@@ -1,0 +1,309 @@
+"""Preflight: for each profile a passing launch, and one mutation per check that fails exactly that check
+and prints its fix. No secret ever reaches the output."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
+from opsbucket import manifest_for
+
+from infra import slime_launch as sl
+from infra.launch_plan import LaunchPlan, parse_plan, render_plan
+from infra.preflight import _secrets, build_context, main, render_rows, run_checks
+from trainer.config import resolve
+from worker_contract import layout
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = "pf-run-a"
+FLEET = {"algo.eps_clip": 10000, "algo.eps_clip_high": 19, "algo.eps_clip_c": 20, "train.save_interval": 4}
+
+
+def make_plan(profile: str, store_url: str, *, env: dict | None = None, overrides: dict | None = None,
+              hf_config: dict | None = None, host: str | None = None, remote_dir: str = "/root/dRL") -> LaunchPlan:
+    """A launch plan as the dry run resolves it: recipe + environment -> slime flags (infra.slime_launch)."""
+    contract = {"DRL_RUN": RUN, "DRL_N_SAMPLES": "8", "DRL_STORE": store_url,
+                "DRL_PULSE_PLANE": "bf16" if profile == "quickstart" else "int8g64"}
+    if profile == "fleet":
+        contract["DRL_KV_MODE"] = "paged_prefix"
+    contract.update(env or {})
+    cfg = resolve("gsm8k", contract, {**(FLEET if profile == "fleet" else {}), **(overrides or {})})
+    paths = sl.BoxPaths(remote_dir=remote_dir, run=RUN, model_dir_override=cfg.model.path)
+    hf = hf_config or sl.KNOWN_HF_CONFIGS["Qwen/Qwen2.5-1.5B-Instruct"]
+    return LaunchPlan(run=RUN, recipe=cfg.model_dump(mode="json"), env=contract,
+                      command=sl.launch_command(cfg, paths, hf), slime_args=sl.slime_args(cfg, paths, hf),
+                      host=host, remote_dir=remote_dir, log_file=paths.log_file)
+
+
+def set_flag(plan: LaunchPlan, flag: str, value: str) -> LaunchPlan:
+    args = list(plan.slime_args)
+    args[args.index(flag) + 1] = value
+    cmd = list(plan.command)
+    cmd[len(cmd) - len(args):] = args
+    return plan.model_copy(update={"slime_args": args, "command": cmd})
+
+
+def local_box(path_prefix: str | None = None):
+    """Run box commands in a real shell on this machine (the box is this machine)."""
+    env = dict(os.environ)
+    if path_prefix:
+        env["PATH"] = f"{path_prefix}:{env['PATH']}"
+
+    def run(cmd: str) -> tuple[int, str]:
+        r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=30)
+        return r.returncode, r.stdout
+
+    return run
+
+
+@pytest.fixture
+def gpu_shim(tmp_path):
+    """This machine has no GPU: an nvidia-smi that reports one, as the driver's tool prints it."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    (d / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 81559 MiB'\n")
+    (d / "nvidia-smi").chmod(0o755)
+    return str(d)
+
+
+@pytest.fixture
+def s3_env(moto_server):
+    return moto_server.env()
+
+
+def report(plan, profile, *, env=None, **kw):
+    """(rows, rendered text) of a preflight over `plan`, after the plan's own render/parse round trip."""
+    plan = parse_plan(render_plan(plan))
+    ctx = build_context(plan, profile=profile, env={"PATH": os.environ["PATH"], **(env or {})}, **kw)
+    rows = run_checks(ctx)
+    text = render_rows(rows, profile, _secrets(ctx.env))
+    assert TEST_SECRET_KEY not in text and TEST_ACCESS_KEY not in text
+    return rows, text
+
+
+def fails(rows):
+    return [r.check for r in rows if r.status == "FAIL"]
+
+
+# -- passing configurations -----------------------------------------------------------------------------
+def test_quickstart_passes(file_store):
+    rows, text = report(make_plan("quickstart", file_store.url), "quickstart")
+    assert fails(rows) == [] and "0 FAIL" in text
+    assert {r.check for r in rows} >= {"contract.n_samples", "recipe.algo", "recipe.batch", "bucket", "run_id",
+                                       "base_anchor", "model.rotary_base", "credentials"}
+    assert not list(file_store.list(layout.run_prefix(RUN)))  # the probe was removed
+
+
+def test_fleet_passes_on_s3(s3_store, s3_env):
+    rows, text = report(make_plan("fleet", s3_store.url), "fleet", env=s3_env)
+    assert fails(rows) == [], text
+    assert {"contract.kv_mode", "recipe.save_interval", "recipe.dual_clip", "store"} <= {r.check for r in rows}
+    assert not list(s3_store.list(layout.run_prefix(RUN)))
+
+
+def test_quickstart_box_checks_pass(file_store, gpu_shim, tmp_path):
+    rows, text = report(make_plan("quickstart", file_store.url, remote_dir=str(tmp_path)), "quickstart",
+                        run_box=local_box(gpu_shim))
+    assert fails(rows) == [], text
+    assert {"box.gpu", "box.disk", "box.ray_dashboard"} <= {r.check for r in rows}
+
+
+# -- one mutation per check -----------------------------------------------------------------------------
+def _publish(store, **changes):
+    """run.json as the quickstart launch would publish it, with `changes`."""
+    same = dict(task="gsm8k", max_new_tokens=1024, anchor_interval=10, vocab_size=151936, rope_theta=1e6)
+    m = manifest_for(RUN).model_copy(update={**same, **changes})
+    store.put_if_absent(layout.manifest_key(RUN), m.to_bytes())
+
+
+QUICK_MUTATIONS = {
+    "contract.n_samples": lambda fs: dict(plan=make_plan("quickstart", fs.url, env={"DRL_N_SAMPLES": "4"})),
+    "contract.plane": lambda fs: dict(plan=make_plan("quickstart", fs.url, env={"DRL_PULSE_PLANE": "int8g64"})),
+    "contract.agree": lambda fs: dict(plan=make_plan("quickstart", fs.url).model_copy(
+        update={"env": {**make_plan("quickstart", fs.url).env, "DRL_PULSE_PLANE": "int8g64"}})),
+    "recipe.dual_clip": lambda fs: dict(plan=make_plan("quickstart", fs.url, overrides={"algo.eps_clip_c": 1.0})),
+    "recipe.dppo_gate": lambda fs: dict(plan=set_flag(make_plan("quickstart", fs.url), "--custom-tis-function-path",
+                                                      "slime.backends.megatron_utils.loss.icepop_function")),
+    "recipe.drgrpo_reducer": lambda fs: dict(plan=set_flag(make_plan("quickstart", fs.url),
+                                                           "--custom-pg-loss-reducer-function-path", "my.reducer")),
+    "recipe.no_save_hf": lambda fs: dict(plan=make_plan("quickstart", fs.url, overrides={
+        "launch.extra_args": ["--save-hf", "/root/hf/{rollout_id}"]})),
+    "recipe.algo": lambda fs: dict(plan=make_plan("quickstart", fs.url, overrides={"algo.reuse_cap": 4})),
+    "recipe.batch": lambda fs: dict(plan=make_plan("quickstart", fs.url, overrides={"algo.groups_per_step": 4})),
+    "model.rotary_base": lambda fs: dict(plan=set_flag(make_plan("quickstart", fs.url), "--rotary-base", "10000")),
+    "model.vocab_tokenizer": lambda fs: dict(plan=set_flag(make_plan("quickstart", fs.url), "--vocab-size", "151643")),
+    "base_anchor": lambda fs: dict(plan=make_plan("quickstart", fs.url).model_copy(update={"recipe": {
+        **make_plan("quickstart", fs.url).recipe, "model": {"hf_id": None, "path": None, "rotary_base": None,
+                                                           "dtype": "bfloat16"}}})),
+}
+
+
+@pytest.mark.parametrize("check", sorted(QUICK_MUTATIONS))
+def test_quickstart_mutation_fails_exactly_its_check(file_store, check):
+    kw = QUICK_MUTATIONS[check](file_store)
+    rows, text = report(kw.pop("plan"), "quickstart", **kw)
+    assert fails(rows) == [check], text
+    row = next(r for r in rows if r.check == check)
+    assert row.fix and f"fix: {row.fix}" in text
+
+
+def test_contract_agree_fails_when_run_json_differs(file_store):
+    _publish(file_store, n_samples=4)
+    rows, text = report(make_plan("quickstart", file_store.url), "quickstart")
+    assert fails(rows) == ["contract.agree"], text
+    assert "run.json=4" in text
+
+
+def test_run_id_fails_on_a_different_published_contract_and_passes_an_identical_one(file_store):
+    _publish(file_store, staleness=5)
+    rows, text = report(make_plan("quickstart", file_store.url), "quickstart")
+    assert fails(rows) == ["run_id"], text
+    assert "staleness published 5, launch 3" in text and "fix: choose a fresh run id" in text
+
+
+def test_run_id_resumable_with_identical_contract(file_store):
+    _publish(file_store)
+    rows, text = report(make_plan("quickstart", file_store.url), "quickstart")
+    assert fails(rows) == [], text
+    assert "contract identical (resume)" in text
+
+
+def test_credentials_file_not_private(file_store, tmp_path):
+    env_file = tmp_path / "r2env"
+    env_file.write_text(f"R2_SECRET_ACCESS_KEY={TEST_SECRET_KEY}\n")
+    env_file.chmod(0o644)
+    rows, text = report(make_plan("quickstart", file_store.url), "quickstart", env_file=str(env_file))
+    assert fails(rows) == ["credentials"], text
+    assert f"chmod 600 {env_file}" in text
+    env_file.chmod(0o600)
+    rows, text = report(make_plan("quickstart", file_store.url), "quickstart", env_file=str(env_file))
+    assert fails(rows) == [] and "mode 0600" in text
+
+
+def test_bucket_unwritable(file_store):
+    # The run's probes/ path is a file, so the create-only probe cannot be written; reading still works.
+    (file_store.root / RUN).mkdir(parents=True)
+    (file_store.root / RUN / "probes").write_text("in the way")
+    rows, text = report(make_plan("quickstart", file_store.url), "quickstart")
+    assert fails(rows) == ["bucket"], text
+    assert {r.check: r.status for r in rows}["run_id"] == "WARN"
+
+
+def test_bucket_unreachable_on_s3(moto_server, s3_env):
+    rows, text = report(make_plan("fleet", "s3://no-such-bucket-x"), "fleet", env=s3_env)
+    assert fails(rows) == ["bucket"], text
+    assert "Object Read & Write" in text
+
+
+FLEET_MUTATIONS = {
+    "contract.plane": dict(env={"DRL_PULSE_PLANE": "bf16"}),
+    "contract.kv_mode": dict(env={"DRL_KV_MODE": "dense"}),
+    "recipe.save_interval": dict(overrides={"train.save_interval": 8}),
+    "recipe.dual_clip": dict(overrides={"algo.eps_clip_c": 3.0}),
+}
+
+
+@pytest.mark.parametrize("check", sorted(FLEET_MUTATIONS))
+def test_fleet_mutation_fails_exactly_its_check(s3_store, s3_env, check):
+    rows, text = report(make_plan("fleet", s3_store.url, **FLEET_MUTATIONS[check]), "fleet", env=s3_env)
+    assert fails(rows) == [check], text
+    assert "fix: " in text
+
+
+def test_fleet_refuses_a_file_store(file_store):
+    rows, text = report(make_plan("fleet", file_store.url), "fleet")
+    assert fails(rows) == ["store"], text
+    assert "workers on other machines cannot reach a file store" in text
+
+
+def test_box_gpu_missing(file_store, tmp_path):
+    rows, text = report(make_plan("quickstart", file_store.url, remote_dir=str(tmp_path)), "quickstart",
+                        run_box=local_box("/nonexistent"))
+    if any(r.check == "box.gpu" and r.status == "PASS" for r in rows):
+        pytest.skip("this machine has a GPU")
+    assert fails(rows) == ["box.gpu"], text
+
+
+def test_box_disk_too_small(file_store, gpu_shim):
+    rows, text = report(make_plan("quickstart", file_store.url, remote_dir="/dev/shm/stoa-pf"), "quickstart",
+                        run_box=local_box(gpu_shim))
+    assert fails(rows) == ["box.disk"], text
+
+
+def test_box_ray_dashboard_exposed(file_store, gpu_shim, tmp_path):
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", 8265))
+        except OSError:
+            pytest.skip("port 8265 is in use here")
+        s.listen()
+        rows, text = report(make_plan("quickstart", file_store.url, remote_dir=str(tmp_path)), "quickstart",
+                            run_box=local_box(gpu_shim))
+    assert fails(rows) == ["box.ray_dashboard"], text
+    assert "ray stop" in text
+
+
+def test_model_identity_with_an_hf_dir(file_store, tmp_path):
+    from tokenizers import Tokenizer, models
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(hf / "tokenizer.json"))
+    cfg = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    plan = make_plan("quickstart", file_store.url, overrides={"model.path": str(hf)}, hf_config=cfg)
+    _publish(file_store, vocab_size=64)  # its digests ("0" * 64) are not the tokenizer's
+    rows, text = report(plan, "quickstart", hf_dir=str(hf))
+    assert fails(rows) == ["model.vocab_tokenizer"], text
+    assert "tokenizer_digest" in text
+
+
+# -- the entry point ------------------------------------------------------------------------------------
+def test_piped_dry_run_through_python_m(s3_store, s3_env, tmp_path):
+    plan_text = render_plan(make_plan("fleet", s3_store.url))
+    env = {**s3_env, "PATH": os.environ["PATH"], "DRL_PREFLIGHT_PROFILE": "fleet", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "infra.preflight"], input="some make noise\n" + plan_text,
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "profile fleet" in out.stdout and "0 FAIL" in out.stdout
+    bad = render_plan(make_plan("fleet", s3_store.url, env={"DRL_KV_MODE": "dense"}))
+    out = subprocess.run([sys.executable, "-m", "infra.preflight"], input=bad, cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "FAIL  contract.kv_mode" in out.stdout
+    assert TEST_SECRET_KEY not in out.stdout + out.stderr and TEST_ACCESS_KEY not in out.stdout + out.stderr
+
+
+def test_no_plan_on_stdin_is_a_usage_error(capsys):
+    assert main([], stdin=io.StringIO("nothing here\n"), env={}) == 2
+    assert "no launch plan found" in capsys.readouterr().err
+
+
+def test_json_rows(file_store, capsys):
+    assert main(["--json"], stdin=io.StringIO(render_plan(make_plan("quickstart", file_store.url))),
+                env={"PATH": os.environ["PATH"]}) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["profile"] == "quickstart" and all(r["status"] != "FAIL" for r in data["rows"])
+
+
+def test_no_secret_in_output_even_in_errors(moto_server, tmp_path, capsys):
+    env_file = tmp_path / "r2env"
+    env_file.write_text(f"R2_ACCESS_KEY_ID={TEST_ACCESS_KEY}\nR2_SECRET_ACCESS_KEY={TEST_SECRET_KEY}\n"
+                        f"DRL_S3_ENDPOINT={moto_server.endpoint}\n")
+    env_file.chmod(0o600)
+    plan = make_plan("fleet", "s3://no-such-bucket-y")
+    # The bucket does not exist: the bucket check fails, and its error passes through redaction.
+    code = main(["--env-file", str(env_file)], stdin=io.StringIO(render_plan(plan)),
+                env={"PATH": os.environ["PATH"], "DRL_PREFLIGHT_PROFILE": "fleet"})
+    captured = capsys.readouterr()
+    assert code == 1 and "FAIL  bucket" in captured.out
+    assert "credentials" in captured.out and "S3 keys set" in captured.out
+    assert TEST_SECRET_KEY not in captured.out + captured.err and TEST_ACCESS_KEY not in captured.out + captured.err

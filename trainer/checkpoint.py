@@ -1,0 +1,165 @@
+"""Learner checkpoints: model, optimizer, RNG states, step, consumption ledger, last published version.
+
+Layout under `<run_dir>/checkpoints/`: `step-0000000012/` holds the backend's files, `rng.pt` and
+`state.json` (written last). A checkpoint is written into a temporary directory, fsynced, then renamed
+into place, so a crash at any instant leaves either the old set or the old set plus a complete new one;
+a leftover temporary directory is removed on the next start. The newest `keep` checkpoints are kept
+(default: newest + one previous).
+
+Resuming restores all of it; the learner then publishes a fresh anchor under a new, higher version
+(never reusing one), and the restored ledger keeps every group within the reuse cap along the lineage
+that survives: uses recorded after the checkpoint died with the process that made them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
+
+FORMAT = 1
+_NAME_RE = re.compile(r"^step-(\d{10})$")
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass
+class TrainerState:
+    step: int
+    """Optimizer steps taken."""
+    ledger: dict
+    """The rollout source's consumption ledger (RolloutSource.ledger_state())."""
+    last_published_version: int | None
+    """The newest version the publisher had made visible when the checkpoint was taken."""
+    extra: dict = field(default_factory=dict)
+    """Anything else the learner wants back (JSON-ready)."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:010d}"
+
+
+def _fsync_tree(path: Path) -> None:
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def capture_rng() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (np_state[0], np_state[1].tolist(), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(state: dict) -> None:
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(root: str | Path, state: TrainerState, backend: Backend, *, keep: int = 2) -> Path:
+    """Write a checkpoint for `state.step` atomically; prune to the newest `keep`. Returns its path."""
+    if keep < 1:
+        raise ValueError(f"train.keep_checkpoints={keep} must be at least 1")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{_TMP_PREFIX}step-{state.step:010d}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        backend.save_checkpoint(tmp)
+        torch.save(capture_rng(), tmp / "rng.pt")
+        meta = {"format": FORMAT, "step": state.step, "ledger": state.ledger,
+                "last_published_version": state.last_published_version, "extra": state.extra,
+                "saved_at": time.time()}
+        (tmp / "state.json").write_text(json.dumps(meta))  # last: its presence marks the files complete
+        _fsync_tree(tmp)
+        final = step_dir(root, state.step)
+        if final.exists():  # a step re-saved after resuming from an earlier checkpoint
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME_RE.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found) if (p / "state.json").is_file()]
+
+
+def clean_partial(root: str | Path) -> list[Path]:
+    """Remove temporary directories a crashed save left behind; returns what was removed."""
+    root = Path(root)
+    removed = [p for p in root.glob(f"{_TMP_PREFIX}*") if p.is_dir()] if root.is_dir() else []
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def read_state(path: str | Path) -> TrainerState:
+    meta = json.loads((Path(path) / "state.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this learner reads {FORMAT}")
+    return TrainerState(step=int(meta["step"]), ledger=meta["ledger"],
+                        last_published_version=meta["last_published_version"], extra=meta.get("extra", {}))
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest checkpoint whose state reads back, or None."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            read_state(path)
+            return path
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def load(path: str | Path, backend: Backend) -> TrainerState:
+    """Restore backend state and RNG from `path`; returns the learner's state."""
+    path = Path(path)
+    state = read_state(path)
+    backend.load_checkpoint(path)
+    restore_rng(torch.load(path / "rng.pt", weights_only=True))
+    return state

@@ -1,0 +1,331 @@
+"""The learner loop: rollout source, learner and publisher as Ray actors, one code path everywhere.
+
+    run_learner(cfg, store, manifest, key, model_dir, run_dir, on_step=..., stop_event=...)
+
+starts (or joins) Ray (trainer/ray_runtime.py), then:
+1. setup: resume from the newest checkpoint if there is one (model, optimizer, RNG, step, consumption
+   ledger), and publish a fresh anchor of the weights at a new, higher version (pointer + 1, or 1 for a
+   new run): no version is reused and the pointer never moves back;
+2. each step: a batch of `groups_per_step` groups from the source (records within the staleness window
+   of the newest visible version), reference log-probs, the objective (trainer/algo.py) and one
+   optimizer step, then the new HF-named weights go to the publisher actor. Publishing runs off the
+   critical path: at most one publish is in flight, and a newer state replaces one still waiting. The
+   learner's current version is the version the publisher last made visible;
+3. a checkpoint every `save_interval` steps and at the end; metrics to metrics.jsonl (and W&B /
+   TensorBoard when asked) and a stats object per published version in the bucket.
+Importing this module starts nothing (Ray, torch and transformers are imported where used).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker_contract.manifest import RunManifest
+from worker_contract.store import Store
+
+from .config import RecipeConfig
+
+log = logging.getLogger(__name__)
+
+StepCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class LearnerResult:
+    step: int
+    """Optimizer steps taken in total (including those before a resume)."""
+    version: int
+    """The newest version the publisher made visible."""
+    first_version: int
+    """The anchor this session published at start."""
+    resumed_from: str | None
+    """The checkpoint this session resumed from, if any."""
+    metrics_path: Path
+    """The run's metrics.jsonl."""
+
+
+class SourceActor:
+    """The rollout source, polling in a background thread so batches are ready when asked for."""
+
+    def __init__(self, spec, manifest_json: str, algo_json: str, poll_interval_s: float):
+        from .config import AlgoConfig
+        from .ray_runtime import open_store_spec
+        from .rollouts import RolloutSource
+
+        manifest = RunManifest.model_validate_json(manifest_json)
+        algo = AlgoConfig.model_validate_json(algo_json)
+        self.source = RolloutSource.from_manifest(open_store_spec(spec), manifest, algo)
+        self.poll_interval_s = poll_interval_s
+        self._stop = threading.Event()
+        threading.Thread(target=self.source.run_poller, args=(self._stop, poll_interval_s), daemon=True).start()
+
+    def next_batch(self, current: int, timeout_s: float):
+        return self.source.next_batch(current, timeout_s=timeout_s, poll_interval_s=self.poll_interval_s,
+                                      stop_event=self._stop)
+
+    def snapshot(self) -> dict:
+        return {"metrics": self.source.metrics(), "workers": self.source.worker_stats(),
+                "drops": dict(self.source.drops)}
+
+    def ledger_state(self) -> dict:
+        return self.source.ledger_state()
+
+    def load_ledger_state(self, state: dict) -> None:
+        self.source.load_ledger_state(state)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class PublisherActor:
+    """trainer.publisher.Publisher in its own process, plus the per-version stats object."""
+
+    def __init__(self, spec, manifest_json: str, key_pem: bytes, anchor_interval: int):
+        from .publisher import Publisher
+        from .ray_runtime import key_from_pem, open_store_spec
+
+        self.manifest = RunManifest.model_validate_json(manifest_json)
+        self.store = open_store_spec(spec)
+        self.publisher = Publisher(self.store, self.manifest, key_from_pem(key_pem), anchor_interval=anchor_interval)
+
+    def current_version(self) -> int | None:
+        return self.publisher.current_version()
+
+    def publish(self, state: dict, ctx: dict, anchor: bool = False) -> dict:
+        from .metrics import version_stats, write_version_stats
+
+        t0 = time.monotonic()
+        version = self.publisher.publish_anchor(state) if anchor else self.publisher.publish(state)
+        latency = time.monotonic() - t0
+        stats = dict(getattr(self.publisher, "last_stats", None) or {})
+        publish = {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool)}
+        publish.setdefault("latency_s", latency)
+        publish.setdefault("patch_bytes", publish.get("bytes"))
+        publish.update(version=version, kind="anchor" if anchor else publish.get("kind", "patch"))
+        write_version_stats(self.store, self.manifest.run, version_stats(
+            version=version, step=ctx["step"], kind=publish["kind"], metrics=ctx["metrics"],
+            drops_total=ctx["drops_total"], drops_delta=ctx["drops_delta"], workers=ctx["workers"],
+            groups=ctx["groups"], publish=publish))
+        return publish
+
+
+class LearnerActor:
+    """The policy, its optimizer and the step; talks to the other two actors through their handles."""
+
+    def __init__(self, cfg_json: str, model_dir: str, run_dir: str, source, publisher, torch_threads: int | None):
+        import torch
+
+        from .backends import get_backend
+
+        self.cfg = RecipeConfig.model_validate_json(cfg_json)
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        torch.manual_seed(self.cfg.train.seed)
+        self.backend = get_backend(self.cfg.train.backend).load(model_dir, self.cfg)
+        self.ckpt_root = Path(run_dir) / "checkpoints"
+        self.source, self.publisher = source, publisher
+        self.step = 0
+        self.saved_step = -1
+        self.current: int | None = None
+        self._inflight = None  # (ref, step)
+        self._pending: tuple[dict, dict] | None = None
+        self._drops_sent: Counter = Counter()
+        self._groups_unsent = 0
+        self.last_publish: dict = {}
+        self.publish_failures = 0
+
+    # -- start -------------------------------------------------------------------------------------
+    def setup(self) -> dict:
+        import ray
+
+        from . import checkpoint
+
+        checkpoint.clean_partial(self.ckpt_root)
+        path = checkpoint.latest(self.ckpt_root)
+        last_published = None
+        if path is not None:
+            state = checkpoint.load(path, self.backend)
+            self.step = self.saved_step = state.step
+            last_published = state.last_published_version
+            ray.get(self.source.load_ledger_state.remote(state.ledger))
+        pointer = ray.get(self.publisher.current_version.remote())
+        snap = ray.get(self.source.snapshot.remote())
+        res = ray.get(self.publisher.publish.remote(self.backend.state_dict_hf(),
+                                                    self._ctx({}, snap, groups=0), True))
+        version = int(res["version"])
+        for before in (pointer, last_published):
+            if before is not None and version <= before:
+                raise RuntimeError(f"the publisher reused version {version} (pointer was {pointer}, "
+                                   f"checkpoint's last published {last_published}); refusing to train")
+        self.current, self.last_publish = version, res
+        self._drops_sent = Counter(snap["drops"])
+        return {"step": self.step, "version": version, "pointer_before": pointer,
+                "resumed_from": str(path) if path else None}
+
+    # -- the step ----------------------------------------------------------------------------------
+    def train_one(self, timeout_s: float) -> dict | None:
+        """One optimizer step, or None if no batch could be assembled within `timeout_s`."""
+        import ray
+
+        from .algo import policy_loss
+        from .batch import collate
+
+        self._collect(block=False)
+        batch = ray.get(self.source.next_batch.remote(self.current, timeout_s))
+        if batch is None:
+            return None
+        t0 = time.monotonic()
+        tb = collate([g.record for g in batch.groups])
+        tb.ref_logp = self.backend.logprobs(tb, reference=True)
+        algo = self.cfg.algo
+        train = self.backend.train_step(tb, lambda lp, mb: policy_loss(
+            lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo))
+        self.step += 1
+        state = self.backend.state_dict_hf()
+        snap = ray.get(self.source.snapshot.remote())
+        metrics: dict[str, Any] = {f"train/{k}": v for k, v in train.items()}
+        metrics["train/step_time_s"] = time.monotonic() - t0
+        metrics.update(batch.metrics)
+        metrics.update(snap["metrics"])
+        metrics.update({f"publish/{k}": v for k, v in self.last_publish.items()
+                        if isinstance(v, int | float) and not isinstance(v, bool)})
+        metrics["publish/failures"] = self.publish_failures
+        metrics.update(step=self.step, version=self.current, batch_version=batch.current_version)
+        self._groups_unsent += len(batch.groups)
+        self._submit(state, metrics, snap)
+        if self.step % self.cfg.train.save_interval == 0:
+            self.save()
+        return metrics
+
+    def _ctx(self, metrics: dict, snap: dict, groups: int) -> dict:
+        drops = Counter(snap["drops"])
+        delta = {k: v - self._drops_sent.get(k, 0) for k, v in drops.items()}
+        return {"step": self.step, "metrics": metrics, "drops_total": dict(drops), "drops_delta": delta,
+                "workers": snap["workers"], "groups": groups}
+
+    def _submit(self, state: dict, metrics: dict, snap: dict) -> None:
+        if self._inflight is not None:
+            self._pending = (state, {"metrics": metrics, "snap": snap})  # a newer state replaces a waiting one
+            return
+        self._send(state, metrics, snap)
+
+    def _send(self, state: dict, metrics: dict, snap: dict) -> None:
+        ctx = self._ctx(metrics, snap, self._groups_unsent)
+        self._drops_sent, self._groups_unsent = Counter(snap["drops"]), 0
+        self._inflight = (self.publisher.publish.remote(state, ctx, False), self.step)
+
+    def _collect(self, block: bool) -> None:
+        """Take finished publishes (waiting for all of them if `block`), sending a waiting state after."""
+        import ray
+
+        while self._inflight is not None:
+            ref, step = self._inflight
+            ready, _ = ray.wait([ref], timeout=None if block else 0)
+            if not ready:
+                return
+            self._inflight = None
+            try:
+                res = ray.get(ref)
+                self.current, self.last_publish = int(res["version"]), res
+            except Exception as e:  # a failed publish delays workers; it does not stop learning
+                self.publish_failures += 1
+                log.error("publishing the weights of step %d failed: %s", step, e)
+            if self._pending is not None:
+                state, held = self._pending
+                self._pending = None
+                self._send(state, held["metrics"], held["snap"])
+
+    # -- checkpoints and end -----------------------------------------------------------------------
+    def save(self) -> str:
+        import ray
+
+        from . import checkpoint
+
+        ledger = ray.get(self.source.ledger_state.remote())
+        state = checkpoint.TrainerState(step=self.step, ledger=ledger, last_published_version=self.current,
+                                        extra={"publish_failures": self.publish_failures})
+        path = checkpoint.save(self.ckpt_root, state, self.backend, keep=self.cfg.train.keep_checkpoints)
+        self.saved_step = self.step
+        return str(path)
+
+    def finish(self) -> dict:
+        """Wait for every publish, checkpoint the last step, report where the run stands."""
+        self._collect(block=True)
+        if self.saved_step != self.step:
+            self.save()
+        return {"step": self.step, "version": self.current}
+
+
+def run_learner(
+    cfg: RecipeConfig,
+    store: Store,
+    manifest: RunManifest,
+    key,
+    model_dir: str | Path,
+    run_dir: str | Path,
+    on_step: StepCallback | None = None,
+    stop_event: threading.Event | None = None,
+    *,
+    store_env: dict[str, str] | None = None,
+    ray_address: str | None = None,
+    batch_wait_s: float = 5.0,
+    torch_threads: int | None = None,
+) -> LearnerResult:
+    """Train until `cfg.train.num_steps` steps in total (or `stop_event`); see the module docstring.
+
+    `key` is the run's Ed25519 private key (it signs what the publisher writes); `run_dir` is the run's
+    local directory (checkpoints, metrics.jsonl, Ray's temp dir). `on_step(metrics)` runs in this
+    process after every step. `torch_threads` caps the learner's CPU threads (default: DRL_TORCH_THREADS,
+    else torch's own choice).
+    """
+    import ray
+
+    from .metrics import MetricsLogger
+    from .ray_runtime import key_to_pem, ray_session, store_spec
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if manifest.n_samples != cfg.contract.n_samples or manifest.plane != cfg.contract.plane:
+        raise ValueError(f"run.json has n_samples={manifest.n_samples}, plane={manifest.plane!r} but the recipe "
+                         f"resolves contract.n_samples={cfg.contract.n_samples}, contract.plane="
+                         f"{cfg.contract.plane!r}; resume with the run's contract (DRL_N_SAMPLES / DRL_PULSE_PLANE)")
+    threads = torch_threads or int(os.environ.get("DRL_TORCH_THREADS", "0") or 0) or None
+    stop_event = stop_event or threading.Event()
+    with ray_session(run_dir, address=ray_address):
+        spec = store_spec(store, store_env)
+        mjson = manifest.model_dump_json()
+        source = ray.remote(num_cpus=0)(SourceActor).remote(
+            spec, mjson, cfg.algo.model_dump_json(), cfg.train.poll_interval_s)
+        publisher = ray.remote(num_cpus=0)(PublisherActor).remote(
+            spec, mjson, key_to_pem(key), cfg.train.anchor_interval)
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        learner = ray.remote(num_cpus=0, num_gpus=gpus)(LearnerActor).remote(
+            cfg.model_dump_json(), str(model_dir), str(run_dir), source, publisher, threads)
+        info = ray.get(learner.setup.remote())
+        log.info("learner at step %d, published anchor v%d%s", info["step"], info["version"],
+                 f" (resumed from {info['resumed_from']})" if info["resumed_from"] else "")
+        logger = MetricsLogger(run_dir, manifest.run, config=cfg.model_dump(mode="json"))
+        try:
+            step = info["step"]
+            while step < cfg.train.num_steps and not stop_event.is_set():
+                metrics = ray.get(learner.train_one.remote(batch_wait_s))
+                if metrics is None:
+                    continue
+                step = metrics["step"]
+                logger.log(step, metrics)
+                if on_step is not None:
+                    on_step(metrics)
+            final = ray.get(learner.finish.remote())
+            ray.get(source.stop.remote())
+        finally:
+            logger.close()
+    return LearnerResult(step=final["step"], version=final["version"], first_version=info["version"],
+                         resumed_from=info["resumed_from"], metrics_path=logger.path)

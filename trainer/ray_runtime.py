@@ -1,0 +1,140 @@
+"""Starting Ray the same way on a laptop and a GPU box, and moving stores and keys into actors.
+
+`ray_session(run_dir)` starts a local Ray instance (or joins RAY_ADDRESS / `address`) with:
+- the dashboard off, or bound to 127.0.0.1 when DRL_RAY_DASHBOARD=1 (port DRL_RAY_DASHBOARD_PORT, 8265);
+- its temp dir (RAY_TMPDIR) under `<run_dir>/ray`; Unix socket paths are limited to 107 bytes, so when
+  that path is too long it falls back to a short `/tmp/stoa-ray-<hash>` and records it in `<run_dir>/ray.path`;
+- no auth token file anywhere: Ray 2.60 turns on token auth by default and then writes
+  ~/.ray/auth_token. For a local cluster we set RAY_AUTH_MODE ourselves (DRL_RAY_AUTH picks it):
+  "token" (default) uses a fresh random token that lives only in the environment of this process and the
+  Ray processes it starts; "disabled" turns auth off. We keep auth on by default because Ray 2.60's GCS
+  and raylet listen on every interface even with the node IP set to 127.0.0.1 (measured on this image).
+  A RAY_AUTH_MODE the user set is respected. Usage statistics are off (RAY_USAGE_STATS_ENABLED=0).
+Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import pickle
+import secrets
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from worker_contract.store import Store, open_store
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: room Ray needs after its temp dir for "/session_<date>_<usec>_<pid>/sockets/plasma_store"
+_SOCKET_SUFFIX = 64
+_UNIX_PATH_MAX = 107
+#: environment a store client may need in an actor (no other variable is forwarded)
+_STORE_ENV_PREFIXES = ("DRL_S3_", "R2_", "AWS_")
+
+
+def ray_tmpdir(run_dir: str | Path) -> tuple[Path, bool]:
+    """Ray's temp dir for this run and whether it is the short fallback outside the run dir."""
+    preferred = Path(run_dir).resolve() / "ray"
+    if len(str(preferred)) + _SOCKET_SUFFIX <= _UNIX_PATH_MAX:
+        return preferred, False
+    digest = hashlib.sha256(str(preferred).encode()).hexdigest()[:12]
+    return Path(f"/tmp/stoa-ray-{digest}"), True
+
+
+@contextlib.contextmanager
+def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: int | None = None,
+                env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Ray started (or joined) for the body of the `with`; shut down after, if we started it."""
+    import ray
+
+    env = os.environ if env is None else env
+    if ray.is_initialized():  # the caller owns a Ray session already: use it as it is
+        yield
+        return
+    address = address or env.get("RAY_ADDRESS") or None
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_TMPDIR",
+                                             "RAY_USAGE_STATS_ENABLED", "PYTHONPATH")}
+    fallback_dir: Path | None = None
+    try:
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        if address is None:
+            tmp, is_fallback = ray_tmpdir(run_dir)
+            tmp.mkdir(parents=True, exist_ok=True)
+            if is_fallback:
+                fallback_dir = tmp
+                (Path(run_dir) / "ray.path").write_text(str(tmp) + "\n")
+                log.info("Ray temp dir %s (the run dir path is too long for Ray's sockets)", tmp)
+            os.environ["RAY_TMPDIR"] = str(tmp)
+            # Ray's worker processes inherit this environment: make our packages importable there too
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), saved["PYTHONPATH"]) if p)
+            _set_auth(env)
+            dashboard = env.get("DRL_RAY_DASHBOARD", "") not in ("", "0")
+            kwargs = dict(_temp_dir=str(tmp), _node_ip_address="127.0.0.1", include_dashboard=dashboard,
+                          dashboard_host="127.0.0.1", num_cpus=num_cpus)
+            if dashboard:
+                kwargs["dashboard_port"] = int(env.get("DRL_RAY_DASHBOARD_PORT", "8265"))
+        else:
+            kwargs = dict(address=address)
+        ray.init(**kwargs, log_to_driver=True, configure_logging=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+        if fallback_dir is not None:
+            shutil.rmtree(fallback_dir, ignore_errors=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _set_auth(env: Mapping[str, str]) -> None:
+    if os.environ.get("RAY_AUTH_MODE"):
+        return  # the user chose; a token they chose comes from RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH
+    mode = env.get("DRL_RAY_AUTH", "token") or "token"
+    if mode not in ("token", "disabled"):
+        raise ValueError(f"DRL_RAY_AUTH={mode!r} must be 'token' (default) or 'disabled'")
+    os.environ["RAY_AUTH_MODE"] = mode
+    if mode == "token":
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # in memory only: never written to a file
+
+
+# -- moving things into actors -----------------------------------------------------------------------
+def store_spec(store: Store, env: Mapping[str, str] | None = None) -> tuple[str, object]:
+    """Something an actor can rebuild the store from: the store itself if it pickles, else its URL and
+    the store variables of `env` (credentials travel to our own actors in memory, never to a file)."""
+    try:
+        pickle.dumps(store)
+        return ("pickle", store)
+    except Exception:
+        env = os.environ if env is None else env
+        return ("url", (store.url, {k: v for k, v in env.items() if k.startswith(_STORE_ENV_PREFIXES)}))
+
+
+def open_store_spec(spec: tuple[str, object]) -> Store:
+    kind, value = spec
+    if kind == "pickle":
+        return value  # type: ignore[return-value]
+    url, env = value  # type: ignore[misc]
+    return open_store(url, env)
+
+
+def key_to_pem(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def key_from_pem(pem: bytes):
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.load_pem_private_key(pem, password=None)

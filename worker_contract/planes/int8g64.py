@@ -1,0 +1,137 @@
+"""The `int8g64` plane: MLX affine quantization, 8 bits, groups of 64, bit-identical to
+`mlx.core.quantize(w, group_size=64, bits=8)` / `mlx.core.dequantize` on the CPU (research/algorithms.md 7).
+
+Per group of 64 consecutive elements along the last axis, all arithmetic in float32 (IEEE, true division):
+    hi, lo = max, min;  s0 = max((hi - lo) / 255, 1e-7)
+    the bias end is the extreme of larger magnitude (ties -> hi): s = +s0, edge = lo if |lo| > |hi|,
+    else s = -s0, edge = hi;  q0 = rint(edge / s)
+    scale, bias = (edge / q0, edge) if q0 != 0 else (s, 0)          (so 0.0 is exactly representable)
+    code = clamp(rint((x - bias) / scale), 0, 255) with the unrounded float32 scale and bias
+scales and biases are stored rounded (RNE) to the input dtype; codes are packed four to a uint32, lowest
+index in the lowest byte. Dequantization is round_T(round_T(code * scale) + bias) in the storage dtype T.
+
+Which tensors are quantized follows mlx-lm (matmul weights and embeddings whose last dim divides by 64;
+norms, biases and everything else stay bf16), with its names: `<mod>.weight` (uint32 codes),
+`<mod>.scales`, `<mod>.biases`. The core is numpy; `quantize` / `dequantize` also take torch tensors and
+return the kind they were given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..tensors import is_torch, np_dtype, to_numpy, to_torch
+from .bf16 import to_bf16
+
+NAME = "int8g64"
+GROUP_SIZE = 64
+BITS = 8
+_LEVELS = np.float32(2**BITS - 1)
+_EPS = np.float32(1e-7)
+_FLOATS = ("bfloat16", "float16", "float32")
+
+
+def round_to(x32: np.ndarray, dtype_name: str) -> np.ndarray:
+    """float32 -> the storage dtype, round-to-nearest-even (NaN stays NaN)."""
+    if dtype_name == "float32":
+        return x32.astype(np.float32, copy=False)
+    if dtype_name == "float16":
+        return x32.astype(np.float16)
+    u = np.ascontiguousarray(x32, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x32)
+    if nan.any():  # keep NaN a (quiet) NaN instead of letting the carry turn it into an infinity
+        rounded[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return rounded.view(np_dtype("bfloat16"))
+
+
+def quantize_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    dt = w.dtype.name
+    if dt not in _FLOATS:
+        raise ValueError(f"int8g64 quantizes bfloat16, float16 or float32 tensors, not dtype={dt}")
+    if w.ndim < 1 or w.shape[-1] % GROUP_SIZE:
+        raise ValueError(f"int8g64 needs a last dim divisible by {GROUP_SIZE}; got shape={list(w.shape)}")
+    x = w.astype(np.float32).reshape(*w.shape[:-1], w.shape[-1] // GROUP_SIZE, GROUP_SIZE)
+    hi, lo = x.max(axis=-1), x.min(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        s0 = np.maximum((hi - lo) / _LEVELS, _EPS)
+        neg = np.abs(lo) > np.abs(hi)
+        s = np.where(neg, s0, -s0)
+        edge = np.where(neg, lo, hi)
+        q0 = np.rint(edge / s)
+        nz = q0 != 0
+        scale = np.where(nz, edge / q0, s).astype(np.float32)
+        bias = np.where(nz, edge, np.float32(0)).astype(np.float32)
+        codes = np.rint((x - bias[..., None]) / scale[..., None])
+    codes = np.clip(codes, 0, 255).astype(np.uint8).reshape(w.shape)
+    wq = np.ascontiguousarray(codes).view(np.uint32)
+    return wq, round_to(scale, dt), round_to(bias, dt)
+
+
+def dequantize_np(wq: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> np.ndarray:
+    dt = scales.dtype.name
+    codes = np.ascontiguousarray(wq).view(np.uint8)
+    groups = codes.reshape(*codes.shape[:-1], codes.shape[-1] // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
+    prod = round_to(groups * scales.astype(np.float32)[..., None], dt).astype(np.float32)
+    out = round_to(prod + biases.astype(np.float32)[..., None], dt)
+    return out.reshape(codes.shape)
+
+
+def quantize(w: Any):
+    """(wq uint32, scales, biases) exactly as `mlx.core.quantize(w, group_size=64, bits=8)` on the CPU."""
+    out = quantize_np(to_numpy(w))
+    return tuple(to_torch(a) for a in out) if is_torch(w) else out
+
+
+def dequantize(wq: Any, scales: Any, biases: Any):
+    """The dense tensor (in the scales' dtype) exactly as `mlx.core.dequantize` gives it on the CPU."""
+    out = dequantize_np(to_numpy(wq), to_numpy(scales), to_numpy(biases))
+    return to_torch(out) if is_torch(scales) else out
+
+
+def is_quantized(name: str, shape: tuple[int, ...] | list[int]) -> bool:
+    """mlx-lm's rule, read from HF names: a 2-D `.weight` (Linear, Embedding, lm_head) whose last dim
+    divides by 64. Norm weights and biases are 1-D; conv kernels are 3-D; neither is quantized."""
+    return name.endswith(".weight") and len(shape) == 2 and shape[-1] % GROUP_SIZE == 0
+
+
+def from_hf(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """HF-named tensors (torch or numpy, any float dtype) -> plane tensors (cast to bf16 first, as
+    mlx-lm does, then quantized where the rule says)."""
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(state):
+        arr = to_bf16(state[name])
+        if arr.dtype.name == "bfloat16" and is_quantized(name, arr.shape):
+            mod = name[: -len(".weight")]
+            out[name], out[f"{mod}.scales"], out[f"{mod}.biases"] = quantize_np(arr)
+        else:
+            out[name] = arr
+    return out
+
+
+def quantized_modules(plane_state: Mapping[str, Any]) -> list[str]:
+    return sorted(k[: -len(".scales")] for k in plane_state if k.endswith(".scales"))
+
+
+def to_dense(plane_state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Plane tensors -> HF-named dense bf16 tensors (dequantized where quantized)."""
+    mods = set(quantized_modules(plane_state))
+    out: dict[str, np.ndarray] = {}
+    for name, x in plane_state.items():
+        if name.endswith((".scales", ".biases")) and name.rsplit(".", 1)[0] in mods:
+            continue
+        mod = name[: -len(".weight")] if name.endswith(".weight") else None
+        if mod in mods:
+            out[name] = dequantize_np(to_numpy(x), to_numpy(plane_state[f"{mod}.scales"]),
+                                      to_numpy(plane_state[f"{mod}.biases"]))
+        else:
+            out[name] = to_numpy(x)
+    return out
+
+
+def quantized_tensors(plane_state: Mapping[str, Any]) -> list[str]:
+    """Names of the plane's quantized tensors (codes, scales and biases)."""
+    return sorted(f"{m}.{s}" for m in quantized_modules(plane_state) for s in ("weight", "scales", "biases"))

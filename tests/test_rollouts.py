@@ -78,6 +78,7 @@ BAD = [
     ("malformed", None, {"blob": zstandard.ZstdCompressor().compress(b"{not json")}),
     ("malformed", lambda d: {k: v for k, v in d.items() if k != "prompt_ids"}, {}),
     ("malformed", _sample_edit("loss_mask", [1, 2, 1]), {}),
+    ("malformed", lambda d: {**d, "prompt_ids": []}, {}),
     ("schema_version", lambda d: {**d, "schema_version": 2}, {}),
     ("length_mismatch", _sample_edit("behavior_logprobs", [-0.5, -1.0]), {}),
     ("wrong_run", lambda d: {**d, "run": "other-run"}, {}),

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 DROP_REASONS: dict[str, str] = {
     "bad_key": "the key does not parse as <run>/rollouts/v<version>/<worker>/<group>.json.zst",
     "oversized": "object larger than the record size limit",
-    "malformed": "not zstd, not JSON, or does not follow the record schema",
+    "malformed": "not zstd, not JSON, does not follow the record schema, or has an empty prompt",
     "schema_version": "a record format this learner does not read",
     "length_mismatch": "response tokens, log-probs and loss mask differ in length",
     "wrong_run": "the record names another run",
@@ -286,6 +286,8 @@ class RolloutSource:
         if (not math.isclose(sp.temperature, self.temperature, rel_tol=1e-6) or
                 not math.isclose(sp.top_p, self.top_p, rel_tol=1e-6) or sp.max_new_tokens != self.max_new_tokens):
             return "sampling_mismatch"
+        if not rec.prompt_ids:
+            return "malformed"  # nothing would predict the first response token
         vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in rec.prompt_ids):
             return "vocab"

@@ -11,8 +11,9 @@ starts (or joins) Ray (trainer/ray_runtime.py), then:
    optimizer step, then the new HF-named weights go to the publisher actor. Publishing runs off the
    critical path: at most one publish is in flight, and a newer state replaces one still waiting. The
    learner's current version is the version the publisher last made visible;
-3. a checkpoint every `save_interval` steps and at the end; metrics to metrics.jsonl (and W&B /
-   TensorBoard when asked) and a stats object per published version in the bucket.
+3. metrics to metrics.jsonl (and W&B / TensorBoard when asked), each step's row holding the keys of
+   the groups it used, then a checkpoint every `save_interval` steps and at the end; a stats object per
+   published version in the bucket.
 Importing this module starts nothing (Ray, torch and transformers are imported where used).
 """
 
@@ -201,9 +202,8 @@ class LearnerActor:
         metrics.update(step=self.step, version=self.current, batch_version=batch.current_version)
         self._groups_unsent += len(batch.groups)
         self._submit(state, metrics, snap)
-        if self.step % self.cfg.train.save_interval == 0:
-            self.save()
-        return metrics
+        # which groups this step used (and how often): lets an audit rebuild the lineage's consumption
+        return {**metrics, "rollout/groups": [[g.key, g.use] for g in batch.groups]}
 
     def _ctx(self, metrics: dict, snap: dict, groups: int) -> dict:
         drops = Counter(snap["drops"])
@@ -320,9 +320,11 @@ def run_learner(
                 if metrics is None:
                     continue
                 step = metrics["step"]
-                logger.log(step, metrics)
+                logger.log(step, metrics)  # before the checkpoint: every checkpointed step is in the log
                 if on_step is not None:
                     on_step(metrics)
+                if step % cfg.train.save_interval == 0:
+                    ray.get(learner.save.remote())
             final = ray.get(learner.finish.remote())
             ray.get(source.stop.remote())
         finally:

@@ -32,7 +32,7 @@ def _checks():
 
     both, quick, fleet = {"quickstart", "fleet"}, {"quickstart"}, {"fleet"}
     return [
-        (c.check_n_samples, both, False), (c.check_plane, both, False), (c.check_kv_mode, both, False),
+        (c.check_n_samples, both, False), (c.check_plane, both, False), (c.check_kv_mode, fleet, False),
         (c.check_contract_agrees, both, False),
         (c.check_save_interval, fleet, False), (c.check_dual_clip, both, False), (c.check_gate, both, False),
         (c.check_reducer, both, False), (c.check_no_save_hf, both, False),

@@ -63,14 +63,18 @@ def local_box(path_prefix: str | None = None):
     return run
 
 
-@pytest.fixture
-def gpu_shim(tmp_path):
+def make_gpu_shim(tmp_path) -> str:
     """This machine has no GPU: an nvidia-smi that reports one, as the driver's tool prints it."""
     d = tmp_path / "bin"
-    d.mkdir()
+    d.mkdir(exist_ok=True)
     (d / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 81559 MiB'\n")
     (d / "nvidia-smi").chmod(0o755)
     return str(d)
+
+
+@pytest.fixture
+def gpu_shim(tmp_path):
+    return make_gpu_shim(tmp_path)
 
 
 @pytest.fixture
@@ -117,41 +121,99 @@ def test_quickstart_box_checks_pass(file_store, gpu_shim, tmp_path):
 
 # -- one mutation per check -----------------------------------------------------------------------------
 def _publish(store, **changes):
-    """run.json as the quickstart launch would publish it, with `changes`."""
+    """run.json as the launch would publish it, with `changes`."""
     same = dict(task="gsm8k", max_new_tokens=1024, anchor_interval=10, vocab_size=151936, rope_theta=1e6)
     m = manifest_for(RUN).model_copy(update={**same, **changes})
     store.put_if_absent(layout.manifest_key(RUN), m.to_bytes())
 
 
-QUICK_MUTATIONS = {
-    "contract.n_samples": lambda fs: dict(plan=make_plan("quickstart", fs.url, env={"DRL_N_SAMPLES": "4"})),
-    "contract.plane": lambda fs: dict(plan=make_plan("quickstart", fs.url, env={"DRL_PULSE_PLANE": "int8g64"})),
-    "contract.agree": lambda fs: dict(plan=make_plan("quickstart", fs.url).model_copy(
-        update={"env": {**make_plan("quickstart", fs.url).env, "DRL_PULSE_PLANE": "int8g64"}})),
-    "recipe.dual_clip": lambda fs: dict(plan=make_plan("quickstart", fs.url, overrides={"algo.eps_clip_c": 1.0})),
-    "recipe.dppo_gate": lambda fs: dict(plan=set_flag(make_plan("quickstart", fs.url), "--custom-tis-function-path",
-                                                      "slime.backends.megatron_utils.loss.icepop_function")),
-    "recipe.drgrpo_reducer": lambda fs: dict(plan=set_flag(make_plan("quickstart", fs.url),
-                                                           "--custom-pg-loss-reducer-function-path", "my.reducer")),
-    "recipe.no_save_hf": lambda fs: dict(plan=make_plan("quickstart", fs.url, overrides={
-        "launch.extra_args": ["--save-hf", "/root/hf/{rollout_id}"]})),
-    "recipe.algo": lambda fs: dict(plan=make_plan("quickstart", fs.url, overrides={"algo.reuse_cap": 4})),
-    "recipe.batch": lambda fs: dict(plan=make_plan("quickstart", fs.url, overrides={"algo.groups_per_step": 4})),
-    "model.rotary_base": lambda fs: dict(plan=set_flag(make_plan("quickstart", fs.url), "--rotary-base", "10000")),
-    "model.vocab_tokenizer": lambda fs: dict(plan=set_flag(make_plan("quickstart", fs.url), "--vocab-size", "151643")),
-    "base_anchor": lambda fs: dict(plan=make_plan("quickstart", fs.url).model_copy(update={"recipe": {
-        **make_plan("quickstart", fs.url).recipe, "model": {"hf_id": None, "path": None, "rotary_base": None,
-                                                           "dtype": "bfloat16"}}})),
+def _env_update(plan, **env):
+    return plan.model_copy(update={"env": {**plan.env, **env}})
+
+
+def _no_model(plan):
+    model = {"hf_id": None, "path": None, "rotary_base": None, "dtype": "bfloat16"}
+    return plan.model_copy(update={"recipe": {**plan.recipe, "model": model}})
+
+
+def _loose_env_file(store, tmp_path):
+    f = tmp_path / "r2env"
+    f.write_text(f"AWS_SECRET_ACCESS_KEY={TEST_SECRET_KEY}\n")
+    f.chmod(0o644)
+    return {"env_file": str(f)}
+
+
+def _block_probes(store, tmp_path):
+    if store.url.startswith("file://"):  # the run's probes/ is a file: the create-only probe cannot land
+        (store.root / RUN).mkdir(parents=True)
+        (store.root / RUN / "probes").write_text("in the way")
+        return {}
+    return {"store": "s3://no-such-bucket-z"}
+
+
+def _file_store_for_a_box(profile, tmp_path):
+    """A file store: fine for the embedded quickstart, wrong once a GPU box (or a fleet) is involved."""
+    if profile == "fleet":
+        return make_plan(profile, f"file://{tmp_path}/fs"), {}
+    plan = make_plan(profile, f"file://{tmp_path}/fs", host="root@gpu-box", remote_dir=str(tmp_path))
+    return plan, {"run_box": local_box(make_gpu_shim(tmp_path))}
+
+
+def _other_plane(profile):
+    return "int8g64" if profile == "quickstart" else "bf16"
+
+
+#: check -> (profiles it applies to, mutation(profile, plan, store, tmp_path) -> (plan, build_context kwargs))
+MUTATIONS = {
+    "contract.n_samples": ("both", lambda pr, pl, st, tp: (make_plan(pr, st.url, env={"DRL_N_SAMPLES": "4"}), {})),
+    "contract.plane": ("both", lambda pr, pl, st, tp: (
+        make_plan(pr, st.url, env={"DRL_PULSE_PLANE": _other_plane(pr)}), {})),
+    "contract.kv_mode": ("fleet", lambda pr, pl, st, tp: (make_plan(pr, st.url, env={"DRL_KV_MODE": "dense"}), {})),
+    "contract.agree": ("both", lambda pr, pl, st, tp: (_env_update(pl, DRL_PULSE_PLANE=_other_plane(pr)), {})),
+    "recipe.save_interval": ("fleet", lambda pr, pl, st, tp: (
+        make_plan(pr, st.url, overrides={"train.save_interval": 8}), {})),
+    "recipe.dual_clip": ("both", lambda pr, pl, st, tp: (
+        make_plan(pr, st.url, overrides={"algo.eps_clip_c": 1.0}), {})),
+    "recipe.dppo_gate": ("both", lambda pr, pl, st, tp: (set_flag(
+        pl, "--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"), {})),
+    "recipe.drgrpo_reducer": ("both", lambda pr, pl, st, tp: (set_flag(
+        pl, "--custom-pg-loss-reducer-function-path", "my.reducer"), {})),
+    "recipe.no_save_hf": ("both", lambda pr, pl, st, tp: (make_plan(pr, st.url, overrides={
+        "launch.extra_args": ["--save-hf", "/root/hf/{rollout_id}"]}), {})),
+    "recipe.algo": ("quickstart", lambda pr, pl, st, tp: (make_plan(pr, st.url, overrides={"algo.reuse_cap": 4}), {})),
+    "recipe.batch": ("quickstart", lambda pr, pl, st, tp: (
+        make_plan(pr, st.url, overrides={"algo.groups_per_step": 4}), {})),
+    "model.rotary_base": ("both", lambda pr, pl, st, tp: (set_flag(pl, "--rotary-base", "10000"), {})),
+    "model.vocab_tokenizer": ("both", lambda pr, pl, st, tp: (set_flag(pl, "--vocab-size", "151643"), {})),
+    "credentials": ("both", lambda pr, pl, st, tp: (pl, _loose_env_file(st, tp))),
+    "store": ("both", lambda pr, pl, st, tp: _file_store_for_a_box(pr, tp)),
+    "bucket": ("both", lambda pr, pl, st, tp: (pl, _block_probes(st, tp))),
+    "run_id": ("both", lambda pr, pl, st, tp: (_publish(st, staleness=5, n_samples=8,
+                                                        plane=pl.recipe["contract"]["plane"],
+                                                        kv_mode=pl.recipe["contract"]["kv_mode"]) or pl, {})),
+    "base_anchor": ("both", lambda pr, pl, st, tp: (_no_model(pl), {})),
 }
+CASES = [(pr, check) for check, (where, _) in sorted(MUTATIONS.items())
+         for pr in ("quickstart", "fleet") if where in ("both", pr)]
 
 
-@pytest.mark.parametrize("check", sorted(QUICK_MUTATIONS))
-def test_quickstart_mutation_fails_exactly_its_check(file_store, check):
-    kw = QUICK_MUTATIONS[check](file_store)
-    rows, text = report(kw.pop("plan"), "quickstart", **kw)
+@pytest.mark.parametrize(("profile", "check"), CASES)
+def test_mutation_fails_exactly_its_check(request, tmp_path, profile, check):
+    store = request.getfixturevalue("file_store" if profile == "quickstart" else "s3_store")
+    env = request.getfixturevalue("s3_env") if profile == "fleet" else {}
+    plan, kw = MUTATIONS[check][1](profile, make_plan(profile, store.url), store, tmp_path)
+    rows, text = report(plan, profile, env=env, **kw)
     assert fails(rows) == [check], text
     row = next(r for r in rows if r.check == check)
     assert row.fix and f"fix: {row.fix}" in text
+
+
+@pytest.mark.parametrize("profile", ["quickstart", "fleet"])
+def test_every_check_of_each_profile_has_a_mutation(request, profile):
+    store = request.getfixturevalue("file_store" if profile == "quickstart" else "s3_store")
+    env = request.getfixturevalue("s3_env") if profile == "fleet" else {}
+    rows, _ = report(make_plan(profile, store.url), profile, env=env)
+    assert {r.check for r in rows} == {c for p, c in CASES if p == profile}
 
 
 def test_contract_agree_fails_when_run_json_differs(file_store):
@@ -200,21 +262,6 @@ def test_bucket_unreachable_on_s3(moto_server, s3_env):
     rows, text = report(make_plan("fleet", "s3://no-such-bucket-x"), "fleet", env=s3_env)
     assert fails(rows) == ["bucket"], text
     assert "Object Read & Write" in text
-
-
-FLEET_MUTATIONS = {
-    "contract.plane": dict(env={"DRL_PULSE_PLANE": "bf16"}),
-    "contract.kv_mode": dict(env={"DRL_KV_MODE": "dense"}),
-    "recipe.save_interval": dict(overrides={"train.save_interval": 8}),
-    "recipe.dual_clip": dict(overrides={"algo.eps_clip_c": 3.0}),
-}
-
-
-@pytest.mark.parametrize("check", sorted(FLEET_MUTATIONS))
-def test_fleet_mutation_fails_exactly_its_check(s3_store, s3_env, check):
-    rows, text = report(make_plan("fleet", s3_store.url, **FLEET_MUTATIONS[check]), "fleet", env=s3_env)
-    assert fails(rows) == [check], text
-    assert "fix: " in text
 
 
 def test_fleet_refuses_a_file_store(file_store):

@@ -82,6 +82,8 @@ def to_numpy(x: Any) -> np.ndarray:
     """A numpy view of a CPU torch tensor (bf16 and fp8 through their bit patterns) or the array itself."""
     if isinstance(x, np.ndarray):
         return x
+    if isinstance(x, np.generic):
+        return np.asarray(x)
     if not is_torch(x):
         raise TypeError(f"expected a numpy array or a torch tensor, got {type(x).__name__}")
     import torch

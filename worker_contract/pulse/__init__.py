@@ -124,7 +124,12 @@ def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: s
         verify_patch_signature(patch, public_key)
     _check_body(header, body)
     o, as_torch = state_to_numpy(old)
-    _check_names(o, {t.name: None for t in header.tensors})
+    missing = sorted({t.name for t in header.tensors} - set(o))
+    extra = sorted(set(o) - {t.name for t in header.tensors})
+    if missing or extra:
+        raise PatchError("wrong base for this patch: "
+                         + (f"the base lacks {', '.join(missing)}; " if missing else "")
+                         + (f"the patch does not name {', '.join(extra)}" if extra else ""))
     for t in header.tensors:
         a = o[t.name]
         if dtype_name(a) != t.dtype or list(a.shape) != t.shape:

@@ -13,7 +13,7 @@ ns.add_task(contract_tasks.joincard)
 
 from infra import ops_tasks  # noqa: E402  (operator view: status, plot, gc, preflight)
 
-for _t in (ops_tasks.status, ops_tasks.plot, ops_tasks.gc):
+for _t in (ops_tasks.status, ops_tasks.plot, ops_tasks.gc, ops_tasks.preflight):
     ns.add_task(_t)
 
 from infra import retriever_tasks  # noqa: E402  (BM25 retriever for the PaperSearchQA fleet)

@@ -86,3 +86,27 @@ def gc(c, run=None, keep_anchors=2, dry_run=False, store=None):
     with progress("deleting", total=len(plan.keys)) as advance:
         n = apply_gc(st, plan, advance)
     print(f"deleted {n} objects")
+
+
+@task(positional=[], auto_shortflags=False, help={
+    "recipe": "resolve this recipe here (gsm8k | psqa) instead of reading a dry run on stdin",
+    "run": "run id with --recipe (default DRL_RUN)",
+    "profile": "quickstart | fleet (default DRL_PREFLIGHT_PROFILE, else by recipe)",
+    "host": "GPU box user@host for the box checks (default: the plan's host)",
+    "ssh_key": "SSH private key for the box",
+    "hf_dir": "local HF checkpoint dir for the model-identity checks",
+    "env_file": "credentials file (default .r2env, mode 0600)",
+    "store": "store URL (default: the plan's, else DRL_STORE / R2 / file store)",
+    "json": "print the rows as JSON",
+})
+def preflight(c, recipe=None, run=None, profile=None, host=None, ssh_key=None, hf_dir=None, env_file=None,
+              store=None, json_=False):
+    """Check a launch before it happens (reads a dry run on stdin, or resolves --recipe); exit 1 on any FAIL."""
+    from infra.preflight import main
+
+    flags = {"--recipe": recipe, "--run": run, "--profile": profile, "--host": host, "--ssh-key": ssh_key,
+             "--hf-dir": hf_dir, "--env-file": env_file, "--store": store}
+    argv = [x for k, v in flags.items() if v for x in (k, v)] + (["--json"] if json_ else [])
+    code = main(argv)
+    if code:
+        raise Exit(code=code)

@@ -1,0 +1,146 @@
+"""Is this a box the trainer can run on? GPU and driver, free disk, the slime image's pieces, Python imports.
+
+Standard library only, so the same file runs in two ways: imported by `infra.launch_gpu` on the box, and
+sent as the program text of `python3 -c` over SSH before anything is shipped (infra/remote). It prints one
+JSON report on stdout; every failed check is also one line on stderr naming what is missing and the fix,
+and the exit status is 1 if any check failed.
+
+    python3 infra/box_check.py --remote-dir /root/dRL --slime-dir /root/slime --megatron-dir /root/Megatron-LM
+    python3 infra/box_check.py --ensure-deps "pydantic>=2.7" ...   # pip-install only what does not import
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+MIN_FREE_GB = 100.0
+#: modules the trainer needs from the slime image (importable with Megatron-LM on PYTHONPATH)
+IMAGE_IMPORTS = ("torch", "ray", "slime", "megatron.core", "sglang", "transformers", "huggingface_hub",
+                 "safetensors")
+
+
+def check_gpu() -> dict:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"ok": False, "error": "nvidia-smi: not found: no NVIDIA driver on this box; rent a box with "
+                "an A100/H100 (40 GB+) and the slimerl/slime image"}
+    out = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0 or not out.stdout.strip():
+        return {"ok": False, "error": f"nvidia-smi failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}"}
+    gpus = []
+    for line in out.stdout.strip().splitlines():
+        name, driver, mem = (x.strip() for x in line.split(","))
+        gpus.append({"name": name, "driver": driver, "memory_mib": int(float(mem))})
+    return {"ok": True, "gpus": gpus}
+
+
+def _existing_ancestor(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _dir_gb(path: str) -> float:
+    """Bytes already under `path` (a redeploy's models and checkpoints), in GB."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total / 1e9
+
+
+def check_disk(path: str, min_free_gb: float = MIN_FREE_GB, already_used_gb: float = 0.0) -> dict:
+    """Free space where the run writes; space the run already holds there counts as available."""
+    where = _existing_ancestor(path)
+    free_gb = shutil.disk_usage(where).free / 1e9
+    ok = free_gb + already_used_gb >= min_free_gb
+    out = {"ok": ok, "path": where, "free_gb": round(free_gb, 1)}
+    if not ok:
+        out["error"] = (f"only {free_gb:.0f} GB free at {where}; the model, its Megatron copy and checkpoints "
+                        f"need about {min_free_gb:.0f} GB: rent a bigger disk or set REMOTE_DIR elsewhere")
+    return out
+
+
+def check_dirs(slime_dir: str, megatron_dir: str) -> dict:
+    missing = [d for d in (slime_dir, megatron_dir) if not os.path.isdir(d)]
+    if missing:
+        return {"ok": False, "error": f"missing {', '.join(missing)}: use the slimerl/slime image (it has "
+                "slime at /root/slime and Megatron-LM at /root/Megatron-LM)"}
+    return {"ok": True}
+
+
+def check_imports(megatron_dir: str, python: str = sys.executable, modules=IMAGE_IMPORTS) -> dict:
+    code = ("import importlib,json\nbad={}\nfor m in " + repr(tuple(modules)) + ":\n"
+            "    try: importlib.import_module(m)\n"
+            "    except Exception as e: bad[m]=type(e).__name__+': '+str(e)[:200]\nprint(json.dumps(bad))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (megatron_dir, os.environ.get("PYTHONPATH")) if p)}
+    res = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, check=False)
+    if res.returncode != 0:
+        return {"ok": False, "error": f"{python} could not run: {res.stderr.strip()[-500:]}"}
+    bad = json.loads(res.stdout.strip().splitlines()[-1])
+    if bad:
+        return {"ok": False, "error": "cannot import " + "; ".join(f"{m} ({e})" for m, e in bad.items())
+                + ": use the slimerl/slime image", "missing": sorted(bad)}
+    return {"ok": True}
+
+
+def run_checks(remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: float = MIN_FREE_GB) -> dict:
+    """Every check; `ok` only if all pass."""
+    report = {
+        "gpu": check_gpu(),
+        "disk": check_disk(remote_dir, min_free_gb, _dir_gb(os.path.join(remote_dir, ".stoa"))),
+        "image": check_dirs(slime_dir, megatron_dir),
+    }
+    report["imports"] = check_imports(megatron_dir) if report["image"]["ok"] else {
+        "ok": False, "error": "skipped: the image's slime/Megatron-LM directories are missing"}
+    report["ok"] = all(v["ok"] for v in report.values())
+    return report
+
+
+def ensure_deps(requirements: list[str], python: str = sys.executable) -> list[str]:
+    """pip-install each requirement whose module does not import; returns what was installed."""
+    todo = []
+    for req in requirements:
+        name = req.split(";")[0]
+        for sep in "<>=!~[ ":
+            name = name.split(sep)[0]
+        module = {"pyyaml": "yaml", "huggingface-hub": "huggingface_hub"}.get(name.lower(), name.replace("-", "_"))
+        if subprocess.run([python, "-c", f"import {module}"], capture_output=True, check=False).returncode != 0:
+            todo.append(req)
+    if todo:
+        subprocess.run([python, "-m", "pip", "install", "--quiet", *todo], check=True)
+    return todo
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="check a GPU box for the stoa trainer")
+    ap.add_argument("--remote-dir", default="/root/dRL")
+    ap.add_argument("--slime-dir", default="/root/slime")
+    ap.add_argument("--megatron-dir", default="/root/Megatron-LM")
+    ap.add_argument("--min-free-gb", type=float, default=MIN_FREE_GB)
+    ap.add_argument("--ensure-deps", nargs="+", metavar="REQ", help="install these requirements if missing")
+    args = ap.parse_args(argv)
+    if args.ensure_deps:
+        installed = ensure_deps(args.ensure_deps)
+        print(json.dumps({"ok": True, "installed": installed}))
+        return 0
+    report = run_checks(args.remote_dir, args.slime_dir, args.megatron_dir, args.min_free_gb)
+    print(json.dumps(report))
+    for name, check in report.items():
+        if isinstance(check, dict) and not check["ok"]:
+            print(f"box check {name}: {check['error']}", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

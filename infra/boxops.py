@@ -1,0 +1,225 @@
+"""On-box process control for a run: start the trainer detached, report, stop, tear down.
+
+Runs on the GPU box itself, either directly or as `python3 -m infra.boxops <cmd>` over SSH (infra/remote),
+so both paths share one implementation. The trainer is started in a session of its own (setsid), with its
+output appended to `<remote_dir>/logs/<run>.log` and `<pid> <start time>` in the run's pid file, so it
+survives the SSH session that started it and a recycled PID is never mistaken for it. `stop` ends only
+that process group (and the run's Ray jobs, found by their `stoa_run` metadata), by PID.
+
+    python3 -m infra.boxops status   --remote-dir /root/dRL --run my-run [--lines 20]   # JSON
+    python3 -m infra.boxops stop     --remote-dir /root/dRL --run my-run [--dry-run]
+    python3 -m infra.boxops teardown --remote-dir /root/dRL --run my-run [--purge] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+#: the Ray dashboard slime's jobs are submitted to (bound to localhost by infra.launch_gpu)
+DASHBOARD = "http://127.0.0.1:8265"
+RAY_MARKER = ".stoa/ray.started"
+
+
+def _proc_start(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks (field 22 of /proc/<pid>/stat); None if gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+def read_pid(pid_file: str | Path) -> tuple[int, int] | None:
+    try:
+        pid, start = Path(pid_file).read_text().split()
+        return int(pid), int(start)
+    except (OSError, ValueError):
+        return None
+
+
+def alive_pid(pid_file: str | Path) -> int | None:
+    """The trainer's PID if the process recorded in `pid_file` is still that process and running."""
+    rec = read_pid(pid_file)
+    if rec is None:
+        return None
+    pid, start = rec
+    return pid if _proc_start(pid) == start else None
+
+
+def start_detached(argv: Sequence[str], *, log_file: str | Path, pid_file: str | Path,
+                   env: Mapping[str, str] | None = None, cwd: str | Path | None = None) -> int:
+    """Start `argv` in a new session, output appended to `log_file`; record it in `pid_file`."""
+    log_file, pid_file = Path(log_file), Path(pid_file)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as log:
+        log.write(f"=== stoa launch {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(argv[:6])} ...\n".encode())
+        log.flush()
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, close_fds=True, cwd=cwd,
+                                env=dict(os.environ if env is None else env))
+    start = None
+    for _ in range(100):  # /proc appears with the process; wait for it briefly
+        start = _proc_start(proc.pid)
+        if start is not None or proc.poll() is not None:
+            break
+        time.sleep(0.01)
+    tmp = pid_file.with_suffix(".tmp")
+    tmp.write_text(f"{proc.pid} {start if start is not None else -1}\n")
+    tmp.replace(pid_file)
+    return proc.pid
+
+
+def tail(path: str | Path, lines: int) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            return [line.rstrip("\n") for line in deque(f, maxlen=lines)]
+    except OSError:
+        return []
+
+
+def gpu_usage() -> dict:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"ok": False, "error": "nvidia-smi not found (no NVIDIA driver)"}
+    out = subprocess.run([smi, "--query-gpu=index,name,utilization.gpu,memory.used,memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return {"ok": False, "error": out.stderr.strip() or out.stdout.strip()}
+    gpus = []
+    for line in out.stdout.strip().splitlines():
+        i, name, util, used, total = (x.strip() for x in line.split(","))
+        gpus.append({"index": int(i), "name": name, "util_pct": float(util), "mem_used_mib": float(used),
+                     "mem_total_mib": float(total)})
+    return {"ok": True, "gpus": gpus}
+
+
+def status(remote_dir: str, run: str, lines: int = 20) -> dict:
+    """Read-only: is the run's trainer alive, its last log lines, GPU use."""
+    from .slime_launch import BoxPaths
+
+    paths = BoxPaths(remote_dir=remote_dir, run=run)
+    pid = alive_pid(paths.pid_file)
+    rec = read_pid(paths.pid_file)
+    return {
+        "run": run, "remote_dir": remote_dir, "deployed": True,
+        "alive": pid is not None, "pid": pid if pid is not None else (rec[0] if rec else None),
+        "log_file": paths.log_file, "log_tail": tail(paths.log_file, lines), "gpu": gpu_usage(),
+    }
+
+
+def _ray_jobs(run: str) -> tuple[list, str | None]:
+    """(client, running jobs of `run`) through the dashboard; ([], reason) when Ray is not reachable."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(DASHBOARD)
+    try:  # nothing listens: no Ray here, and no need to import it
+        socket.create_connection((url.hostname, url.port), timeout=1).close()
+    except OSError:
+        return [], f"no Ray dashboard at {DASHBOARD}: no Ray job to stop"
+    try:
+        from ray.job_submission import JobStatus, JobSubmissionClient
+
+        client = JobSubmissionClient(DASHBOARD)
+        jobs = [j for j in client.list_jobs() if (j.metadata or {}).get("stoa_run") == run
+                and j.status in (JobStatus.PENDING, JobStatus.RUNNING)]
+        return [(client, j) for j in jobs], None
+    except Exception as e:  # Ray absent or no dashboard: there is no Ray job to stop
+        return [], f"no Ray jobs reachable at {DASHBOARD} ({type(e).__name__})"
+
+
+def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = False, log=print) -> dict:
+    """Stop the run's Ray jobs and its detached trainer process group (SIGTERM, then SIGKILL)."""
+    from .slime_launch import BoxPaths
+
+    paths = BoxPaths(remote_dir=remote_dir, run=run)
+    jobs, note = _ray_jobs(run)
+    pid = alive_pid(paths.pid_file)
+    out = {"run": run, "ray_jobs": [j.submission_id for _, j in jobs], "pid": pid, "stopped": False}
+    if note:
+        log(note)
+    if dry_run:
+        log(f"would stop Ray jobs {out['ray_jobs'] or 'none'} and process group {pid or 'none'} [dry run]")
+        return out
+    for client, job in jobs:
+        log(f"stopping Ray job {job.submission_id}")
+        client.stop_job(job.submission_id)
+    if pid is not None:
+        if os.getpgid(pid) != pid:  # started by start_detached, so it leads its own group
+            raise RuntimeError(f"pid {pid} does not lead its process group; refusing to signal the group")
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while alive_pid(paths.pid_file) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if alive_pid(paths.pid_file) is not None:
+            log(f"trainer {pid} ignored SIGTERM for {timeout_s:.0f} s; sending SIGKILL")
+            os.killpg(pid, signal.SIGKILL)
+        log(f"stopped trainer process group {pid}")
+    else:
+        log(f"no trainer process of run {run} is running")
+    Path(paths.pid_file).unlink(missing_ok=True)
+    out["stopped"] = True
+    return out
+
+
+def teardown(remote_dir: str, run: str, *, purge: bool = False, dry_run: bool = False, log=print) -> dict:
+    """Stop the run, stop the Ray we started, delete the credentials; `purge` also deletes remote_dir."""
+    root = Path(remote_dir)
+    actions = ["stop the trainer"]
+    if (root / RAY_MARKER).exists():
+        actions.append("ray stop (we started it)")
+    actions.append(f"delete {root / '.r2env'}")
+    if purge:
+        actions.append(f"delete {root} (tree, models, checkpoints, logs)")
+    if dry_run:
+        for a in actions:
+            log(f"would {a} [dry run]")
+        return {"run": run, "actions": actions, "dry_run": True}
+    stop(remote_dir, run, log=log)
+    if (root / RAY_MARKER).exists() and shutil.which("ray"):
+        subprocess.run(["ray", "stop"], check=False)
+        (root / RAY_MARKER).unlink(missing_ok=True)
+    (root / ".r2env").unlink(missing_ok=True)
+    log(f"deleted {root / '.r2env'}")
+    if purge:
+        shutil.rmtree(root, ignore_errors=True)
+        log(f"deleted {root}")
+    return {"run": run, "actions": actions, "dry_run": False}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="on-box control of a stoa run")
+    ap.add_argument("command", choices=["status", "stop", "teardown"])
+    ap.add_argument("--remote-dir", required=True)
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--lines", type=int, default=20)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--purge", action="store_true")
+    args = ap.parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - stdout carries the JSON answer only
+    if args.command == "status":
+        out = status(args.remote_dir, args.run, args.lines)
+    elif args.command == "stop":
+        out = stop(args.remote_dir, args.run, dry_run=args.dry_run, log=log)
+    else:
+        out = teardown(args.remote_dir, args.run, purge=args.purge, dry_run=args.dry_run, log=log)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""Deploy steps over SSH: check the box, ship the tree, ship the credentials, install missing dependencies.
+
+Each step is idempotent. The tree travels as one deterministic tar.gz over SFTP (no rsync needed on either
+side); its sha256 and file list are kept on the box, so an unchanged tree is not shipped again and files
+deleted locally are deleted remotely. Credentials never appear on a command line: they are written over
+SFTP into a file created with mode 0600 beforehand, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import subprocess
+import tarfile
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from .ssh import RemoteStepError, q, run
+
+#: directories never shipped (virtual envs, local run state, VCS, caches)
+EXCLUDE_DIRS = frozenset({".venv", ".stoa", ".git", ".nox", "__pycache__", ".pytest_cache", ".ruff_cache",
+                          ".mypy_cache", "node_modules", ".idea", ".vscode"})
+TREE_DIGEST = ".stoa-tree.sha256"
+TREE_FILES = ".stoa-tree.files"
+ENV_FILE = ".r2env"
+
+
+def is_private_file(name: str) -> bool:
+    """Credential and key files stay home; `.r2env` travels only through `ship_credentials`."""
+    return (name.startswith(".r2env") and not name.endswith(".example")) or name.endswith((".key", ".pem"))
+
+
+def _shippable(rel: str) -> bool:
+    parts = rel.split("/")
+    return (not any(p in EXCLUDE_DIRS or p.endswith(".egg-info") for p in parts[:-1])
+            and not parts[-1].endswith((".pyc", ".pyo")) and not is_private_file(parts[-1]))
+
+
+def _git_files(root: Path) -> list[str] | None:
+    """Tracked and untracked-but-not-ignored files when `root` is a git checkout (its .gitignore rules)."""
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.resolve().parent)}
+    try:
+        res = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                             env=env, capture_output=True, check=False)
+    except OSError:
+        return None
+    if res.returncode != 0:
+        return None
+    return [f for f in res.stdout.decode().split("\0") if f]
+
+
+def tree_files(root: str | Path) -> list[str]:
+    """The trainer-side tree: what git would track (or every file, outside git), less excluded dirs,
+    private files and bytecode."""
+    root = Path(root)
+    listed = _git_files(root)
+    if listed is not None:
+        return sorted(f for f in listed if _shippable(f) and (root / f).is_file() and not (root / f).is_symlink())
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDE_DIRS and not d.endswith(".egg-info"))
+        for f in sorted(filenames):
+            if f.endswith((".pyc", ".pyo")) or is_private_file(f):
+                continue
+            path = Path(dirpath) / f
+            if path.is_file() and not path.is_symlink():
+                out.append(path.relative_to(root).as_posix())
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Tarball:
+    data: bytes
+    digest: str
+    files: list[str]
+
+
+def build_tarball(root: str | Path) -> Tarball:
+    """A byte-for-byte reproducible tar.gz of the tree (fixed mtimes and owners), and its sha256."""
+    root = Path(root)
+    files = tree_files(root)
+    raw = io.BytesIO()
+    with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        for rel in files:
+            path = root / rel
+            info = tarfile.TarInfo(rel)
+            info.size = path.stat().st_size
+            info.mode = 0o755 if os.access(path, os.X_OK) else 0o644
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+    data = raw.getvalue()
+    return Tarball(data, hashlib.sha256(data).hexdigest(), files)
+
+
+def _read_remote(conn, path: str) -> str | None:
+    res = conn.run(f"cat {q(path)} 2>/dev/null", warn=True, hide=True, in_stream=False)
+    return res.stdout if res.exited == 0 else None
+
+
+def _box_check_source() -> str:
+    return (Path(__file__).resolve().parent.parent / "box_check.py").read_text()
+
+
+def check_box(conn, *, remote_dir: str, slime_dir: str, megatron_dir: str, python: str = "python3") -> str:
+    """Run infra/box_check.py on the box (its source as `python3 -c`, nothing shipped yet)."""
+    cmd = (f"{q(python)} -c {q(_box_check_source())} --remote-dir {q(remote_dir)} --slime-dir {q(slime_dir)} "
+           f"--megatron-dir {q(megatron_dir)}")
+    res = run(conn, "check_box", cmd)
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    gpus = ", ".join(f"{g['name']} (driver {g['driver']})" for g in report["gpu"]["gpus"])
+    return f"{gpus}; {report['disk']['free_gb']} GB free at {report['disk']['path']}"
+
+
+def ship_tree(conn, root: str | Path, remote_dir: str) -> str:
+    """Ship the tree unless the box already has this exact tarball; delete files removed since."""
+    tb = build_tarball(root)
+    rd = PurePosixPath(remote_dir)
+    run(conn, "ship_tree", f"mkdir -p {q(rd)}")
+    if (_read_remote(conn, str(rd / TREE_DIGEST)) or "").strip() == tb.digest:
+        return f"unchanged ({len(tb.files)} files, sha256 {tb.digest[:12]}), not shipped again"
+    partial = rd / ".stoa-tree.tar.gz.partial"
+    new_list = rd / (TREE_FILES + ".new")
+    sftp = conn.sftp()
+    sftp.putfo(io.BytesIO(tb.data), str(partial))
+    sftp.putfo(io.BytesIO(("\n".join(tb.files) + "\n").encode()), str(new_list))
+    old_list = rd / TREE_FILES
+    # Files of the previous deploy that are not in this one are removed (grep -vxF: exact whole lines).
+    script = (
+        f"set -e; cd {q(rd)}; tar -xzf {q(partial)} -o; rm -f {q(partial)}; "
+        f"if [ -f {q(old_list)} ]; then grep -vxF -f {q(new_list)} {q(old_list)} | "
+        f"while IFS= read -r f; do rm -f -- \"$f\"; done; fi; "
+        f"mv -f {q(new_list)} {q(old_list)}; printf %s {q(tb.digest)} > {q(TREE_DIGEST)}.tmp; "
+        f"mv -f {q(TREE_DIGEST)}.tmp {q(TREE_DIGEST)}"
+    )
+    run(conn, "ship_tree", script)
+    return f"{len(tb.files)} files, {len(tb.data) / 1e6:.1f} MB, sha256 {tb.digest[:12]}"
+
+
+def credentials_text(values: Mapping[str, str]) -> str:
+    return "".join(f"{k}={v}\n" for k, v in values.items())
+
+
+def ship_credentials(conn, remote_dir: str, values: Mapping[str, str]) -> str:
+    """Write the credentials to <remote_dir>/.r2env with mode 0600 from its first byte."""
+    rd = PurePosixPath(remote_dir)
+    target, tmp = rd / ENV_FILE, rd / (ENV_FILE + ".partial")
+    text = credentials_text(values).encode()
+    digest = hashlib.sha256(text).hexdigest()
+    res = conn.run(f"sha256sum {q(target)} 2>/dev/null; stat -c %a {q(target)} 2>/dev/null",
+                   warn=True, hide=True, in_stream=False)
+    lines = res.stdout.split()
+    if res.exited == 0 and len(lines) >= 3 and lines[0] == digest and lines[-1] == "600":
+        return f"{target} unchanged (mode 0600)"
+    # umask 077 and an empty file created first: the file is never readable by anyone else, not even empty.
+    run(conn, "ship_credentials", f"umask 077 && mkdir -p {q(rd)} && rm -f {q(tmp)} && : > {q(tmp)} "
+                                  f"&& chmod 600 {q(tmp)}")
+    with conn.sftp().open(str(tmp), "r+") as f:
+        f.write(text)
+    mode = run(conn, "ship_credentials", f"chmod 600 {q(tmp)} && mv -f {q(tmp)} {q(target)} && stat -c %a {q(target)}")
+    if mode.stdout.strip() != "600":
+        raise RemoteStepError("ship_credentials", "stat", 1, f"{target} has mode {mode.stdout.strip()}, expected 600")
+    return f"{target} (mode 0600, {len(values)} values)"
+
+
+def contract_requirements(repo_root: str | Path) -> list[str]:
+    """The contract core's dependencies, read from pyproject.toml (one list, not a copy)."""
+    data = tomllib.loads((Path(repo_root) / "pyproject.toml").read_text())
+    return list(data["project"]["dependencies"])
+
+
+def install_deps(conn, remote_dir: str, repo_root: str | Path, python: str = "python3") -> str:
+    reqs = contract_requirements(repo_root)
+    cmd = f"{q(python)} -c {q(_box_check_source())} --ensure-deps " + " ".join(q(r) for r in reqs)
+    res = run(conn, "install_deps", cmd)
+    installed = json.loads(res.stdout.strip().splitlines()[-1])["installed"]
+    return f"installed {', '.join(installed)}" if installed else "all present"
+
+
+def write_recipe(conn, remote_dir: str, recipe_file: str, recipe_json: str) -> str:
+    """The resolved recipe the box launch reads (no secrets: credentials are not recipe fields)."""
+    run(conn, "write_recipe", f"mkdir -p {q(PurePosixPath(recipe_file).parent)}")
+    conn.sftp().putfo(io.BytesIO(recipe_json.encode()), recipe_file)
+    return recipe_file

@@ -1,0 +1,25 @@
+"""A launch is a list of named steps run in order; each reports its result, the first failure stops it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class StepFailed(RuntimeError):
+    """A launch step failed; the message names the step and carries its error output."""
+
+
+def run_steps(steps: list[tuple[str, Callable[[], str]]], out: Callable[[str], None],
+              catch: tuple[type[BaseException], ...] = ()) -> int:
+    """Run `steps` in order, printing `[i/n] name: result`; on the first failure print its error, return 1."""
+    from worker_contract.env import redact
+
+    for i, (name, fn) in enumerate(steps, 1):
+        out(f"[{i}/{len(steps)}] {name} ...")
+        try:
+            result = fn()
+        except (StepFailed, ValueError, OSError, *catch) as e:
+            out(f"[{i}/{len(steps)}] {name} FAILED: {type(e).__name__}\n{redact(str(e))}")
+            return 1
+        out(f"[{i}/{len(steps)}] {name}: {result}")
+    return 0

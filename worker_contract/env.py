@@ -40,19 +40,19 @@ class EnvError(ValueError):
 
 
 # -- redaction ----------------------------------------------------------------------------------------
-_secrets: set[str] = set()
+_secrets: tuple[str, ...] = ()  # longest first; replaced whole under the lock, so readers need none
 _secrets_lock = threading.Lock()
 _factory_installed = False
 
 
 def register_secret(value: str | SecretStr | None) -> None:
     """Redact `value` from every later error message and log line of this process."""
-    global _factory_installed
+    global _factory_installed, _secrets
     raw = value.get_secret_value() if isinstance(value, SecretStr) else value
     if not raw or len(raw) < 4:  # a 1-3 character "secret" would redact ordinary text
         return
     with _secrets_lock:
-        _secrets.add(raw)
+        _secrets = tuple(sorted(set(_secrets) | {raw}, key=len, reverse=True))
         if not _factory_installed:
             previous = logging.getLogRecordFactory()
 
@@ -75,7 +75,7 @@ def register_secret(value: str | SecretStr | None) -> None:
 
 def redact(text: str) -> str:
     """`text` with every registered secret value replaced by asterisks."""
-    for s in sorted(_secrets, key=len, reverse=True):
+    for s in _secrets:
         if s in text:
             text = text.replace(s, REDACTED)
     return text

@@ -1,0 +1,197 @@
+"""Publishes the learner's weights to the bucket: anchors, PULSE patches, and the signed pointer last.
+
+    pub = Publisher(store, manifest, key, anchor_interval=10)
+    pub.publish_anchor(hf_state)   # the base model (v1), or a fresh anchor after a resume (pointer + 1)
+    pub.publish(hf_state)          # next version: a patch against the last published state, plus an
+                                   # anchor every `anchor_interval` versions
+
+Order, so that a crash at any instant leaves a consistent bucket: every object of a version is written
+create-only and read back (size and ETag), and only then does `current.json` move, by compare-and-swap, never
+backwards. A version number is never reused: if objects of version v exist from a crashed attempt, the
+publisher moves on to the next free version and publishes a full anchor there (a patch to v+1 would have to
+start from the crashed attempt's state, which only that attempt knew).
+
+Runs off the training critical path (the learner calls it from its own Ray actor); it keeps the last
+published plane state in memory as the base of the next patch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from worker_contract import layout, signing
+from worker_contract.anchor import VersionTaken, write_anchor
+from worker_contract.manifest import RunManifest
+from worker_contract.planes import get_plane
+from worker_contract.pointer import advance_pointer, make_pointer, read_pointer
+from worker_contract.pulse import encode_patch, read_header, sign_patch
+from worker_contract.store import PreconditionFailed, Store
+from worker_contract.tensors import digest_of_entries, state_entries
+
+#: how many taken versions to skip before giving up (each is a crashed attempt's leftovers)
+MAX_SKIPS = 64
+
+
+class PublishError(RuntimeError):
+    """Publishing failed; the pointer did not move."""
+
+
+def drop_aliases(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop tensors that alias an earlier one (tied lm_head / embed_tokens), as HF's save does."""
+    seen, out = set(), {}
+    for name, t in state.items():
+        ident = (t.data_ptr(), tuple(t.shape), t.dtype) if hasattr(t, "data_ptr") and t.numel() else None
+        if ident is not None and ident in seen:
+            continue
+        if ident is not None:
+            seen.add(ident)
+        out[name] = t
+    return out
+
+
+class Publisher:
+    def __init__(self, store: Store, manifest: RunManifest, key: Ed25519PrivateKey, *, anchor_interval: int,
+                 progress: bool = True, shard_bytes: int | None = None):
+        if anchor_interval < 1:
+            raise ValueError(f"anchor_interval={anchor_interval} must be at least 1")
+        if signing.public_key_b64(key) != manifest.trainer_public_key:
+            raise ValueError(f"the signing key ({signing.fingerprint(signing.public_key_b64(key))}) is not the run's "
+                             f"key ({signing.fingerprint(manifest.trainer_public_key)}); use the key run.json names")
+        self.store, self.manifest, self.key = store, manifest, key
+        self.run, self.public_key = manifest.run, manifest.trainer_public_key
+        self.plane = get_plane(manifest.plane)
+        self.anchor_interval = anchor_interval
+        self.progress = progress
+        self.shard_bytes = shard_bytes
+        self._base: dict[str, np.ndarray] | None = None  # last published plane state
+        self._base_entries: list[dict] | None = None
+        self._base_version: int | None = None
+        self._anchor_version: int | None = None
+        self.last_stats: dict[str, Any] = {}
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def current_version(self) -> int | None:
+        """The version the signed pointer names, or None before the first publish."""
+        pointer, _ = read_pointer(self.store, self.run, self.public_key)
+        return pointer.version if pointer else None
+
+    def _free(self, version: int) -> bool:
+        if version >= 2 and self.store.head(layout.patch_key(self.run, version)) is not None:
+            return False
+        return next(iter(self.store.list(layout.anchor_prefix(self.run, version))), None) is None
+
+    def _next_free(self, after: int) -> int:
+        v = after + 1
+        for _ in range(MAX_SKIPS):
+            if self._free(v):
+                return v
+            v += 1
+        raise PublishError(f"versions {after + 1}..{v - 1} are all taken by earlier attempts; inspect the bucket")
+
+    # -- writing ---------------------------------------------------------------------------------------
+    def publish_anchor(self, state: Mapping[str, Any]) -> int:
+        """A full anchor at pointer + 1 (1 for the first), or the next free version; returns the version."""
+        t0 = time.monotonic()
+        plane_state = self.plane.from_hf(drop_aliases(state))
+        entries = state_entries(plane_state)
+        version = self._next_free(self.current_version() or 0)
+        anchor_bytes = self._upload_anchor(version, plane_state, entries)
+        upload_s = time.monotonic() - t0
+        self._advance(version, version, digest_of_entries(entries))
+        self._remember(plane_state, entries, version, anchor=True)
+        full = sum(a.nbytes for a in plane_state.values())
+        self.last_stats = {"kind": "anchor", "version": version, "bytes": anchor_bytes, "anchor_bytes": anchor_bytes,
+                           "full_bytes": full, "upload_s": upload_s, "latency_s": time.monotonic() - t0}
+        return version
+
+    def publish(self, state: Mapping[str, Any]) -> int:
+        """The next version: a signed patch against the last published state (plus an anchor when due)."""
+        if self._base is None:
+            return self.publish_anchor(state)
+        t0 = time.monotonic()
+        plane_state = self.plane.from_hf(drop_aliases(state))
+        pointer = self.current_version() or 0
+        version = self._base_version + 1
+        if pointer != self._base_version or not self._free(version):
+            # our base is not what the pointer names, or a crashed attempt holds the version: restart the
+            # chain with a full anchor at a free version
+            return self.publish_anchor(state)
+        patch = encode_patch(self._base, plane_state, base_version=self._base_version, target_version=version,
+                             base_entries=self._base_entries)
+        header = read_header(patch)
+        encode_s = time.monotonic() - t0
+        signed = sign_patch(patch, self.key)
+        key = layout.patch_key(self.run, version)
+        try:
+            etag = self.store.put_if_absent(key, signed)
+        except PreconditionFailed:
+            return self.publish_anchor(state)
+        info = self.store.head(key)
+        if info is None or info.size != len(signed) or info.etag.strip('"') != etag.strip('"'):
+            raise PublishError(f"{key} did not land intact (read back {info})")
+        entries = [{"name": t.name, "dtype": t.dtype, "shape": t.shape, "sha256": t.sha256} for t in header.tensors]
+        anchor_bytes = 0
+        due = version - (self._anchor_version or 0) >= self.anchor_interval
+        if due:
+            anchor_bytes = self._upload_anchor(version, plane_state, entries)
+        upload_s = time.monotonic() - t0 - encode_s
+        self._advance(version, version if due else self._anchor_version, header.result_digest)
+        self._remember(plane_state, entries, version, anchor=due)
+        changed = sum(t.changed for t in header.tensors)
+        words = sum(t.count for t in header.tensors)
+        full = sum(a.nbytes for a in plane_state.values())
+        self.last_stats = {
+            "kind": "patch+anchor" if due else "patch", "version": version, "bytes": len(signed) + anchor_bytes,
+            "patch_bytes": len(signed), "anchor_bytes": anchor_bytes, "full_bytes": full,
+            "compression": full / len(signed), "changed": changed, "sparsity": 1.0 - changed / max(words, 1),
+            "encode_s": encode_s, "upload_s": upload_s, "latency_s": time.monotonic() - t0}
+        return version
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _upload_anchor(self, version: int, plane_state: dict[str, np.ndarray], entries: list[dict]) -> int:
+        kw = {"shard_bytes": self.shard_bytes} if self.shard_bytes else {}
+        total = sum(a.nbytes for a in plane_state.values())
+        with _progress(self.progress, f"anchor v{version}", total) as update:
+            try:
+                m = write_anchor(self.store, self.run, version, self.manifest.plane, plane_state, self.key,
+                                 entries=entries, progress=update, **kw)
+            except VersionTaken as e:
+                raise PublishError(f"{e}; the pointer did not move") from None
+        return m.total_bytes()
+
+    def _advance(self, version: int, anchor_version: int, digest: str) -> None:
+        advance_pointer(self.store, make_pointer(self.run, version, anchor_version, digest, self.key), self.public_key)
+
+    def _remember(self, plane_state, entries, version: int, *, anchor: bool) -> None:
+        self._base, self._base_entries, self._base_version = plane_state, entries, version
+        if anchor:
+            self._anchor_version = version
+
+
+class _progress:
+    """A rich progress bar for anchor uploads (only on a terminal: logs stay clean)."""
+
+    def __init__(self, enabled: bool, label: str, total: int):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.label, self.total = label, total
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        self.bar = Progress("[bold]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                            transient=True)
+        self.bar.start()
+        task = self.bar.add_task(self.label, total=self.total)
+        return lambda done, total: self.bar.update(task, completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.bar.stop()

@@ -1,0 +1,222 @@
+"""Anchors: a full plane state as safetensors shards plus a signed manifest with per-tensor digests.
+
+    <run>/anchors/v<version>/weights-<shard>.safetensors   tensors in name order, split at ~shard_bytes
+    <run>/anchors/v<version>/manifest.json                 `AnchorManifest`, written last, signed
+
+Shards are written create-only, each read back (size and ETag) before the next step; the manifest goes
+last, so an anchor without a manifest is an incomplete attempt that readers ignore. A reader checks the
+manifest's signature, each shard's sha256, each tensor's sha256, dtype and shape, and the state digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from . import layout, safetensors_np, signing
+from .store import NotFound, PreconditionFailed, Store
+from .tensors import digest_of_entries, dtype_name, tensor_sha256
+
+ANCHOR_FORMAT = 1
+DEFAULT_SHARD_BYTES = 2 << 30
+_SIG_CONTEXT = b"stoa-anchor-manifest\0"
+
+#: progress(bytes_done, bytes_total) during an anchor upload or download
+Progress = Callable[[int, int], None]
+
+
+class AnchorError(ValueError):
+    """An anchor that is missing, incomplete, unsigned/forged, or does not match its digests."""
+
+
+class VersionTaken(AnchorError):
+    """Objects for this version already exist (an earlier attempt); publish at a higher version."""
+
+
+class AnchorTensor(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Tensor name in the plane.")
+    dtype: str = Field(description="Canonical dtype name.")
+    shape: list[int] = Field(description="Shape.")
+    sha256: str = Field(description="sha256 of the tensor's raw bytes.")
+    shard: int = Field(ge=0, description="Index of the shard that holds it.")
+
+
+class AnchorShard(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0, description="Shard index (its key is layout.anchor_shard_key(run, version, index)).")
+    size: int = Field(ge=0, description="Bytes of the shard file.")
+    sha256: str = Field(description="sha256 of the shard file.")
+
+
+class AnchorManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: int = Field(ANCHOR_FORMAT, description="Manifest format version.")
+    run: str = Field(description="Run id.")
+    version: int = Field(ge=1, description="Policy version the anchor holds.")
+    plane: str = Field(description="Weight plane (bf16 / int8g64).")
+    state_digest: str = Field(description="tensors.digest_of_entries over `tensors`: equals a patch's result digest.")
+    tensors: list[AnchorTensor] = Field(description="Every tensor, sorted by name.")
+    shards: list[AnchorShard] = Field(description="The shards, by index.")
+    created_at: float = Field(description="Unix time of publication.")
+    signature: str = Field("", description="Base64 Ed25519 over the manifest without this field.")
+
+    def signing_bytes(self) -> bytes:
+        body = self.model_dump(mode="json", exclude={"signature"})
+        return _SIG_CONTEXT + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=True).encode()
+
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+
+def _plan_shards(state: Mapping[str, np.ndarray], shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(state):
+        n = state[name].nbytes
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+class _HashingFile:
+    def __init__(self, f):
+        self.f, self.h, self.n = f, hashlib.sha256(), 0
+
+    def write(self, b) -> None:
+        self.f.write(b)
+        self.h.update(b)
+        self.n += len(b)
+
+
+def _verify_landed(store: Store, key: str, size: int, etag: str) -> None:
+    info = store.head(key)
+    if info is None or info.size != size or (etag and info.etag.strip('"') != etag.strip('"')):
+        raise AnchorError(f"{key} did not land intact (read back {info}, wrote {size} bytes, ETag {etag})")
+
+
+def write_anchor(store: Store, run: str, version: int, plane: str, state: Mapping[str, np.ndarray],
+                 key, *, entries: list[dict] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 progress: Progress | None = None) -> AnchorManifest:
+    """Upload `state` (numpy plane tensors) as the anchor of `version`; `VersionTaken` if any of its objects
+    exist already. `entries`: per-tensor records the caller already computed (spares hashing again)."""
+    sha = {e["name"]: e["sha256"] for e in entries} if entries else {}
+    tensors, shards = [], []
+    total, done = sum(a.nbytes for a in state.values()), 0
+    for index, names in enumerate(_plan_shards(state, shard_bytes)):
+        skey = layout.anchor_shard_key(run, version, index)
+        fd, tmp = tempfile.mkstemp(prefix="stoa-anchor-", suffix=".safetensors")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                hf = _HashingFile(f)
+                safetensors_np.write({n: state[n] for n in names}, hf, {"format": "pt", "stoa_run": run,
+                                                                        "stoa_version": str(version)})
+            try:
+                etag = store.upload_file(skey, tmp, if_absent=True)
+            except PreconditionFailed:
+                raise VersionTaken(f"{skey} exists: version {version} was used by an earlier attempt") from None
+            _verify_landed(store, skey, hf.n, etag)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        shards.append(AnchorShard(index=index, size=hf.n, sha256=hf.h.hexdigest()))
+        for n in names:
+            a = state[n]
+            tensors.append(AnchorTensor(name=n, dtype=dtype_name(a), shape=list(a.shape),
+                                        sha256=sha.get(n) or tensor_sha256(a), shard=index))
+            done += a.nbytes
+        if progress:
+            progress(done, total)
+    manifest = AnchorManifest(run=run, version=version, plane=plane, tensors=tensors, shards=shards,
+                              created_at=time.time(),
+                              state_digest=digest_of_entries([t.model_dump() for t in tensors]))
+    manifest = manifest.model_copy(update={"signature": signing.sign(key, manifest.signing_bytes())})
+    mkey = layout.anchor_manifest_key(run, version)
+    data = manifest.to_bytes()
+    try:
+        etag = store.put_if_absent(mkey, data)
+    except PreconditionFailed:
+        raise VersionTaken(f"{mkey} exists: version {version} was used by an earlier attempt") from None
+    _verify_landed(store, mkey, len(data), etag)
+    return manifest
+
+
+def read_manifest(store: Store, run: str, version: int, public_key: str) -> AnchorManifest:
+    """The anchor's manifest, signature checked; AnchorError if absent or not genuine."""
+    key = layout.anchor_manifest_key(run, version)
+    try:
+        raw = store.get(key)
+    except NotFound:
+        raise AnchorError(f"anchor v{version} has no manifest ({key})") from None
+    try:
+        m = AnchorManifest.model_validate_json(raw)
+    except ValidationError as e:
+        raise AnchorError(f"{key} is not a valid anchor manifest: {e.errors()[0]['msg']}") from None
+    try:
+        signing.verify(public_key, m.signing_bytes(), m.signature or None)
+    except signing.SignatureError as e:
+        raise AnchorError(f"anchor v{version} manifest refused: {e}") from None
+    if m.run != run or m.version != version or m.format != ANCHOR_FORMAT:
+        raise AnchorError(f"{key} names run {m.run!r} version {m.version} format {m.format}, not "
+                          f"run {run!r} version {version} format {ANCHOR_FORMAT}")
+    if digest_of_entries([t.model_dump() for t in m.tensors]) != m.state_digest:
+        raise AnchorError(f"anchor v{version}: the manifest's state digest does not match its tensor list")
+    return m
+
+
+def read_anchor(store: Store, run: str, version: int, public_key: str, *,
+                progress: Progress | None = None) -> tuple[AnchorManifest, dict[str, np.ndarray]]:
+    """(manifest, plane state) of an anchor, every digest and the signature checked."""
+    m = read_manifest(store, run, version, public_key)
+    want = {t.name: t for t in m.tensors}
+    state: dict[str, np.ndarray] = {}
+    done, total = 0, m.total_bytes()
+    for shard in m.shards:
+        key = layout.anchor_shard_key(run, version, shard.index)
+        try:
+            data = store.get(key)
+        except NotFound:
+            raise AnchorError(f"anchor v{version} shard {shard.index} is missing ({key})") from None
+        if len(data) != shard.size or hashlib.sha256(data).hexdigest() != shard.sha256:
+            raise AnchorError(f"anchor v{version} shard {shard.index} does not match its manifest digest")
+        tensors, _meta = safetensors_np.load(data)
+        for name, arr in tensors.items():
+            t = want.get(name)
+            if t is None or t.shard != shard.index:
+                raise AnchorError(f"anchor v{version} shard {shard.index} holds {name}, which its manifest does not list there")
+            if dtype_name(arr) != t.dtype or list(arr.shape) != t.shape or tensor_sha256(arr) != t.sha256:
+                raise AnchorError(f"anchor v{version} tensor {name} does not match its manifest digest")
+            state[name] = arr
+        done += len(data)
+        if progress:
+            progress(done, total)
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise AnchorError(f"anchor v{version} lacks tensors its manifest lists: {', '.join(missing[:5])}")
+    return m, state
+
+
+def anchor_versions(store: Store, run: str) -> list[int]:
+    """Versions with an anchor manifest (complete anchors), ascending."""
+    out = []
+    for info in store.list(layout.anchors_prefix(run)):
+        v = layout.anchor_version_of(info.key)
+        if v is not None:
+            out.append(v)
+    return sorted(out)

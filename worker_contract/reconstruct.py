@@ -1,0 +1,139 @@
+"""The worker side of weight sync: cold join from an anchor, then follow the pointer patch by patch.
+
+    rec = Reconstructor(store, run, plane="int8g64", n_samples=8)
+    version, state = rec.join()          # newest anchor at or below the pointer, plus patches up to it
+    update = rec.follow()                # (version, state) when the pointer moved, else None
+
+`state` maps plane tensor names to numpy arrays (no torch); `planes.get_plane(plane).to_dense(state)` gives
+HF-named dense tensors. Every step is checked: the pointer's, manifests' and patches' signatures under the
+run's key, every shard and tensor digest, every patch's base and result digests, and the pointer's digest.
+On any failure the reconstructor keeps its last good state and raises `SyncError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from . import layout
+from .anchor import AnchorError, anchor_versions, read_anchor
+from .manifest import ContractMismatch, RunManifest, load_manifest
+from .planes import get_plane
+from .pointer import PointerError, read_pointer
+from .pulse import PatchError, apply_patch, read_header, verify_patch_signature
+from .store import NotFound, Store
+
+#: progress(stage, done, total): stage is "anchor" (bytes) or "patches" (count)
+JoinProgress = Callable[[str, int, int], None]
+
+
+class SyncError(RuntimeError):
+    """Weight sync failed at some step; the last good state is kept."""
+
+
+class Reconstructor:
+    def __init__(self, store: Store, run: str, *, plane: str, n_samples: int | None = None,
+                 public_key: str | None = None, progress: JoinProgress | None = None):
+        get_plane(plane)  # an unknown plane name is refused with the known ones
+        layout.check_run_id(run)
+        try:
+            self.manifest: RunManifest = load_manifest(store, run)
+        except NotFound:
+            raise SyncError(f"run {run!r} has no run.json in {store.url}: check DRL_RUN and DRL_STORE") from None
+        if self.manifest.plane != plane:
+            raise ContractMismatch(f"DRL_PULSE_PLANE={plane!r} but run {run!r} publishes plane "
+                                   f"{self.manifest.plane!r}: set DRL_PULSE_PLANE={self.manifest.plane}")
+        if n_samples is not None and self.manifest.n_samples != n_samples:
+            raise ContractMismatch(f"DRL_N_SAMPLES={n_samples} but run {run!r} requires n_samples="
+                                   f"{self.manifest.n_samples}: set DRL_N_SAMPLES={self.manifest.n_samples}")
+        if public_key is not None and public_key != self.manifest.trainer_public_key:
+            raise ContractMismatch(f"run {run!r} is signed by a key other than the one you were given "
+                                   "(compare the join card's fingerprint); refusing to follow it")
+        self.store, self.run, self.plane = store, run, plane
+        self.public_key = public_key or self.manifest.trainer_public_key
+        self.progress = progress
+        self.version: int | None = None
+        self.state: dict[str, np.ndarray] | None = None
+        self.digest: str | None = None
+
+    # -- public ------------------------------------------------------------------------------------------
+    def join(self) -> tuple[int, dict[str, np.ndarray]]:
+        """Cold join: the newest anchor at or below the pointer, then patches up to the pointer."""
+        pointer = self._pointer()
+        if pointer is None:
+            raise SyncError(f"run {self.run!r} has published no weights yet (no current.json)")
+        version, state, digest = self._load_anchor(pointer.anchor_version)
+        version, state, digest = self._walk(version, state, digest, pointer.version, progress=True)
+        self._check_pointer_digest(pointer, version, digest)
+        self.version, self.state, self.digest = version, state, digest
+        return version, state
+
+    def follow(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """Apply what was published since the last join/follow; None when the pointer has not moved."""
+        if self.state is None:
+            return self.join()
+        pointer = self._pointer()
+        if pointer is None or pointer.version <= self.version:
+            return None
+        version, state, digest = self._walk(self.version, self.state, self.digest, pointer.version)
+        self._check_pointer_digest(pointer, version, digest)
+        self.version, self.state, self.digest = version, state, digest
+        return version, state
+
+    # -- steps -------------------------------------------------------------------------------------------
+    def _pointer(self):
+        try:
+            return read_pointer(self.store, self.run, self.public_key)[0]
+        except PointerError as e:
+            raise SyncError(str(e)) from None
+
+    def _load_anchor(self, version: int):
+        def bytes_progress(done: int, total: int) -> None:
+            if self.progress:
+                self.progress("anchor", done, total)
+        try:
+            m, state = read_anchor(self.store, self.run, version, self.public_key, progress=bytes_progress)
+        except AnchorError as e:
+            raise SyncError(str(e)) from None
+        if m.plane != self.plane:
+            raise SyncError(f"anchor v{version} is in plane {m.plane!r}, the run's is {self.plane!r}")
+        return version, state, m.state_digest
+
+    def _walk(self, version: int, state, digest: str, target: int, *, progress: bool = False):
+        """Patches version+1..target. Where a version has no patch (the chain restarted with an anchor after
+        a resume, or an attempt crashed before its objects were complete), enter at the next anchor."""
+        v = version + 1
+        while v <= target:
+            try:
+                patch = self.store.get(layout.patch_key(self.run, v))
+            except NotFound:
+                anchors = [a for a in anchor_versions(self.store, self.run) if v <= a <= target]
+                if not anchors:
+                    raise SyncError(f"v{v} has no patch and no anchor follows it up to v{target}") from None
+                version, state, digest = self._load_anchor(anchors[0])
+                v = version + 1
+                continue
+            try:
+                header = verify_patch_signature(patch, self.public_key)
+                if header.base_version != version or header.target_version != v or header.base_digest != digest:
+                    raise PatchError(f"patch v{v} is for base v{header.base_version} ({header.base_digest[:19]}), "
+                                     f"this worker holds v{version} ({digest[:19]})")
+                state = apply_patch(state, patch, verified_base_digest=digest)
+            except PatchError as e:
+                raise SyncError(f"v{v}: {e}") from None
+            version, digest = v, header.result_digest
+            if progress and self.progress:
+                self.progress("patches", v, target)
+            v += 1
+        return version, state, digest
+
+    def _check_pointer_digest(self, pointer, version: int, digest: str) -> None:
+        if version != pointer.version or digest != pointer.result_digest:
+            raise SyncError(f"reconstructed v{version} has digest {digest}, the pointer names v{pointer.version} "
+                            f"with {pointer.result_digest}")
+
+
+def read_patch_header(store: Store, run: str, version: int):
+    """The header of a published patch (for tooling); NotFound if absent."""
+    return read_header(store.get(layout.patch_key(run, version)))

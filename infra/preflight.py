@@ -45,17 +45,26 @@ def _checks():
 
 
 def ssh_runner(host: str, ssh_key: str | None = None) -> Callable[[str], tuple[int, str]]:
-    """Run shell commands on `host` over SSH (Fabric); returns (exit code, stdout)."""
-    from fabric import Connection
+    """Run shell commands on `host` over SSH (infra.remote's Fabric connection); returns (exit code, stdout)."""
+    from infra.remote.ssh import connect
 
-    kwargs = {"key_filename": ssh_key} if ssh_key else {}
-    conn = Connection(host, connect_kwargs=kwargs, connect_timeout=15)
+    conn = connect(host, ssh_key)
 
     def run(cmd: str) -> tuple[int, str]:
-        r = conn.run(cmd, hide=True, warn=True, in_stream=False)
+        r = conn.run(cmd, hide=True, warn=True, pty=False, in_stream=False)
         return r.exited, r.stdout
 
     return run
+
+
+def _local_hf_dir(plan, cfg) -> str | None:
+    """An HF checkpoint on this machine: MODEL=, or where the launch downloads it (preflight on the box)."""
+    from infra.slime_launch import BoxPaths
+
+    candidates = [cfg.model.path]
+    if cfg.model.hf_id:
+        candidates.append(BoxPaths(remote_dir=plan.remote_dir, run=plan.run).hf_dir(cfg.model.hf_id))
+    return next((c for c in candidates if c and (Path(c) / "config.json").is_file()), None)
 
 
 def build_context(plan, *, profile: str, env: Mapping[str, str] | None = None, env_file: str | None = None,
@@ -82,7 +91,7 @@ def build_context(plan, *, profile: str, env: Mapping[str, str] | None = None, e
     host = host or plan.host
     if host and run_box is None:
         run_box = ssh_runner(host, ssh_key)
-    local_hf = hf_dir or (cfg.model.path if cfg.model.path and Path(cfg.model.path).is_dir() else None)
+    local_hf = hf_dir or _local_hf_dir(plan, cfg)
     ctx = Context(plan=plan, cfg=cfg, profile=PROFILES[profile], env=effective, env_file=env_path,
                   env_error=env_error, store_url=url, hf_dir=Path(local_hf) if local_hf else None, run_box=run_box)
     try:
@@ -137,22 +146,31 @@ def _secrets(env: Mapping[str, str]) -> list[str]:
     return [v for k, v in env.items() if k in SECRET_VARS and v and len(v) >= 4]
 
 
-def read_plan(args, stdin) -> object:
+def plan_from_recipe(recipe: str, run: str | None, host: str | None, env: Mapping[str, str],
+                     env_file: str | None = None):
+    """Resolve the launch here exactly as the launcher does (infra.launch_gpu.build_plan), without a dry run."""
+    from infra.launch_gpu import build_plan, resolve_store
+    from trainer.config import resolve
+    from worker_contract.env import EnvError, load_env
+
+    try:
+        effective = load_env(env, env_file=env_file, repo_root=REPO_ROOT)
+    except EnvError:
+        effective = dict(env)  # the credentials check reports it
+    cfg = resolve(recipe, effective, {"run": run})
+    return build_plan(cfg, host=host, remote_dir=cfg.launch.remote_dir, env=effective,
+                      store=resolve_store(cfg, effective))
+
+
+def read_plan(args, stdin, env: Mapping[str, str]):
+    """The plan: resolved from --recipe, else parsed from the dry run on stdin."""
     from infra.launch_plan import parse_plan
 
     if args.recipe:
-        from infra.launch_plan import PlanError
-
-        try:
-            from trainer.launch import build_plan  # the launcher's own resolution, so both agree
-        except ImportError:
-            raise PlanError("--recipe needs the launcher (trainer.launch.build_plan), which this checkout "
-                            "lacks; pipe a dry run instead: DRL_DRY_RUN=1 make <recipe> RUN=<id> | "
-                            "nox -s preflight") from None
-        return build_plan(recipe=args.recipe, run=args.run, host=args.host)
+        return plan_from_recipe(args.recipe, args.run, args.host, env, args.env_file)
     if stdin.isatty():
-        raise SystemExit("preflight: pipe a dry run into it (DRL_DRY_RUN=1 make gsm8k RUN=<id> | nox -s preflight) "
-                         "or pass --recipe gsm8k|psqa")
+        raise ValueError("nothing on stdin: pipe a dry run into it (DRL_DRY_RUN=1 make gsm8k RUN=<id> | "
+                         "nox -s preflight) or pass --recipe gsm8k|psqa")
     return parse_plan(stdin.read())
 
 
@@ -176,7 +194,7 @@ def main(argv: list[str] | None = None, stdin=None, env: Mapping[str, str] | Non
 
     env = dict(os.environ if env is None else env)
     try:
-        plan = read_plan(args, stdin or sys.stdin)
+        plan = read_plan(args, stdin or sys.stdin, env)
         profile = args.profile or env.get(PROFILE_VAR) or DEFAULT_PROFILE.get(plan.recipe.get("name"), "quickstart")
         ctx = build_context(plan, profile=profile, env=env, env_file=args.env_file, store=args.store,
                             hf_dir=args.hf_dir, host=args.host, ssh_key=args.ssh_key)

@@ -169,7 +169,8 @@ def check_ray_dashboard(ctx: Context) -> Row:
     rc, out = ctx.run_box(f"(ss -ltnH 2>/dev/null || netstat -ltn 2>/dev/null) | grep -E '[:.]{port}\\b' || true")
     listeners = [ln.split()[3] if len(ln.split()) > 3 else ln for ln in out.splitlines() if ln.strip()]
     public = [a for a in listeners if not a.startswith(("127.", "[::1]", "::1", "localhost"))]
-    address_ok = slime_launch.DASHBOARD in ctx.plan.command
+    cmd = ctx.plan.command
+    address_ok = "--address" not in cmd or cmd[cmd.index("--address") + 1:][:1] == [slime_launch.DASHBOARD]
     seen = ("listening on " + ", ".join(listeners)) if listeners else "not running (the launch starts it)"
     if not address_ok:
         seen += "; launch command does not submit to " + slime_launch.DASHBOARD

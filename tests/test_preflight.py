@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 from opsbucket import manifest_for
+from sshd import sshd_server  # noqa: F401  (real sshd on 127.0.0.1)
 
 from infra import slime_launch as sl
 from infra.launch_plan import LaunchPlan, parse_plan, render_plan
@@ -354,3 +355,47 @@ def test_no_secret_in_output_even_in_errors(moto_server, tmp_path, capsys):
     assert code == 1 and "FAIL  bucket" in captured.out
     assert "credentials" in captured.out and "S3 keys set" in captured.out
     assert TEST_SECRET_KEY not in captured.out + captured.err and TEST_ACCESS_KEY not in captured.out + captured.err
+
+
+def test_fleet_env_example_passes_out_of_the_box(moto_server, s3_store, tmp_path):
+    """`set -a; . launch_fleet.env; set +a`, then the fleet preflight: only the user's own values remain."""
+    example = REPO / "runs" / "psqa-decoupled" / "launch_fleet.env.example"
+    env = {**moto_server.env(), "PATH": os.environ["PATH"], "HOME": str(tmp_path), "DRL_STORE": s3_store.url}
+    script = f"set -a; . {example}; set +a; exec {sys.executable} -m infra.preflight --recipe psqa"
+    out = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "profile fleet" in out.stdout and " 0 FAIL" in out.stdout
+    for row in ("contract.kv_mode", "recipe.save_interval", "recipe.dual_clip", "recipe.no_save_hf", "bucket"):
+        assert f"PASS  {row}" in out.stdout
+    sourced = subprocess.run(["bash", "-c", f"set -a; . {example}; set +a; env"], capture_output=True, text=True,
+                             env={"PATH": os.environ["PATH"]}).stdout
+    assert "DRL_N_SAMPLES=8" in sourced and "DRL_PULSE_PLANE=int8g64" in sourced
+    assert "DRL_KV_MODE=paged_prefix" in sourced and "R2_SECRET" not in sourced
+
+
+def test_invoke_preflight_task(file_store):
+    plan = render_plan(make_plan("quickstart", file_store.url))
+    out = subprocess.run([sys.executable, "-m", "invoke", "preflight", "--profile", "quickstart"], input=plan,
+                         cwd=REPO, capture_output=True, text=True, timeout=120, env={"PATH": os.environ["PATH"]})
+    assert out.returncode == 0 and "0 FAIL" in out.stdout, out.stdout + out.stderr
+    bad = render_plan(make_plan("quickstart", file_store.url, env={"DRL_N_SAMPLES": "4"}))
+    out = subprocess.run([sys.executable, "-m", "invoke", "preflight"], input=bad, cwd=REPO, capture_output=True,
+                         text=True, timeout=120, env={"PATH": os.environ["PATH"]})
+    assert out.returncode == 1 and "FAIL  contract.n_samples" in out.stdout
+
+
+def test_box_checks_over_real_ssh(file_store, sshd_server, tmp_path):  # noqa: F811
+    """The box is this machine reached through a real sshd on loopback: no GPU here, so exactly box.gpu fails."""
+    box_dir = tmp_path / "box"
+    box_dir.mkdir()
+    (box_dir / ".r2env").write_text("R2_BUCKET=x\n")
+    (box_dir / ".r2env").chmod(0o600)
+    plan = make_plan("quickstart", file_store.url, remote_dir=str(box_dir))
+    rows, text = report(plan, "quickstart", host=sshd_server.host, ssh_key=str(sshd_server.client_key))
+    status = {r.check: r.status for r in rows}
+    assert status["box.disk"] == "PASS" and status["box.ray_dashboard"] in ("PASS", "FAIL")
+    assert f"box {box_dir}/.r2env mode 600" in text
+    if status["box.gpu"] == "PASS":
+        pytest.skip("this machine has a GPU")
+    assert fails(rows) == ["box.gpu"] or fails(rows) == ["box.gpu", "box.ray_dashboard"], text
+    assert "nvidia-smi" in text

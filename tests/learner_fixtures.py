@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import AlgoConfig, GateConfig, ModelConfig, RecipeConfig, TrainConfig
+from trainer.config import AlgoConfig, ContractConfig, GateConfig, ModelConfig, RecipeConfig, TrainConfig
 from worker_contract import layout
 from worker_contract.manifest import RunManifest
 from worker_contract.schema import RolloutRecord, Sample, SamplingParams, encode_record
@@ -43,6 +43,7 @@ def recipe(**train_kw) -> RecipeConfig:
     train.update(train_kw)
     return RecipeConfig(
         name="test", task="arithmetic",
+        contract=ContractConfig(n_samples=N_SAMPLES, plane="bf16"),
         model=ModelConfig(dtype="float32"),
         algo=AlgoConfig(groups_per_step=2, staleness=3, reuse_cap=2, max_new_tokens=MAX_NEW, lr=1e-3,
                         temperature=1.0, gate=GateConfig(divergence="tv", delta_low=0.2, delta_high=0.2)),

@@ -136,7 +136,9 @@ def version_stats(
         "drops_total": {k: int(v) for k, v in drops_total.items() if v},
         "workers": {w: dict(s) for w, s in workers.items()},
         "publish": _clean(publish),
-        "metrics": _clean({k: v for k, v in metrics.items() if not k.startswith("worker/")}),
+        # per-worker values are under "workers"; the step's publish/* values describe the previous
+        # version, so this object carries its own version's under "publish" instead
+        "metrics": _clean({k: v for k, v in metrics.items() if not k.startswith(("worker/", "publish/"))}),
         "written_at": time.time(),
     }
 

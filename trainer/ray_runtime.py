@@ -105,6 +105,12 @@ def _set_auth(env: Mapping[str, str]) -> None:
     os.environ["RAY_AUTH_MODE"] = mode
     if mode == "token":
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # in memory only: never written to a file
+    # Ray reads its config once per process; `import ray` may have happened before we set the mode, so
+    # refresh it the way ray.init does when it turns token auth on itself
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 # -- moving things into actors -----------------------------------------------------------------------

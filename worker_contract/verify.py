@@ -48,6 +48,8 @@ def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bo
     state, digest = None, None
     for v in range(1, pointer.version + 1):
         notes, ok = [], True
+        if v not in patches:
+            state = None  # this version does not continue the chain; only its anchor can enter it
         if v in patches:
             try:
                 patch = store.get(layout.patch_key(run, v))
@@ -74,7 +76,7 @@ def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bo
                 m, astate = read_anchor(store, run, v, key)
                 if m.plane != manifest.plane:
                     raise AnchorError(f"plane {m.plane!r}, run.json says {manifest.plane!r}")
-                if state is not None and digest != m.state_digest:
+                if state is not None and digest != m.state_digest:  # the patch to v was applied
                     raise AnchorError("its digest differs from the state the patch chain reaches")
                 state, digest = astate, m.state_digest
                 notes.append(f"anchor {m.total_bytes():,} B, {len(m.tensors)} tensors")

@@ -91,7 +91,9 @@ def build_model(cfg: Mapping[str, Any], *, padded_vocab_size: int | None = None,
     """GPTModel for this HF config on this rank's tensor-parallel shard.
 
     `fused`: megatron's torch.compile'd SwiGLU and bias-dropout-add (default: on CUDA only, since
-    inductor on CPU compiles C++ for seconds); `init`: random init (else weights are loaded after).
+    inductor on CPU compiles C++ for seconds); `init`: random init. Without it weights are left empty for
+    loading, but megatron then also skips tagging them with their tensor-parallel layout (partition
+    dim/stride), which `shard`/`unshard` read: pass init=True whenever tensor_parallel > 1.
     """
     import torch
     from megatron.core import parallel_state
@@ -122,7 +124,7 @@ def build_model(cfg: Mapping[str, Any], *, padded_vocab_size: int | None = None,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
-    model = GPTModel(tc, layer_spec(attention), **arch.gpt_model_kwargs(cfg, vocab))
+    model = GPTModel(tc, arch.layer_spec(cfg, attention), **arch.gpt_model_kwargs(cfg, vocab))
     # the local spec builds torch RMSNorm without a dtype (fp32 weights); make the whole model one dtype
     return model.to(device=device, dtype=dtype)
 

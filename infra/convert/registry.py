@@ -43,12 +43,20 @@ class Architecture:
         """Full megatron tensors -> HF tensors (the exact inverse of hf_to_megatron)."""
         raise NotImplementedError
 
+    def layer_spec(self, cfg: Mapping[str, Any], attention: str = "auto") -> Any:
+        """The transformer layer spec (or per-layer block spec) GPTModel is built with; one spec for every
+        layer by default, overridden by hybrid architectures (LFM2)."""
+        from .model import layer_spec
+
+        return layer_spec(attention)
+
 
 def _registry() -> dict[str, Architecture]:
+    from .lfm2 import Lfm2
     from .qwen2 import Qwen2
 
     out: dict[str, Architecture] = {}
-    for arch in (Qwen2(),):
+    for arch in (Qwen2(), Lfm2()):
         for mt in arch.model_types:
             out[mt] = arch
     return out

@@ -1,0 +1,247 @@
+"""LFM2 / LFM2-MoE (LFM2.5-8B-A1B) <-> megatron-core. Parity with transformers' own classes is tested in
+tests/test_lfm2_megatron.py; the modules are in lfm2_layers.py.
+
+Per layer (`h` = model.layers.N., `m` = decoder.layers.N.):
+
+| HF                                         | megatron-core                                             |
+|--------------------------------------------|-----------------------------------------------------------|
+| h operator_norm.weight                     | m input_layernorm.weight                                  |
+| h ffn_norm.weight                          | m pre_mlp_layernorm.weight                                |
+| h conv.in_proj.weight  ([B; C; x])         | m self_attention.in_proj.weight                           |
+| h conv.conv.weight     ([h, 1, L])         | m self_attention.conv_weight                              |
+| h conv.out_proj.weight                     | m self_attention.out_proj.weight                          |
+| h self_attn.{q,k,v}_proj.weight            | m self_attention.linear_qkv.weight (per-group interleave) |
+| h self_attn.{q,k}_layernorm.weight         | m self_attention.{q,k}_layernorm.weight                   |
+| h self_attn.out_proj.weight                | m self_attention.linear_proj.weight                       |
+| h feed_forward.{w1,w3}.weight (dense)      | m mlp.linear_fc1.weight = [w1; w3]                        |
+| h feed_forward.w2.weight (dense)           | m mlp.linear_fc2.weight                                   |
+| h feed_forward.gate.weight                 | m mlp.router.weight                                       |
+| h feed_forward.expert_bias                 | m mlp.router.expert_bias (frozen)                         |
+| h feed_forward.experts.E.{w1,w3}.weight    | m mlp.experts.local_experts.E.linear_fc1.weight = [w1; w3]|
+| h feed_forward.experts.E.w2.weight         | m mlp.experts.local_experts.E.linear_fc2.weight           |
+
+plus model.embed_tokens -> embedding.word_embeddings, model.embedding_norm (LFM2's final norm, despite
+its name) -> decoder.final_layernorm, lm_head -> output_layer (absent when tied). Fused HF expert tensors
+(`experts.gate_up_proj` [E, 2I, h], `experts.down_proj` [E, h, I]) are read too; export writes the
+per-expert form the Hub checkpoints use.
+
+Routing: sigmoid scores, top-k on score + expert bias, the chosen scores renormalised, times
+routed_scaling_factor, which is megatron's `sigmoid` router with expert bias. Differences left: HF adds
+1e-6 to the renormalising sum, megatron 1e-20 (relative 1e-6 on the expert weights); near-tied experts
+can route differently in bf16.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .hf_io import ConvertError, rope_theta_of
+from .qwen2 import interleave_qkv, split_qkv
+from .registry import Architecture
+
+_IGNORED = re.compile(r"(^|\.)(pos_emb|rotary_emb)\.(original_)?inv_freq$")
+
+
+def layer_types(cfg: Mapping[str, Any]) -> list[str]:
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        idx = cfg.get("full_attn_idxs")
+        idx = set(range(n)) if idx is None else set(idx)
+        types = ["full_attention" if i in idx else "conv" for i in range(n)]
+    return list(types)
+
+
+def dense_ffn(cfg: Mapping[str, Any]) -> int:
+    """Width of the dense SwiGLU: LFM2 (dense) may shrink intermediate_size like its HF class does."""
+    ffn = int(cfg.get("intermediate_size") or cfg.get("block_ff_dim"))
+    if cfg.get("model_type") == "lfm2" and cfg.get("block_auto_adjust_ff_dim", True):
+        ffn = int(2 * ffn / 3)
+        mult, multiple = cfg.get("block_ffn_dim_multiplier", 1.0), int(cfg.get("block_multiple_of", 256))
+        if mult is not None:
+            ffn = multiple * ((int(mult * ffn) + multiple - 1) // multiple)
+    return ffn
+
+
+def _moe(cfg: Mapping[str, Any]) -> bool:
+    return cfg.get("model_type") == "lfm2_moe"
+
+
+def _shape(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
+    nh = int(cfg["num_attention_heads"])
+    ng = int(cfg.get("num_key_value_heads") or nh)
+    return nh, ng, int(cfg.get("head_dim") or int(cfg["hidden_size"]) // nh)
+
+
+class Lfm2(Architecture):
+    model_types = ("lfm2", "lfm2_moe")
+
+    def validate(self, cfg: Mapping[str, Any]) -> None:
+        nh, ng, _ = _shape(cfg)
+        types = layer_types(cfg)
+        checks = [
+            (len(types) == int(cfg["num_hidden_layers"]), f"{len(types)} layer_types for {cfg['num_hidden_layers']} layers"),
+            (set(types) <= {"conv", "full_attention"}, f"layer_types {sorted(set(types))} (only conv, full_attention)"),
+            (not cfg.get("conv_bias", False), "conv_bias=true (LFM2 releases have none)"),
+            (nh % ng == 0, f"num_attention_heads={nh} not a multiple of num_key_value_heads={ng}"),
+        ]
+        if _moe(cfg):
+            k = int(cfg.get("num_experts_per_tok", 4))
+            checks.append((cfg.get("norm_topk_prob", True) or k == 1,
+                           "norm_topk_prob=false (megatron's sigmoid router always renormalises the top-k)"))
+        bad = [why for ok, why in checks if not ok]
+        if bad:
+            raise ConvertError(f"config.json (model_type {cfg.get('model_type')}) has unsupported settings: {'; '.join(bad)}")
+        rope_theta_of(cfg)
+
+    def transformer_config(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        import torch
+
+        nh, ng, d = _shape(cfg)
+        out = dict(
+            num_layers=int(cfg["num_hidden_layers"]), hidden_size=int(cfg["hidden_size"]),
+            ffn_hidden_size=dense_ffn(cfg), num_attention_heads=nh, num_query_groups=ng, kv_channels=d,
+            normalization="RMSNorm", layernorm_epsilon=float(cfg.get("norm_eps", 1e-5)),
+            gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+            add_qkv_bias=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+            init_method_std=float(cfg.get("initializer_range", 0.02)), rotary_interleaved=False,
+            hetereogenous_dist_checkpoint=True,  # conv and attention layers have different tensors
+        )
+        if _moe(cfg):
+            dense = int(cfg.get("num_dense_layers", 2))
+            scale = float(cfg.get("routed_scaling_factor", 1.0))
+            out.update(
+                num_moe_experts=int(cfg["num_experts"]), moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                moe_router_topk=int(cfg["num_experts_per_tok"]), moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=bool(cfg.get("use_expert_bias", True)),
+                moe_router_bias_update_rate=0.0, moe_router_topk_scaling_factor=None if scale == 1.0 else scale,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                # alltoall is megatron's dispatcher for expert parallelism; it needs CUDA streams, so a
+                # CPU build (CI, conversion) uses allgather: same routing, same numbers
+                moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+                moe_layer_freq=[0] * dense + [1] * (int(cfg["num_hidden_layers"]) - dense),
+            )
+        return out
+
+    def gpt_model_kwargs(self, cfg: Mapping[str, Any], padded_vocab_size: int) -> dict[str, Any]:
+        return dict(vocab_size=padded_vocab_size, max_sequence_length=int(cfg.get("max_position_embeddings", 128000)),
+                    share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", True)),
+                    position_embedding_type="rope", rotary_percent=1.0, rotary_base=rope_theta_of(cfg))
+
+    def layer_spec(self, cfg: Mapping[str, Any], attention: str = "auto") -> Any:
+        """Per-layer block spec. Attention runs through torch SDPA (or megatron's unfused local attention
+        with attention='local'); the Transformer Engine spec is not used for LFM2's mixed layers."""
+        from .lfm2_layers import block_spec
+        from .model import _sdpa_attention_class
+
+        if attention not in ("auto", "te", "sdpa", "local"):
+            raise ValueError(f"attention={attention!r}; choose one of auto, sdpa, local")
+        core = None if attention == "local" else _sdpa_attention_class()
+        experts = int(cfg["num_experts"]) if _moe(cfg) else None
+        dense = int(cfg.get("num_dense_layers", 2)) if _moe(cfg) else int(cfg["num_hidden_layers"])
+        return block_spec(layer_types(cfg), dense, experts, int(cfg.get("conv_L_cache", 3)), core_attention=core)
+
+    # ---- names ----------------------------------------------------------------------------------------
+    def _is_moe_layer(self, cfg: Mapping[str, Any], i: int) -> bool:
+        return _moe(cfg) and i >= int(cfg.get("num_dense_layers", 2))
+
+    def hf_to_megatron(self, hf: Mapping[str, Any], cfg: Mapping[str, Any], padded_vocab_size: int) -> dict[str, Any]:
+        import torch
+
+        nh, ng, d = _shape(cfg)
+        vocab = int(cfg["vocab_size"])
+        src = {k: v for k, v in hf.items() if not _IGNORED.search(k)}
+        used: set[str] = set()
+
+        def take(name: str) -> Any:
+            if name not in src:
+                raise ConvertError(f"HF checkpoint lacks tensor {name!r}; the checkpoint is incomplete or not {cfg['model_type']}")
+            used.add(name)
+            return src[name]
+
+        def pad_rows(t: Any) -> Any:
+            if t.shape[0] != vocab:
+                raise ConvertError(f"embedding has {t.shape[0]} rows but config.json says vocab_size={vocab}")
+            return t if padded_vocab_size == vocab else torch.cat([t, t.new_zeros(padded_vocab_size - vocab, *t.shape[1:])])
+
+        out: dict[str, Any] = {"embedding.word_embeddings.weight": pad_rows(take("model.embed_tokens.weight")),
+                               "decoder.final_layernorm.weight": take("model.embedding_norm.weight")}
+        for i, kind in enumerate(layer_types(cfg)):
+            h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+            out[m + "input_layernorm.weight"] = take(h + "operator_norm.weight")
+            out[m + "pre_mlp_layernorm.weight"] = take(h + "ffn_norm.weight")
+            if kind == "conv":
+                out[m + "self_attention.in_proj.weight"] = take(h + "conv.in_proj.weight")
+                out[m + "self_attention.out_proj.weight"] = take(h + "conv.out_proj.weight")
+                out[m + "self_attention.conv_weight"] = take(h + "conv.conv.weight")
+            else:
+                q, k, v = (take(f"{h}self_attn.{p}_proj.weight") for p in "qkv")
+                out[m + "self_attention.linear_qkv.weight"] = interleave_qkv(q, k, v, nh, ng, d)
+                out[m + "self_attention.linear_proj.weight"] = take(h + "self_attn.out_proj.weight")
+                out[m + "self_attention.q_layernorm.weight"] = take(h + "self_attn.q_layernorm.weight")
+                out[m + "self_attention.k_layernorm.weight"] = take(h + "self_attn.k_layernorm.weight")
+            f = h + "feed_forward."
+            if not self._is_moe_layer(cfg, i):
+                out[m + "mlp.linear_fc1.weight"] = torch.cat([take(f + "w1.weight"), take(f + "w3.weight")])
+                out[m + "mlp.linear_fc2.weight"] = take(f + "w2.weight")
+                continue
+            out[m + "mlp.router.weight"] = take(f + "gate.weight")
+            if cfg.get("use_expert_bias", True):
+                out[m + "mlp.router.expert_bias"] = take(f + "expert_bias").float()
+            for e in range(int(cfg["num_experts"])):
+                x = f"{m}mlp.experts.local_experts.{e}."
+                if f + "experts.gate_up_proj" in src:  # transformers' fused in-memory form
+                    out[x + "linear_fc1.weight"] = take(f + "experts.gate_up_proj")[e]
+                    out[x + "linear_fc2.weight"] = take(f + "experts.down_proj")[e]
+                else:
+                    g = f"{f}experts.{e}."
+                    out[x + "linear_fc1.weight"] = torch.cat([take(g + "w1.weight"), take(g + "w3.weight")])
+                    out[x + "linear_fc2.weight"] = take(g + "w2.weight")
+        if cfg.get("tie_word_embeddings", True):
+            if "lm_head.weight" in src and not torch.equal(take("lm_head.weight"), src["model.embed_tokens.weight"]):
+                raise ConvertError("config.json says tie_word_embeddings=true but lm_head.weight differs from embed_tokens")
+        else:
+            out["output_layer.weight"] = pad_rows(take("lm_head.weight"))
+        extra = sorted(set(src) - used)
+        if extra:
+            raise ConvertError(f"HF checkpoint has {len(extra)} tensor(s) with no Megatron mapping: {', '.join(extra[:8])}")
+        return out
+
+    def megatron_to_hf(self, mg: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
+        nh, ng, d = _shape(cfg)
+        vocab = int(cfg["vocab_size"])
+        out: dict[str, Any] = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][:vocab],
+                               "model.embedding_norm.weight": mg["decoder.final_layernorm.weight"]}
+        for i, kind in enumerate(layer_types(cfg)):
+            h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+            out[h + "operator_norm.weight"] = mg[m + "input_layernorm.weight"]
+            out[h + "ffn_norm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
+            if kind == "conv":
+                out[h + "conv.in_proj.weight"] = mg[m + "self_attention.in_proj.weight"]
+                out[h + "conv.out_proj.weight"] = mg[m + "self_attention.out_proj.weight"]
+                out[h + "conv.conv.weight"] = mg[m + "self_attention.conv_weight"]
+            else:
+                q, k, v = split_qkv(mg[m + "self_attention.linear_qkv.weight"], nh, ng, d)
+                out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k,
+                            h + "self_attn.v_proj.weight": v})
+                out[h + "self_attn.out_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
+                out[h + "self_attn.q_layernorm.weight"] = mg[m + "self_attention.q_layernorm.weight"]
+                out[h + "self_attn.k_layernorm.weight"] = mg[m + "self_attention.k_layernorm.weight"]
+            f = h + "feed_forward."
+            if not self._is_moe_layer(cfg, i):
+                fc1 = mg[m + "mlp.linear_fc1.weight"]
+                out[f + "w1.weight"], out[f + "w3.weight"] = fc1.chunk(2)
+                out[f + "w2.weight"] = mg[m + "mlp.linear_fc2.weight"]
+                continue
+            out[f + "gate.weight"] = mg[m + "mlp.router.weight"]
+            if cfg.get("use_expert_bias", True):
+                out[f + "expert_bias"] = mg[m + "mlp.router.expert_bias"].float()
+            for e in range(int(cfg["num_experts"])):
+                x, g = f"{m}mlp.experts.local_experts.{e}.", f"{f}experts.{e}."
+                out[g + "w1.weight"], out[g + "w3.weight"] = mg[x + "linear_fc1.weight"].chunk(2)
+                out[g + "w2.weight"] = mg[x + "linear_fc2.weight"]
+        if not cfg.get("tie_word_embeddings", True):
+            out["lm_head.weight"] = mg["output_layer.weight"][:vocab]
+        return {k: v.contiguous() for k, v in out.items()}

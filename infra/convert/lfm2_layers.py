@@ -1,0 +1,154 @@
+"""LFM2's megatron-core building blocks: the gated short convolution, a router whose expert bias is a
+frozen weight, and the per-layer block spec (conv or GQA attention; dense SwiGLU or sigmoid-routed MoE).
+
+The conv block replaces self-attention inside megatron's TransformerLayer, so norms, residuals, the MLP /
+MoE and the checkpoint machinery are megatron's own. Shapes follow megatron: hidden states are [s, b, h].
+
+    in_proj  (ColumnParallelLinear h -> 3h, stride 3: each TP rank holds its slice of B, C and x)
+    B, C, x = chunk(in_proj(h), 3);  y = C * causal_depthwise_conv(B * x);  out_proj (RowParallelLinear)
+
+Tensor parallelism shards channels (the conv is depthwise, so channels never mix). Sequence and context
+parallelism would split the sequence the conv runs along, so they are refused. Padding must be on the
+right (the learner's layout): the conv is causal, so right padding never reaches a real token.
+
+The checkpoint layout does not depend on TP: in_proj is saved as three TP-sharded pieces (B, C, x), the
+way megatron saves SwiGLU's fc1 in two, so the global tensor is HF's [B; C; x] at any TP size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.models.gpt import gpt_layer_specs as specs
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe import moe_utils as _moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
+
+# megatron-core 0.16.1 (moe_utils.py) binds `te_general_gemm` only when Transformer Engine imports, then
+# tests it for None in the router's gating GEMM: without TE every MoE forward raises NameError. Bind it to
+# None (the value the code expects for "no TE"); drop this once the upstream import sets it.
+if not hasattr(_moe_utils, "te_general_gemm"):
+    _moe_utils.te_general_gemm = None
+
+
+def _chunked_factory(sh_ten: ShardedTensor, sharded_offsets: tuple, parts: int) -> ShardedTensorFactory:
+    """Save a column-parallel weight made of `parts` concatenated blocks as `parts` TP-sharded blocks,
+    so the global tensor is the blocks laid end to end whatever the TP size (cf. megatron's SwiGLU fc1)."""
+    prepend = len(sharded_offsets)
+    local = sh_ten.local_shape[0]
+    rank_offset = sh_ten.global_offset[prepend] // local
+    frag = sh_ten.axis_fragmentations[prepend]
+
+    @torch.no_grad()
+    def build(key, t, replica_id, flattened_range):
+        return [
+            ShardedTensor.from_rank_offsets(key, piece, *sharded_offsets, (prepend, rank_offset + j * frag, frag * parts),
+                                            replica_id=replica_id, prepend_axis_num=prepend)
+            for j, piece in enumerate(torch.chunk(t, parts, dim=0))
+        ]
+
+    def merge(pieces):
+        with torch.no_grad():
+            return torch.cat(pieces)
+
+    return ShardedTensorFactory(sh_ten.key, sh_ten.data, build, merge, sh_ten.replica_id,
+                                flattened_range=sh_ten.flattened_range)
+
+
+class Lfm2ShortConv(MegatronModule):
+    """LFM2's input-gated short convolution, in megatron's self-attention slot."""
+
+    def __init__(self, config, layer_number: int, kernel_size: int = 3, pg_collection=None, **_: Any):
+        super().__init__(config=config)
+        if config.sequence_parallel or config.context_parallel_size > 1:
+            raise ValueError("LFM2 conv layers need the whole sequence on each rank: turn off "
+                             "sequence_parallel and use context_parallel_size=1")
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        h = config.hidden_size
+        if h % tp:
+            raise ValueError(f"hidden_size={h} is not divisible by tensor_parallel={tp}")
+        self.layer_number, self.kernel_size = layer_number, kernel_size
+        self.in_proj = tensor_parallel.ColumnParallelLinear(
+            h, 3 * h, config=config, init_method=config.init_method, bias=False, gather_output=False,
+            stride=3, skip_bias_add=True)
+        self.out_proj = tensor_parallel.RowParallelLinear(
+            h, h, config=config, init_method=config.output_layer_init_method, bias=False,
+            input_is_parallel=True, skip_bias_add=True)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.conv_weight = torch.nn.Parameter(torch.empty(h // tp, 1, kernel_size, dtype=config.params_dtype, device=device))
+        if config.perform_initialization:
+            config.init_method(self.conv_weight)
+        tensor_parallel.set_tensor_model_parallel_attributes(self.conv_weight, True, 0, 1)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, inference_context=None, **_: Any):
+        if inference_context is not None:
+            raise NotImplementedError("Lfm2ShortConv: cached inference is the workers' job, not the learner's")
+        s = hidden_states.shape[0]
+        bcx, _ = self.in_proj(hidden_states)              # [s, b, 3h/tp]
+        b, c, x = bcx.chunk(3, dim=-1)
+        bx = (b * x).permute(1, 2, 0)                     # [b, h/tp, s]
+        w = self.conv_weight
+        conv = F.conv1d(bx.to(w.dtype), w, padding=self.kernel_size - 1, groups=w.shape[0])[..., :s]
+        y = c * conv.permute(2, 0, 1).to(c.dtype)         # [s, b, h/tp]
+        return self.out_proj(y)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        sd.update(make_sharded_tensors_for_checkpoint(
+            {"conv_weight": self.conv_weight}, prefix, {"conv_weight": 0}, sharded_offsets,
+            tp_group=parallel_state.get_tensor_model_parallel_group(), dp_cp_group=metadata["dp_cp_group"]))
+        key = f"{prefix}in_proj.weight"
+        sd[key] = _chunked_factory(sd[key], sharded_offsets, 3)
+        return sd
+
+
+class FrozenBiasRouter(TopKRouter):
+    """TopKRouter whose expert bias is a frozen parameter: it loads and saves with the weights (HF keeps it
+    in the checkpoint), and RL fine-tuning never moves it (bias_update_rate is 0 in the config)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.expert_bias is not None:
+            bias = self._buffers.pop("expert_bias")
+            self.expert_bias = torch.nn.Parameter(bias, requires_grad=False)
+
+
+def block_spec(layer_types: list[str], num_dense_layers: int, num_experts: int | None, kernel_size: int,
+               core_attention: Any = None) -> TransformerBlockSubmodules:
+    """One TransformerLayer spec per layer: conv or attention operator, dense or MoE feed-forward."""
+    dense = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True)
+    moe = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                         normalization="RMSNorm", qk_layernorm=True) if num_experts else None
+    layers = []
+    for i, kind in enumerate(layer_types):
+        base = dense if (moe is None or i < num_dense_layers) else moe
+        sub = base.submodules
+        mlp = sub.mlp
+        if base is moe:
+            mlp = ModuleSpec(module=mlp.module, params=dict(mlp.params or {}), submodules=type(mlp.submodules)(
+                experts=mlp.submodules.experts, shared_experts=mlp.submodules.shared_experts, router=FrozenBiasRouter))
+        if kind == "conv":
+            operator = ModuleSpec(module=Lfm2ShortConv, params={"kernel_size": kernel_size})
+            keys = {"pre_mlp_layernorm.": sub.sharded_state_dict_keys_map.get("pre_mlp_layernorm.", "pre_mlp_layernorm.")}
+        else:
+            operator = sub.self_attention
+            if core_attention is not None:
+                operator = ModuleSpec(module=operator.module, params=dict(operator.params or {}),
+                                      submodules=type(operator.submodules)(**{**vars(operator.submodules),
+                                                                              "core_attention": core_attention}))
+            keys = dict(sub.sharded_state_dict_keys_map)
+        layer_sub = type(sub)(**{**vars(sub), "self_attention": operator, "mlp": mlp, "sharded_state_dict_keys_map": keys})
+        layers.append(ModuleSpec(module=base.module, submodules=layer_sub))
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=dense.submodules.input_layernorm)

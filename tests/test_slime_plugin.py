@@ -1,0 +1,371 @@
+"""trainer/slime_plugin against the argument and Sample shapes slime uses (research/slime.md), with a real
+file bucket: run.json and the v1 anchor published by the launch's own step, real worker records, and a
+stand-in SGLang `/generate` server on 127.0.0.1 for the held-out eval.
+
+slime is not installed here, so the plugin uses its local twins of slime's types; the checks below are
+the ones slime's own plugin contract test makes (tests/plugin_contracts in slime), plus ours.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import shutil
+import threading
+import time
+from argparse import Namespace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+from infra.anchor import publish_base_anchor
+from infra.launch_gpu import step_write_recipe
+from infra.slime_launch import BoxPaths
+from trainer import algo
+from trainer.config import EmbeddedBaseConfig, resolve
+from trainer.slime_plugin import context as plugin_context
+from trainer.slime_plugin import objective, publish
+from trainer.slime_plugin.rollout import generate_rollout, train_output
+from trainer.slime_plugin.types import slime_types
+from worker_contract import layout
+from worker_contract.pointer import read_pointer
+from worker_contract.reconstruct import Reconstructor
+from worker_contract.schema import RolloutRecord, Sample, SamplingParams, encode_record
+from worker_contract.store import open_store
+from worker_contract.tasks import get_task
+
+torch.set_num_threads(1)
+RUN = "plugin-test"
+N, G, MAX_NEW = 4, 2, 8
+SlimeSample, TrainOut, EvalOut, FROM_SLIME = slime_types()
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory):
+    """A tiny HF model dir, a file bucket with run.json + v1 published by infra.anchor, the recipe file."""
+    from trainer.basemodel import build_model, build_tokenizer
+
+    root = tmp_path_factory.mktemp("box")
+    task = get_task("arithmetic")
+    texts = [p.question + "\n" + (p.solution or p.answer) for p in task.dataset("train")[:200]]
+    tok = build_tokenizer(texts, vocab_size=300)
+    model = build_model(tok, EmbeddedBaseConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                                intermediate_size=64))
+    hf = root / "hf"
+    model.save_pretrained(str(hf))
+    tok.save_pretrained(str(hf))
+    bucket = f"file://{root / 'bucket'}"
+    cfg = resolve("gsm8k", env={"DRL_RUN": RUN}).model_copy(deep=True)
+    cfg.task, cfg.store = "arithmetic", bucket
+    cfg.model.hf_id, cfg.model.path = None, str(hf)
+    cfg.contract.n_samples = N
+    cfg.algo.groups_per_step, cfg.algo.max_new_tokens, cfg.algo.reuse_cap = G, MAX_NEW, 2
+    cfg.train.anchor_interval, cfg.train.poll_interval_s = 3, 0.01
+    cfg.embedded.eval_problems = 6
+    paths = BoxPaths(remote_dir=str(root / "dRL"), run=RUN, model_dir_override=str(hf))
+    first = publish_base_anchor(cfg, paths, env={}, progress=False)
+    again = publish_base_anchor(cfg, paths, env={}, progress=False)
+    step_write_recipe(cfg, paths)
+    return {"cfg": cfg, "paths": paths, "tok": tok, "model": model, "hf": hf, "store": open_store(bucket, {}),
+            "first": first, "again": again, "task": task}
+
+
+@pytest.fixture
+def plugin(box, monkeypatch, tmp_path):
+    """The plugin's environment as the launch sets it (fresh state dir per test), context reset around it."""
+    paths = box["paths"]
+    state = tmp_path / "state"
+    state.mkdir()
+    shutil.copyfile(paths.key_file, state / "trainer.key")  # the key publish_base_anchor created
+    (state / "trainer.key").chmod(0o600)
+    monkeypatch.setenv("DRL_RECIPE_FILE", paths.recipe_file)
+    monkeypatch.setenv("DRL_STATE_DIR", str(state))
+    monkeypatch.setenv("DRL_ENV_FILE", str(tmp_path / "no-such.r2env"))
+    plugin_context.reset_context()
+    yield state
+    plugin_context.reset_context()
+
+
+def put_group(box, group: str, *, version: int = 1, n: int = N, plane: str = "bf16", seed: int = 0) -> str:
+    rng = random.Random(f"{group}-{seed}")
+    vocab = len(box["tok"])
+    prompt = [rng.randrange(3, vocab) for _ in range(5)]
+    samples = []
+    for i in range(n):
+        resp = [rng.randrange(3, vocab) for _ in range(rng.randint(2, MAX_NEW))]
+        mask = [1] * len(resp)
+        blp = [-rng.uniform(0.1, 4.0) for _ in resp]
+        if i == 1:
+            mask[0], blp[0] = 0, 0.0  # a tool token
+        samples.append(Sample(response_ids=resp, behavior_logprobs=blp, loss_mask=mask, reward=float(i % 2),
+                              finish_reason="length" if i == 2 else "stop"))
+    rec = RolloutRecord(run=RUN, worker_id="w1", group_id=group, policy_version=version, plane=plane,
+                        task="arithmetic", prompt_id=f"p-{group}", prompt_ids=prompt,
+                        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW),
+                        samples=samples, created_at=time.time())
+    key = layout.rollout_key(RUN, version, "w1", group)
+    box["store"].put_if_absent(key, encode_record(rec))
+    return key
+
+
+def slime_args(**over):
+    base = dict(n_samples_per_prompt=N, rollout_batch_size=G, rollout_temperature=1.0, reward_key=None)
+    return Namespace(**{**base, **over})
+
+
+def assert_slime_sample(s):
+    """The checks of slime's plugin contract test, plus the fields the learner needs."""
+    assert isinstance(s, SlimeSample)
+    assert isinstance(s.tokens, list) and all(isinstance(t, int) for t in s.tokens)
+    assert isinstance(s.response, str) and isinstance(s.response_length, int)
+    assert s.reward is not None and isinstance(s.status, SlimeSample.Status)
+
+
+def test_base_anchor_published_once(box):
+    assert box["first"].startswith("v1 anchor")
+    assert "base already published" in box["again"]
+    pointer, _ = read_pointer(box["store"], RUN, None)
+    assert pointer.version == 1
+
+
+def test_signature_is_slimes():
+    sig = inspect.signature(generate_rollout)
+    assert tuple(sig.parameters) == ("args", "rollout_id", "data_source", "evaluation")
+    assert sig.parameters["evaluation"].default is False
+
+
+def test_train_batch_has_slimes_shape(box, plugin):
+    keys = [put_group(box, f"g{i}") for i in range(G)]
+    put_group(box, "short", n=N - 1)         # wrong group size: dropped and counted
+    put_group(box, "plane", plane="int8g64")  # wrong plane: dropped and counted
+    out = generate_rollout(slime_args(), 0, None, evaluation=False)
+    assert isinstance(out, TrainOut)
+    assert len(out.samples) == G and all(len(g) == N for g in out.samples)
+    seen = set()
+    for gi, group in enumerate(out.samples):
+        gids = {s.metadata["group_id"] for s in group}
+        assert len(gids) == 1  # contiguous: a group is one record
+        seen |= gids
+        rec = box["store"].get(layout.rollout_key(RUN, 1, "w1", gids.pop()))
+        from worker_contract.schema import decode_record
+
+        rec = decode_record(rec)
+        for s, ws in zip(group, rec.samples, strict=True):
+            assert_slime_sample(s)
+            assert s.tokens == rec.prompt_ids + ws.response_ids
+            assert s.response_length == len(ws.response_ids) == len(s.loss_mask) == len(s.rollout_log_probs)
+            assert s.loss_mask == ws.loss_mask and s.rollout_log_probs == ws.behavior_logprobs
+            assert s.reward == ws.reward and s.group_index == gi
+            want = SlimeSample.Status.TRUNCATED if ws.finish_reason == "length" else SlimeSample.Status.COMPLETED
+            assert s.status == want and s.weight_versions == ["1"]
+    assert seen == {k.rsplit("/", 1)[1].removesuffix(".json.zst") for k in keys}
+    assert out.metrics["rollout/drops/group_size"] == 1 and out.metrics["rollout/drops/wrong_plane"] == 1
+    assert out.metrics["rollout/learner_version"] == 1.0
+    ledger = json.loads((plugin / "rollout_ledger.json").read_text())
+    assert sorted(ledger["uses"]) == sorted(keys)
+
+
+def test_slimes_contract_call_with_args_none(box, plugin):
+    """slime's own contract test passes args=None and a stub data source."""
+    for i in range(G):
+        put_group(box, f"c{i}", seed=1)
+    out = generate_rollout(None, 2, object(), evaluation=False)
+    assert len(out.samples) == G and all(len(g) == N for g in out.samples)
+
+
+def test_slime_flags_that_disagree_with_the_run_are_refused(box, plugin):
+    with pytest.raises(ValueError, match="--n-samples-per-prompt 8 differs from run.json n_samples"):
+        generate_rollout(slime_args(n_samples_per_prompt=8), 0, None)
+    with pytest.raises(ValueError, match="--rollout-temperature 0.7"):
+        generate_rollout(slime_args(rollout_temperature=0.7), 0, None)
+
+
+def test_reuse_cap_holds_across_a_restart(box, plugin):
+    for i in range(G):
+        put_group(box, f"r{i}", seed=2)
+    ctx = plugin_context.context()
+    uses: dict[str, list[int]] = {}
+    for k in range(50):  # the module's bucket also holds earlier tests' groups: drain them all
+        try:
+            out = train_output(slime_args(), k, ctx, timeout_s=0.5)
+        except TimeoutError:
+            break
+        for g in out.samples:
+            uses.setdefault(g[0].metadata["group_id"], []).append(g[0].metadata["use"])
+    assert {"r0", "r1"} <= set(uses)
+    assert all(u == [1, 2] for u in uses.values()), uses  # each group exactly twice (reuse cap 2)
+    plugin_context.reset_context()  # a restarted RolloutManager: the ledger comes back from the state dir
+    with pytest.raises(TimeoutError):
+        train_output(slime_args(), 3, plugin_context.context(), timeout_s=0.3)
+
+
+# -- objective ------------------------------------------------------------------------------------------
+def _flat_samples(rewards):
+    return [SlimeSample(reward=r, tokens=[1], response_length=1) for r in rewards]
+
+
+def test_drgrpo_rewards_use_group_means(box, plugin):
+    raw = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    got_raw, adv = objective.drgrpo_rewards(slime_args(), _flat_samples(raw))
+    assert got_raw == raw
+    assert adv == pytest.approx([0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75])
+    with pytest.raises(ValueError, match="groups of --n-samples-per-prompt 4"):
+        objective.drgrpo_rewards(slime_args(), _flat_samples(raw[:6]))
+
+
+def _slime_like_batch(seed=0, rows=6):
+    """Per-sample tensors as slime's policy loss holds them (flat, concatenated over samples)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(3, 9, (rows,), generator=g)]
+    logp = [-torch.rand(n, generator=g, dtype=torch.float64) * 3 for n in lengths]
+    mu = [lp + (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 1.5 for lp, n in zip(logp, lengths, strict=True)]
+    adv = [torch.full((n,), float(torch.randn((), generator=g)), dtype=torch.float64) for n in lengths]
+    adv[0].zero_()
+    masks = [(torch.rand(n, generator=g) > 0.2).to(torch.float64) for n in lengths]
+    return lengths, logp, mu, adv, masks
+
+
+def test_dppo_gate_equals_the_learners_gate(box, plugin):
+    gate = box["cfg"].algo.gate
+    a = box["cfg"].algo
+    lengths, logp, mu, adv, masks = _slime_like_batch()
+    flat = torch.cat(logp).requires_grad_(True)
+    ratio = algo.ratio_from_logp(flat, torch.cat(mu))
+    pg = algo.dual_clip_loss(ratio, torch.cat(adv), a.eps_clip, a.eps_clip_high, a.eps_clip_c)
+    gated, new_masks, metrics = objective.dppo_gate(slime_args(), pg_loss=pg, train_log_probs=logp,
+                                                    rollout_log_probs=mu, loss_masks=masks,
+                                                    total_lengths=lengths, response_lengths=lengths)
+    keep = algo.dppo_keep_mask(torch.cat(logp), torch.cat(mu), torch.cat(adv), gate.delta_low, gate.delta_high,
+                               gate.divergence)
+    assert 0 < int((~keep).sum()) < keep.numel()  # the batch exercises both outcomes
+    assert torch.equal(gated.detach(), pg.detach() * keep)
+    assert torch.equal(torch.cat(new_masks), torch.cat(masks) * keep)
+    assert [m.numel() for m in new_masks] == lengths
+    assert torch.equal(metrics["dppo_drop_frac"], (~keep).double())
+    gated.sum().backward()
+    assert torch.all(flat.grad[~keep] == 0) and torch.any(flat.grad[keep] != 0)
+
+
+def test_composed_slime_loss_equals_the_learners_policy_loss(box, plugin):
+    """slime's dual-clip + our gate + our reducer, scaled as slime scales, is algo.policy_loss's pg term."""
+    a = box["cfg"].algo.model_copy(update={"kl_coef": 0.0})
+    lengths, logp, mu, adv, masks = _slime_like_batch(seed=3, rows=5)
+    flat = torch.cat(logp)
+    pg = algo.dual_clip_loss(algo.ratio_from_logp(flat, torch.cat(mu)), torch.cat(adv), a.eps_clip, a.eps_clip_high,
+                             a.eps_clip_c)
+    gated, new_masks, _ = objective.dppo_gate(slime_args(), pg_loss=pg, train_log_probs=logp, rollout_log_probs=mu,
+                                              loss_masks=masks)
+    reducer = objective.drgrpo_reducer(lengths, lengths, new_masks, False)
+    global_batch = len(lengths)  # one micro-batch, one DP rank: slime multiplies by 1 / global batch
+    slime_loss = reducer(gated) / global_batch
+
+    width = max(lengths)
+    pad = lambda xs: torch.stack([torch.nn.functional.pad(x, (0, width - x.numel())) for x in xs])  # noqa: E731
+    seq_adv = torch.tensor([float(x[0]) for x in adv], dtype=torch.float64)
+    ours, _ = algo.policy_loss(pad(logp), pad(mu), None, seq_adv, pad(masks), a)
+    assert float(slime_loss) == pytest.approx(float(ours), rel=1e-12, abs=1e-15)
+
+
+def test_drgrpo_reducer_constant_denominator(box, plugin):
+    masks = [torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])]
+    x = torch.arange(8, dtype=torch.float64, requires_grad=True)
+    out = objective.drgrpo_reducer([10, 12], [3, 5], masks, False)(x)
+    assert float(out.detach()) == pytest.approx((0 + 1 + 3 + 4 + 5 + 6 + 7) / MAX_NEW)
+    out.backward()
+    assert x.grad.tolist() == [1 / MAX_NEW, 1 / MAX_NEW, 0.0] + [1 / MAX_NEW] * 5
+    with pytest.raises(ValueError, match="calculate-per-token-loss"):
+        objective.drgrpo_reducer([10], [3], masks[:1], True)
+
+
+# -- publishing -----------------------------------------------------------------------------------------
+def test_after_train_publishes_each_new_policy(box, plugin):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(box["hf"]), torch_dtype=torch.bfloat16)
+    ctx = plugin_context.context()
+    start = ctx.current_version()
+    versions, kinds = [], []
+    for step in range(2):
+        with torch.no_grad():
+            for p in list(model.parameters())[:3]:
+                p.add_(0.01 * (step + 1))
+        versions.append(publish.after_train(slime_args(), step, [model]))
+        kinds.append(ctx.publisher().last_stats["kind"])
+    assert versions == [start + 1, start + 2]
+    assert kinds[0] == "anchor" and kinds[1] in ("patch", "patch+anchor")  # a fresh process anchors first
+    pointer, _ = read_pointer(box["store"], RUN, ctx.manifest.trainer_public_key)
+    assert pointer.version == versions[-1]
+    stats = json.loads(box["store"].get(layout.stats_key(RUN, versions[-1])))
+    assert stats["version"] == versions[-1] and stats["publish"]["kind"] == kinds[1]
+
+    rec = Reconstructor(box["store"], RUN, plane="bf16", n_samples=N)  # a worker joining now
+    version, state = rec.join()
+    assert version == versions[-1]
+    from worker_contract.planes import get_plane
+
+    dense = get_plane("bf16").to_dense(state)
+    sd = model.state_dict()
+    for name, arr in dense.items():
+        assert np.array_equal(np.asarray(arr).view(np.uint16), sd[name].view(torch.uint16).numpy()), name
+
+
+# -- held-out eval --------------------------------------------------------------------------------------
+class _SGLangStandIn(BaseHTTPRequestHandler):
+    """A stand-in SGLang `/generate`: answers even-numbered problems right, odd ones wrong, and cuts every
+    third answer at the length budget. It reads the question back with the test's tokenizer."""
+
+    answers: dict[str, tuple[int, str]] = {}
+    tok = None
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        text_in = self.tok.decode(body["input_ids"])
+        idx, gold = next(v for q, v in self.answers.items() if q in text_in)
+        text = f"Let me think.\n#### {gold if idx % 2 == 0 else int(gold) + 1}"
+        finish = "length" if idx % 3 == 0 else "stop"
+        out = json.dumps({"text": text, "output_ids": self.tok.encode(text, add_special_tokens=False),
+                          "meta_info": {"finish_reason": {"type": finish}}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_eval_call_scores_held_out_problems_with_the_task(box, plugin, monkeypatch):
+    task, tok = box["task"], box["tok"]
+    test = task.dataset("test")
+    problems = [test[i] for i in range(box["cfg"].embedded.eval_problems)]
+    _SGLangStandIn.answers = {p.question: (i, p.answer) for i, p in enumerate(problems)}
+    _SGLangStandIn.tok = tok
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SGLangStandIn)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("DRL_EVAL_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        out = generate_rollout(slime_args(hf_checkpoint=str(box["hf"])), 5, None, evaluation=True)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert isinstance(out, EvalOut)
+    data = out.data["arithmetic"]
+    assert set(data) >= {"rewards", "truncated", "samples"}
+    assert len(data["rewards"]) == len(data["truncated"]) == len(data["samples"]) == len(problems)
+    assert data["rewards"] == [1.0 if i % 2 == 0 else 0.0 for i in range(len(problems))]
+    assert data["truncated"] == [i % 3 == 0 for i in range(len(problems))]
+    for s in data["samples"]:
+        assert_slime_sample(s)
+        assert s.tokens[-s.response_length:] == tok.encode(s.response, add_special_tokens=False)
+    assert out.metrics["eval/arithmetic/reward_mean"] == pytest.approx(sum(data["rewards"]) / len(problems))
+
+
+def test_eval_without_an_endpoint_is_refused(box, plugin, monkeypatch):
+    monkeypatch.delenv("DRL_EVAL_ENDPOINT", raising=False)
+    with pytest.raises(ValueError, match="DRL_EVAL_ENDPOINT"):
+        generate_rollout(slime_args(hf_checkpoint=str(box["hf"])), 0, None, evaluation=True)

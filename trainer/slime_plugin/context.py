@@ -1,0 +1,146 @@
+"""The run the plugin serves, built once per process from what the launch left on the box.
+
+slime loads our functions by dotted path inside its Ray actors and passes them only its own argparse
+namespace, so the run comes from the job's runtime env (infra/slime_launch.runtime_env):
+
+    DRL_RECIPE_FILE   the resolved RecipeConfig (JSON) the launch wrote
+    DRL_ENV_FILE      the box's credentials file (.r2env, mode 0600)
+    DRL_STATE_DIR     the run's state dir: trainer.key, the rollout ledger, the last batch's stats
+
+slime's own values that must agree with the run (group size, groups per step, temperature) are checked
+against run.json on every call, and a disagreement is refused naming both values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.config import RecipeConfig
+from worker_contract.manifest import RunManifest, load_manifest
+from worker_contract.store import NotFound, Store
+
+LEDGER_FILE = "rollout_ledger.json"
+BATCH_STATS_FILE = "last_batch.json"
+
+
+def _need(var: str) -> str:
+    value = os.environ.get(var, "").strip()
+    if not value:
+        raise ValueError(f"{var} is not set: the slime plugin runs inside the job `make gsm8k` launches "
+                         "(infra/slime_launch.runtime_env sets it); set it to run the plugin by hand")
+    return value
+
+
+@dataclass
+class PluginContext:
+    cfg: RecipeConfig
+    store: Store
+    manifest: RunManifest
+    state_dir: Path
+    _source: Any = None
+    _publisher: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def run(self) -> str:
+        return self.manifest.run
+
+    def current_version(self) -> int:
+        """The newest published version (the signed pointer); the learner trains from it."""
+        from worker_contract.pointer import read_pointer
+
+        pointer, _ = read_pointer(self.store, self.run, self.manifest.trainer_public_key)
+        if pointer is None:
+            raise ValueError(f"run {self.run!r} has no pointer yet: publish the base anchor first "
+                             "(the launch's publish_anchor step)")
+        return pointer.version
+
+    def source(self):
+        """The bucket rollout source (trainer/rollouts.py), its reuse ledger restored from the state dir."""
+        with self._lock:
+            if self._source is None:
+                from trainer.rollouts import RolloutSource
+
+                src = RolloutSource.from_manifest(self.store, self.manifest, self.cfg.algo)
+                ledger = self.state_dir / LEDGER_FILE
+                if ledger.exists():
+                    src.load_ledger_state(json.loads(ledger.read_text()))
+                self._source = src
+            return self._source
+
+    def save_json(self, name: str, data: Any) -> None:
+        """Atomic write into the state dir (the ledger survives a restart; the batch stats feed publish)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_dir / (name + ".tmp")
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        tmp.replace(self.state_dir / name)
+
+    def publisher(self):
+        """trainer.publisher.Publisher with the run's key (created by the launch, 0600 in the state dir)."""
+        with self._lock:
+            if self._publisher is None:
+                from trainer.publisher import Publisher
+                from worker_contract.signing import load_private_key
+
+                key = load_private_key(self.state_dir / "trainer.key")
+                self._publisher = Publisher(self.store, self.manifest, key,
+                                            anchor_interval=self.cfg.train.anchor_interval, progress=False)
+            return self._publisher
+
+
+_context: PluginContext | None = None
+_context_lock = threading.Lock()
+
+
+def context() -> PluginContext:
+    """The process's PluginContext, built on first use from DRL_RECIPE_FILE / DRL_ENV_FILE / DRL_STATE_DIR."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            from worker_contract.env import load_env
+            from worker_contract.store import open_store
+
+            cfg = RecipeConfig.model_validate_json(Path(_need("DRL_RECIPE_FILE")).read_text())
+            env_file = os.environ.get("DRL_ENV_FILE", "").strip() or None
+            env = load_env(env_file=env_file if env_file and Path(env_file).exists() else None,
+                           repo_root=Path(_need("DRL_STATE_DIR")))
+            if not cfg.store or not cfg.run:
+                raise ValueError(f"{os.environ['DRL_RECIPE_FILE']}: the recipe has no store or run; it must be "
+                                 "the resolved recipe the launch writes")
+            store = open_store(cfg.store, env)
+            try:
+                manifest = load_manifest(store, cfg.run)
+            except NotFound:
+                raise ValueError(f"run {cfg.run!r} has no run.json in {cfg.store}: the launch's publish_anchor "
+                                 "step creates it") from None
+            _context = PluginContext(cfg=cfg, store=store, manifest=manifest,
+                                     state_dir=Path(_need("DRL_STATE_DIR")))
+        return _context
+
+
+def reset_context() -> None:
+    """Forget the cached context (a new run in the same process, or tests)."""
+    global _context
+    with _context_lock:
+        _context = None
+
+
+def check_args(args: Any, manifest: RunManifest, cfg: RecipeConfig) -> None:
+    """slime's flags must match the run's contract; `args` None (slime's contract test) skips this."""
+    if args is None:
+        return
+    pairs = [
+        ("--n-samples-per-prompt", "n_samples_per_prompt", manifest.n_samples, "run.json n_samples (DRL_N_SAMPLES)"),
+        ("--rollout-batch-size", "rollout_batch_size", cfg.algo.groups_per_step, "recipe algo.groups_per_step"),
+        ("--rollout-temperature", "rollout_temperature", manifest.temperature, "run.json temperature"),
+    ]
+    for flag, attr, want, what in pairs:
+        have = getattr(args, attr, None)
+        if have is not None and float(have) != float(want):
+            raise ValueError(f"slime {flag} {have} differs from {what} = {want}: relaunch with the generated "
+                             "command (infra/slime_launch.py), which sets it from the recipe")

@@ -1,0 +1,115 @@
+"""`--custom-after-train-hook-path trainer.slime_plugin.publish.after_train`: each new policy -> the bucket.
+
+The hook is added to slime by our patch 0001 (infra/patches): slime calls `after_train(args, rollout_id,
+model)` on every train rank right after the actor trained on a rollout. Why this hook and no stock one
+(research/slime.md section 2.4): with no rollout engines (`--rollout-num-gpus 0`, `--debug-train-only`)
+`update_weights()` returns before any weight-sync hook; `--save-hf` writes an HF copy only every
+`--save-interval` steps (the fleet recipe runs without it); and the stock before-train-step hook would
+publish each version one step late and never the last one.
+
+Every rank enters (gathering tensor-parallel shards is a collective); rank 0 publishes through
+trainer.publisher.Publisher: a signed PULSE patch against the last version it published (a full anchor
+the first time in a process, and every `anchor_interval` versions), then moves the pointer. The rollout
+function reads that pointer for its staleness window, so the next batch is judged against this version.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from .context import BATCH_STATS_FILE, PluginContext, context
+
+_last_drops: dict[str, int] = {}
+
+
+def _is_rank0() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
+    except ImportError:
+        return True
+
+
+def _slime_hf_state(args: Any, model: list) -> dict[str, Any]:
+    """HF-named full tensors from slime's Megatron model, with slime's own converters."""
+    from megatron.core import mpu
+    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+    from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
+
+    if mpu.get_pipeline_model_parallel_world_size() != 1 or mpu.get_expert_model_parallel_world_size() != 1:
+        raise ValueError("publishing supports pipeline- and expert-parallel size 1 (one GPU or tensor "
+                         "parallelism); set --pipeline-model-parallel-size 1 --expert-model-parallel-size 1")
+    model_name = getattr(args, "model_name", None)
+    if model_name is None:
+        from transformers import AutoConfig
+
+        model_name = type(AutoConfig.from_pretrained(args.hf_checkpoint, trust_remote_code=True)).__name__.lower()
+    state: dict[str, Any] = {}
+    for name, param in named_params_and_buffers(args, model):
+        full = all_gather_param(name, param)
+        for hf_name, tensor in convert_to_hf(args, model_name, name, full):
+            state[hf_name] = tensor.detach().to("cpu", copy=True)
+    return state
+
+
+def _is_megatron(chunk: Any) -> bool:
+    module = sys.modules.get("megatron.core.transformer.module")  # never loaded: no Megatron model here
+    return module is not None and isinstance(chunk, module.MegatronModule)
+
+
+def hf_state(args: Any, model: Iterable) -> dict[str, Any]:
+    """The policy's weights under HF names, as CPU tensors.
+
+    Inside slime (its Megatron actor): slime's Megatron -> HF conversion. Modules that already carry HF
+    names (an HF model, as in our tests and the in-repo learner) give their own state dict.
+    """
+    chunks = list(model)
+    if chunks and _is_megatron(chunks[0]):
+        return _slime_hf_state(args, chunks)
+    state: dict[str, Any] = {}
+    for chunk in chunks:
+        state.update({k: v.detach().to("cpu", copy=True) for k, v in chunk.state_dict().items()})
+    return state
+
+
+def _batch_stats(ctx: PluginContext) -> dict[str, Any]:
+    path = ctx.state_dir / BATCH_STATS_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def publish_policy(ctx: PluginContext, state: dict[str, Any], rollout_id: int) -> int:
+    """Publish `state` as the next version and write its stats object; returns the version."""
+    from trainer.metrics import version_stats, write_version_stats
+
+    pub = ctx.publisher()
+    t0 = time.monotonic()
+    version = pub.publish(state)
+    stats = dict(pub.last_stats or {})
+    publish = {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool)}
+    publish.setdefault("latency_s", time.monotonic() - t0)
+    batch = _batch_stats(ctx)
+    drops = {k: int(v) for k, v in (batch.get("drops_total") or {}).items()}
+    delta = {k: v - _last_drops.get(k, 0) for k, v in drops.items()}
+    _last_drops.clear()
+    _last_drops.update(drops)
+    write_version_stats(ctx.store, ctx.run, version_stats(
+        version=version, step=rollout_id + 1, kind=str(publish.get("kind", "patch")),
+        metrics=batch.get("metrics") or {}, drops_total=drops, drops_delta=delta,
+        workers=batch.get("workers") or {}, groups=int(batch.get("groups") or 0), publish=publish))
+    return version
+
+
+def after_train(args: Any, rollout_id: int, model) -> int | None:
+    """slime's after-train hook (patch 0001): gather on every rank, publish on rank 0; returns the version."""
+    state = hf_state(args, model)
+    if not _is_rank0():
+        return None
+    return publish_policy(context(), state, rollout_id)

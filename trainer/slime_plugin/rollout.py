@@ -1,0 +1,94 @@
+"""`--rollout-function-path trainer.slime_plugin.rollout.generate_rollout`: the bucket feeds slime.
+
+slime calls `generate_rollout(args, rollout_id, data_source, evaluation=False)` in its RolloutManager
+actor once per step (research/slime.md section 1.2). We ignore slime's data source: the prompts were
+chosen and sampled by the workers. The bucket rollout source (trainer/rollouts.py) validates every record,
+drops what is stale (beyond the staleness bound, counted from the signed pointer) and caps reuse; we
+convert its batch into exactly `rollout_batch_size` contiguous groups of `n_samples_per_prompt` Samples,
+the only layout slime's rollout-side reward normalisation reshapes per group.
+
+Each Sample carries tokens = prompt + response, response_length, the worker's loss_mask, its behaviour
+log-probs as rollout_log_probs (the denominator of the ratio under --use-rollout-logprobs), the reward and
+a status; metadata names the record (version, worker, group, use, lag) for logging.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .context import BATCH_STATS_FILE, LEDGER_FILE, PluginContext, check_args, context
+from .types import slime_types
+
+log = logging.getLogger(__name__)
+#: how long one wait for a full batch lasts before the wait is logged and renewed
+WAIT_LOG_S = 60.0
+
+
+def group_to_samples(group, *, group_index: int, first_index: int, Sample) -> list:
+    """One validated group (trainer.rollouts.Group) as n_samples slime Samples, in the record's order."""
+    rec = group.record
+    out = []
+    for i, s in enumerate(rec.samples):
+        status = Sample.Status.TRUNCATED if s.finish_reason in ("length", "abort") else Sample.Status.COMPLETED
+        out.append(Sample(
+            group_index=group_index, index=first_index + i, prompt="", label=rec.prompt_id,
+            tokens=list(rec.prompt_ids) + list(s.response_ids), response="", response_length=len(s.response_ids),
+            reward=float(s.reward), loss_mask=list(s.loss_mask), rollout_log_probs=list(s.behavior_logprobs),
+            weight_versions=[str(rec.policy_version)], status=status,
+            metadata={"raw_reward": float(s.reward), "policy_version": rec.policy_version, "worker_id": rec.worker_id,
+                      "group_id": rec.group_id, "prompt_id": rec.prompt_id, "use": group.use, "lag": group.lag,
+                      "finish_reason": s.finish_reason},
+        ))
+    return out
+
+
+def next_batch(ctx: PluginContext, *, timeout_s: float | None = None):
+    """Block until the source has a full batch for the current version (None only after `timeout_s`)."""
+    src = ctx.source()
+    start = time.monotonic()
+    while True:
+        current = ctx.current_version()
+        wait = WAIT_LOG_S if timeout_s is None else max(0.0, min(WAIT_LOG_S, timeout_s - (time.monotonic() - start)))
+        batch = src.next_batch(current, timeout_s=wait, poll_interval_s=ctx.cfg.train.poll_interval_s)
+        if batch is not None:
+            return batch
+        if timeout_s is not None and time.monotonic() - start >= timeout_s:
+            return None
+        m = src.metrics()
+        log.info("waiting for rollouts at v%d: %d usable groups pooled, %d needed; %d dropped so far",
+                 current, int(m["rollout/pool"]), ctx.cfg.algo.groups_per_step, int(m["rollout/dropped"]))
+
+
+def train_output(args: Any, rollout_id: int, ctx: PluginContext, *, timeout_s: float | None = None):
+    Sample, TrainOutput, _, _ = slime_types()
+    batch = next_batch(ctx, timeout_s=timeout_s)
+    if batch is None:
+        raise TimeoutError(f"no full batch of {ctx.cfg.algo.groups_per_step} groups within {timeout_s} s")
+    n = ctx.manifest.n_samples
+    groups = [group_to_samples(g, group_index=gi, first_index=gi * n, Sample=Sample)
+              for gi, g in enumerate(batch.groups)]
+    assert all(len(g) == n for g in groups), "the rollout source let a wrong-sized group through"
+    src = ctx.source()
+    ctx.save_json(LEDGER_FILE, src.ledger_state())
+    cumulative = src.metrics()
+    ctx.save_json(BATCH_STATS_FILE, {
+        "rollout_id": rollout_id, "current_version": batch.current_version, "groups": len(batch.groups),
+        "metrics": {**batch.metrics, **{k: v for k, v in cumulative.items() if not k.startswith("worker/")}},
+        "drops_total": dict(src.drops), "workers": src.worker_stats(),
+    })
+    metrics = {**batch.metrics, **{k: v for k, v in cumulative.items() if k.startswith("rollout/")},
+               "rollout/learner_version": float(batch.current_version)}
+    return TrainOutput(samples=groups, metrics=metrics)
+
+
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    """slime's rollout function: a training batch from the bucket, or the held-out eval (evaluation=True)."""
+    ctx = context()
+    check_args(args, ctx.manifest, ctx.cfg)
+    if evaluation:
+        from .evaluate import eval_output
+
+        return eval_output(args, rollout_id, ctx)
+    return train_output(args, rollout_id, ctx)

@@ -23,3 +23,8 @@ ns.add_collection(retriever_tasks.ns)
 from infra import convert_tasks  # noqa: E402  (HF -> Megatron torch_dist conversion)
 
 ns.add_task(convert_tasks.convert)
+
+from infra import remote_tasks  # noqa: E402  (the trainer box of a run: logs, stop, teardown)
+
+for _t in (remote_tasks.logs, remote_tasks.stop, remote_tasks.teardown):
+    ns.add_task(_t)

@@ -162,3 +162,16 @@ def test_convert_cli_round_trip(tmp_path):
     assert (tmp_path / "td" / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     a, b = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k].float(), b[k].float()) for k in a)
+
+
+def test_gpu_parity_bench_runs_tiny_on_cpu(dist, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lfm2_gpu_bench", REPO / "bench" / "lfm2_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "lfm2_gpu.json"
+    assert bench.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["shape"]["layers"] == 4 and result["dtype"] == "float32"
+    assert result["token_logprob_max_abs_diff"] < 1e-4 and result["top1_agreement"] == 1.0

@@ -209,3 +209,32 @@ def test_signatures_refuse_forgery(pair):
     tampered = bytearray(signed)
     tampered[-1] ^= 0xFF
     _refused(old, bytes(tampered), "corrupted", public_key=pub)
+
+
+@pytest.mark.parametrize("master", [torch.float32, torch.bfloat16])
+def test_torch_encoder_gives_the_same_bytes(master):
+    from worker_contract.pulse.torch_encode import encode_patch_torch
+
+    snaps = _adam_states(master, steps=2)
+    for old, new in zip(snaps, snaps[1:], strict=False):
+        assert encode_patch_torch(old, new, base_version=1, target_version=2, hash_threads=2) == \
+            encode_patch(old, new, base_version=1, target_version=2)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "int16", "uint32", "int64", "float16", "float32", "float64"])
+def test_torch_encoder_every_dtype(dtype):
+    from worker_contract.pulse.torch_encode import encode_patch_torch
+    from worker_contract.tensors import to_torch
+
+    rng = np.random.default_rng(11)
+    old = _random_words(rng, dtype, (64, 300))
+    if dtype == "bool":
+        old = (old.view(np.uint8) & 1).view(bool)
+    new = old.copy()
+    flat = new.reshape(-1)
+    pick = rng.random(flat.size) < 0.02
+    flat[pick] = (~flat[pick]) if dtype == "bool" else _random_words(rng, dtype, (int(pick.sum()),))
+    o, n = {"t": to_torch(old)}, {"t": to_torch(new)}
+    patch = encode_patch_torch(o, n)
+    assert patch == encode_patch({"t": old}, {"t": new})
+    _assert_state_equal(apply_patch({"t": old}, patch), {"t": new})

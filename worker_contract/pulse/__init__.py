@@ -59,28 +59,46 @@ def encode_patch(old: Mapping[str, Any], new: Mapping[str, Any], *, base_version
     """
     o, _ = state_to_numpy(old)
     n, _ = state_to_numpy(new)
-    _check_names(o, n)
+    coded = {name: codec.encode_tensor(o[name], n[name], dtype_name(o[name])) for name in _checked(o, n)}
     base_sha = {e["name"]: e["sha256"] for e in base_entries} if base_entries is not None else {}
-    families: dict[str, list[bytes]] = {}
-    tensors, base_rows, result_rows = [], [], []
+    meta = {name: (dtype_name(n[name]), list(n[name].shape), base_sha.get(name) or tensor_sha256(o[name]),
+                   tensor_sha256(n[name])) for name in sorted(n)}
+    return assemble(coded, meta, base_version, target_version)
+
+
+def _checked(o: Mapping[str, Any], n: Mapping[str, Any]) -> list[str]:
+    """Sorted names, once both states are known to hold the same names, dtypes and shapes."""
+    _check_names(o, n)
     for name in sorted(n):
         a, b = o[name], n[name]
-        dt = dtype_name(a)
-        if dtype_name(b) != dt or a.shape != b.shape:
-            raise PatchError(f"tensor {name}: base is {dt}{list(a.shape)}, result is {dtype_name(b)}{list(b.shape)}; "
+        da, db = _dt(a), _dt(b)
+        if da != db or tuple(a.shape) != tuple(b.shape):
+            raise PatchError(f"tensor {name}: base is {da}{list(a.shape)}, result is {db}{list(b.shape)}; "
                              "a patch cannot change a dtype or shape (publish a new anchor)")
-        coded = codec.encode_tensor(a, b, dt)
-        for fam, chunk in coded.chunks.items():
+    return sorted(n)
+
+
+def _dt(x: Any) -> str:
+    return dtype_name(x) if isinstance(x, np.ndarray) else str(x.dtype).removeprefix("torch.")
+
+
+def assemble(coded: Mapping[str, codec.Coded], meta: Mapping[str, tuple], base_version: int | None,
+             target_version: int | None) -> bytes:
+    """Header and compressed streams from per-tensor codings; `meta[name]` = (dtype, shape, base sha256,
+    result sha256). Shared by the numpy encoder and the torch/CUDA one (torch_encode.py)."""
+    families: dict[str, list[bytes]] = {}
+    tensors, base_rows, result_rows = [], [], []
+    for name in sorted(coded):
+        c = coded[name]
+        dt, shape, bsha, rsha = meta[name]
+        for fam, chunk in c.chunks.items():
             families.setdefault(fam, []).append(chunk)
-        bsha = base_sha.get(name) or tensor_sha256(a)
-        rsha = tensor_sha256(b)
         tensors.append(TensorPatch(
-            name=name, dtype=dt, shape=list(a.shape), unit=coded.unit, count=coded.count, changed=coded.changed,
-            threshold=coded.threshold, candidates=coded.candidates, changed_in=coded.changed_in,
-            gap_bytes=coded.gap_bytes, lengths={f: len(c) for f, c in coded.chunks.items()},
-            base_sha256=bsha, sha256=rsha))
-        base_rows.append({"name": name, "dtype": dt, "shape": list(a.shape), "sha256": bsha})
-        result_rows.append({"name": name, "dtype": dt, "shape": list(a.shape), "sha256": rsha})
+            name=name, dtype=dt, shape=shape, unit=c.unit, count=c.count, changed=c.changed,
+            threshold=c.threshold, candidates=c.candidates, changed_in=c.changed_in, gap_bytes=c.gap_bytes,
+            lengths={f: len(x) for f, x in c.chunks.items()}, base_sha256=bsha, sha256=rsha))
+        base_rows.append({"name": name, "dtype": dt, "shape": shape, "sha256": bsha})
+        result_rows.append({"name": name, "dtype": dt, "shape": shape, "sha256": rsha})
     streams, body = compress_streams(families)
     header = PatchHeader(
         base_version=base_version, target_version=target_version,

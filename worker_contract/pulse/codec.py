@@ -107,17 +107,26 @@ def _magnitude(w: np.ndarray, unit: int) -> np.ndarray:
     return w & _UINT[unit]((1 << (8 * unit - 1)) - 1)
 
 
+def sample_step(n: int) -> int:
+    return max(1, n // _SAMPLE)
+
+
 def choose_threshold(ow: np.ndarray, changed_mag: np.ndarray, mbits: int, n: int) -> int:
     """The magnitude threshold (on sign-stripped bits) that minimises the estimated coded size; 0 = none.
 
     Only the encoder runs this; the decoder reads the threshold from the header, so the estimate (from a
     strided sample of the old tensor) affects size, never correctness.
     """
-    k = changed_mag.size
-    if n < MIN_CONTEXT_WORDS or k == 0:
+    if n < MIN_CONTEXT_WORDS or changed_mag.size == 0:
         return 0
-    step = max(1, n // _SAMPLE)
-    sample_cls = (_magnitude(ow[::step], ow.dtype.itemsize) >> mbits).astype(np.int64)
+    sample_mag = _magnitude(ow[::sample_step(n)], ow.dtype.itemsize)
+    return threshold_from(sample_mag, changed_mag, mbits, n)
+
+
+def threshold_from(sample_mag: np.ndarray, changed_mag: np.ndarray, mbits: int, n: int) -> int:
+    """`choose_threshold` on the small arrays it needs (the GPU encoder computes them on the device)."""
+    k = changed_mag.size
+    sample_cls = (sample_mag >> mbits).astype(np.int64)
     ch_cls = (changed_mag >> mbits).astype(np.int64)
     nclass = int(max(sample_cls.max(initial=0), ch_cls.max(initial=0))) + 1
     n_c = np.bincount(sample_cls, minlength=nclass) * (n / sample_cls.size)
@@ -201,15 +210,19 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, dtype_name: str) -> Coded:
         positions = np.concatenate([cand[order[in_sorted]], pos_out])
     else:
         pos_out = positions = changed
-    gw = out.gap_bytes
+    delta = nw[positions] - ow[positions]  # wraps: exact on the bit patterns
+    return pack_streams(out, pos_out, _zigzag(delta, unit))
+
+
+def pack_streams(out: Coded, pos_out: np.ndarray, zigzagged: np.ndarray) -> Coded:
+    """Byte-plane split of the bulk gaps and the zigzagged deltas into `out.chunks`."""
     if pos_out.size:
         gaps = np.diff(pos_out, prepend=-1) - 1
-        for j, plane in enumerate(_planes(gaps.astype(_UINT[gw]))):
+        for j, plane in enumerate(_planes(gaps.astype(_UINT[out.gap_bytes]))):
             out.chunks[f"gap{j}"] = plane
-    delta = nw[positions] - ow[positions]  # wraps: exact on the bit patterns
-    for j, plane in enumerate(_planes(_zigzag(delta, unit))):
+    for j, plane in enumerate(_planes(zigzagged)):
         out.chunks[f"val{j}"] = plane
-    assert out.changed_in + pos_out.size == k
+    assert out.changed_in + pos_out.size == out.changed
     return out
 
 

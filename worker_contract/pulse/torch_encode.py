@@ -1,0 +1,118 @@
+"""PULSE encoding with torch on the tensors' device (CUDA on the learner): the same patch bytes as the
+numpy encoder, faster on a GPU.
+
+The device does the full-size work (compare, nonzero, candidate selection, the class sort, gathers, the
+zigzag deltas); only the compact streams (positions, bitmaps, deltas: about 1% of the state) travel to the
+CPU, where they are split into byte planes and zstd-compressed by the shared code. The result digests need
+the tensors' bytes on the CPU: they are copied and hashed on a thread pool while the device moves on.
+Imports torch, so it is never imported by the contract's core.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ..tensors import MANTISSA_BITS, np_dtype, to_numpy, words
+from . import _checked, assemble, codec
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def _units(t: torch.Tensor, unit: int) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(_INT[unit])
+
+
+def _mag(w: torch.Tensor, unit: int) -> torch.Tensor:
+    if unit == 1:
+        return w & 0x7F
+    return w & ((1 << (8 * unit - 1)) - 1)
+
+
+def _packbits(mask: torch.Tensor) -> torch.Tensor:
+    """np.packbits on the device (first element in the most significant bit)."""
+    pad = (-mask.numel()) % 8
+    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
+    return (m * _BITS.to(mask.device)).sum(dim=1, dtype=torch.uint8) if m.numel() else m.view(-1)
+
+
+def _zigzag(d: torch.Tensor, unit: int) -> torch.Tensor:
+    if unit == 1:  # torch has no signed shift on uint8; go through int16 and back (exact mod 256)
+        s = d.view(torch.int8).to(torch.int16)
+        return ((s << 1) ^ (s >> 7)).to(torch.uint8)
+    return (d << 1) ^ (d >> (8 * unit - 1))
+
+
+def _below(x: torch.Tensor, threshold: int, unit: int) -> torch.Tensor:
+    """x < threshold for non-negative x, without letting a threshold past the signed range wrap."""
+    if threshold > (1 << (8 * unit - 1)) - 1:
+        return torch.ones_like(x, dtype=torch.bool)
+    return x < threshold
+
+
+def _np_unsigned(t: torch.Tensor, unit: int) -> np.ndarray:
+    return t.cpu().numpy().view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[unit])
+
+
+def encode_tensor_torch(old: torch.Tensor, new: torch.Tensor, dtype: str) -> codec.Coded:
+    np_dt = np_dtype(dtype)
+    unit = codec.unit_for(np_dt)
+    ow, nw = _units(old, unit), _units(new, unit)
+    n = ow.numel()
+    out = codec.Coded(unit=unit, count=n, gap_bytes=4 if n < (1 << 32) else 8)
+    changed = torch.nonzero(ow != nw).flatten()
+    out.changed = int(changed.numel())
+    if out.changed == 0:
+        return out
+    mbits = MANTISSA_BITS.get(dtype) if unit == np_dt.itemsize else None
+    threshold = 0
+    changed_mag = _mag(ow[changed], unit)
+    if mbits is not None and n >= codec.MIN_CONTEXT_WORDS:
+        sample = _mag(ow[:: codec.sample_step(n)], unit)
+        threshold = codec.threshold_from(_np_unsigned(sample, unit), _np_unsigned(changed_mag, unit), mbits, n)
+    if threshold:
+        mag = _mag(ow, unit)
+        cand = torch.nonzero(_below(mag, threshold, unit)).flatten()
+        order = torch.sort(mag[cand] >> mbits, stable=True).indices
+        mask = ow[cand] != nw[cand]
+        in_sorted = mask[order]
+        out.threshold, out.candidates, out.changed_in = threshold, int(cand.numel()), int(mask.sum())
+        out.chunks["bitmap"] = _packbits(in_sorted).cpu().numpy().tobytes()
+        pos_out = changed[~_below(changed_mag, threshold, unit)]
+        positions = torch.cat([cand[order[in_sorted]], pos_out])
+    else:
+        pos_out = positions = changed
+    zz = _zigzag(nw[positions] - ow[positions], unit)
+    return codec.pack_streams(out, pos_out.cpu().numpy(), _np_unsigned(zz, unit))
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(memoryview(words(to_numpy(t))).cast("B")).hexdigest()
+
+
+def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
+                       base_version: int | None = None, target_version: int | None = None,
+                       base_entries: list[dict] | None = None, hash_threads: int = 8) -> bytes:
+    """`encode_patch` for torch tensors on any device; the same bytes as the numpy encoder."""
+    names = _checked(old, new)
+    base_sha = {e["name"]: e["sha256"] for e in base_entries} if base_entries is not None else {}
+    coded, futures = {}, {}
+    with ThreadPoolExecutor(max_workers=hash_threads) as pool:
+        for name in names:
+            a, b = old[name], new[name]
+            dt = str(a.dtype).removeprefix("torch.")
+            futures[name] = (pool.submit(_sha, b.detach().to("cpu", non_blocking=False)),
+                             None if name in base_sha else pool.submit(_sha, a.detach().cpu()))
+            coded[name] = encode_tensor_torch(a, b, dt)
+        meta = {}
+        for name in names:
+            b = new[name]
+            rs, bs = futures[name]
+            meta[name] = (str(b.dtype).removeprefix("torch."), list(b.shape),
+                          base_sha.get(name) or bs.result(), rs.result())
+    return assemble(coded, meta, base_version, target_version)

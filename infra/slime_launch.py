@@ -104,6 +104,15 @@ KNOWN_HF_CONFIGS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 12, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "vocab_size": 151936, "tie_word_embeddings": True,
     },
+    # LFM2.5-8B-A1B (lfm2_moe): 24 layers, attention at 2, 6, 10, 14, 18, 21, the rest gated short convs
+    "LiquidAI/LFM2.5-8B-A1B": {
+        "model_type": "lfm2_moe", "num_hidden_layers": 24, "hidden_size": 2048, "intermediate_size": 7168,
+        "moe_intermediate_size": 1792, "num_attention_heads": 32, "num_key_value_heads": 8, "norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "vocab_size": 65536, "tie_word_embeddings": True, "num_dense_layers": 2,
+        "num_experts": 32, "num_experts_per_tok": 4, "use_expert_bias": True, "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0, "conv_L_cache": 3, "conv_bias": False,
+        "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)],
+    },
 }
 
 
@@ -145,8 +154,14 @@ def _qwen2_like(cfg: RecipeConfig, c: Mapping[str, Any]) -> list[str]:
     return args
 
 
+def _lfm2_moe(cfg: RecipeConfig, c: Mapping[str, Any]) -> list[str]:
+    from .convert.lfm2_slime import model_flags
+
+    return model_flags(c, rotary_base(cfg, c))
+
+
 #: HF model_type -> Megatron model flags (STYLE rule 7: one registry; unknown types are refused)
-MODEL_ARGS = {"qwen2": _qwen2_like, "qwen3": _qwen2_like, "llama": _qwen2_like}
+MODEL_ARGS = {"qwen2": _qwen2_like, "qwen3": _qwen2_like, "llama": _qwen2_like, "lfm2_moe": _lfm2_moe}
 
 
 def model_args(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> list[str]:

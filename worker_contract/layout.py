@@ -167,3 +167,18 @@ def probe_key(run: str, nonce: str) -> str:
 def base_prefix(name: str) -> str:
     """Shared base checkpoints that several runs reuse (e.g. bases/lfm25/)."""
     return f"bases/{check_segment(name, 'base name')}/"
+
+
+def base_manifest_key(name: str) -> str:
+    """The manifest of a shared base (file list with digests, revisions); written last, create-only."""
+    return f"{base_prefix(name)}manifest.json"
+
+
+def base_file_key(name: str, part: str, relpath: str) -> str:
+    """One file of a shared base: `part` is `hf` (the HF directory) or `torch_dist` (the converted one)."""
+    if part not in ("hf", "torch_dist"):
+        raise ValueError(f"part={part!r}: a base holds 'hf' and 'torch_dist' files")
+    segs = relpath.split("/")
+    if not relpath or any(s in ("", ".", "..") for s in segs) or relpath.startswith("/"):
+        raise ValueError(f"relpath={relpath!r} must be a relative path without '.', '..' or empty segments")
+    return f"{base_prefix(name)}{part}/{relpath}"

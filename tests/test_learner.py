@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
 import random
+import socket
 
+import psutil
 import pytest
 import torch
-from learner_fixtures import make_record, recipe, save_tiny_model, tiny_model
+from learner_fixtures import make_record, manifest, put_record, recipe, save_tiny_model, tiny_model
 
 from trainer.algo import policy_loss
 from trainer.backends import get_backend
@@ -114,3 +118,78 @@ def test_state_dict_hf_has_the_names_save_pretrained_writes(model_dir, tmp_path)
         assert set(state) == set(f.keys())
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in state.values())
     assert backend.model.model.norm.weight.dtype == torch.float32  # master weights stay fp32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listeners(procs) -> set[tuple[str, int]]:
+    out = set()
+    for p in procs:
+        try:
+            out |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet") if c.status == "LISTEN"}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+@pytest.mark.integration
+def test_learner_loop_on_ray_trains_publishes_and_reports(model_dir, tmp_path, monkeypatch):
+    """The whole loop once (Ray start costs seconds and about a GB, so one test covers it): steps run,
+    versions are published and visible, metrics and stats land, the dashboard and every other Ray
+    listener are on loopback only, nothing is written to the home directory, no Ray process outlives it."""
+    from trainer.learner import run_learner
+    from trainer.metrics import read_metrics
+    from trainer.publisher import Publisher
+    from worker_contract import layout
+    from worker_contract.manifest import create_or_resume
+    from worker_contract.signing import generate_private_key
+    from worker_contract.store.file import FileStore
+
+    home = tmp_path / "home"
+    home.mkdir()
+    port = free_port()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("DRL_RAY_DASHBOARD", "1")
+    monkeypatch.setenv("DRL_RAY_DASHBOARD_PORT", str(port))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    store = FileStore(tmp_path / "bucket")
+    key = generate_private_key()
+    man = create_or_resume(store, manifest("e2e", key), resume=False)
+    base, rng = tiny_model(seed=0), random.Random(1)
+    for v in range(1, 8):
+        for w in ("w1", "w2"):
+            put_record(store, make_record("e2e", v, w, f"g{v}", rng, model=base))
+    store.put_if_absent(layout.rollout_key("e2e", 1, "evil", "g0"), b"garbage")  # never stops the learner
+
+    seen = []
+
+    def on_step(m):  # every process Ray started for us, and what each listens on
+        seen.append((m, _listeners(psutil.Process().children(recursive=True))))
+
+    cfg = recipe(num_steps=3)
+    result = run_learner(cfg, store, man, key, model_dir, tmp_path / "run", on_step=on_step, batch_wait_s=1.0,
+                         torch_threads=1)
+
+    assert [m["step"] for m, _ in seen] == [1, 2, 3] and result.step == 3
+    assert result.first_version == 1 and result.version == 4  # anchor v1, then one version per step
+    assert Publisher(store, man, key, anchor_interval=3).current_version() == 4
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["rollout/drops/malformed"] == 1 and rows[-1]["worker/evil/dropped"] == 1
+    assert all(math.isfinite(r["train/loss"]) and len(r["rollout/groups"]) == 2 for r in rows)
+    assert {"train/gate_drop_frac", "train/ratio_max", "rollout/raw_reward", "rollout/staleness_hist/0",
+            "worker/w1/version_lag", "publish/bytes", "publish/latency_s"} <= set(rows[-1])
+    stats = {v: json.loads(store.get(layout.stats_key("e2e", v))) for v in range(1, 5)}
+    assert stats[1]["kind"] == "anchor" and stats[4]["step"] == 3 and stats[4]["publish"]["patch_bytes"] > 0
+    assert sum(stats[v]["drops"].get("malformed", 0) for v in stats) == 1  # deltas add up to the total
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-0000000002", "step-0000000003"]
+
+    listeners = set().union(*(ls for _, ls in seen))
+    assert ("127.0.0.1", port) in listeners and len(listeners) > 3  # the dashboard, GCS, raylet, agents
+    assert {ip for ip, _ in listeners} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listeners  # loopback only
+    assert list(home.iterdir()) == []  # no ~/.ray/auth_token, nothing else either
+    assert not [p for p in psutil.Process().children(recursive=True) if "ray" in p.name().lower()]

@@ -286,8 +286,6 @@ def run_learner(
     process after every step. `torch_threads` caps the learner's CPU threads (default: DRL_TORCH_THREADS,
     else torch's own choice).
     """
-    import ray
-
     from .metrics import MetricsLogger
     from .ray_runtime import key_to_pem, ray_session, store_spec
 
@@ -300,6 +298,8 @@ def run_learner(
     threads = torch_threads or int(os.environ.get("DRL_TORCH_THREADS", "0") or 0) or None
     stop_event = stop_event or threading.Event()
     with ray_session(run_dir, address=ray_address):
+        import ray  # after the session set Ray's environment up
+
         spec = store_spec(store, store_env)
         mjson = manifest.model_dump_json()
         source = ray.remote(num_cpus=0)(SourceActor).remote(

@@ -1,15 +1,19 @@
 """Starting Ray the same way on a laptop and a GPU box, and moving stores and keys into actors.
 
-`ray_session(run_dir)` starts a local Ray instance (or joins RAY_ADDRESS / `address`) with:
-- the dashboard off, or bound to 127.0.0.1 when DRL_RAY_DASHBOARD=1 (port DRL_RAY_DASHBOARD_PORT, 8265);
+`ray_session(run_dir)` joins RAY_ADDRESS / `address` when given (a cluster the operator runs), and
+otherwise starts a local single-machine Ray with:
+- every Ray listener on 127.0.0.1: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is Ray's own switch for "no
+  cluster, loopback only" (without it Ray 2.60 resolves even `_node_ip_address="127.0.0.1"` to the
+  machine's address and its GCS, raylet and metrics servers listen on every interface; measured);
+- the dashboard off, or on 127.0.0.1 when DRL_RAY_DASHBOARD=1 (port DRL_RAY_DASHBOARD_PORT, 8265);
+- RAY_AUTH_MODE=disabled, so nothing is written to the home directory (Ray 2.60 turns token auth on by
+  default and then writes ~/.ray/auth_token). DRL_RAY_AUTH=token keeps token auth with a fresh random
+  token that lives only in the environment of this process and the Ray processes it starts (for boxes
+  whose other local users must not reach the loopback ports). A RAY_AUTH_MODE the user set is respected;
 - its temp dir (RAY_TMPDIR) under `<run_dir>/ray`; Unix socket paths are limited to 107 bytes, so when
-  that path is too long it falls back to a short `/tmp/stoa-ray-<hash>` and records it in `<run_dir>/ray.path`;
-- no auth token file anywhere: Ray 2.60 turns on token auth by default and then writes
-  ~/.ray/auth_token. For a local cluster we set RAY_AUTH_MODE ourselves (DRL_RAY_AUTH picks it):
-  "token" (default) uses a fresh random token that lives only in the environment of this process and the
-  Ray processes it starts; "disabled" turns auth off. We keep auth on by default because Ray 2.60's GCS
-  and raylet listen on every interface even with the node IP set to 127.0.0.1 (measured on this image).
-  A RAY_AUTH_MODE the user set is respected. Usage statistics are off (RAY_USAGE_STATS_ENABLED=0).
+  that path is too long it falls back to a short `/tmp/stoa-ray-<hash>` (recorded in `<run_dir>/ray.path`
+  and removed after a clean shutdown);
+- usage statistics off (RAY_USAGE_STATS_ENABLED=0).
 Nothing here runs at import time.
 """
 
@@ -22,6 +26,7 @@ import os
 import pickle
 import secrets
 import shutil
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -47,19 +52,20 @@ def ray_tmpdir(run_dir: str | Path) -> tuple[Path, bool]:
     return Path(f"/tmp/stoa-ray-{digest}"), True
 
 
+_ENV_KEYS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED", "PYTHONPATH",
+             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+
+
 @contextlib.contextmanager
 def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: int | None = None,
                 env: Mapping[str, str] | None = None) -> Iterator[None]:
     """Ray started (or joined) for the body of the `with`; shut down after, if we started it."""
-    import ray
-
     env = os.environ if env is None else env
-    if ray.is_initialized():  # the caller owns a Ray session already: use it as it is
-        yield
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        yield  # the caller owns a Ray session already: use it as it is
         return
     address = address or env.get("RAY_ADDRESS") or None
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_TMPDIR",
-                                             "RAY_USAGE_STATS_ENABLED", "PYTHONPATH")}
+    saved = {k: os.environ.get(k) for k in _ENV_KEYS}
     fallback_dir: Path | None = None
     try:
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -73,15 +79,20 @@ def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: in
             os.environ["RAY_TMPDIR"] = str(tmp)
             # Ray's worker processes inherit this environment: make our packages importable there too
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), saved["PYTHONPATH"]) if p)
+            _loopback_only()
             _set_auth(env)
             dashboard = env.get("DRL_RAY_DASHBOARD", "") not in ("", "0")
-            kwargs = dict(_temp_dir=str(tmp), _node_ip_address="127.0.0.1", include_dashboard=dashboard,
-                          dashboard_host="127.0.0.1", num_cpus=num_cpus)
+            kwargs: dict = dict(_temp_dir=str(tmp), include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                                num_cpus=num_cpus)
             if dashboard:
                 kwargs["dashboard_port"] = int(env.get("DRL_RAY_DASHBOARD_PORT", "8265"))
         else:
             kwargs = dict(address=address)
-        ray.init(**kwargs, log_to_driver=True, configure_logging=False)
+        import ray
+
+        ctx = ray.init(**kwargs, log_to_driver=True, configure_logging=False)
+        if address is None and ctx.address_info.get("node_ip_address") != "127.0.0.1":
+            log.warning("Ray's node address is %s, not loopback", ctx.address_info.get("node_ip_address"))
         try:
             yield
         finally:
@@ -96,21 +107,29 @@ def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: in
                 os.environ[k] = v
 
 
+def _loopback_only() -> None:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by every Ray process at import
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # this process imported Ray before: its copy of the switch is already read
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def _set_auth(env: Mapping[str, str]) -> None:
     if os.environ.get("RAY_AUTH_MODE"):
         return  # the user chose; a token they chose comes from RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH
-    mode = env.get("DRL_RAY_AUTH", "token") or "token"
+    mode = env.get("DRL_RAY_AUTH", "disabled") or "disabled"
     if mode not in ("token", "disabled"):
-        raise ValueError(f"DRL_RAY_AUTH={mode!r} must be 'token' (default) or 'disabled'")
+        raise ValueError(f"DRL_RAY_AUTH={mode!r} must be 'disabled' (default) or 'token'")
     os.environ["RAY_AUTH_MODE"] = mode
     if mode == "token":
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # in memory only: never written to a file
-    # Ray reads its config once per process; `import ray` may have happened before we set the mode, so
-    # refresh it the way ray.init does when it turns token auth on itself
-    from ray._raylet import AuthenticationTokenLoader, Config
+    if "ray._raylet" in sys.modules:
+        # Ray reads its config once per process; refresh it the way ray.init does when it turns token
+        # auth on itself, in case this process imported Ray before the mode was set
+        from ray._raylet import AuthenticationTokenLoader, Config
 
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 # -- moving things into actors -----------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 from trainer.config import REPO_ROOT, RecipeConfig
 
 from .launch_plan import LaunchPlan, LaunchStep, render_plan
-from .slime_launch import KNOWN_HF_CONFIGS, BoxPaths, TrainerOnly, launch_command
+from .slime_launch import KNOWN_HF_CONFIGS, BoxPaths, TrainerOnly, launch_command, rotary_base
 from .steps import StepFailed, run_steps
 
 REMOTE_STEPS = [
@@ -104,6 +104,7 @@ def build_plan(cfg: RecipeConfig, *, host: str | None, remote_dir: str, env: Map
         command = ["<model flags unresolved>"] + args
         notes.append("the launch refuses until the model's config.json is readable on the box")
     else:
+        rotary_base(cfg, hf_config)  # a recipe value that differs from rope_theta is refused outright
         try:
             command = launch_command(cfg, paths, hf_config, trainer_only=trainer_only)
             args = command[command.index("--") + 3:]

@@ -1,30 +1,34 @@
-"""Build a run's bucket for the operator-view tests (status, gc): a manifest, anchors, patches, a pointer,
-stats objects and rollout records, every key from `worker_contract.layout` and every record a real encoded
-`RolloutRecord`.
+"""Build a run's bucket for the operator-view tests (status, gc) with the real writers: run.json through
+`create_or_resume`, anchors, signed patches and the signed pointer through `trainer.publisher.Publisher`,
+per-version stats through `trainer.metrics`, and rollout records as encoded `RolloutRecord`s under
+`worker_contract.layout` keys.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass, field
 
-from worker_contract import layout
+from weightsync_helpers import TinyPolicy
+
+from trainer.metrics import version_stats, write_version_stats
+from trainer.publisher import Publisher
+from worker_contract import layout, signing
 from worker_contract.manifest import RunManifest, create_or_resume
 from worker_contract.schema import RolloutRecord, Sample, SamplingParams, encode_record
-from worker_contract.signing import generate_private_key, public_key_b64
 
 N_SAMPLES = 8
 
 
-def manifest_for(run: str, staleness: int = 3, anchor_interval: int = 4, plane: str = "bf16") -> RunManifest:
+def manifest_for(run: str, staleness: int = 3, anchor_interval: int = 4, plane: str = "bf16",
+                 key=None) -> RunManifest:
+    key = key or signing.generate_private_key()
     return RunManifest(
         run=run, n_samples=N_SAMPLES, plane=plane, kv_mode=None, task="arithmetic", model_id="tiny-test",
-        architecture="Qwen2ForCausalLM", rope_theta=1e6, vocab_size=64, hidden_size=32, num_layers=2,
+        architecture="Qwen2ForCausalLM", rope_theta=1e6, vocab_size=256, hidden_size=128, num_layers=1,
         num_attention_heads=4, num_key_value_heads=2, tokenizer_digest="0" * 64, chat_template_digest="1" * 64,
         temperature=1.0, max_new_tokens=8, staleness=staleness, anchor_interval=anchor_interval,
-        trainer_public_key=public_key_b64(generate_private_key()),
+        trainer_public_key=signing.public_key_b64(key),
     )
 
 
@@ -43,35 +47,48 @@ class Built:
     run: str
     pointer: int
     anchors: list[int]
+    manifest: RunManifest
+    key: object
+    now: float
     patch_bytes: dict[int, int] = field(default_factory=dict)
-    rollouts: dict[str, list[int]] = field(default_factory=dict)  # worker -> versions of its groups
-    drops: dict[str, int] = field(default_factory=dict)
+    latency_s: dict[int, float] = field(default_factory=dict)
+    drops_total: dict[str, int] = field(default_factory=dict)
 
 
-def build_run(store, run: str, *, pointer: int, anchors: list[int], workers: dict[str, list[int]],
-              staleness: int = 3, now: float | None = None, anchor_bytes: int = 3000) -> Built:
-    """Publish a run up to `pointer`; `workers` maps a worker id to the versions of its groups (one each)."""
+def drops_of(version: int) -> dict[str, int]:
+    """The drops the learner reports for the step that made `version` (a fixed pattern tests can sum)."""
+    return {"stale": version % 3, "wrong_group_size": 1 if version % 4 == 0 else 0}
+
+
+def build_run(store, run: str, *, pointer: int, anchor_interval: int, workers: dict[str, list[int]],
+              staleness: int = 3, now: float | None = None) -> Built:
+    """Publish versions 1..pointer (an anchor every `anchor_interval`), a stats object per version, and one
+    rollout group per entry of `workers` (worker id -> the versions its groups were sampled at)."""
     now = time.time() if now is None else now
-    create_or_resume(store, manifest_for(run, staleness=staleness), resume=False)
-    built = Built(run=run, pointer=pointer, anchors=sorted(anchors))
-    for v in anchors:
-        store.put(layout.anchor_shard_key(run, v, 0), os.urandom(anchor_bytes))
-        store.put(layout.anchor_shard_key(run, v, 1), os.urandom(anchor_bytes // 2))
-        store.put(layout.anchor_manifest_key(run, v), json.dumps({"version": v}).encode())
+    key = signing.generate_private_key()
+    manifest = manifest_for(run, staleness=staleness, anchor_interval=anchor_interval, key=key)
+    create_or_resume(store, manifest, resume=False)
+    pub = Publisher(store, manifest, key, anchor_interval=anchor_interval, progress=False)
+    policy = TinyPolicy()
+    assert pub.publish_anchor(policy.state()) == 1
+    built = Built(run=run, pointer=pointer, anchors=[1], manifest=manifest, key=key, now=now)
+    total: dict[str, int] = {}
     for v in range(2, pointer + 1):
-        size = 100 + 10 * v
-        store.put(layout.patch_key(run, v), os.urandom(size))
-        built.patch_bytes[v] = size
-        drops = {"stale": v % 3, "wrong_group_size": 1 if v == pointer else 0}
-        stats = {"version": v, "groups": 8, "drops": drops,
-                 "publish": {"patch_bytes": size, "latency_s": 0.5 + v / 100}}
-        store.put(layout.stats_key(run, v), json.dumps(stats).encode())
-        for k, n in drops.items():
-            built.drops[k] = built.drops.get(k, 0) + n
-    store.put(layout.pointer_key(run), json.dumps({"version": pointer, "published_at": now - 30}).encode())
+        policy.step()
+        assert pub.publish(policy.state()) == v
+        stats = pub.last_stats
+        if "anchor" in stats["kind"]:
+            built.anchors.append(v)
+        delta = drops_of(v)
+        total = {k: total.get(k, 0) + n for k, n in delta.items()}
+        publish = {k: x for k, x in stats.items() if isinstance(x, int | float | str)}
+        write_version_stats(store, run, version_stats(
+            version=v, step=v - 1, kind=stats["kind"], metrics={"rollout/raw_reward": 0.5},
+            drops_total=total, drops_delta=delta, workers={}, groups=8, publish=publish))
+        built.patch_bytes[v], built.latency_s[v] = stats["patch_bytes"], stats["latency_s"]
+    built.drops_total = {k: n for k, n in total.items() if n}
     for worker, versions in workers.items():
         for i, v in enumerate(versions):
-            key = layout.rollout_key(run, v, worker, f"g{i:04d}")
-            store.put_if_absent(key, record(run, worker, f"g{i:04d}", v, created_at=now - 10 * (len(versions) - i)))
-        built.rollouts[worker] = list(versions)
+            key_ = layout.rollout_key(run, v, worker, f"g{i:04d}")
+            store.put_if_absent(key_, record(run, worker, f"g{i:04d}", v, created_at=now - 10 * (len(versions) - i)))
     return built

@@ -19,7 +19,6 @@ from worker_contract.store.file import FileStore
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = "ops-status-a"
-NOW = 1_800_000_000.0
 
 
 class ListCounter(FileStore):
@@ -43,53 +42,59 @@ WORKERS = {
 
 @pytest.fixture
 def built(store):
-    return build_run(store, RUN, pointer=10, anchors=[1, 5, 9], workers=WORKERS, now=NOW)
+    return build_run(store, RUN, pointer=10, anchor_interval=4, workers=WORKERS)
 
 
 def test_status_reads_pointer_anchors_workers_and_stats(store, built):
-    st = collect_status(store, RUN, now=NOW, window_min=5)
-    assert st.pointer_version == 10 and st.pointer_age_s == pytest.approx(30)
-    assert st.anchors == [1, 5, 9]
+    st = collect_status(store, RUN, now=built.now + 5, window_min=5)
+    assert st.pointer_version == 10 and 0 <= st.pointer_age_s < 60 and st.pointer_anchor == 9
+    assert st.anchors == built.anchors == [1, 5, 9]
+    assert not st.notes
     assert st.manifest["n_samples"] == 8 and st.manifest["staleness"] == 3
     rows = {w.worker_id: w for w in st.workers}
     assert set(rows) == {"mac-a", "mac-b"}  # old-box only wrote v2: outside the window (10 - 3 - 4 = 3)
     assert rows["mac-a"].newest_version == 10 and rows["mac-a"].lag == 0 and rows["mac-a"].groups == 5
     assert rows["mac-b"].versions == [8, 9] and rows["mac-b"].lag == 1 and rows["mac-b"].groups == 3
     assert st.staleness == {0: 3, 1: 3, 2: 2}
-    assert st.drops == {"stale": sum(v % 3 for v in range(2, 11)), "wrong_group_size": 1}
+    assert st.drops == built.drops_total == {"stale": 9, "wrong_group_size": 2}
+    assert st.drops_recent == st.drops  # every version is within the stats window read
     assert [p.version for p in st.publishes][:3] == [10, 9, 8]
-    assert st.publishes[0].patch_bytes == built.patch_bytes[10] and st.publishes[0].latency_s == pytest.approx(0.6)
+    assert st.publishes[0].patch_bytes == built.patch_bytes[10]
+    assert st.publishes[0].latency_s == pytest.approx(built.latency_s[10]) and st.publishes[0].groups == 8
 
 
 def test_worker_times_and_rate_from_record_created_at(store, built):
     # The store's listing carries no modification time, so status reads the newest records' created_at.
-    st = collect_status(store, RUN, now=NOW, window_min=1)
+    now = built.now
+    st = collect_status(store, RUN, now=now, window_min=1)
     rows = {w.worker_id: w for w in st.workers}
     assert rows["mac-a"].last_seen_s == pytest.approx(10)
     assert rows["mac-b"].last_seen_s == pytest.approx(10)
     assert rows["mac-a"].groups_recent == 5 and rows["mac-b"].groups_recent == 3  # all within 60 s
     assert st.groups_per_minute == pytest.approx(8.0)
     assert st.active_workers == 2
-    later = collect_status(store, RUN, now=NOW + 3600, window_min=5)
+    later = collect_status(store, RUN, now=now + 3600, window_min=5)
     assert later.active_workers == 0 and later.groups_per_minute == 0
 
 
 def test_bytes_by_prefix_matches_the_bucket(store, built):
-    st = collect_status(store, RUN, now=NOW)
+    st = collect_status(store, RUN, now=built.now)
     u = st.bytes_by_prefix.prefixes
     everything = list(store.list(layout.run_prefix(RUN)))
     assert sum(p.objects for p in u.values()) == len(everything)
     assert sum(p.bytes for p in u.values()) == sum(o.size for o in everything)
-    assert u["rollouts"].objects == 10 and u["anchors"].objects == 9 and u["versions"].objects == 9
+    anchor_objects = list(store.list(layout.anchors_prefix(RUN)))
+    assert u["rollouts"].objects == 10 and u["versions"].objects == 9
+    assert u["anchors"].objects == len(anchor_objects) >= 6 and u["anchors"].bytes == sum(o.size for o in anchor_objects)
     assert u["versions"].bytes == sum(built.patch_bytes.values())
     assert u["stats"].objects == 9 and u["run.json"].objects == 1 and u["current.json"].objects == 1
 
 
 def test_listing_is_bounded_by_recent_versions(file_store):
-    build_run(file_store, RUN, pointer=40, anchors=[1, 20, 40],
-              workers={"w1": list(range(1, 41)), "w2": [39, 40]}, now=NOW)
+    b = build_run(file_store, RUN, pointer=40, anchor_interval=20,
+                  workers={"w1": list(range(1, 41)), "w2": [39, 40]})
     counted = ListCounter(file_store.root)
-    st = collect_status(counted, RUN, now=NOW, include_bytes=False)
+    st = collect_status(counted, RUN, now=b.now, include_bytes=False)
     rollout_lists = [p for p, _ in counted.prefixes if p.startswith(layout.rollouts_prefix(RUN))]
     assert sorted(rollout_lists) == [layout.rollout_version_prefix(RUN, v) for v in range(33, 42)]
     stats_lists = [s for p, s in counted.prefixes if p == layout.stats_prefix(RUN)]
@@ -97,12 +102,12 @@ def test_listing_is_bounded_by_recent_versions(file_store):
     assert layout.run_prefix(RUN) not in [p for p, _ in counted.prefixes]  # no full listing without bytes
     assert {w.worker_id: w.groups for w in st.workers} == {"w1": 8, "w2": 2}
     counted.prefixes.clear()
-    collect_status(counted, RUN, now=NOW, include_bytes=True)
+    collect_status(counted, RUN, now=b.now, include_bytes=True)
     assert [p for p, _ in counted.prefixes].count(layout.run_prefix(RUN)) == 1  # the one full listing
 
 
 def test_unpublished_run_is_reported_not_crashed(store):
-    st = collect_status(store, "never-made", now=NOW)
+    st = collect_status(store, "never-made")
     assert st.pointer_version is None and st.manifest is None and st.workers == []
     assert any("run.json is absent" in n for n in st.notes)
     render_status(st)  # renders with nothing in it
@@ -114,24 +119,26 @@ def test_cost_estimate_counts_writes_and_scales_with_time(store, built):
     c1 = estimate_cost(usage, elapsed_s=3600, versions=10, workers=2, staleness=3, assumptions=a)
     writes = sum(p.objects for p in usage.prefixes.values())  # all small: one PUT each
     assert c1.class_a_ops == writes + (10 - 1) + 1  # + earlier pointer versions + one listing page
-    assert c1.class_b_ops == 10 + 2 * 3600 / 10 + 2 * (9 + 1 + 1)
+    assert c1.class_b_ops == 10 + 2 * 3600 / 10 + 2 * (9 + 1 + 1)  # records, pointer polls, patches + anchor
     assert c1.usd_class_b == pytest.approx(c1.class_b_ops / 1e6 * 0.36)
     c2 = estimate_cost(usage, elapsed_s=7200, versions=10, workers=2, staleness=3, assumptions=a)
     assert c2.class_b_ops > c1.class_b_ops and c2.gb_month_so_far == pytest.approx(2 * c1.gb_month_so_far)
     big = UsageAssumptions(multipart_threshold_bytes=1000, multipart_part_bytes=1000)
     c3 = estimate_cost(bucket_usage(store, RUN, big), elapsed_s=3600, versions=10, workers=2, staleness=3,
                        assumptions=big)
-    assert c3.class_a_ops > c1.class_a_ops  # 3000-byte anchor shards now go in 3 parts + create + complete
+    assert c3.class_a_ops > c1.class_a_ops  # anchor shards over 1000 bytes now go in parts + create + complete
 
 
 def test_status_shown_in_a_file_bucket_and_moto_gives_the_same_view(file_store, s3_store):
+    now = time.time() + 5
     for s in (file_store, s3_store):
-        build_run(s, RUN, pointer=10, anchors=[1, 5, 9], workers=WORKERS, now=NOW)
-    a = collect_status(file_store, RUN, now=NOW).model_dump(exclude={"store", "bytes_by_prefix", "cost"})
-    b = collect_status(s3_store, RUN, now=NOW).model_dump(exclude={"store", "bytes_by_prefix", "cost"})
+        build_run(s, RUN, pointer=10, anchor_interval=4, workers=WORKERS, now=now)
+    volatile = {"store", "bytes_by_prefix", "cost", "pointer_age_s", "publishes"}
+    a = collect_status(file_store, RUN, now=now).model_dump(exclude=volatile)
+    b = collect_status(s3_store, RUN, now=now).model_dump(exclude=volatile)
     for view in (a, b):
         view["manifest"].pop("created_at")
-    assert a == b
+    assert a == b and a["pointer_version"] == 10 and len(a["workers"]) == 2
 
 
 def test_json_output_and_watch_refreshes(store, built, capsys, monkeypatch):
@@ -150,15 +157,15 @@ def test_rich_table_shows_the_numbers(store, built):
     from rich.console import Console
 
     console = Console(record=True, width=140)
-    console.print(render_status(collect_status(store, RUN, now=NOW)))
+    console.print(render_status(collect_status(store, RUN, now=built.now)))
     text = console.export_text()
-    for needle in ("v10", "mac-a", "mac-b", "wrong_group_size", "bucket bytes by prefix", "rollouts",
-                   "class A ops", "staleness"):
+    for needle in ("v10", "anchor v9", "mac-a", "mac-b", "wrong_group_size", "bucket bytes by prefix",
+                   "rollouts", "class A ops", "staleness", "recent publishes"):
         assert needle in text, needle
 
 
 def test_invoke_status_task_against_moto(moto_server, s3_store, tmp_path):
-    build_run(s3_store, RUN, pointer=10, anchors=[1, 5, 9], workers=WORKERS, now=time.time())
+    build_run(s3_store, RUN, pointer=10, anchor_interval=4, workers=WORKERS)
     env = {**moto_server.env(), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "invoke", "status", "--run", RUN, "--json",
                           "--store", s3_store.url], cwd=REPO, env=env, capture_output=True, text=True,
@@ -174,3 +181,13 @@ def test_invoke_status_refuses_missing_run(tmp_path):
     out = subprocess.run([sys.executable, "-m", "invoke", "status", "--store", f"file://{tmp_path}"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--run is required" in out.stderr
+
+
+def test_forged_pointer_is_flagged(store, built):
+    from worker_contract import signing
+    from worker_contract.pointer import make_pointer
+
+    forged = make_pointer(RUN, 99, 9, "sha256:" + "0" * 64, signing.generate_private_key())
+    store.put(layout.pointer_key(RUN), forged.to_bytes())
+    st = collect_status(store, RUN, include_bytes=False)
+    assert st.pointer_version == 99 and any("does not verify" in n for n in st.notes)

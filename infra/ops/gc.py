@@ -1,8 +1,9 @@
 """`invoke gc --run <id> --keep-anchors K`: delete what no joiner can need any more.
 
-A joiner takes the newest anchor at or below the pointer and applies patches up to the pointer (DESIGN
-section 4). Keeping the newest K anchors at or below the pointer, and every patch after the oldest of them,
-keeps every kept anchor a valid starting point. So gc deletes only:
+A joiner starts from the anchor the pointer names (the newest at or below it) and applies patches up to
+the pointer (DESIGN section 4). Keeping the newest K anchors at or below the pointer (always including the
+pointer's own), and every patch after the oldest of them, keeps every kept anchor a valid starting point.
+The pointer is read verified under run.json's key: a forged pointer never steers a deletion. gc deletes only:
 - anchors older than the oldest kept anchor (every key under their prefix, manifest first, so a half-deleted
   anchor never looks complete);
 - patches below the oldest kept anchor (nobody starting at a kept anchor needs them; the patch that made
@@ -20,10 +21,12 @@ from collections.abc import Callable
 from pydantic import BaseModel, ConfigDict
 
 from worker_contract import layout
+from worker_contract.anchor import anchor_versions
+from worker_contract.pointer import PointerError
 from worker_contract.store import Store
 
 from .cost import storage_usd_per_month
-from .status import list_anchors, read_manifest, read_pointer
+from .status import read_manifest, read_pointer
 
 
 class GcError(ValueError):
@@ -39,6 +42,8 @@ class GcPlan(BaseModel):
     """The run id."""
     pointer_version: int
     """The version the pointer named when the plan was made."""
+    pointer_anchor: int
+    """The anchor that pointer names (a cold joiner's start): always kept."""
     kept_anchors: list[int]
     """Anchor versions kept (the newest K at or below the pointer, plus any above it)."""
     staleness: int
@@ -46,7 +51,7 @@ class GcPlan(BaseModel):
     anchor_keys: list[str]
     """Keys of the anchors that go (manifests first)."""
     patch_keys: list[str]
-    """Patches that go."""
+    """Patches that go, newest first."""
     rollout_keys: list[str]
     """Rollout records that go."""
     bytes_freed: int
@@ -54,7 +59,10 @@ class GcPlan(BaseModel):
 
     @property
     def keys(self) -> list[str]:
-        return [*self.anchor_keys, *self.patch_keys, *self.rollout_keys]
+        """Deletion order: patches newest first, then anchors, then rollouts. Whatever prefix of it has run,
+        every remaining patch still chains from a remaining anchor, so `worker_contract verify` passes at
+        every instant (a patch left without its base would fail it)."""
+        return [*self.patch_keys, *self.anchor_keys, *self.rollout_keys]
 
     def summary(self) -> str:
         usd = storage_usd_per_month(self.bytes_freed)
@@ -85,7 +93,7 @@ def _patch_objects(store: Store, run: str, up_to: int) -> tuple[list[str], int]:
         if layout.patch_version_of(o.key) is not None:
             keys.append(o.key)
             size += o.size
-    return keys, size
+    return keys[::-1], size
 
 
 def _rollout_objects(store: Store, run: str, below: int) -> tuple[list[str], int]:
@@ -105,26 +113,31 @@ def plan_gc(store: Store, run: str, keep_anchors: int) -> GcPlan:
     """Work out what may go, without deleting anything."""
     if not isinstance(keep_anchors, int) or keep_anchors < 1:
         raise GcError(f"--keep-anchors={keep_anchors!r} must be at least 1: a joiner needs an anchor to start")
-    pointer, _ = read_pointer(store, run)
-    if pointer is None:
-        raise GcError(f"run {run!r} has no pointer in {store.url}: nothing is published, nothing to collect")
     manifest = read_manifest(store, run)
     if manifest is None:
-        raise GcError(f"run {run!r} has no run.json in {store.url}; refusing to guess its staleness bound")
-    anchors = list_anchors(store, run)
+        raise GcError(f"run {run!r} has no run.json in {store.url}: nothing is published, nothing to collect")
+    try:  # a forged pointer must never steer a deletion: it is verified under run.json's key
+        ptr = read_pointer(store, run, manifest.trainer_public_key)
+    except PointerError as e:
+        raise GcError(f"run {run!r}: {e}; gc deletes nothing while the pointer does not verify") from None
+    if ptr is None:
+        raise GcError(f"run {run!r} has no pointer in {store.url}: nothing is published, nothing to collect")
+    pointer = ptr.version
+    anchors = anchor_versions(store, run)
     usable = [v for v in anchors if v <= pointer]
-    if not usable:
-        raise GcError(f"run {run!r}: no anchor at or below the pointer v{pointer}; a joiner could not start, "
-                      "so gc deletes nothing (publish an anchor first)")
-    kept_usable = usable[-keep_anchors:]
+    if not usable or ptr.anchor_version not in anchors:
+        raise GcError(f"run {run!r}: the pointer v{pointer} names anchor v{ptr.anchor_version}, which is not a "
+                      "complete anchor; a joiner could not start, so gc deletes nothing (check the run with "
+                      "python -m worker_contract verify)")
+    kept_usable = sorted(set(usable[-keep_anchors:]) | {ptr.anchor_version})
     oldest_kept = kept_usable[0]
     kept = sorted(set(kept_usable) | {v for v in anchors if v > pointer})
     drop = {v for v in anchors if v < oldest_kept}
     anchor_keys, a_bytes = _anchor_objects(store, run, drop)
     patch_keys, p_bytes = _patch_objects(store, run, oldest_kept - 1)
     rollout_keys, r_bytes = _rollout_objects(store, run, pointer - manifest.staleness)
-    plan = GcPlan(run=run, pointer_version=pointer, kept_anchors=kept, staleness=manifest.staleness,
-                  anchor_keys=anchor_keys, patch_keys=patch_keys, rollout_keys=rollout_keys,
+    plan = GcPlan(run=run, pointer_version=pointer, pointer_anchor=ptr.anchor_version, kept_anchors=kept,
+                  staleness=manifest.staleness, anchor_keys=anchor_keys, patch_keys=patch_keys, rollout_keys=rollout_keys,
                   bytes_freed=a_bytes + p_bytes + r_bytes)
     check_plan(plan)
     return plan
@@ -147,7 +160,7 @@ def check_plan(plan: GcPlan) -> None:
         assert key.startswith(allowed), f"gc planned to delete {key}, outside anchors/versions/rollouts"
         v = _version_in(key, plan.run)
         assert v is not None, f"gc planned to delete {key}, which names no version"
-        assert v != plan.pointer_version, f"gc planned to delete {key}, which the pointer names"
+        assert v not in (plan.pointer_version, plan.pointer_anchor), f"gc planned to delete {key}, which the pointer names"
         if not key.startswith(layout.rollouts_prefix(plan.run)):
             assert v < newest_kept, f"gc planned to delete {key}, at or above the newest kept anchor"
         else:
@@ -155,7 +168,7 @@ def check_plan(plan: GcPlan) -> None:
 
 
 def apply_gc(store: Store, plan: GcPlan, advance: Callable[[float], None] = lambda n=1: None) -> int:
-    """Delete what the plan names, oldest anchors first; returns the number of keys deleted."""
+    """Delete what the plan names, in `plan.keys` order; returns the number of keys deleted."""
     check_plan(plan)
     for key in plan.keys:
         store.delete(key)

@@ -17,7 +17,10 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict
 
 from worker_contract import layout
+from worker_contract import pointer as pointer_mod
+from worker_contract.anchor import anchor_versions
 from worker_contract.manifest import RunManifest
+from worker_contract.pointer import Pointer, PointerError
 from worker_contract.schema import RecordError, decode_record
 from worker_contract.store import NotFound, ObjectInfo, Store
 
@@ -81,7 +84,9 @@ class RunStatus(_Model):
     pointer_version: int | None
     """The version current.json names (None before the first publish)."""
     pointer_age_s: float | None
-    """Seconds since the pointer was written (None if it records no time)."""
+    """Seconds since the pointer was written."""
+    pointer_anchor: int | None
+    """The anchor the pointer names: where a cold join starts."""
     anchors: list[int]
     """Anchor versions with a manifest, oldest first."""
     window_min: float
@@ -95,7 +100,9 @@ class RunStatus(_Model):
     staleness: dict[int, int]
     """Groups waiting in the bucket by staleness (pointer version minus sampling version)."""
     drops: dict[str, int]
-    """Groups dropped by the learner, by reason, summed over the recent stats objects."""
+    """Groups dropped by the learner since the run began, by reason (the newest stats object)."""
+    drops_recent: dict[str, int]
+    """Groups dropped within the last few published versions, by reason."""
     publishes: list[PublishSeen]
     """The most recent published versions, newest first."""
     bytes_by_prefix: BucketUsage | None
@@ -116,16 +123,9 @@ def _mtime(o: ObjectInfo) -> float | None:
     return float(t) if isinstance(t, int | float) else None
 
 
-def read_pointer(store: Store, run: str) -> tuple[int | None, float | None]:
-    """(version, unix time written) of current.json; (None, None) before the first publish."""
-    try:
-        raw = json.loads(store.get(layout.pointer_key(run)))
-    except NotFound:
-        return None, None
-    body = raw.get("body", raw) if isinstance(raw, dict) else {}
-    version = body.get("version")
-    written = next((body[k] for k in ("published_at", "created_at", "time") if k in body), None)
-    return (int(version) if isinstance(version, int) else None), (float(written) if written else None)
+def read_pointer(store: Store, run: str, public_key: str | None) -> Pointer | None:
+    """The signed pointer (verified when `public_key` is given); None before the first publish."""
+    return pointer_mod.read_pointer(store, run, public_key)[0]
 
 
 def read_manifest(store: Store, run: str) -> RunManifest | None:
@@ -135,14 +135,17 @@ def read_manifest(store: Store, run: str) -> RunManifest | None:
         return None
 
 
-def list_anchors(store: Store, run: str) -> list[int]:
-    """Anchor versions that have a manifest (an anchor without one is incomplete), oldest first."""
-    out = []
-    for o in store.list(layout.anchors_prefix(run)):
-        v = layout.anchor_version_of(o.key)
-        if v is not None:
-            out.append(v)
-    return sorted(out)
+def _pointer_for_status(store: Store, run: str, manifest: RunManifest | None, notes: list[str]) -> Pointer | None:
+    """The pointer, verified under run.json's key; one that does not verify is shown with a warning."""
+    key = manifest.trainer_public_key if manifest else None
+    try:
+        return read_pointer(store, run, key)
+    except PointerError as e:
+        notes.append(f"current.json does not verify ({e}); workers refuse it")
+    try:
+        return read_pointer(store, run, None)
+    except PointerError:
+        return None
 
 
 def recent_rollouts(store: Store, run: str, first: int, last: int) -> list[tuple[layout.RolloutKey, ObjectInfo]]:
@@ -239,13 +242,18 @@ def summarize_publishes(stats: dict[int, dict], patches: dict[int, int], pointer
     return rows
 
 
-def sum_drops(stats: dict[int, dict]) -> dict[str, int]:
-    total: Counter[str] = Counter()
+def sum_drops(stats: dict[int, dict]) -> tuple[dict[str, int], dict[str, int]]:
+    """(drops over the whole run from the newest stats object, drops within the stats window read)."""
+    recent: Counter[str] = Counter()
     for s in stats.values():
         drops = s.get("drops") or {}
         if isinstance(drops, dict):
-            total.update({str(k): int(v) for k, v in drops.items() if isinstance(v, int | float)})
-    return dict(total.most_common())
+            recent.update({str(k): int(v) for k, v in drops.items() if isinstance(v, int | float)})
+    newest = stats[max(stats)] if stats else {}
+    total = newest.get("drops_total") if isinstance(newest.get("drops_total"), dict) else {}
+    total = {str(k): int(v) for k, v in total.items() if isinstance(v, int | float)}
+    order = lambda d: dict(sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))  # noqa: E731
+    return order(total), order(dict(recent))
 
 
 _MANIFEST_FIELDS = ("n_samples", "plane", "kv_mode", "task", "model_id", "staleness", "anchor_interval",
@@ -269,10 +277,11 @@ def collect_status(
     manifest = read_manifest(store, run)
     if manifest is None:
         notes.append(f"{layout.manifest_key(run)} is absent: the run has not been published in {store.url}")
-    pointer, written = read_pointer(store, run)
-    anchors = list_anchors(store, run)
+    ptr = _pointer_for_status(store, run, manifest, notes)
+    pointer = ptr.version if ptr else None
+    anchors = anchor_versions(store, run)
     staleness_bound = manifest.staleness if manifest else 3
-    workers, rate, hist, drops, publishes = [], None, {}, {}, []
+    workers, rate, hist, drops, recent, publishes = [], None, {}, {}, {}, []
     if pointer is None:
         notes.append("no pointer yet (current.json): the trainer has not published version 1")
     else:
@@ -283,7 +292,7 @@ def collect_status(
         workers, rate = summarize_workers(items, times, pointer, now, window_min * 60)
         hist = dict(sorted(Counter(pointer - k.version for k, _ in items).items()))
         stats = read_stats(store, run, pointer)
-        drops = sum_drops(stats)
+        drops, recent = sum_drops(stats)
         publishes = summarize_publishes(stats, recent_patch_sizes(store, run, pointer), pointer)
     active = sum(1 for w in workers if w.groups_recent is None or w.groups_recent > 0)
     usage = bytes_cache
@@ -297,8 +306,9 @@ def collect_status(
     return RunStatus(
         run=run, store=store.url, generated_at=now,
         manifest={k: getattr(manifest, k) for k in _MANIFEST_FIELDS} if manifest else None,
-        pointer_version=pointer, pointer_age_s=(now - written) if written else None, anchors=anchors,
+        pointer_version=pointer, pointer_age_s=(now - ptr.published_at) if ptr else None,
+        pointer_anchor=ptr.anchor_version if ptr else None, anchors=anchors,
         window_min=window_min, workers=workers, active_workers=active, groups_per_minute=rate,
-        staleness=hist, drops=drops, publishes=publishes, bytes_by_prefix=usage, cost=cost, remote=None,
+        staleness=hist, drops=drops, drops_recent=recent, publishes=publishes, bytes_by_prefix=usage, cost=cost, remote=None,
         notes=notes,
     )

@@ -39,7 +39,8 @@ def _overview(st: RunStatus) -> Table:
         t.add_row("contract", f"n_samples={m['n_samples']} plane={m['plane']} kv_mode={m['kv_mode'] or '-'} "
                   f"task={m['task']} staleness={m['staleness']}")
         t.add_row("model", str(m["model_id"]))
-    ptr = "-" if st.pointer_version is None else f"v{st.pointer_version} ({human_age(st.pointer_age_s)})"
+    ptr = "-" if st.pointer_version is None else (
+        f"v{st.pointer_version} ({human_age(st.pointer_age_s)}), cold joins start at anchor v{st.pointer_anchor}")
     t.add_row("pointer", ptr)
     t.add_row("anchors", ", ".join(f"v{v}" for v in st.anchors) or "-")
     rate = "-" if st.groups_per_minute is None else f"{st.groups_per_minute:.1f}"
@@ -73,11 +74,12 @@ def _histogram(st: RunStatus) -> Table:
 
 
 def _drops(st: RunStatus) -> Table:
-    t = Table(title="drops by reason (recent versions)", title_justify="left")
+    t = Table(title="drops by reason", title_justify="left")
     t.add_column("reason")
-    t.add_column("groups", justify="right")
-    for reason, n in st.drops.items():
-        t.add_row(reason, str(n))
+    t.add_column("whole run", justify="right")
+    t.add_column("recent versions", justify="right")
+    for reason in sorted(set(st.drops) | set(st.drops_recent), key=lambda r: -st.drops.get(r, 0)):
+        t.add_row(reason, str(st.drops.get(reason, 0)), str(st.drops_recent.get(reason, 0)))
     return t
 
 
@@ -133,7 +135,7 @@ def render_status(st: RunStatus) -> RenderableType:
         parts.append(_workers(st))
     if st.staleness:
         parts.append(_histogram(st))
-    if st.drops:
+    if st.drops or st.drops_recent:
         parts.append(_drops(st))
     if st.publishes:
         parts.append(_publishes(st))

@@ -1,0 +1,200 @@
+"""PaperSearchQA fleet: the decoupled trainer setup steps the GPU-box launch runs for the psqa recipe.
+
+    install_lfm2_plugin  check that slime's Python imports our LFM2 modules (infra.convert.lfm2_*; the tree is
+                         on the job's PYTHONPATH) and that the --spec hook builds the model's layer spec
+    base_model           pull the LFM2.5-8B-A1B HF directory and its converted torch_dist from `bases/lfm25/`
+                         in the bucket (digests checked); when the base is absent: download from the Hub,
+                         convert, and publish both there, manifest last (create-only), for the next box
+    (then the common steps: apply_patches, publish_anchor, start_ray, launch_trainer; infra/launch_gpu.py)
+
+`ensure_base` is the logic, with the download and the conversion passed in, so it is tested on a tiny
+model against a real bucket; `box_steps` wires it to the box.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from worker_contract import layout
+from worker_contract.store import NotFound, PreconditionFailed
+
+BASE_NAME = "lfm25"
+MANIFEST_FORMAT = 1
+
+
+class BaseFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sha256: str
+    bytes: int
+
+
+class BaseManifest(BaseModel):
+    """`bases/<name>/manifest.json`: what a complete shared base holds; written after every file."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    format: int = MANIFEST_FORMAT
+    """Version of this format."""
+    name: str
+    """Base name (`lfm25`)."""
+    hf_id: str
+    """Hub repo the HF directory came from."""
+    hf_revision: str | None = None
+    """Hub commit sha that was downloaded (the model pin of REPRODUCE.md)."""
+    files: dict[str, BaseFile]
+    """`hf/<path>` and `torch_dist/<path>` -> digest and size."""
+    created_at: float
+    """Unix time of publication."""
+    provenance: dict[str, str] = {}
+    """Tool versions and commits on the box that built it (slime, Megatron-LM, transformers)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root).as_posix()) for p in root.rglob("*") if p.is_file())
+
+
+def read_manifest(store, name: str = BASE_NAME) -> BaseManifest | None:
+    try:
+        return BaseManifest.model_validate_json(store.get(layout.base_manifest_key(name)))
+    except NotFound:
+        return None
+
+
+def pull_base(store, manifest: BaseManifest, hf_dir: Path, td_dir: Path, name: str = BASE_NAME) -> int:
+    """Download every file of the base (skipping ones already present with the right digest); returns
+    how many were fetched. A digest mismatch after download raises ValueError naming the file."""
+    fetched = 0
+    for rel, info in manifest.files.items():
+        part, _, sub = rel.partition("/")
+        dest = (hf_dir if part == "hf" else td_dir) / sub
+        if dest.is_file() and dest.stat().st_size == info.bytes and _sha256(dest) == info.sha256:
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".part")
+        store.download_file(layout.base_file_key(name, part, sub), tmp)
+        got = _sha256(tmp)
+        if got != info.sha256:
+            tmp.unlink(missing_ok=True)
+            raise ValueError(f"bases/{name}/{rel}: sha256 {got[:12]}... != manifest {info.sha256[:12]}...; "
+                             f"the bucket copy is corrupt: delete bases/{name}/ to rebuild it")
+        tmp.replace(dest)
+        fetched += 1
+    return fetched
+
+
+def publish_base(store, hf_dir: Path, td_dir: Path, *, hf_id: str, hf_revision: str | None,
+                 provenance: dict[str, str], name: str = BASE_NAME) -> BaseManifest:
+    """Upload both directories, then the manifest, create-only (a base another box finished first wins)."""
+    files: dict[str, BaseFile] = {}
+    for part, root in (("hf", hf_dir), ("torch_dist", td_dir)):
+        for rel in _files(root):
+            if rel.endswith(".part") or rel.startswith(".cache/"):
+                continue
+            path = root / rel
+            store.upload_file(layout.base_file_key(name, part, rel), path)
+            files[f"{part}/{rel}"] = BaseFile(sha256=_sha256(path), bytes=path.stat().st_size)
+    manifest = BaseManifest(name=name, hf_id=hf_id, hf_revision=hf_revision, files=files, created_at=time.time(),
+                            provenance=provenance)
+    try:
+        store.put_if_absent(layout.base_manifest_key(name), manifest.model_dump_json(indent=2).encode())
+    except PreconditionFailed:
+        return read_manifest(store, name) or manifest
+    return manifest
+
+
+def ensure_base(store, hf_dir: Path, td_dir: Path, *, hf_id: str, fetch: Callable[[Path], str | None],
+                convert: Callable[[Path, Path], None], provenance: dict[str, str] | None = None,
+                name: str = BASE_NAME) -> str:
+    """Pull the shared base, or build it (fetch -> convert) and publish it. Returns what happened."""
+    manifest = read_manifest(store, name)
+    if manifest is not None:
+        if manifest.hf_id != hf_id:
+            raise ValueError(f"bases/{name}/ holds {manifest.hf_id}, the recipe wants {hf_id}: use another base "
+                             "name or delete the old base")
+        n = pull_base(store, manifest, hf_dir, td_dir, name)
+        return f"pulled bases/{name}/ ({n} of {len(manifest.files)} files fetched, revision {manifest.hf_revision})"
+    revision = fetch(hf_dir)
+    if not (td_dir / "latest_checkpointed_iteration.txt").is_file():
+        convert(hf_dir, td_dir)
+    published = publish_base(store, hf_dir, td_dir, hf_id=hf_id, hf_revision=revision, provenance=provenance or {},
+                             name=name)
+    return f"built and published bases/{name}/ ({len(published.files)} files, revision {revision})"
+
+
+# -- wiring to the box ------------------------------------------------------------------------------------
+def _git_head(path: str) -> str:
+    import subprocess
+
+    res = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    return res.stdout.strip() or "unknown"
+
+
+def step_install_lfm2_plugin(cfg, paths) -> str:
+    """Our LFM2 modules must import in slime's Python with the job's PYTHONPATH, and the spec hook must
+    build the layer spec for the recipe's model; nothing is copied into slime (the tree is on the path)."""
+    import os
+    import subprocess
+    import sys
+
+    hf_dir = paths.hf_dir(cfg.model.hf_id)
+    code = ("import json,sys; from infra.convert import lfm2_layers, lfm2_slime; "
+            f"spec = lfm2_slime.lfm2_spec(type('A', (), {{'hf_checkpoint': {hf_dir!r}}})()); "
+            "print(len(spec.layer_specs))")
+    env = {**os.environ, "PYTHONPATH": f"{cfg.launch.megatron_dir}:{paths.remote_dir}"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    if res.returncode != 0:
+        from .steps import StepFailed
+
+        raise StepFailed(f"install_lfm2_plugin: slime's Python cannot build the LFM2 spec:\n{res.stderr[-2000:]}")
+    return f"LFM2 plugin importable; spec of {res.stdout.strip()} layers"
+
+
+def step_base_model(cfg, paths, store) -> str:
+    from .convert_tasks import convert_command
+    from .launch_gpu import _run
+
+    def fetch(hf_dir: Path) -> str | None:
+        from huggingface_hub import HfApi, snapshot_download
+
+        revision = HfApi().model_info(cfg.model.hf_id).sha
+        snapshot_download(repo_id=cfg.model.hf_id, revision=revision, local_dir=str(hf_dir))
+        return revision
+
+    def convert(hf_dir: Path, td_dir: Path) -> None:
+        import os
+
+        from trainer.config import REPO_ROOT
+
+        cmd = convert_command(str(hf_dir), str(td_dir), dtype="bfloat16", overwrite=True)
+        _run("base_model", cmd, {**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+    import transformers
+
+    provenance = {"slime": _git_head(cfg.launch.slime_dir), "megatron_lm": _git_head(cfg.launch.megatron_dir),
+                  "transformers": transformers.__version__}
+    return ensure_base(store, Path(paths.hf_dir(cfg.model.hf_id)), Path(paths.torch_dist_dir(cfg.model.hf_id)),
+                       hf_id=cfg.model.hf_id, fetch=fetch, convert=convert, provenance=provenance)
+
+
+def box_steps(cfg, paths) -> list[tuple[str, Callable[[], str]]]:
+    """The psqa-specific steps, in the place of download_model / convert_model."""
+    from worker_contract.store import open_store
+
+    return [
+        ("base_model", lambda: step_base_model(cfg, paths, open_store(cfg.store))),
+        ("install_lfm2_plugin", lambda: step_install_lfm2_plugin(cfg, paths)),
+    ]

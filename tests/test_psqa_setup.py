@@ -1,0 +1,91 @@
+"""The psqa trainer setup's shared base: built once (download -> real conversion -> publish to
+`bases/lfm25/`), then pulled by the next box with digests checked; a corrupt copy is refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from infra import psqa_setup
+from worker_contract import layout
+from worker_contract.store import open_store
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _convert_in_process(hf_dir: Path, td_dir: Path) -> None:
+    """The real converter CLI in its own process (with megatron's CPU shims, as CI has no GPU)."""
+    script = td_dir.parent / "convert.py"
+    script.write_text("import sys\nfrom tests import megatron_cpu\nmegatron_cpu.install()\n"
+                      "from infra.convert.__main__ import main\nif __name__ == '__main__':\n"
+                      f"    sys.exit(main([{str(hf_dir)!r}, '--out', {str(td_dir)!r}, '--quiet', '--dtype', 'bfloat16']))\n")
+    out = subprocess.run([sys.executable, str(script)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.integration
+def test_base_is_built_once_then_pulled(tmp_path):
+    from tests.test_lfm2_megatron import _tiny_hf
+
+    store = open_store(f"file://{tmp_path / 'bucket'}")
+    src = tmp_path / "hub"
+    _tiny_hf(src, dtype=torch.bfloat16)
+    calls = {"fetch": 0, "convert": 0}
+
+    def fetch(hf_dir: Path) -> str:
+        calls["fetch"] += 1
+        hf_dir.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            (hf_dir / f.name).write_bytes(f.read_bytes())
+        return "abc123"
+
+    def convert(hf_dir: Path, td_dir: Path) -> None:
+        calls["convert"] += 1
+        _convert_in_process(hf_dir, td_dir)
+
+    box1 = tmp_path / "box1"
+    msg = psqa_setup.ensure_base(store, box1 / "hf", box1 / "td", hf_id="LiquidAI/LFM2.5-8B-A1B",
+                                 fetch=fetch, convert=convert, provenance={"slime": "deadbeef"})
+    assert msg.startswith("built and published bases/lfm25/") and calls == {"fetch": 1, "convert": 1}
+    manifest = psqa_setup.read_manifest(store)
+    assert manifest.hf_revision == "abc123" and manifest.provenance == {"slime": "deadbeef"}
+    assert "hf/config.json" in manifest.files and "torch_dist/latest_checkpointed_iteration.txt" in manifest.files
+    assert any(k.startswith("torch_dist/release/") for k in manifest.files)
+
+    # a second box pulls the same bytes and never downloads from the Hub or converts
+    box2 = tmp_path / "box2"
+    msg = psqa_setup.ensure_base(store, box2 / "hf", box2 / "td", hf_id="LiquidAI/LFM2.5-8B-A1B",
+                                 fetch=fetch, convert=convert)
+    assert msg.startswith("pulled bases/lfm25/") and calls == {"fetch": 1, "convert": 1}
+    for rel in manifest.files:
+        part, _, sub = rel.partition("/")
+        a = (box1 / ("hf" if part == "hf" else "td") / sub).read_bytes()
+        assert a == (box2 / ("hf" if part == "hf" else "td") / sub).read_bytes(), rel
+    # running it again fetches nothing (idempotent)
+    assert "(0 of" in psqa_setup.ensure_base(store, box2 / "hf", box2 / "td", hf_id="LiquidAI/LFM2.5-8B-A1B",
+                                             fetch=fetch, convert=convert)
+
+    # a corrupted object in the bucket is refused by digest, naming the file
+    store.put(layout.base_file_key("lfm25", "hf", "config.json"), b"{}")
+    with pytest.raises(ValueError, match="hf/config.json: sha256"):
+        psqa_setup.ensure_base(store, tmp_path / "box3" / "hf", tmp_path / "box3" / "td",
+                               hf_id="LiquidAI/LFM2.5-8B-A1B", fetch=fetch, convert=convert)
+    # and a base of another model is not silently used
+    with pytest.raises(ValueError, match="holds LiquidAI"):
+        psqa_setup.ensure_base(store, box2 / "hf", box2 / "td", hf_id="Other/Model", fetch=fetch, convert=convert)
+
+
+def test_base_keys_are_checked():
+    assert layout.base_manifest_key("lfm25") == "bases/lfm25/manifest.json"
+    assert layout.base_file_key("lfm25", "torch_dist", "release/__0_0.distcp") == "bases/lfm25/torch_dist/release/__0_0.distcp"
+    for bad in ("../x", "/abs", "a//b", ""):
+        with pytest.raises(ValueError, match="relpath"):
+            layout.base_file_key("lfm25", "hf", bad)
+    with pytest.raises(ValueError, match="part"):
+        layout.base_file_key("lfm25", "weights", "x")

@@ -95,3 +95,33 @@ def make_tiny_qwen2(out_dir, *, tied: bool = True, rope_theta: float = 1e6, voca
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"}))
     return model
+
+
+def setup_rank() -> None:
+    """`setup=` hook for MegatronBackend ranks started as separate processes (Ray actors) on CPU."""
+    install()
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def random_batch(rows: int, vocab: int, *, seed: int = 0, max_prompt: int = 5, max_response: int = 7):
+    """A TrainBatch of random right-padded sequences with varied prompt and response lengths."""
+    from trainer.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    pl = torch.randint(1, max_prompt + 1, (rows,), generator=g)
+    rl = torch.randint(1, max_response + 1, (rows,), generator=g)
+    t, r = int((pl + rl).max()), int(rl.max())
+    ids = torch.zeros(rows, t, dtype=torch.long)
+    attn = torch.zeros(rows, t, dtype=torch.long)
+    mask = torch.zeros(rows, r)
+    for i in range(rows):
+        n = int(pl[i] + rl[i])
+        ids[i, :n] = torch.randint(1, vocab, (n,), generator=g)
+        attn[i, :n] = 1
+        mask[i, : int(rl[i])] = 1.0
+    blp = -torch.rand(rows, r, generator=g) * 4 * mask
+    adv = torch.randn(rows, generator=g)
+    return TrainBatch(input_ids=ids, attention_mask=attn, prompt_lens=pl, response_lens=rl, loss_mask=mask,
+                      behavior_logp=blp, advantages=adv, rewards=adv.clone())

@@ -12,7 +12,6 @@ The common state carries `checkpoint_version` 3.0 and `iteration` 0 as Megatron-
 
 from __future__ import annotations
 
-import os
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,13 +49,11 @@ def single_process_group():
     from megatron.core import parallel_state
 
     created = not dist.is_initialized()
-    if created:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if created:  # our own loopback rendezvous; MASTER_PORT from the environment may belong to someone else
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     mp_created = not parallel_state.model_parallel_is_initialized()
     if mp_created:
         parallel_state.initialize_model_parallel(1, 1)

@@ -1,0 +1,237 @@
+"""One tensor-parallel rank of the megatron backend: policy and reference shards, fp32 master weights, AdamW.
+
+Precision: the model computes in the recipe's dtype (bf16 on GPU) while the optimizer updates float32
+master copies, into which each micro-batch's gradients are accumulated (a post-accumulate hook adds the
+bf16 gradient to the float32 buffer and frees it). An lr-1e-6 Adam update is below half a bf16 ulp for
+most weights, so bf16-only weights would not learn; this is megatron's own mixed-precision scheme.
+
+Optimizer: torch AdamW (fused on CUDA) on the master weights, not megatron's DistributedOptimizer. The
+learner has one data-parallel replica (tensor parallelism within one host), so a distributed optimizer
+would shard nothing, and megatron's optimizer stack needs its DDP wrapper and CUDA-only buffers; AdamW on
+the local shards is the same update (it is elementwise), with the gradient norm all-reduced over the
+tensor-parallel group for clipping.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..batch import TrainBatch
+from .base import LossFn, combine_metrics
+from .vocab_parallel import vocab_parallel_logprobs
+
+if TYPE_CHECKING:
+    from ..config import RecipeConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+#: float32 logits per vocabulary-chunk of tokens stay under this many bytes
+_LOGITS_BUDGET = 2 << 30
+
+
+class MegatronRank:
+    """The model state of one TP rank. Every rank of the group runs every method (they are collective)."""
+
+    def __init__(self, model_dir: str | Path, cfg: RecipeConfig, *, device: str | torch.device,
+                 attention: str = "auto", load: str | Path | None = None):
+        from megatron.core import parallel_state as ps
+
+        from infra.convert import check_model_identity, identity_from_hf, load_hf_config
+        from infra.convert.model import build_model
+        from infra.convert.registry import get_architecture
+
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.hf_cfg = load_hf_config(model_dir)
+        self.identity = identity_from_hf(model_dir)
+        check_model_identity(self.identity, rotary_base=cfg.model.rotary_base,
+                             rotary_base_source="recipe model.rotary_base")
+        self.arch = get_architecture(self.hf_cfg)
+        self.publish_dtype = _DTYPES[cfg.model.dtype]
+        # bf16 compute on CUDA only (CPU serves tests on tiny models, where fp32 is faster and exact)
+        self.dtype = self.publish_dtype if self.device.type == "cuda" else torch.float32
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.tp_group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        if attention == "auto":
+            from infra.convert.model import have_te
+
+            attention = "te" if have_te() else "sdpa"
+        self.attention = attention
+
+        def build():
+            return build_model(self.hf_cfg, padded_vocab_size=self.identity.padded_vocab_size, dtype=self.dtype,
+                               attention=attention, device=self.device.type, init=True)  # init sets TP attributes
+
+        self.model, self.reference = build(), build()
+        self._load_weights(model_dir, load)
+        self.reference.eval().requires_grad_(False)
+        self._setup_optimizer()
+
+    def vocab_size(self) -> int:
+        return self.identity.vocab_size
+
+    # -- weights -------------------------------------------------------------------------------------
+    def _load_weights(self, model_dir: str | Path, load: str | Path | None) -> None:
+        from infra.convert import check_model_identity, read_identity, torch_dist
+        from infra.convert.hf_io import iter_tensors, safetensors_files
+        from infra.convert.model import load_full_state
+
+        if load is not None:  # a converted torch_dist checkpoint: identity recorded beside it must agree
+            check_model_identity(self.identity, checkpoint=read_identity(load))
+            torch_dist.load(self.model, load)
+            torch_dist.load(self.reference, load)
+            return
+        hf = {k: v.to(self.dtype) for k, v in iter_tensors(safetensors_files(model_dir))}
+        full = self.arch.hf_to_megatron(hf, self.hf_cfg, self.identity.padded_vocab_size)
+        del hf
+        load_full_state(self.model, full)
+        load_full_state(self.reference, full)
+
+    def _setup_optimizer(self) -> None:
+        algo = self.cfg.algo
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.dtype == torch.float32:
+            self.masters = self.params  # the model's own weights are the master weights
+        else:
+            self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+            for p, m in zip(self.params, self.masters, strict=True):
+                m.grad = torch.zeros_like(m)
+                p.register_post_accumulate_grad_hook(self._accumulate_into(m))
+        on_cuda = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(self.masters, lr=algo.lr, weight_decay=algo.weight_decay,
+                                           betas=(0.9, 0.999), eps=1e-8, fused=on_cuda or None,
+                                           foreach=None if on_cuda else True)
+        # which grads this rank counts in the global norm: its TP shards, and replicated ones on rank 0
+        self._counted = [bool(getattr(p, "tensor_model_parallel", False)) or self.tp_rank == 0 for p in self.params]
+
+    @staticmethod
+    def _accumulate_into(master: torch.Tensor):
+        def hook(param: torch.Tensor) -> None:
+            master.grad.add_(param.grad)
+            param.grad = None
+
+        return hook
+
+    # -- forward -------------------------------------------------------------------------------------
+    def _hidden(self, model: Any, ids: torch.Tensor) -> torch.Tensor:
+        """Decoder output [t, b, h] (after the final norm), as GPTModel.forward computes it before the head."""
+        b, t = ids.shape
+        pos = torch.arange(t, device=ids.device).unsqueeze(0).expand(b, t)
+        emb = model.embedding(input_ids=ids, position_ids=pos)
+        rope = model.rotary_pos_emb(t)
+        mask = None
+        if self.attention == "local":  # megatron's unfused attention needs an explicit mask (True = hidden)
+            mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).triu_(1)[None, None]
+        return model.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=rope)
+
+    def _head_weight(self, model: Any) -> torch.Tensor:
+        if model.share_embeddings_and_output_weights:
+            return model.shared_embedding_or_output_weight()
+        return model.output_layer.weight
+
+    def response_logp(self, model: Any, mb: TrainBatch) -> torch.Tensor:
+        """[b, R] float32 log-probs of the response tokens (0 past each response)."""
+        from megatron.core import tensor_parallel
+
+        hidden = self._hidden(model, mb.input_ids)
+        rows, cols, pos = mb.response_index()
+        targets = mb.input_ids[rows, pos + 1]
+        h = hidden[pos, rows]
+        if self.tp_size > 1:  # identity forward; backward all-reduces this rank's partial d(hidden)
+            h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
+        w = self._head_weight(model)
+        chunk = max(128, _LOGITS_BUDGET // (4 * w.shape[0]))
+        lp = vocab_parallel_logprobs(h, w, targets, self.cfg.algo.temperature, vocab_start=self.tp_rank * w.shape[0],
+                                     vocab_size=self.identity.vocab_size, group=self.tp_group, chunk_tokens=chunk)
+        out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
+        return out.index_put((rows, cols), lp)
+
+    def _micro_batches(self, batch: TrainBatch):
+        step = max(1, self.cfg.train.micro_batch_size)
+        for start in range(0, batch.rows, step):
+            yield batch.select(start, min(start + step, batch.rows))
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        model = self.reference if reference else self.model
+        batch = batch.to(self.device)
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
+        row = 0
+        for mb in self._micro_batches(batch):
+            lp = self.response_logp(model, mb)
+            out[row : row + mb.rows, : lp.shape[1]] = lp
+            row += mb.rows
+        return out
+
+    # -- training ------------------------------------------------------------------------------------
+    def _grad_norm(self) -> torch.Tensor:
+        import torch.distributed as dist
+
+        grads = [m.grad if m.grad is not None else torch.zeros_like(m) for m in self.masters]
+        norms = torch._foreach_norm(grads)
+        counted = [n for n, c in zip(norms, self._counted, strict=True) if c]
+        sq = torch.stack(counted).pow(2).sum() if counted else torch.zeros((), device=self.device)
+        if self.tp_group is not None:
+            dist.all_reduce(sq, group=self.tp_group)
+        return sq.sqrt()
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        batch = batch.to(self.device)
+        parts = []
+        for mb in self._micro_batches(batch):
+            logp = self.response_logp(self.model, mb)
+            loss, metrics = loss_fn(logp, mb)
+            (loss * (mb.rows / batch.rows)).backward()
+            parts.append((mb.rows, metrics))
+        norm = self._grad_norm()
+        out = combine_metrics(parts)
+        out["grad_norm"] = float(norm)
+        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if math.isfinite(out["grad_norm"]):
+            coef = self.cfg.algo.grad_clip / (norm + 1e-6)
+            if float(coef) < 1.0:
+                torch._foreach_mul_([m.grad for m in self.masters if m.grad is not None], coef)
+            self.optimizer.step()
+            if self.masters is not self.params:
+                torch._foreach_copy_(self.params, self.masters)
+        else:  # one bad batch must not poison the weights; the step is skipped and reported
+            log.warning("non-finite gradient norm; optimizer step skipped")
+            out["skipped"] = 1.0
+        self._zero_grads()
+        return out
+
+    def _zero_grads(self) -> None:
+        if self.masters is self.params:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            torch._foreach_zero_([m.grad for m in self.masters])
+
+    # -- publishing and checkpoints ----------------------------------------------------------------------
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        from infra.convert.model import full_state
+
+        full = full_state(self.model)  # collective over the TP group
+        hf = self.arch.megatron_to_hf(full, self.hf_cfg)
+        return {k: v.to(device="cpu", dtype=self.publish_dtype).contiguous().clone() for k, v in hf.items()}
+
+    def save_checkpoint(self, path: Path) -> None:
+        torch.save({"tp_size": self.tp_size, "masters": [m.detach() for m in self.masters],
+                    "optimizer": self.optimizer.state_dict()}, Path(path) / f"megatron_tp{self.tp_rank:02d}.pt")
+
+    def load_checkpoint(self, path: Path) -> None:
+        file = Path(path) / f"megatron_tp{self.tp_rank:02d}.pt"
+        state = torch.load(file, map_location=self.device, weights_only=True)
+        if state["tp_size"] != self.tp_size:
+            raise ValueError(f"{file} was written with tensor_parallel={state['tp_size']}; "
+                             f"resume with train.tensor_parallel={state['tp_size']}")
+        with torch.no_grad():
+            torch._foreach_copy_(self.masters, state["masters"])
+            if self.masters is not self.params:
+                torch._foreach_copy_(self.params, self.masters)
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -2,7 +2,8 @@
 
     magic      8 bytes   b"STOAPLS" + format byte (1)
     hlen       u32 LE    length of the header
-    header     hlen bytes of compact JSON (`PatchHeader`): versions, digests, per-tensor coding, streams
+    header     hlen bytes: one zstd frame of the compact JSON `PatchHeader` (versions, digests, per-tensor
+               coding, streams); compressed because per-tensor digests and lengths add up on big models
     slen       u32 LE    length of the signature (0 = unsigned)
     signature  slen bytes, base64 Ed25519 over b"stoa-pulse-header\\0" + header
     body       the zstd frames of the streams, back to back, as the header's `streams` lists them
@@ -76,7 +77,8 @@ def signing_message(header_bytes: bytes) -> bytes:
 
 
 def pack(header: PatchHeader, body: bytes, signature: str = "") -> bytes:
-    return pack_raw(header.model_dump_json().encode(), signature, body)
+    hb = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(header.model_dump_json().encode())
+    return pack_raw(hb, signature, body)
 
 
 def pack_raw(header_bytes: bytes, signature: str, body) -> bytes:
@@ -103,7 +105,10 @@ def split(patch: bytes) -> tuple[bytes, PatchHeader, str, memoryview]:
         raise PatchError("truncated PULSE patch (signature)")
     sig = bytes(mv[16 + hlen:start]).decode("ascii", errors="replace")
     try:
-        header = PatchHeader.model_validate_json(hb)
+        header = PatchHeader.model_validate_json(
+            zstandard.ZstdDecompressor().decompress(hb, max_output_size=MAX_HEADER_BYTES))
+    except zstandard.ZstdError as e:
+        raise PatchError(f"corrupted PULSE patch header: {e}") from None
     except ValidationError as e:
         raise PatchError(f"corrupted PULSE patch header: {e.errors()[0]['msg']}") from None
     body = mv[start:]

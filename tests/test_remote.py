@@ -239,3 +239,20 @@ def test_invoke_stop_and_teardown_dry_run_on_this_box(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "DRL_RUN='Bad Run' is not a valid run id" in res.stderr
     assert not (REPO_ROOT / ".stoa" / "runs" / "no-such-run-xyz").exists()
+
+
+def test_on_box_launch_stops_at_check_box_here(monkeypatch):
+    """`make gsm8k` on a box without a GPU stops at the first step and reports why, changing nothing."""
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this host has a GPU driver")
+    from infra.launch_gpu import launch_on_this_box
+
+    for k, v in CREDS.items():
+        monkeypatch.setenv(k, v)
+    lines: list[str] = []
+    cfg = resolve("gsm8k", env={"DRL_RUN": "box-test-1"})
+    assert launch_on_this_box(cfg, out=lines.append) == 1
+    text = "\n".join(lines)
+    assert "[1/8] check_box FAILED" in text and "nvidia-smi: not found" in text
+    assert "[2/8]" not in text and not (REPO_ROOT / ".stoa" / "runs" / "box-test-1").exists()
+    assert SECRET not in text

@@ -114,7 +114,12 @@ def build_plan(cfg: RecipeConfig, *, host: str | None, remote_dir: str, env: Map
             notes.append(f"cannot launch yet: {e}")
     if store.startswith("file://"):
         notes.append("DRL_STORE is a file store: workers on other machines cannot reach it")
-    steps = (REMOTE_STEPS if host else []) + BOX_STEPS
+    box = BOX_STEPS
+    if cfg.task == "psqa":  # the fleet reference pulls its converted base from the bucket (infra/psqa_setup.py)
+        from .psqa_setup import plan_steps
+
+        box = plan_steps(BOX_STEPS)
+    steps = (REMOTE_STEPS if host else []) + box
     return LaunchPlan(run=cfg.run, recipe=cfg.model_dump(mode="json"), env=contract_env(cfg, env, store),
                       command=command, slime_args=args, host=host, remote_dir=remote_dir,
                       log_file=paths.log_file, steps=steps, notes=notes)
@@ -253,6 +258,10 @@ def launch_on_this_box(cfg: RecipeConfig, *, dry_run: bool = False, out: Callabl
         ("start_ray", lambda: step_start_ray(cfg, paths)),
         ("launch_trainer", lambda: _launch_with_fresh_plan(cfg, paths, env)),
     ]
+    if cfg.task == "psqa":
+        from .psqa_setup import run_steps_for
+
+        steps = run_steps_for(cfg, paths, steps)
     return run_steps(steps, out)
 
 

@@ -198,3 +198,31 @@ def box_steps(cfg, paths) -> list[tuple[str, Callable[[], str]]]:
         ("base_model", lambda: step_base_model(cfg, paths, open_store(cfg.store))),
         ("install_lfm2_plugin", lambda: step_install_lfm2_plugin(cfg, paths)),
     ]
+
+
+def _substitute(items: list, name_of: Callable, mine: list) -> list:
+    """`items` with download_model replaced by `mine` and convert_model dropped (the base step does both)."""
+    out: list = []
+    for item in items:
+        if name_of(item) == "download_model":
+            out += mine
+        elif name_of(item) != "convert_model":
+            out.append(item)
+    return out
+
+
+def plan_steps(steps: list) -> list:
+    """The launch plan's box steps for the psqa recipe (what the dry run prints)."""
+    from .launch_plan import LaunchStep
+
+    mine = [LaunchStep(name="base_model", where="box", gpu_only=True,
+                       summary="pull bases/lfm25/ (HF dir + torch_dist, sha256 checked); when absent download, "
+                               "convert and publish it there, manifest last"),
+            LaunchStep(name="install_lfm2_plugin", where="box", gpu_only=True,
+                       summary="slime's Python imports our LFM2 modules and builds the --spec layer spec")]
+    return _substitute(steps, lambda s: s.name, mine)
+
+
+def run_steps_for(cfg, paths, steps: list[tuple[str, Callable[[], str]]]) -> list[tuple[str, Callable[[], str]]]:
+    """The on-box (name, fn) steps for the psqa recipe."""
+    return _substitute(steps, lambda s: s[0], box_steps(cfg, paths))

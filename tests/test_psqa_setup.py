@@ -89,3 +89,28 @@ def test_base_keys_are_checked():
             layout.base_file_key("lfm25", "hf", bad)
     with pytest.raises(ValueError, match="part"):
         layout.base_file_key("lfm25", "weights", "x")
+
+
+def test_fleet_dry_run_plan_passes_the_fleet_profile(tmp_path):
+    """The psqa dry run lists the base/plugin steps, and every plan-level fleet check passes (the
+    credential and store rows need a real R2 bucket, which a loopback test does not have)."""
+    from infra.launch_gpu import build_plan
+    from infra.launch_plan import parse_plan, render_plan
+    from infra.preflight import build_context, run_checks
+    from trainer.config import resolve
+
+    env = {"DRL_RUN": "psqa-dry-1"}
+    cfg = resolve("psqa", env=env)
+    store = f"file://{tmp_path / 'bucket'}"
+    plan = parse_plan(render_plan(build_plan(cfg, host="root@gpu-box", remote_dir="/root/dRL", env=env, store=store)))
+    names = [s.name for s in plan.steps]
+    assert names.index("base_model") < names.index("install_lfm2_plugin") < names.index("publish_anchor")
+    assert "download_model" not in names and "convert_model" not in names
+    assert "--spec" in plan.slime_args and "--num-experts" in plan.slime_args
+    ctx = build_context(plan, profile="fleet", env=env, env_file=str(tmp_path / "none.r2env"), store=store,
+                        run_box=None)
+    ctx.run_box = None  # no SSH in this test: the box rows are skipped
+    rows = {r.check: r for r in run_checks(ctx)}
+    plan_checks = [c for c in rows if c.split(".")[0] in ("contract", "recipe", "model")]
+    assert len(plan_checks) >= 10
+    assert all(rows[c].status == "PASS" for c in plan_checks), {c: rows[c].seen for c in plan_checks if rows[c].status != "PASS"}

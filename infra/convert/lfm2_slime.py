@@ -47,9 +47,14 @@ def model_flags(c: Mapping[str, Any], rotary: float) -> list[str]:
     return args
 
 
-def lfm2_spec(args: Any = None, *_: Any, **__: Any):
-    """Layer spec for slime's model provider: the per-layer conv/attention, dense/MoE block spec."""
+def lfm2_spec(args: Any = None, config: Any = None, *_: Any, **__: Any):
+    """Layer spec for slime's model provider (called as `spec(args, config, vp_stage)`): the per-layer
+    conv/attention, dense/MoE block spec. The config gets the per-layer checkpoint keys the converter
+    wrote (conv and attention layers hold different tensors)."""
     from .lfm2 import Lfm2
+
+    if config is not None:
+        config.hetereogenous_dist_checkpoint = True
 
     hf_dir = getattr(args, "hf_checkpoint", None)
     if hf_dir is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,23 +25,24 @@ class PlotSpec:
     series: tuple[tuple[str, tuple[str, ...]], ...]  # (legend label, candidate keys)
 
 
-#: the plots the issue asks for; keys are those trainer/metrics.py writes (older names kept as fallbacks)
+#: the plots of a run; keys are those trainer/metrics.py documents (`*` matches one path segment), older
+#: spellings kept as fallbacks so earlier runs still plot
 PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("train_reward.png", "Train reward", "mean reward", (
-        ("train reward", ("train/reward", "rollout/raw_reward", "reward_mean", "reward")),
+        ("train reward", ("rollout/raw_reward", "train/reward", "reward")),
     )),
     PlotSpec("heldout_accuracy.png", "Held-out accuracy", "accuracy", (
-        ("held-out", ("eval/accuracy", "heldout/accuracy", "eval_accuracy", "heldout_accuracy")),
+        ("held-out", ("eval/accuracy", "heldout/accuracy", "eval/*/accuracy", "eval/*/reward_mean")),
     )),
     PlotSpec("staleness.png", "Staleness of consumed groups", "versions behind", (
-        ("mean", ("rollout/staleness_mean", "staleness/mean", "staleness_mean", "staleness")),
-        ("max", ("rollout/staleness_max", "staleness/max", "staleness_max")),
+        ("mean", ("rollout/staleness_mean",)),
+        ("max", ("rollout/staleness_max",)),
     )),
     PlotSpec("gate_drop_fraction.png", "DPPO gate: dropped token fraction", "fraction of tokens", (
-        ("gate drop", ("train/gate_drop_fraction", "gate/drop_fraction", "gate_drop_fraction")),
+        ("gate drop", ("train/gate_drop_frac", "train/gate_drop_fraction")),
     )),
     PlotSpec("patch_size.png", "Published patch size", "bytes", (
-        ("patch", ("publish/patch_bytes", "patch/bytes", "patch_bytes")),
+        ("patch", ("publish/patch_bytes",)),
     )),
 )
 
@@ -69,8 +71,17 @@ def read_metrics(path: str | Path) -> list[dict[str, object]]:
         except ValueError:
             continue
         if isinstance(obj, dict):
-            rows.append(dict(_flatten(obj)))
+            rows.append(_derive(dict(_flatten(obj))))
     return rows
+
+
+def _derive(row: dict[str, object]) -> dict[str, object]:
+    """Add `rollout/staleness_max`: the largest lag with any group in `rollout/staleness_hist/<lag>`."""
+    lags = [int(k.rsplit("/", 1)[1]) for k, v in row.items()
+            if k.startswith("rollout/staleness_hist/") and k.rsplit("/", 1)[1].isdigit() and _finite(v)]
+    if lags and "rollout/staleness_max" not in row:
+        row["rollout/staleness_max"] = float(max(lags))
+    return row
 
 
 def _finite(v: object) -> float | None:
@@ -83,9 +94,21 @@ def _step(row: dict[str, object]) -> float | None:
     return next((s for k in STEP_KEYS if (s := _finite(row.get(k))) is not None), None)
 
 
+def _expand(rows: list[dict[str, object]], candidates: tuple[str, ...]) -> list[str]:
+    """Candidates in order, each `*` pattern replaced by the matching keys (sorted)."""
+    out = []
+    for c in candidates:
+        if "*" not in c:
+            out.append(c)
+            continue
+        rx = re.compile("^" + re.escape(c).replace(r"\*", "[^/]+") + "$")
+        out += sorted({k for row in rows for k in row if rx.match(k)})
+    return out
+
+
 def series_for(rows: list[dict[str, object]], candidates: tuple[str, ...]) -> tuple[list[float], list[float]]:
     """(steps, values) of the first candidate key that has any finite value with a step."""
-    for key in candidates:
+    for key in _expand(rows, candidates):
         xs, ys = [], []
         for row in rows:
             x, y = _step(row), _finite(row.get(key))

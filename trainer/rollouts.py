@@ -49,6 +49,7 @@ DROP_REASONS: dict[str, str] = {
     "group_size": "group size differs from DRL_N_SAMPLES",
     "sampling_mismatch": "temperature, top_p or max_new_tokens differs from the run's",
     "vocab": "a token id outside [0, vocab_size)",
+    "too_long": "a response longer than max_new_tokens (the budget covers sampled and tool tokens)",
     "logprob_not_finite": "a behaviour log-prob is NaN or infinite",
     "logprob_positive": "a behaviour log-prob is above 0 (a probability above 1)",
     "reward_not_finite": "a reward is NaN or infinite",
@@ -292,6 +293,8 @@ class RolloutSource:
         if any(not 0 <= t < vocab for t in rec.prompt_ids):
             return "vocab"
         for s in rec.samples:
+            if len(s.response_ids) > self.max_new_tokens:
+                return "too_long"  # a hostile length would otherwise reach the learner's forward
             if any(not 0 <= t < vocab for t in s.response_ids):
                 return "vocab"
             if len(s.behavior_logprobs) != len(s.response_ids):

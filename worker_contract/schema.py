@@ -109,16 +109,14 @@ def decode_record(blob: bytes) -> RolloutRecord:
     """Parse an uploaded record; raises `RecordError` with a short reason for anything malformed."""
     if len(blob) > MAX_RECORD_BYTES:
         raise RecordError("oversized", f"{len(blob)} bytes > {MAX_RECORD_BYTES}")
+    raw = _decompress_bounded(blob)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=MAX_DECOMPRESSED_BYTES)
-    except zstandard.ZstdError as e:
-        raise RecordError("malformed", f"not zstd or too large once decompressed ({e})") from None
-    if len(raw) > MAX_DECOMPRESSED_BYTES:
-        raise RecordError("oversized", f"{len(raw)} bytes decompressed > {MAX_DECOMPRESSED_BYTES}")
-    try:
-        data = json.loads(raw, parse_constant=lambda c: float(c))  # NaN/Infinity parse, then fail below
+        # NaN/Infinity parse, then fail below; a key given twice is ambiguous (parsers differ on which wins)
+        data = json.loads(raw, parse_constant=lambda c: float(c), object_pairs_hook=_no_duplicate_keys)
     except (ValueError, UnicodeDecodeError) as e:
         raise RecordError("malformed", f"not JSON ({e})") from None
+    except RecursionError:
+        raise RecordError("malformed", "JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise RecordError("malformed", "top level is not an object")
     if data.get("schema_version") != SCHEMA_VERSION:
@@ -132,6 +130,44 @@ def decode_record(blob: bytes) -> RolloutRecord:
             raise RecordError("length_mismatch", f"{_loc(first)}: {first['msg']}") from None
         raise RecordError("malformed", f"{_loc(errors[0])}: {errors[0]['msg']}"
                           + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else "")) from None
+
+
+def _decompress_bounded(blob: bytes) -> bytes:
+    """The first zstd frame, decompressed to at most MAX_DECOMPRESSED_BYTES (as before, bytes after it are
+    ignored). `ZstdDecompressor.decompress` trusts the frame header's content size and allocates all of it
+    (a 32 KB record can claim a terabyte), so feed the input in small steps: a step of _STEP bytes can
+    expand to at most ~_STEP/4 blocks of 128 KiB, which bounds memory whatever the header says."""
+    try:
+        declared = zstandard.frame_content_size(blob)
+        if declared > MAX_DECOMPRESSED_BYTES:
+            raise RecordError("oversized", f"{declared} bytes once decompressed > {MAX_DECOMPRESSED_BYTES}")
+        d = zstandard.ZstdDecompressor().decompressobj()
+        out, total = [], 0
+        for i in range(0, len(blob), _STEP):
+            chunk = d.decompress(blob[i : i + _STEP])
+            total += len(chunk)
+            if total > MAX_DECOMPRESSED_BYTES:
+                raise RecordError("oversized", f"more than {MAX_DECOMPRESSED_BYTES} bytes once decompressed")
+            out.append(chunk)
+            if d.eof:
+                break
+    except zstandard.ZstdError as e:
+        raise RecordError("malformed", f"not zstd ({e})") from None
+    if not d.eof:
+        raise RecordError("malformed", "truncated zstd frame")
+    return b"".join(out)
+
+
+_STEP = 512
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {dup!r} appears twice in one object")
+    return out
 
 
 def _loc(err: dict) -> str:

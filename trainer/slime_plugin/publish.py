@@ -44,6 +44,8 @@ def _slime_hf_state(args: Any, model: list) -> dict[str, Any]:
     if mpu.get_pipeline_model_parallel_world_size() != 1 or mpu.get_expert_model_parallel_world_size() != 1:
         raise ValueError("publishing supports pipeline- and expert-parallel size 1 (one GPU or tensor "
                          "parallelism); set --pipeline-model-parallel-size 1 --expert-model-parallel-size 1")
+    if _our_spec(args):  # a model built from our layer spec (LFM2): our converter names it back
+        return _our_arch_hf_state(args, model, named_params_and_buffers, all_gather_param)
     model_name = getattr(args, "model_name", None)
     if model_name is None:
         from transformers import AutoConfig
@@ -55,6 +57,27 @@ def _slime_hf_state(args: Any, model: list) -> dict[str, Any]:
         for hf_name, tensor in convert_to_hf(args, model_name, name, full):
             state[hf_name] = tensor.detach().to("cpu", copy=True)
     return state
+
+
+def _our_spec(args: Any) -> bool:
+    """True when slime built the model from one of our layer specs (`--spec infra.convert...`)."""
+    spec = getattr(args, "spec", None) or []
+    return bool(spec) and str(spec[0]).startswith("infra.convert.")
+
+
+def _our_arch_hf_state(args: Any, model: list, named_params_and_buffers, all_gather_param) -> dict[str, Any]:
+    """Full Megatron tensors under our converter's names -> HF names (infra.convert registry), the exact
+    inverse of the conversion that built the checkpoint slime loaded."""
+    from infra.convert import get_architecture, load_hf_config
+
+    cfg = load_hf_config(args.hf_checkpoint)
+    mg: dict[str, Any] = {}
+    for name, param in named_params_and_buffers(args, model):
+        full = all_gather_param(name, param)
+        while name.startswith("module."):
+            name = name[len("module."):]
+        mg[name] = full.detach().to("cpu", copy=True)
+    return get_architecture(cfg).megatron_to_hf(mg, cfg)
 
 
 def _is_megatron(chunk: Any) -> bool:

@@ -237,7 +237,8 @@ def step_launch_trainer(cfg: RecipeConfig, paths: BoxPaths, plan: LaunchPlan) ->
     return f"pid {pid}, log {paths.log_file} (follow: invoke logs --run {cfg.run} --follow)"
 
 
-def launch_on_this_box(cfg: RecipeConfig, *, dry_run: bool = False, out: Callable[[str], None] = print) -> int:
+def launch_on_this_box(cfg: RecipeConfig, *, dry_run: bool = False, out: Callable[[str], None] = print,
+                       err: Callable[[str], None] | None = None) -> int:
     """Stand the trainer up on this GPU box (the tree's own directory is the remote dir); 0 on success."""
     from worker_contract.env import load_env
 
@@ -262,7 +263,7 @@ def launch_on_this_box(cfg: RecipeConfig, *, dry_run: bool = False, out: Callabl
         from .psqa_setup import run_steps_for
 
         steps = run_steps_for(cfg, paths, steps)
-    return run_steps(steps, out)
+    return run_steps(steps, out, err=err)
 
 
 def _launch_with_fresh_plan(cfg: RecipeConfig, paths: BoxPaths, env: Mapping[str, str]) -> str:
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the resolved plan; change nothing")
     args = ap.parse_args(argv)
     cfg = RecipeConfig.model_validate_json(Path(args.recipe_json).read_text())
-    return launch_on_this_box(cfg, dry_run=args.dry_run or os.environ.get("DRL_DRY_RUN", "") == "1")
+    return launch_on_this_box(cfg, dry_run=args.dry_run or os.environ.get("DRL_DRY_RUN", "") == "1",
+                              out=lambda m: print(m, flush=True), err=lambda m: print(m, file=sys.stderr, flush=True))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ class StepFailed(RuntimeError):
 
 
 def run_steps(steps: list[tuple[str, Callable[[], str]]], out: Callable[[str], None],
-              catch: tuple[type[BaseException], ...] = ()) -> int:
-    """Run `steps` in order, printing `[i/n] name: result`; on the first failure print its error, return 1."""
+              catch: tuple[type[BaseException], ...] = (), err: Callable[[str], None] | None = None) -> int:
+    """Run `steps` in order, printing `[i/n] name: result`; on the first failure print its error (to `err`,
+    default `out`: the box entry sends it to stderr, which the SSH side reports), return 1."""
     from worker_contract.env import redact
 
     for i, (name, fn) in enumerate(steps, 1):
@@ -19,7 +20,7 @@ def run_steps(steps: list[tuple[str, Callable[[], str]]], out: Callable[[str], N
         try:
             result = fn()
         except (StepFailed, ValueError, OSError, *catch) as e:
-            out(f"[{i}/{len(steps)}] {name} FAILED: {type(e).__name__}\n{redact(str(e))}")
+            (err or out)(f"[{i}/{len(steps)}] {name} FAILED: {type(e).__name__}\n{redact(str(e))}")
             return 1
         out(f"[{i}/{len(steps)}] {name}: {result}")
     return 0

@@ -256,3 +256,26 @@ def test_on_box_launch_stops_at_check_box_here(monkeypatch):
     assert "[1/8] check_box FAILED" in text and "nvidia-smi: not found" in text
     assert "[2/8]" not in text and not (REPO_ROOT / ".stoa" / "runs" / "box-test-1").exists()
     assert SECRET not in text
+
+
+def test_box_launch_over_ssh_reaches_the_on_box_sequence(sshd_server, tmp_path):  # noqa: F811
+    """After the remote steps, `python3 -m infra.launch_gpu` runs on the box (the same sequence as `make
+    gsm8k` there); on this GPU-less host its first step fails and the box's stderr comes back."""
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this host has a GPU driver")
+    from infra.slime_launch import BoxPaths
+
+    remote = tmp_path / "box" / "dRL"
+    cfg = resolve("gsm8k", env={"DRL_RUN": "box-ssh-1"}).model_copy(update={"store": "r2://stoa-test"})
+    paths = BoxPaths(remote_dir=str(remote), run="box-ssh-1")
+    with connect(sshd_server.host, str(sshd_server.client_key)) as conn:
+        deploy.ship_tree(conn, REPO_ROOT, str(remote))
+        deploy.ship_credentials(conn, str(remote), CREDS)
+        deploy.write_recipe(conn, str(remote), paths.recipe_file, cfg.model_dump_json())
+        with pytest.raises(RemoteStepError) as e:
+            run(conn, "box_launch", f"cd {shlex.quote(str(remote))} && {sys.executable} -m infra.launch_gpu "
+                                    f"--recipe-json {shlex.quote(paths.recipe_file)}")
+    assert e.value.exited == 1
+    assert "[1/8] check_box FAILED" in e.value.stderr and "nvidia-smi: not found" in e.value.stderr
+    assert "[1/8] check_box ..." in e.value.stdout
+    assert SECRET not in e.value.stdout + e.value.stderr

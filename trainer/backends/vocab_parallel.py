@@ -13,16 +13,32 @@ The gradient of `hidden` is this rank's partial sum; the caller wraps `hidden` i
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK_TOKENS = 2048
 
+log = logging.getLogger(__name__)
+#: what this process learned about its torch: {"out_dtype": bool, "compiled": bool}
+FEATURES: dict[str, bool] = {}
+
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with float32 output; bf16/fp16 operands stay in their dtype (tensor cores) on CUDA."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32)
+    """a @ b with float32 output; bf16/fp16 operands stay in their dtype (tensor cores) on CUDA.
+
+    Rounding the logits to bf16 would cost ~0.05 nats on logits of size ~20, as large as the policy
+    change of an RL step, so they come out of the GEMM in float32 (`torch.mm(..., out_dtype=)`).
+    """
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and FEATURES.get("out_dtype", True):
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            FEATURES["out_dtype"] = True
+            return out
+        except (RuntimeError, TypeError) as e:  # older torch: float32 operands (exact for bf16 values)
+            FEATURES["out_dtype"] = False
+            log.warning("torch.mm(out_dtype=float32) unavailable (%s); using float32 operands", e)
     return torch.mm(a.float(), b.float())
 
 
@@ -51,17 +67,31 @@ def _grad_eager(logits: torch.Tensor, inv_t: float, lse: torch.Tensor, coef: tor
 _FUSED: dict[str, object] = {}
 
 
+def _with_fallback(name: str, fused, eager):
+    """Call the compiled function; if compiling fails (no triton, no compiler), use eager from then on."""
+
+    def call(*args):
+        if FEATURES.get("compiled", True):
+            try:
+                out = fused(*args)
+                FEATURES["compiled"] = True
+                return out
+            except Exception as e:  # the eager version computes the same thing, only slower
+                FEATURES["compiled"] = False
+                log.warning("torch.compile of %s failed (%s); running it eagerly", name, e)
+        return eager(*args)
+
+    return call
+
+
 def _kernels(device: torch.device):
     """(lse, grad) functions: torch.compile'd on CUDA (one pass over the logits instead of four or five:
     the logits are the largest tensors of the step), eager elsewhere or if compilation fails."""
     if device.type != "cuda":
         return _lse_eager, _grad_eager
     if "lse" not in _FUSED:
-        try:
-            _FUSED["lse"] = torch.compile(_lse_eager, dynamic=True)
-            _FUSED["grad"] = torch.compile(_grad_eager, dynamic=True)
-        except Exception:  # no inductor/triton: the eager versions compute the same thing
-            _FUSED["lse"], _FUSED["grad"] = _lse_eager, _grad_eager
+        _FUSED["lse"] = _with_fallback("lse", torch.compile(_lse_eager, dynamic=True), _lse_eager)
+        _FUSED["grad"] = _with_fallback("grad", torch.compile(_grad_eager, dynamic=True), _grad_eager)
     return _FUSED["lse"], _FUSED["grad"]
 
 

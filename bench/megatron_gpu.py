@@ -1,0 +1,341 @@
+"""GPU scale: megatron-core vs transformers for a Qwen2.5-1.5B-shaped model on one GPU.
+
+    python -m bench.megatron_gpu                      # parity + learner step, all backends
+    python -m bench.megatron_gpu --parts step --variants megatron
+    python -m bench.megatron_gpu --tiny --device cpu  # a smoke run (needs megatron's CPU shims installed)
+
+1. The bf16 matmul rate, measured here (8192^3, random operands): the MFU denominator.
+2. Parity with random weights: HF Qwen2 logits vs our megatron GPTModel's (same weights through the
+   converter's mapping), in float32 (relative L2 and max error) and bf16 (max and mean absolute
+   difference relative to the logits' spread, i.e. their standard deviation).
+3. The learner step of the quickstart recipe: 64 sequences (8 groups x 8) of 128 prompt + 384 response
+   tokens, micro-batches of 8, reference log-probs, then policy forward + backward + AdamW through each
+   backend's `train_step` with the recipe's objective. MFU = 8 x parameters x tokens / time / matmul rate
+   (policy forward 2 + backward 4 + reference forward 2, per parameter and token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+            tie_word_embeddings=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.megatron_gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default="parity,step", help="comma list of: parity, step, tp2 (needs 2 GPUs)")
+    p.add_argument("--variants", default="megatron,hf,megatron-local",
+                   help="learner-step backends: megatron (sdpa spec), megatron-local (stock local spec), hf")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant (after 2 warm-up steps)")
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--response", type=int, default=384)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--tiny", action="store_true", help="tiny model and batch (smoke run)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--commit", default=os.environ.get("STOA_COMMIT"), help="commit measured (default: git)")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "megatron_gpu.json"))
+    return p
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("megatron-core", "torch", "transformers", "transformer-engine"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_tflops(device: str, n: int = 8192, reps: int = 10) -> float:
+    import torch
+
+    if device != "cuda":
+        return float("nan")
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def make_model_dir(shape: dict, device: str, out: Path):
+    """A random Qwen2 (norms and biases randomised too) saved as bf16 HF safetensors + a tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**shape)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif "bias" in name:
+                p.normal_(0.0, 0.1)
+    model.to(torch.bfloat16).save_pretrained(out)
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(out / "tokenizer.json"))
+    return model.float()
+
+
+def parity(hf_model, model_dir: Path, device: str, batch: int, seq: int) -> dict:
+    import torch
+
+    from infra.convert import get_architecture, load_hf_config
+    from infra.convert.model import build_model, load_full_state
+
+    cfg = load_hf_config(model_dir)
+    arch = get_architecture(cfg)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq), device=device, generator=None)
+    pos = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        hf_model.to(dtype)
+        src = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight" or not cfg["tie_word_embeddings"]}
+        mg = build_model(cfg, dtype=dtype, attention="sdpa", device=device, init=False).eval()
+        load_full_state(mg, arch.hf_to_megatron(src, cfg, cfg["vocab_size"]))
+        with torch.no_grad():
+            ref = hf_model(ids).logits.float()
+            got = mg(ids, pos, None).float()
+        diff = (got - ref).abs()
+        spread = ref.std().item()
+        out[name] = {
+            "rel_l2": ((got - ref).norm() / ref.norm()).item(),
+            "max_abs": diff.max().item(), "mean_abs": diff.mean().item(), "logit_std": spread,
+            "max_abs_over_std": diff.max().item() / spread, "mean_abs_over_std": diff.mean().item() / spread,
+            "top1_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+        }
+        del mg, ref, got, diff
+        gc.collect()
+    return out
+
+
+def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0):
+    import torch
+
+    from trainer.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, prompt + response), generator=g)
+    mask = torch.ones(rows, response)
+    return TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), prompt_lens=torch.full((rows,), prompt),
+                      response_lens=torch.full((rows,), response), loss_mask=mask,
+                      behavior_logp=-torch.rand(rows, response, generator=g) * 3,
+                      advantages=torch.randn(rows, generator=g), rewards=torch.zeros(rows))
+
+
+def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float) -> dict:
+    import torch
+
+    from trainer.algo import policy_loss
+    from trainer.config import resolve
+
+    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": args.micro_batch,
+                                              "model.dtype": "bfloat16" if args.device == "cuda" else "float32"})
+    algo = cfg.algo
+    if variant.startswith("megatron"):
+        from trainer.backends.megatron import MegatronBackend
+
+        backend = MegatronBackend.load(model_dir, cfg, device=args.device,
+                                       attention="local" if variant == "megatron-local" else "auto")
+    else:
+        from trainer.backends.hf import HFBackend
+
+        backend = HFBackend.load(model_dir, cfg, device=args.device)
+    batch = synthetic_batch(args.rows, args.prompt, args.response, backend.vocab_size)
+
+    def fn(lp, mb):
+        return policy_loss(lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo)
+
+    times, ref_times = [], []
+    for i in range(2 + args.steps):
+        _sync(args.device)
+        t0 = time.perf_counter()
+        batch.ref_logp = backend.logprobs(batch, reference=True)
+        _sync(args.device)
+        t1 = time.perf_counter()
+        metrics = backend.train_step(batch, fn)
+        _sync(args.device)
+        t2 = time.perf_counter()
+        print(f"  {variant} step {i}: ref {t1 - t0:.3f}s train {t2 - t1:.3f}s loss {metrics['loss']:.4g}", flush=True)
+        if i >= 2:
+            times.append(t2 - t0)
+            ref_times.append(t1 - t0)
+    tokens = args.rows * (args.prompt + args.response)
+    step = statistics.median(times)
+    res = {"step_s": step, "ref_forward_s": statistics.median(ref_times), "steps_s": times,
+           "tokens": tokens, "tokens_per_s": tokens / step, "mfu": 8 * n_params * tokens / step / (rate * 1e12),
+           "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+    if args.device == "cuda":
+        res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    if hasattr(backend, "shutdown"):
+        backend.shutdown()
+    del backend
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def _tp2_rank(rank: int, port: int, model_dir: str, args, out: str) -> None:
+    import torch
+
+    from trainer.algo import policy_loss
+    from trainer.backends.megatron import init_parallel
+    from trainer.backends.megatron_rank import MegatronRank
+    from trainer.config import resolve
+
+    dev = torch.device("cuda", rank)
+    init_parallel(rank, 2, dev, port=port)
+    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": args.micro_batch, "train.tensor_parallel": 2})
+    r = MegatronRank(model_dir, cfg, device=dev)
+    batch = synthetic_batch(args.rows, args.prompt, args.response, r.identity.vocab_size)
+    logp = r.logprobs(batch).cpu()
+    times = []
+    for _ in range(2 + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch.ref_logp = r.logprobs(batch, reference=True)
+        r.train_step(batch, lambda lp, mb: policy_loss(lp, mb.behavior_logp, mb.ref_logp, mb.advantages,
+                                                       mb.loss_mask, cfg.algo))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        torch.save({"logp": logp, "times": times[2:], "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}, out)
+
+
+def tp2(model_dir: Path, args, n_params: int, rate: float) -> dict:
+    """Tensor-parallel 2 (two processes, NCCL) against TP 1 on the same batch: log-probs and step time."""
+    import torch
+
+    from trainer.backends.megatron import MegatronBackend, _free_port
+    from trainer.config import resolve
+
+    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": args.micro_batch})
+    one = MegatronBackend.load(model_dir, cfg, device="cuda")
+    batch = synthetic_batch(args.rows, args.prompt, args.response, one.vocab_size)
+    ref = one.logprobs(batch).cpu()
+    del one
+    gc.collect()
+    torch.cuda.empty_cache()
+    out = Path(model_dir).parent / "tp2.pt"
+    torch.multiprocessing.spawn(_tp2_rank, args=(_free_port(), str(model_dir), args, str(out)), nprocs=2)
+    got = torch.load(out, weights_only=False)
+    diff = (got["logp"] - ref).abs()
+    step = statistics.median(got["times"])
+    tokens = args.rows * (args.prompt + args.response)
+    return {"logp_max_abs_diff_vs_tp1": diff.max().item(), "logp_mean_abs_diff_vs_tp1": diff.mean().item(),
+            "step_s": step, "steps_s": got["times"], "tokens_per_s": tokens / step,
+            "mfu_per_gpu": 8 * n_params * tokens / step / (2 * rate * 1e12), "peak_mem_gib_rank0": got["peak_mem_gib"]}
+
+
+def run(args, save) -> dict:
+    import torch
+
+    from trainer.backends.megatron import init_parallel
+
+    shape = TINY if args.tiny else QWEN25_15B
+    result: dict = {"versions": _versions(), "shape": shape, "config": {k: getattr(args, k) for k in ("rows", "prompt", "response",
+                                                                             "micro_batch", "steps", "device")}}
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32
+    rate = matmul_tflops(args.device)
+    result["matmul_bf16_tflops"] = rate
+    print(f"bf16 matmul: {rate:.1f} TFLOP/s", flush=True)
+    dev = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    init_parallel(0, 1, dev)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "qwen2"
+        hf_model = make_model_dir(shape, args.device, model_dir)
+        n_params = sum(p.numel() for p in hf_model.parameters())  # tied embedding counted once
+        result["params"] = n_params
+        if "parity" in args.parts:
+            result["parity"] = parity(hf_model, model_dir, args.device, 4 if not args.tiny else 2,
+                                      512 if not args.tiny else 32)
+            print(json.dumps(result["parity"], indent=1), flush=True)
+            save(result)
+        del hf_model
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        if "step" in args.parts:
+            result["step"] = {}
+            for variant in args.variants.split(","):
+                try:
+                    result["step"][variant] = learner_step(variant, model_dir, args, n_params, rate)
+                except Exception as e:  # report and go on: one failing variant must not lose the others
+                    import traceback
+
+                    traceback.print_exc()
+                    result["step"][variant] = {"error": f"{type(e).__name__}: {e}"}
+                print(variant, json.dumps(result["step"][variant]), flush=True)
+                save(result)
+        if "tp2" in args.parts:
+            try:
+                result["tp2"] = tp2(model_dir, args, n_params, rate)
+            except Exception as e:
+                import traceback
+
+                traceback.print_exc()
+                result["tp2"] = {"error": f"{type(e).__name__}: {e}"}
+            print("tp2", json.dumps(result["tp2"]), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.tiny:
+        args.rows, args.prompt, args.response, args.micro_batch = 8, 8, 24, 4
+    sys.path.insert(0, str(REPO))
+    from bench.common import git_commit, write_result
+
+    commit = args.commit or git_commit()
+
+    def save(result: dict) -> Path:  # after every part, so a run cut short keeps what it measured
+        from trainer.backends import vocab_parallel
+
+        return write_result("megatron_gpu", {**result, "features": dict(vocab_parallel.FEATURES),
+                                             "commit": commit}, args.out)
+
+    result = run(args, save)
+    path = save(result)
+    summary = {v: {k: round(r[k], 4) for k in ("step_s", "tokens_per_s", "mfu") if k in r}
+               for v, r in result.get("step", {}).items()}
+    print(f"wrote {path}\n{json.dumps(summary, indent=1)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

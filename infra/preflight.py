@@ -101,7 +101,32 @@ def build_context(plan, *, profile: str, env: Mapping[str, str] | None = None, e
         ctx.manifest = None
     except Exception as e:  # reported by the bucket check, redacted
         ctx.facts["store_error"] = f"{url}: {type(e).__name__}: {redact(str(e))[:300]}"
+    if ctx.hf_dir is None and ctx.store is not None and "store_error" not in ctx.facts:
+        ctx.hf_dir = _hf_dir_from_shared_base(ctx)
     return ctx
+
+
+def _hf_dir_from_shared_base(ctx) -> Path | None:
+    """The identity files (config, tokenizer, chat template) of a shared base in the bucket (bases/<name>/),
+    when it holds the recipe's model, fetched to a temporary directory for the model-identity checks."""
+    import tempfile
+
+    from infra.psqa_setup import BASE_NAME, read_manifest
+    from worker_contract import layout
+
+    try:
+        base = read_manifest(ctx.store, BASE_NAME)
+    except Exception:  # an unreadable base is the launch's problem to report, not a preflight crash
+        return None
+    if base is None or base.hf_id != ctx.cfg.model.hf_id:
+        return None
+    tmp = tempfile.TemporaryDirectory(prefix="stoa-preflight-")
+    ctx.facts["tmp_hf"] = tmp  # removed when the context goes
+    for rel in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if f"hf/{rel}" in base.files:
+            ctx.store.download_file(layout.base_file_key(BASE_NAME, "hf", rel), Path(tmp.name) / rel)
+    ctx.facts["hf_source"] = f"bases/{BASE_NAME} in the bucket"
+    return Path(tmp.name) if (Path(tmp.name) / "config.json").is_file() else None
 
 
 def run_checks(ctx) -> list:

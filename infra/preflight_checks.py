@@ -271,7 +271,7 @@ def hf_config(ctx: Context) -> tuple[dict | None, str]:
 
         cfg, src = None, "no HF config here (pass --hf-dir, or the box checks it at launch)"
         if ctx.hf_dir is not None and (ctx.hf_dir / "config.json").is_file():
-            cfg, src = load_hf_config(ctx.hf_dir), str(ctx.hf_dir)
+            cfg, src = load_hf_config(ctx.hf_dir), ctx.facts.get("hf_source", str(ctx.hf_dir))
         elif ctx.cfg.model.hf_id in slime_launch.KNOWN_HF_CONFIGS:
             cfg, src = slime_launch.KNOWN_HF_CONFIGS[ctx.cfg.model.hf_id], f"known config of {ctx.cfg.model.hf_id}"
         ctx.facts["hf_config"] = (cfg, src)
@@ -287,9 +287,15 @@ def check_rotary(ctx: Context) -> Row:
         return Row(check="model.rotary_base", status="WARN", seen=f"--rotary-base {seen}; {src}",
                    required="the HF rope_theta")
     theta = rope_theta_of(cfg)
-    ok = _num_eq(seen, theta) and (ctx.manifest is None or _num_eq(ctx.manifest.rope_theta, theta))
+    if seen is None:  # the plan could not resolve the model flags here; the box derives them from rope_theta
+        seen = f"(flags resolved on the box) model.rotary_base={ctx.cfg.model.rotary_base}"
+        launch_ok = ctx.cfg.model.rotary_base is None or _num_eq(ctx.cfg.model.rotary_base, theta)
+    else:
+        launch_ok = _num_eq(seen, theta)
+        seen = f"--rotary-base {seen}"
+    ok = launch_ok and (ctx.manifest is None or _num_eq(ctx.manifest.rope_theta, theta))
     extra = f", run.json rope_theta {_fmt(ctx.manifest.rope_theta)}" if ctx.manifest is not None else ""
-    return _row("model.rotary_base", ok, f"--rotary-base {seen}{extra}", f"{_fmt(theta)} (rope_theta, {src})",
+    return _row("model.rotary_base", ok, f"{seen}{extra}", f"{_fmt(theta)} (rope_theta, {src})",
                 f"remove model.rotary_base from the recipe and any --rotary-base from launch.extra_args (the launch "
                 f"then uses the HF rope_theta {_fmt(theta)}); a run published with another value needs a fresh DRL_RUN")
 
@@ -301,7 +307,7 @@ def check_vocab_tokenizer(ctx: Context) -> Row:
         return Row(check="model.vocab_tokenizer", status="WARN", seen=src, required="HF vocab and digests")
     vocab = int(cfg["vocab_size"])
     problems = []
-    if not _num_eq(ctx.flag("--vocab-size"), vocab):
+    if ctx.flag("--vocab-size") is not None and not _num_eq(ctx.flag("--vocab-size"), vocab):
         problems.append(f"--vocab-size {ctx.flag('--vocab-size')} vs HF {vocab}")
     if ctx.hf_dir is not None and (ctx.hf_dir / "tokenizer.json").is_file() and ctx.manifest is not None:
         from infra.convert.identity import IdentityMismatch, check_model_identity, identity_from_hf

@@ -118,11 +118,17 @@ def check_base_anchor(ctx: Context) -> Row:
     if not ctx.bucket_ok:
         return Row(check="base_anchor", status="WARN", seen="not checked (bucket check failed)",
                    required="present or publishable")
-    from infra.ops.status import list_anchors, read_pointer
+    from worker_contract.anchor import anchor_versions
+    from worker_contract.pointer import PointerError, read_pointer
 
     run = ctx.plan.run
-    anchors = list_anchors(ctx.store, run)
-    pointer, _ = read_pointer(ctx.store, run)
+    anchors = anchor_versions(ctx.store, run)
+    try:
+        ptr, _ = read_pointer(ctx.store, run, ctx.manifest.trainer_public_key if ctx.manifest else None)
+    except PointerError as e:
+        return _row("base_anchor", False, f"current.json does not verify: {e}", "present or publishable",
+                    f"the run's pointer is not signed by the key in its run.json: start a fresh DRL_RUN={run}-b")
+    pointer = ptr.version if ptr else None
     usable = [v for v in anchors if pointer is None or v <= pointer]
     if usable:
         return _row("base_anchor", True, f"present: v{usable[-1]}", "present or publishable", "")

@@ -399,3 +399,40 @@ def test_box_checks_over_real_ssh(file_store, sshd_server, tmp_path):  # noqa: F
         pytest.skip("this machine has a GPU")
     assert fails(rows) == ["box.gpu"] or fails(rows) == ["box.gpu", "box.ray_dashboard"], text
     assert "nvidia-smi" in text
+
+
+def test_base_anchor_present_on_a_published_run(file_store):
+    from opsbucket import build_run
+
+    build_run(file_store, RUN, pointer=3, anchor_interval=2, workers={})
+    rows, text = report(make_plan("quickstart", file_store.url), "quickstart")
+    row = next(r for r in rows if r.check == "base_anchor")
+    assert row.status == "PASS" and row.seen == "present: v3", text
+
+
+def test_fleet_model_identity_from_the_shared_base_in_the_bucket(s3_store, s3_env, tmp_path):
+    """A laptop has no LFM2.5 checkpoint, but the bucket's bases/lfm25/ has its config and tokenizer."""
+    import time
+
+    from tokenizers import Tokenizer, models
+
+    from infra.psqa_setup import BASE_NAME, BaseFile, BaseManifest
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(hf / "tokenizer.json"))
+    cfg = {**sl.KNOWN_HF_CONFIGS["LiquidAI/LFM2.5-8B-A1B"], "architectures": ["Lfm2MoeForCausalLM"]}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    files = {}
+    for rel in ("config.json", "tokenizer.json"):
+        s3_store.upload_file(layout.base_file_key(BASE_NAME, "hf", rel), hf / rel)
+        files[f"hf/{rel}"] = BaseFile(sha256="0" * 64, bytes=(hf / rel).stat().st_size)
+    base = BaseManifest(name=BASE_NAME, hf_id="LiquidAI/LFM2.5-8B-A1B", files=files, created_at=time.time())
+    s3_store.put(layout.base_manifest_key(BASE_NAME), base.model_dump_json().encode())
+    plan = make_plan("fleet", s3_store.url, overrides={"model.hf_id": "LiquidAI/LFM2.5-8B-A1B"}, hf_config=cfg)
+    rows, text = report(plan, "fleet", env=s3_env)
+    assert fails(rows) == [], text
+    assert "bases/lfm25 in the bucket" in text
+    _publish(s3_store, plane="int8g64", kv_mode="paged_prefix", vocab_size=65536)  # digests "0" * 64
+    rows, text = report(plan, "fleet", env=s3_env)
+    assert fails(rows) == ["model.vocab_tokenizer"] and "tokenizer_digest" in text, text

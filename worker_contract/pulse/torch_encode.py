@@ -92,7 +92,8 @@ def encode_tensor_torch(old: torch.Tensor, new: torch.Tensor, dtype: str) -> cod
 
 
 def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(memoryview(words(to_numpy(t))).cast("B")).hexdigest()
+    """sha256 of a tensor's bytes; the device-to-host copy happens here, on the pool's thread."""
+    return hashlib.sha256(memoryview(words(to_numpy(t.detach().cpu()))).cast("B")).hexdigest()
 
 
 def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
@@ -106,8 +107,7 @@ def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
         for name in names:
             a, b = old[name], new[name]
             dt = str(a.dtype).removeprefix("torch.")
-            futures[name] = (pool.submit(_sha, b.detach().to("cpu", non_blocking=False)),
-                             None if name in base_sha else pool.submit(_sha, a.detach().cpu()))
+            futures[name] = (pool.submit(_sha, b), None if name in base_sha else pool.submit(_sha, a))
             coded[name] = encode_tensor_torch(a, b, dt)
         meta = {}
         for name in names:

@@ -38,12 +38,15 @@ def _open_store(store: str | None):
     "watch": "refresh every few seconds until Ctrl-C",
     "json": "print JSON for scripts instead of tables",
     "host": "also show the trainer box's own state (user@host)",
+    "ssh_key": "SSH private key for --host",
+    "remote_dir": "the tree's directory on the box (default /root/dRL)",
 })
-def status(c, run=None, store=None, watch=False, json_=False, host=None):
+def status(c, run=None, store=None, watch=False, json_=False, host=None, ssh_key=None, remote_dir=None):
     """Read-only view of a run from the bucket: pointer, anchors, workers, staleness, drops, bytes, cost."""
     from infra.ops.status_view import show_status
 
-    show_status(_open_store(store), _need_run(run), watch=watch, as_json=json_, host=host)
+    show_status(_open_store(store), _need_run(run), watch=watch, as_json=json_, host=host, ssh_key=ssh_key,
+                remote_dir=remote_dir)
 
 
 @task(positional=[], auto_shortflags=False, help={

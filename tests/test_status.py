@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from opsbucket import build_run
+from sshd import sshd_server  # noqa: F401  (real sshd on 127.0.0.1)
 
 from infra.ops.cost import UsageAssumptions, bucket_usage, estimate_cost
 from infra.ops.status import collect_status
@@ -191,3 +192,20 @@ def test_forged_pointer_is_flagged(store, built):
     store.put(layout.pointer_key(RUN), forged.to_bytes())
     st = collect_status(store, RUN, include_bytes=False)
     assert st.pointer_version == 99 and any("does not verify" in n for n in st.notes)
+
+
+def test_host_adds_the_trainer_box_view_over_real_ssh(store, built, sshd_server, tmp_path, capsys):  # noqa: F811
+    # The box is this machine through a real sshd; nothing is deployed in its remote dir, and the box says so.
+    st = show_status(store, RUN, as_json=True, host=sshd_server.host, ssh_key=str(sshd_server.client_key),
+                     remote_dir=str(tmp_path / "not-deployed"))
+    data = json.loads(capsys.readouterr().out)
+    assert data["remote"] == st.remote and st.remote["deployed"] is False and st.remote["alive"] is False
+    assert st.pointer_version == 10  # the bucket view is complete either way
+
+
+def test_host_unreachable_is_a_note_not_a_crash(store, built, tmp_path):
+    from infra.ops.status_view import attach_remote
+
+    st = collect_status(store, RUN, include_bytes=False)
+    attach_remote(st, "nobody@127.0.0.1:1", ssh_key=str(tmp_path / "no-key"))
+    assert st.remote is None and any(n.startswith("trainer box nobody@127.0.0.1:1") for n in st.notes)

@@ -125,7 +125,8 @@ def _remote(st: RunStatus) -> Table:
     t.add_column(style="bold")
     t.add_column()
     for k, v in (st.remote or {}).items():
-        t.add_row(str(k), str(v))
+        text = "\n".join(v[-10:]) if isinstance(v, list) else str(v)
+        t.add_row(str(k), text)
     return t
 
 
@@ -154,23 +155,26 @@ WATCH_INTERVAL_S = 5.0
 BYTES_REFRESH_S = 60.0
 
 
-def attach_remote(st: RunStatus, host: str) -> None:
-    """Add the trainer box's own view (infra.remote) to `st`, or say why it is missing."""
+def attach_remote(st: RunStatus, host: str, *, ssh_key: str | None = None, remote_dir: str | None = None) -> None:
+    """Add the trainer box's own view (infra.remote.remote_status over SSH) to `st`, or say why it is missing."""
+    from worker_contract.env import redact
+
     try:
         from infra.remote import remote_status
     except ImportError:
         st.notes.append("--host given, but infra.remote.remote_status is not available in this checkout")
         return
+    kwargs = {"ssh_key": ssh_key, **({"remote_dir": remote_dir} if remote_dir else {})}
     try:
-        st.remote = dict(remote_status(host, st.run))
+        st.remote = {k: redact(str(v)) if isinstance(v, str) else v
+                     for k, v in dict(remote_status(host, st.run, **kwargs)).items()}
     except Exception as e:  # a status view reports a box it cannot reach; it does not crash on it
-        from worker_contract.env import redact
-
-        st.notes.append(f"trainer box {host}: {redact(str(e))}")
+        st.notes.append(f"trainer box {host}: {type(e).__name__}: {redact(str(e))}")
 
 
 def show_status(store, run: str, *, watch: bool = False, as_json: bool = False, host: str | None = None,
-                window_min: float = 5.0, iterations: int | None = None) -> RunStatus:
+                ssh_key: str | None = None, remote_dir: str | None = None, window_min: float = 5.0,
+                iterations: int | None = None) -> RunStatus:
     """Print the status once (rich tables, or JSON), or keep refreshing it with `watch`.
 
     With `watch` and `as_json` every refresh prints one JSON line (for scripts that follow the run).
@@ -197,7 +201,7 @@ def show_status(store, run: str, *, watch: bool = False, as_json: bool = False, 
         if fresh:
             state["bytes_at"] = time.monotonic()
         if host:
-            attach_remote(st, host)
+            attach_remote(st, host, ssh_key=ssh_key, remote_dir=remote_dir)
         return st
 
     st = read(None)

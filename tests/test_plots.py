@@ -80,3 +80,27 @@ def test_slime_eval_names_are_found_by_pattern(tmp_path):
     rows = [{"step": s, "eval/psqa_test/reward_mean": 0.1 * s} for s in range(1, 4)]
     paths = plot_run(_write(tmp_path / "m.jsonl", [(r.pop("step"), r) for r in rows]), tmp_path / "plots")
     assert [p.name for p in paths] == ["heldout_accuracy.png"]
+
+
+def test_invoke_plot_task(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    import uuid
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    run = f"plot-task-{uuid.uuid4().hex[:8]}"
+    run_dir = repo / ".stoa" / "runs" / run  # where the embedded run keeps metrics.jsonl
+    run_dir.mkdir(parents=True)
+    try:
+        _write(run_dir / "metrics.jsonl", _full_rows(4))
+        out = subprocess.run([sys.executable, "-m", "invoke", "plot", "--run", run, "--out", str(tmp_path / "p")],
+                             cwd=repo, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert sorted(Path(p).name for p in out.stdout.split()) == sorted(s.filename for s in PLOTS)
+        missing = subprocess.run([sys.executable, "-m", "invoke", "plot", "--run", run + "-absent"], cwd=repo,
+                                 capture_output=True, text=True, timeout=120)
+        assert missing.returncode == 2 and "does not exist" in missing.stderr
+    finally:
+        shutil.rmtree(run_dir)

@@ -32,7 +32,7 @@ MIN_CONTEXT_WORDS = 1 << 14
 MAX_CANDIDATE_FRACTION = 0.25
 #: a candidate costs time (a pass, a sort, gathers); count it as this many bits when choosing the set,
 #: so only classes whose changes are dense enough to pay for their bitmap join it
-CANDIDATE_COST_BITS = 0.5
+CANDIDATE_COST_BITS = 2.0
 _SAMPLE = 1 << 16
 _CHUNK = 1 << 18
 

@@ -17,6 +17,7 @@ from opsbucket import manifest_for
 from sshd import sshd_server  # noqa: F401  (real sshd on 127.0.0.1)
 
 from infra import slime_launch as sl
+from infra.launch_gpu import build_plan
 from infra.launch_plan import LaunchPlan, parse_plan, render_plan
 from infra.preflight import _secrets, build_context, main, render_rows, run_checks
 from trainer.config import resolve
@@ -24,23 +25,22 @@ from worker_contract import layout
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = "pf-run-a"
-FLEET = {"algo.eps_clip": 10000, "algo.eps_clip_high": 19, "algo.eps_clip_c": 20, "train.save_interval": 4}
+#: profile -> the recipe it launches
+RECIPE = {"quickstart": "gsm8k", "fleet": "psqa"}
 
 
 def make_plan(profile: str, store_url: str, *, env: dict | None = None, overrides: dict | None = None,
-              hf_config: dict | None = None, host: str | None = None, remote_dir: str = "/root/dRL") -> LaunchPlan:
-    """A launch plan as the dry run resolves it: recipe + environment -> slime flags (infra.slime_launch)."""
+              host: str | None = None, remote_dir: str = "/root/dRL") -> LaunchPlan:
+    """The launch plan the dry run prints (infra.launch_gpu.build_plan) for the recipe + environment."""
     contract = {"DRL_RUN": RUN, "DRL_N_SAMPLES": "8", "DRL_STORE": store_url,
                 "DRL_PULSE_PLANE": "bf16" if profile == "quickstart" else "int8g64"}
     if profile == "fleet":
         contract["DRL_KV_MODE"] = "paged_prefix"
     contract.update(env or {})
-    cfg = resolve("gsm8k", contract, {**(FLEET if profile == "fleet" else {}), **(overrides or {})})
-    paths = sl.BoxPaths(remote_dir=remote_dir, run=RUN, model_dir_override=cfg.model.path)
-    hf = hf_config or sl.KNOWN_HF_CONFIGS["Qwen/Qwen2.5-1.5B-Instruct"]
-    return LaunchPlan(run=RUN, recipe=cfg.model_dump(mode="json"), env=contract,
-                      command=sl.launch_command(cfg, paths, hf), slime_args=sl.slime_args(cfg, paths, hf),
-                      host=host, remote_dir=remote_dir, log_file=paths.log_file)
+    cfg = resolve(RECIPE[profile], contract, overrides or {})
+    plan = build_plan(cfg, host=host, remote_dir=remote_dir, env=contract, store=store_url)
+    assert plan.command[0] == "ray", plan.notes  # the model flags resolved
+    return plan
 
 
 def set_flag(plan: LaunchPlan, flag: str, value: str) -> LaunchPlan:
@@ -121,10 +121,12 @@ def test_quickstart_box_checks_pass(file_store, gpu_shim, tmp_path):
 
 
 # -- one mutation per check -----------------------------------------------------------------------------
-def _publish(store, **changes):
-    """run.json as the launch would publish it, with `changes`."""
-    same = dict(task="gsm8k", max_new_tokens=1024, anchor_interval=10, vocab_size=151936, rope_theta=1e6)
-    m = manifest_for(RUN).model_copy(update={**same, **changes})
+def _publish(store, profile="quickstart", **changes):
+    """run.json as the profile's launch would publish it, with `changes`."""
+    same = {"quickstart": dict(task="gsm8k", max_new_tokens=1024, vocab_size=151936),
+            "fleet": dict(task="psqa", max_new_tokens=4096, vocab_size=65536, plane="int8g64",
+                          kv_mode="paged_prefix")}[profile]
+    m = manifest_for(RUN).model_copy(update={"anchor_interval": 10, "rope_theta": 1e6, **same, **changes})
     store.put_if_absent(layout.manifest_key(RUN), m.to_bytes())
 
 
@@ -189,9 +191,7 @@ MUTATIONS = {
     "credentials": ("both", lambda pr, pl, st, tp: (pl, _loose_env_file(st, tp))),
     "store": ("both", lambda pr, pl, st, tp: _file_store_for_a_box(pr, tp)),
     "bucket": ("both", lambda pr, pl, st, tp: (pl, _block_probes(st, tp))),
-    "run_id": ("both", lambda pr, pl, st, tp: (_publish(st, staleness=5, n_samples=8,
-                                                        plane=pl.recipe["contract"]["plane"],
-                                                        kv_mode=pl.recipe["contract"]["kv_mode"]) or pl, {})),
+    "run_id": ("both", lambda pr, pl, st, tp: (_publish(st, pr, staleness=5) or pl, {})),
     "base_anchor": ("both", lambda pr, pl, st, tp: (_no_model(pl), {})),
 }
 CASES = [(pr, check) for check, (where, _) in sorted(MUTATIONS.items())
@@ -308,7 +308,7 @@ def test_model_identity_with_an_hf_dir(file_store, tmp_path):
            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True}
     (hf / "config.json").write_text(json.dumps(cfg))
-    plan = make_plan("quickstart", file_store.url, overrides={"model.path": str(hf)}, hf_config=cfg)
+    plan = make_plan("quickstart", file_store.url, overrides={"model.path": str(hf)})
     _publish(file_store, vocab_size=64)  # its digests ("0" * 64) are not the tokenizer's
     rows, text = report(plan, "quickstart", hf_dir=str(hf))
     assert fails(rows) == ["model.vocab_tokenizer"], text
@@ -429,10 +429,10 @@ def test_fleet_model_identity_from_the_shared_base_in_the_bucket(s3_store, s3_en
         files[f"hf/{rel}"] = BaseFile(sha256="0" * 64, bytes=(hf / rel).stat().st_size)
     base = BaseManifest(name=BASE_NAME, hf_id="LiquidAI/LFM2.5-8B-A1B", files=files, created_at=time.time())
     s3_store.put(layout.base_manifest_key(BASE_NAME), base.model_dump_json().encode())
-    plan = make_plan("fleet", s3_store.url, overrides={"model.hf_id": "LiquidAI/LFM2.5-8B-A1B"}, hf_config=cfg)
+    plan = make_plan("fleet", s3_store.url)
     rows, text = report(plan, "fleet", env=s3_env)
     assert fails(rows) == [], text
     assert "bases/lfm25 in the bucket" in text
-    _publish(s3_store, plane="int8g64", kv_mode="paged_prefix", vocab_size=65536)  # digests "0" * 64
+    _publish(s3_store, "fleet")  # its digests ("0" * 64) are not the tokenizer's
     rows, text = report(plan, "fleet", env=s3_env)
     assert fails(rows) == ["model.vocab_tokenizer"] and "tokenizer_digest" in text, text

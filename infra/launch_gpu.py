@@ -28,7 +28,14 @@ from typing import Any
 from trainer.config import REPO_ROOT, RecipeConfig
 
 from .launch_plan import LaunchPlan, LaunchStep, render_plan
-from .slime_launch import KNOWN_HF_CONFIGS, BoxPaths, TrainerOnly, launch_command, rotary_base
+from .slime_launch import (
+    KNOWN_HF_CONFIGS,
+    BoxPaths,
+    TrainerOnly,
+    detect_trainer_only,
+    launch_command,
+    rotary_base,
+)
 from .steps import StepFailed, run_steps
 
 REMOTE_STEPS = [
@@ -88,15 +95,24 @@ def hf_config_for(cfg: RecipeConfig, paths: BoxPaths) -> tuple[dict[str, Any] | 
 
 
 def build_plan(cfg: RecipeConfig, *, host: str | None, remote_dir: str, env: Mapping[str, str], store: str,
-               trainer_only: TrainerOnly = "rollout-num-gpus-0") -> LaunchPlan:
-    """The resolved launch (no side effects): what the dry run prints and the real launch follows."""
+               trainer_only: TrainerOnly | None = None) -> LaunchPlan:
+    """The resolved launch (no side effects): what the dry run prints and the real launch follows.
+
+    `trainer_only` None: read it off the slime tree when it is on this machine (on the box), else
+    `--rollout-num-gpus 0`, which the box's own launch re-checks.
+    """
     if not cfg.run:
         raise ValueError("DRL_RUN is not set: choose a fresh run id, e.g. make gsm8k RUN=gsm8k-2026-12-01a")
     paths = BoxPaths(remote_dir=remote_dir, run=cfg.run, model_dir_override=cfg.model.path)
     hf_config, source = hf_config_for(cfg, paths)
+    detected = None if (trainer_only or host) else detect_trainer_only(cfg.launch.slime_dir)
+    trainer_only = trainer_only or detected or "rollout-num-gpus-0"
+    why = ("slime has PR #2057: with no engine the weight push is skipped and the router stays for eval"
+           if trainer_only == "rollout-num-gpus-0" else
+           "this slime predates PR #2057, so no SGLang at all; slime's eval() is then a no-op")
     notes = [f"model flags from {source}",
-             f"trainer-only mode: {trainer_only} (" + ("slime >= #2057 skips the weight push with no engines"
-             if trainer_only == "rollout-num-gpus-0" else "slime before #2057: no SGLang at all") + ")",
+             f"trainer-only mode: {trainer_only} ({why}; "
+             + (f"read from {cfg.launch.slime_dir})" if detected else "checked on the box at launch)"),
              "staleness and reuse are enforced by the plugin's bucket rollout source "
              f"(bound {cfg.algo.staleness}, cap {cfg.algo.reuse_cap}), not by a slime flag"]
     if hf_config is None:

@@ -18,7 +18,7 @@ import json
 import re
 import shlex
 from collections.abc import Mapping
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -37,6 +37,20 @@ PUBLISH_HOOK_FN = f"{PLUGIN}.publish.after_train"
 #: the flag our patch 0001 adds to slime (infra/patches/0001-after-train-hook.patch)
 AFTER_TRAIN_FLAG = "--custom-after-train-hook-path"
 DASHBOARD = "http://127.0.0.1:8265"
+
+
+#: a line of slime's actor.py that exists exactly since PR #2057 (the no-engine short-circuit)
+_NO_ENGINE_MARK = "No updatable SGLang engines are running"
+
+
+def detect_trainer_only(slime_dir: str) -> TrainerOnly | None:
+    """The trainer-only mode the slime tree at `slime_dir` supports; None if there is no tree to read."""
+    actor = Path(slime_dir) / "slime" / "backends" / "megatron_utils" / "actor.py"
+    try:
+        text = actor.read_text()
+    except OSError:
+        return None
+    return "rollout-num-gpus-0" if _NO_ENGINE_MARK in text else "debug-train-only"
 
 
 class BoxPaths(BaseModel):

@@ -161,3 +161,24 @@ def test_a_rotary_base_other_than_rope_theta_is_refused(clean_env):
     cfg = resolve("gsm8k", env={"DRL_RUN": "dry-rope"}, overrides={"model.rotary_base": 10000})
     with pytest.raises(ValueError, match="rope_theta=1000000"):
         build_plan(cfg, host=None, remote_dir="/root/dRL", env=CREDS, store="r2://stoa-dry").slime_args  # noqa: B018
+
+
+def test_trainer_only_mode_follows_the_slime_on_the_box(tmp_path, clean_env):
+    """slime with PR #2057 gets --rollout-num-gpus 0; an older slime --debug-train-only; a plan made away
+    from the box (HOST) keeps the default and says the box re-checks it."""
+    from infra.slime_launch import detect_trainer_only
+
+    actor = tmp_path / "slime" / "slime" / "backends" / "megatron_utils" / "actor.py"
+    actor.parent.mkdir(parents=True)
+    actor.write_text("def update_weights(self):\n    return\n")
+    assert detect_trainer_only(str(tmp_path / "slime")) == "debug-train-only"
+    assert detect_trainer_only(str(tmp_path / "nowhere")) is None
+    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-old"}, overrides={"launch.slime_dir": str(tmp_path / "slime")})
+    plan = build_plan(cfg, host=None, remote_dir="/root/dRL", env=CREDS, store="r2://stoa-dry")
+    assert "--debug-train-only" in plan.slime_args and "--rollout-num-gpus" not in plan.slime_args
+    assert any("predates PR #2057" in n for n in plan.notes)
+    actor.write_text('logger.info("No updatable SGLang engines are running; skip weight update.")\n')
+    plan = build_plan(cfg, host=None, remote_dir="/root/dRL", env=CREDS, store="r2://stoa-dry")
+    assert _flag(plan.slime_args, "--rollout-num-gpus") == "0" and "--debug-train-only" not in plan.slime_args
+    remote = build_plan(cfg, host="root@box", remote_dir="/root/dRL", env=CREDS, store="r2://stoa-dry")
+    assert any("checked on the box at launch" in n for n in remote.notes)

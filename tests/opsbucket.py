@@ -82,9 +82,13 @@ def build_run(store, run: str, *, pointer: int, anchor_interval: int, workers: d
         delta = drops_of(v)
         total = {k: total.get(k, 0) + n for k, n in delta.items()}
         publish = {k: x for k, x in stats.items() if isinstance(x, int | float | str)}
+        learner_view = {w: {"groups": len(vs), "used": len(vs) - 1, "drops": {"stale": 1}, "last_version": v,
+                            "version_lag": 0} for w, vs in workers.items()}
+        metrics = {"rollout/raw_reward": 0.5, "rollout/staleness_hist/0": 5.0, "rollout/staleness_hist/1": 3.0,
+                   "rollout/staleness_hist/2": 0.0}
         write_version_stats(store, run, version_stats(
-            version=v, step=v - 1, kind=stats["kind"], metrics={"rollout/raw_reward": 0.5},
-            drops_total=total, drops_delta=delta, workers={}, groups=8, publish=publish))
+            version=v, step=v - 1, kind=stats["kind"], metrics=metrics, drops_total=total, drops_delta=delta,
+            workers=learner_view, groups=8, publish=publish))
         built.patch_bytes[v], built.latency_s[v] = stats["patch_bytes"], stats["latency_s"]
     built.drops_total = {k: n for k, n in total.items() if n}
     for worker, versions in workers.items():

@@ -57,6 +57,8 @@ def test_status_reads_pointer_anchors_workers_and_stats(store, built):
     assert rows["mac-a"].newest_version == 10 and rows["mac-a"].lag == 0 and rows["mac-a"].groups == 5
     assert rows["mac-b"].versions == [8, 9] and rows["mac-b"].lag == 1 and rows["mac-b"].groups == 3
     assert st.staleness == {0: 3, 1: 3, 2: 2}
+    assert st.staleness_consumed == {0: 5 * 9, 1: 3 * 9}  # the learner's histogram over v2..v10
+    assert (rows["mac-a"].used, rows["mac-a"].dropped) == (4, 1)  # the learner's own per-worker counts
     assert st.drops == built.drops_total == {"stale": 9, "wrong_group_size": 2}
     assert st.drops_recent == st.drops  # every version is within the stats window read
     assert [p.version for p in st.publishes][:3] == [10, 9, 8]
@@ -161,7 +163,7 @@ def test_rich_table_shows_the_numbers(store, built):
     console.print(render_status(collect_status(store, RUN, now=built.now)))
     text = console.export_text()
     for needle in ("v10", "anchor v9", "mac-a", "mac-b", "wrong_group_size", "bucket bytes by prefix",
-                   "rollouts", "class A ops", "staleness", "recent publishes"):
+                   "rollouts", "class A ops", "staleness", "recent publishes", "trained on", "dropped"):
         assert needle in text, needle
 
 

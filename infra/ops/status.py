@@ -55,6 +55,10 @@ class WorkerSeen(_Model):
     """Groups uploaded in the last `window_min` minutes (None when no times are known)."""
     last_seen_s: float | None
     """Seconds since its newest upload (None when unknown)."""
+    used: int | None = None
+    """Its groups the learner trained on, whole run (trainer's newest stats object; None if absent)."""
+    dropped: int | None = None
+    """Its groups the learner dropped, whole run (trainer's stats)."""
 
 
 class PublishSeen(_Model):
@@ -99,6 +103,8 @@ class RunStatus(_Model):
     """Uploads per minute over the last window_min minutes (None when times are unknown)."""
     staleness: dict[int, int]
     """Groups waiting in the bucket by staleness (pointer version minus sampling version)."""
+    staleness_consumed: dict[int, int]
+    """Groups the learner trained on in the recent versions, by staleness (trainer's stats)."""
     drops: dict[str, int]
     """Groups dropped by the learner since the run began, by reason (the newest stats object)."""
     drops_recent: dict[str, int]
@@ -242,6 +248,29 @@ def summarize_publishes(stats: dict[int, dict], patches: dict[int, int], pointer
     return rows
 
 
+def consumed_staleness(stats: dict[int, dict]) -> dict[int, int]:
+    """Sum of the learner's `rollout/staleness_hist/<lag>` over the stats objects read."""
+    out: Counter[int] = Counter()
+    prefix = "rollout/staleness_hist/"
+    for s in stats.values():
+        for k, v in (s.get("metrics") or {}).items():
+            if k.startswith(prefix) and k[len(prefix):].isdigit() and isinstance(v, int | float):
+                out[int(k[len(prefix):])] += int(v)
+    return dict(sorted((lag, n) for lag, n in out.items() if n))
+
+
+def add_learner_counts(workers: list[WorkerSeen], stats: dict[int, dict]) -> None:
+    """Per-worker used/dropped totals from the newest stats object that has them."""
+    newest = next((stats[v]["workers"] for v in sorted(stats, reverse=True)
+                   if isinstance(stats[v].get("workers"), dict) and stats[v]["workers"]), {})
+    for w in workers:
+        ws = newest.get(w.worker_id)
+        if isinstance(ws, dict):
+            drops = ws.get("drops")
+            w.used = int(ws["used"]) if isinstance(ws.get("used"), int | float) else None
+            w.dropped = sum(int(n) for n in drops.values()) if isinstance(drops, dict) else None
+
+
 def sum_drops(stats: dict[int, dict]) -> tuple[dict[str, int], dict[str, int]]:
     """(drops over the whole run from the newest stats object, drops within the stats window read)."""
     recent: Counter[str] = Counter()
@@ -281,7 +310,7 @@ def collect_status(
     pointer = ptr.version if ptr else None
     anchors = anchor_versions(store, run)
     staleness_bound = manifest.staleness if manifest else 3
-    workers, rate, hist, drops, recent, publishes = [], None, {}, {}, {}, []
+    workers, rate, hist, consumed, drops, recent, publishes = [], None, {}, {}, {}, {}, []
     if pointer is None:
         notes.append("no pointer yet (current.json): the trainer has not published version 1")
     else:
@@ -293,6 +322,8 @@ def collect_status(
         hist = dict(sorted(Counter(pointer - k.version for k, _ in items).items()))
         stats = read_stats(store, run, pointer)
         drops, recent = sum_drops(stats)
+        consumed = consumed_staleness(stats)
+        add_learner_counts(workers, stats)
         publishes = summarize_publishes(stats, recent_patch_sizes(store, run, pointer), pointer)
     active = sum(1 for w in workers if w.groups_recent is None or w.groups_recent > 0)
     usage = bytes_cache
@@ -309,6 +340,6 @@ def collect_status(
         pointer_version=pointer, pointer_age_s=(now - ptr.published_at) if ptr else None,
         pointer_anchor=ptr.anchor_version if ptr else None, anchors=anchors,
         window_min=window_min, workers=workers, active_workers=active, groups_per_minute=rate,
-        staleness=hist, drops=drops, drops_recent=recent, publishes=publishes, bytes_by_prefix=usage, cost=cost, remote=None,
+        staleness=hist, staleness_consumed=consumed, drops=drops, drops_recent=recent, publishes=publishes, bytes_by_prefix=usage, cost=cost, remote=None,
         notes=notes,
     )

@@ -50,26 +50,32 @@ def _overview(st: RunStatus) -> Table:
 
 def _workers(st: RunStatus) -> Table:
     t = Table(title="workers (recent version prefixes)", title_justify="left")
-    for col in ("worker", "newest", "lag", "groups", f"last {st.window_min:g}m", "last seen", "versions"):
+    for col in ("worker", "newest", "lag", "groups", f"last {st.window_min:g}m", "last seen", "used", "dropped",
+                "versions"):
         t.add_column(col, justify="left" if col in ("worker", "versions") else "right")
     for w in st.workers:
         lag = Text(str(w.lag), style="red" if st.manifest and w.lag > st.manifest["staleness"] else "")
         t.add_row(w.worker_id, f"v{w.newest_version}", lag, str(w.groups),
                   "-" if w.groups_recent is None else str(w.groups_recent), human_age(w.last_seen_s),
+                  "-" if w.used is None else str(w.used),
+                  Text("-" if w.dropped is None else str(w.dropped), style="red" if w.dropped else ""),
                   " ".join(str(v) for v in w.versions[-8:]))
     return t
 
 
 def _histogram(st: RunStatus) -> Table:
-    t = Table(title="staleness of waiting groups (versions behind the pointer)", title_justify="left")
+    t = Table(title="staleness (versions behind the pointer)", title_justify="left")
     t.add_column("staleness", justify="right")
-    t.add_column("groups", justify="right")
+    t.add_column("waiting", justify="right")
     t.add_column("")
+    t.add_column("trained on (recent)", justify="right")
     top = max(st.staleness.values(), default=1)
     bound = st.manifest["staleness"] if st.manifest else None
-    for s, n in st.staleness.items():
+    for s in sorted(set(st.staleness) | set(st.staleness_consumed)):
+        n = st.staleness.get(s, 0)
         style = "red" if bound is not None and (s > bound or s < 0) else "green"
-        t.add_row(str(s), str(n), Text("#" * max(1, round(30 * n / top)), style=style))
+        bar = Text("#" * max(1, round(30 * n / top)) if n else "", style=style)
+        t.add_row(str(s), str(n), bar, str(st.staleness_consumed.get(s, 0)))
     return t
 
 
@@ -134,7 +140,7 @@ def render_status(st: RunStatus) -> RenderableType:
     parts: list[RenderableType] = [_overview(st)]
     if st.workers:
         parts.append(_workers(st))
-    if st.staleness:
+    if st.staleness or st.staleness_consumed:
         parts.append(_histogram(st))
     if st.drops or st.drops_recent:
         parts.append(_drops(st))

@@ -115,11 +115,11 @@ def _bytes(st: RunStatus) -> Table:
 def _cost(st: RunStatus) -> Table:
     c = st.cost
     assert c is not None
-    on = " (as if on R2)" if st.store.startswith("file://") else ""
-    t = Table(title=f"estimated R2 cost{on}, before the free tier", title_justify="left")
+    note = ("as if on R2, " if st.store.startswith("file://") else "") + "before the free tier"
+    t = Table(title="R2 cost (estimate)", caption=note, title_justify="left", caption_justify="left")
     for col in ("", "so far", "per hour"):
         t.add_column(col, justify="left" if not col else "right")
-    t.add_row("storage", f"{c.gb_month_so_far:.4f} GB-month", f"{c.storage_gb:.3f} GB held")
+    t.add_row("storage", f"{c.gb_month_so_far:.3g} GB-month", f"{human_bytes(c.storage_gb * 1e9)} held")
     t.add_row("class A ops", f"{c.class_a_ops:,}", f"{c.class_a_per_hour:,.0f}")
     t.add_row("class B ops", f"{c.class_b_ops:,}", f"{c.class_b_per_hour:,.0f}")
     t.add_row("USD", f"${c.usd_total:.4f}", f"${c.usd_per_hour:.4f}", style="bold")

@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+                  rope_parameters=ROPE, rms_norm_eps=1e-6, tie_word_embeddings=True)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+            num_key_value_heads=2, max_position_embeddings=256, rope_parameters=ROPE, rms_norm_eps=1e-6,
             tie_word_embeddings=True)
 
 
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--response", type=int, default=384)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (smoke run)")
+    p.add_argument("--profile", action="store_true", help="profile one extra megatron step (kernel table beside --out)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--commit", default=os.environ.get("STOA_COMMIT"), help="commit measured (default: git)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "megatron_gpu.json"))
@@ -105,9 +107,18 @@ def make_model_dir(shape: dict, device: str, out: Path):
                 p.normal_(1.0, 0.1)
             elif "bias" in name:
                 p.normal_(0.0, 0.1)
-    model.to(torch.bfloat16).save_pretrained(out)
+    # cast a copy of the weights, not the model: `model.to(bf16)` would also round the rotary inv_freq
+    # buffer to bf16 (0.4% error, radians of phase at position 500)
+    model.save_pretrained(out, state_dict={k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
     Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(out / "tokenizer.json"))
-    return model.float()
+    return model
+
+
+def _capture(store: list):
+    def hook(_module, _inputs, output):
+        store.append(output[0] if isinstance(output, tuple) else output)
+
+    return hook
 
 
 def parity(hf_model, model_dir: Path, device: str, batch: int, seq: int) -> dict:
@@ -120,15 +131,30 @@ def parity(hf_model, model_dir: Path, device: str, batch: int, seq: int) -> dict
     arch = get_architecture(cfg)
     ids = torch.randint(0, cfg["vocab_size"], (batch, seq), device=device, generator=None)
     pos = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
-    out = {}
+    out = {"rope_theta_in_config": cfg.get("rope_parameters"), "config_rope_theta_top": cfg.get("rope_theta")}
+    inv_freq = hf_model.model.rotary_emb.inv_freq.clone()
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         hf_model.to(dtype)
+        hf_model.model.rotary_emb.inv_freq = inv_freq  # keep rope float32 (megatron does; .to() rounds it)
         src = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight" or not cfg["tie_word_embeddings"]}
         mg = build_model(cfg, dtype=dtype, attention="sdpa", device=device, init=False).eval()
         load_full_state(mg, arch.hf_to_megatron(src, cfg, cfg["vocab_size"]))
+        layers: dict[str, list] = {"hf": [], "mg": []}
+        hooks = [m.register_forward_hook(_capture(layers[k]))
+                 for k, mods in (("hf", hf_model.model.layers), ("mg", mg.decoder.layers)) for m in mods]
         with torch.no_grad():
             ref = hf_model(ids).logits.float()
             got = mg(ids, pos, None).float()
+        for h in hooks:
+            h.remove()
+        inv_hf = hf_model.model.rotary_emb.inv_freq.float()
+        inv_mg = mg.rotary_pos_emb.inv_freq.float().to(inv_hf.device)
+        out[f"{name}_diagnostics"] = {
+            "inv_freq_max_rel_diff": ((inv_hf - inv_mg).abs() / inv_hf.abs()).max().item(),
+            "layer_rel_l2": [((b.transpose(0, 1).float() - a.float()).norm() / a.float().norm()).item()
+                             for a, b in zip(layers["hf"], layers["mg"], strict=False)][:: max(1, len(layers["hf"]) // 7)],
+        }
+        del layers
         diff = (got - ref).abs()
         spread = ref.std().item()
         out[name] = {
@@ -154,6 +180,27 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
                       response_lens=torch.full((rows,), response), loss_mask=mask,
                       behavior_logp=-torch.rand(rows, response, generator=g) * 3,
                       advantages=torch.randn(rows, generator=g), rewards=torch.zeros(rows))
+
+
+def _profile_step(backend, batch, fn, out: Path, device: str) -> None:
+    """One step under torch.profiler: where the GPU time goes, and how busy the GPU was."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        batch.ref_logp = backend.logprobs(batch, reference=True)
+        backend.train_step(batch, fn)
+        _sync(device)
+    events = prof.key_averages()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    try:
+        table = events.table(sort_by=key, row_limit=40)
+    except Exception:  # older profiler naming
+        table = events.table(sort_by="self_cuda_time_total", row_limit=40)
+    out.write_text(table)
+    print("\n".join(table.splitlines()[:28]), flush=True)
+    del torch
 
 
 def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float) -> dict:
@@ -193,6 +240,8 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
         if i >= 2:
             times.append(t2 - t0)
             ref_times.append(t1 - t0)
+    if args.profile and variant == "megatron":
+        _profile_step(backend, batch, fn, Path(args.out).with_name("megatron_profile.txt"), args.device)
     tokens = args.rows * (args.prompt + args.response)
     step = statistics.median(times)
     res = {"step_s": step, "ref_forward_s": statistics.median(ref_times), "steps_s": times,

@@ -39,7 +39,7 @@ class MegatronRank:
     """The model state of one TP rank. Every rank of the group runs every method (they are collective)."""
 
     def __init__(self, model_dir: str | Path, cfg: RecipeConfig, *, device: str | torch.device,
-                 attention: str = "auto", load: str | Path | None = None):
+                 attention: str = "auto", load: str | Path | None = None, compute_dtype: torch.dtype | None = None):
         from megatron.core import parallel_state as ps
 
         from infra.convert import check_model_identity, identity_from_hf, load_hf_config
@@ -55,7 +55,7 @@ class MegatronRank:
         self.arch = get_architecture(self.hf_cfg)
         self.publish_dtype = _DTYPES[cfg.model.dtype]
         # bf16 compute on CUDA only (CPU serves tests on tiny models, where fp32 is faster and exact)
-        self.dtype = self.publish_dtype if self.device.type == "cuda" else torch.float32
+        self.dtype = compute_dtype or (self.publish_dtype if self.device.type == "cuda" else torch.float32)
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.tp_group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
         if attention == "auto":
@@ -199,7 +199,8 @@ class MegatronRank:
                 torch._foreach_mul_([m.grad for m in self.masters if m.grad is not None], coef)
             self.optimizer.step()
             if self.masters is not self.params:
-                torch._foreach_copy_(self.params, self.masters)
+                with torch.no_grad():
+                    torch._foreach_copy_(self.params, self.masters)
         else:  # one bad batch must not poison the weights; the step is skipped and reported
             log.warning("non-finite gradient norm; optimizer step skipped")
             out["skipped"] = 1.0

@@ -122,9 +122,11 @@ class Publisher:
             # our base is not what the pointer names, or a crashed attempt holds the version: restart the
             # chain with a full anchor at a free version
             return self.publish_anchor(state)
+        entries: list[dict] = []  # full per-tensor digests of the new state: the next base, an anchor's list
         patch = encode_patch(self._base, plane_state, base_version=self._base_version, target_version=version,
-                             base_entries=self._base_entries)
+                             base_entries=self._base_entries, entries_out=entries)
         header = read_header(patch)
+        assert header.result_digest == digest_of_entries(entries)
         encode_s = time.monotonic() - t0
         signed = sign_patch(patch, self.key)
         key = layout.patch_key(self.run, version)
@@ -135,7 +137,6 @@ class Publisher:
         info = self.store.head(key)
         if info is None or info.size != len(signed) or info.etag.strip('"') != etag.strip('"'):
             raise PublishError(f"{key} did not land intact (read back {info})")
-        entries = [{"name": t.name, "dtype": t.dtype, "shape": t.shape, "sha256": t.sha256} for t in header.tensors]
         anchor_bytes = 0
         due = version - (self._anchor_version or 0) >= self.anchor_interval
         if due:

@@ -35,6 +35,14 @@ from .format import (
 )
 from .format import check_body as _check_body
 
+#: hex digits of the per-tensor digests a header carries (to name a tensor in an error)
+SHORT = 8
+
+
+def t_lengths_match(t: TensorPatch, c: codec.Coded) -> bool:
+    return t.lengths() == {f: len(x) for f, x in c.chunks.items()}
+
+
 __all__ = ["FORMAT", "PatchError", "PatchHeader", "encode_patch", "apply_patch", "read_header",
            "sign_patch", "verify_patch_signature", "patch_stats"]
 
@@ -51,11 +59,12 @@ def _check_names(old: Mapping, new: Mapping) -> None:
 
 
 def encode_patch(old: Mapping[str, Any], new: Mapping[str, Any], *, base_version: int | None = None,
-                 target_version: int | None = None, base_entries: list[dict] | None = None) -> bytes:
+                 target_version: int | None = None, base_entries: list[dict] | None = None,
+                 entries_out: list[dict] | None = None) -> bytes:
     """The patch that turns `old` into `new` (unsigned; see `sign_patch`).
 
     `base_entries` (per-tensor records of `old` the caller already holds, e.g. the previous patch's result)
-    spare hashing `old` again.
+    spare hashing `old` again; `entries_out`, when given, receives the records of `new` (the next base).
     """
     o, _ = state_to_numpy(old)
     n, _ = state_to_numpy(new)
@@ -63,6 +72,8 @@ def encode_patch(old: Mapping[str, Any], new: Mapping[str, Any], *, base_version
     base_sha = {e["name"]: e["sha256"] for e in base_entries} if base_entries is not None else {}
     meta = {name: (dtype_name(n[name]), list(n[name].shape), base_sha.get(name) or tensor_sha256(o[name]),
                    tensor_sha256(n[name])) for name in sorted(n)}
+    if entries_out is not None:
+        entries_out.extend({"name": k, "dtype": m[0], "shape": m[1], "sha256": m[3]} for k, m in meta.items())
     return assemble(coded, meta, base_version, target_version)
 
 
@@ -94,9 +105,10 @@ def assemble(coded: Mapping[str, codec.Coded], meta: Mapping[str, tuple], base_v
         for fam, chunk in c.chunks.items():
             families.setdefault(fam, []).append(chunk)
         tensors.append(TensorPatch(
-            name=name, dtype=dt, shape=shape, unit=c.unit, count=c.count, changed=c.changed,
-            threshold=c.threshold, candidates=c.candidates, changed_in=c.changed_in, gap_bytes=c.gap_bytes,
-            lengths={f: len(x) for f, x in c.chunks.items()}, base_sha256=bsha, sha256=rsha))
+            name=name, dtype=dt, shape=shape, changed=c.changed,
+            threshold=c.threshold, candidates=c.candidates, changed_in=c.changed_in,
+            base_sha=bsha[:SHORT], sha=rsha[:SHORT] if rsha != bsha else None))
+        assert t_lengths_match(tensors[-1], c) and (c.unit, c.count) == (tensors[-1].unit, tensors[-1].count), name
         base_rows.append({"name": name, "dtype": dt, "shape": shape, "sha256": bsha})
         result_rows.append({"name": name, "dtype": dt, "shape": shape, "sha256": rsha})
     streams, body = compress_streams(families)
@@ -154,16 +166,23 @@ def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: s
             raise PatchError(f"wrong base for this patch: tensor {t.name} is {dtype_name(a)}{list(a.shape)}, "
                              f"the patch expects {t.dtype}{t.shape}")
     if verified_base_digest is None or verified_base_digest != header.base_digest:
+        base_rows = []
         for t in header.tensors:
-            if tensor_sha256(o[t.name]) != t.base_sha256:
+            sha = tensor_sha256(o[t.name])
+            if sha[:SHORT] != t.base_sha:
                 raise PatchError(f"wrong base for this patch (v{header.base_version} -> v{header.target_version}): "
                                  f"tensor {t.name} differs from the base it was made against")
+            base_rows.append({"name": t.name, "dtype": t.dtype, "shape": t.shape, "sha256": sha})
+        if digest_of_entries(base_rows) != header.base_digest:
+            raise PatchError(f"wrong base for this patch (v{header.base_version} -> v{header.target_version}): "
+                             "its digest differs from the patch's base digest")
     streams = decompress_streams(header, body)
     cursors = dict.fromkeys(streams, 0)
     result: dict[str, np.ndarray] = {}
+    rows: list[dict] = []
     for t in header.tensors:
         chunks = {}
-        for fam, ln in t.lengths.items():
+        for fam, ln in t.lengths().items():
             if fam not in streams or cursors[fam] + ln > len(streams[fam]):
                 raise PatchError(f"corrupted PULSE patch: stream {fam} is short for tensor {t.name}")
             chunks[fam] = streams[fam][cursors[fam]:cursors[fam] + ln]
@@ -173,9 +192,13 @@ def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: s
         except codec.CodecError as e:
             raise PatchError(f"tensor {t.name}: {e}") from None
         arr = w.view(np_dtype(t.dtype)).reshape(t.shape)
-        if tensor_sha256(arr) != t.sha256:
+        sha = tensor_sha256(arr)
+        if sha[:SHORT] != (t.sha or t.base_sha):
             raise PatchError(f"patch result for tensor {t.name} does not match its digest (corrupted patch or base)")
         result[t.name] = arr
+        rows.append({"name": t.name, "dtype": t.dtype, "shape": t.shape, "sha256": sha})
+    if digest_of_entries(rows) != header.result_digest:
+        raise PatchError("the patch result does not match the patch's result digest")
     return state_from_numpy(result, as_torch)
 
 

@@ -3,7 +3,7 @@
     magic      8 bytes   b"STOAPLS" + format byte (1)
     hlen       u32 LE    length of the header
     header     hlen bytes: one zstd frame of the compact JSON `PatchHeader` (versions, digests, per-tensor
-               coding, streams); compressed because per-tensor digests and lengths add up on big models
+               coding, streams); compressed because per-tensor entries add up on big models
     slen       u32 LE    length of the signature (0 = unsigned)
     signature  slen bytes, base64 Ed25519 over b"stoa-pulse-header\\0" + header
     body       the zstd frames of the streams, back to back, as the header's `streams` lists them
@@ -14,10 +14,14 @@ The header carries the sha256 of the body, so a signature over the header covers
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 
 import zstandard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..tensors import np_dtype
+from .codec import unit_for
 
 FORMAT = 1
 MAGIC = b"STOAPLS" + bytes([FORMAT])
@@ -45,16 +49,38 @@ class TensorPatch(BaseModel):
     name: str = Field(description="Tensor name in the plane.")
     dtype: str = Field(description="Canonical dtype name (torch spelling: bfloat16, float32, uint32, bool...).")
     shape: list[int] = Field(description="Shape; equal in base and result.")
-    unit: int = Field(description="Bytes per diffed word (the itemsize, or 1 for packed unsigned codes).")
-    count: int = Field(ge=0, description="Words in the tensor.")
     changed: int = Field(ge=0, description="Words whose bits differ between base and result.")
     threshold: int = Field(0, ge=0, description="Sign-stripped-bits threshold of the candidate set; 0 = none.")
     candidates: int = Field(0, ge=0, description="Size of the candidate set (a check on the base).")
     changed_in: int = Field(0, ge=0, description="Changed words inside the candidate set.")
-    gap_bytes: int = Field(4, description="Width of a gap before byte-plane split (4, or 8 past 2^32 words).")
-    lengths: dict[str, int] = Field(default_factory=dict, description="Bytes this tensor takes in each stream.")
-    base_sha256: str = Field(description="sha256 of the base tensor's bytes.")
-    sha256: str = Field(description="sha256 of the result tensor's bytes.")
+    base_sha: str = Field(description="First 8 hex digits of the base tensor's sha256 (names a wrong tensor; "
+                          "the full digests are bound by base_digest).")
+    sha: str | None = Field(None, description="Same for the result tensor; absent when nothing changed.")
+
+    @property
+    def unit(self) -> int:
+        """Bytes per diffed word: the itemsize, or 1 for packed unsigned codes (codec.unit_for)."""
+        return unit_for(np_dtype(self.dtype))
+
+    @property
+    def count(self) -> int:
+        """Words in the tensor."""
+        return math.prod(self.shape) * np_dtype(self.dtype).itemsize // self.unit
+
+    @property
+    def gap_bytes(self) -> int:
+        """Width of a gap before the byte-plane split."""
+        return 4 if self.count < (1 << 32) else 8
+
+    def lengths(self) -> dict[str, int]:
+        """Bytes this tensor takes in each stream (derived, so the header does not carry them)."""
+        out = {f"val{j}": self.changed for j in range(self.unit)} if self.changed else {}
+        k_out = self.changed - self.changed_in
+        if k_out:
+            out |= {f"gap{j}": k_out for j in range(self.gap_bytes)}
+        if self.threshold:
+            out["bitmap"] = (self.candidates + 7) // 8
+        return out
 
 
 class PatchHeader(BaseModel):
@@ -77,7 +103,7 @@ def signing_message(header_bytes: bytes) -> bytes:
 
 
 def pack(header: PatchHeader, body: bytes, signature: str = "") -> bytes:
-    hb = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(header.model_dump_json().encode())
+    hb = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(header.model_dump_json(exclude_defaults=True).encode())
     return pack_raw(hb, signature, body)
 
 

@@ -5,7 +5,7 @@ The device does the full-size work (compare, nonzero, candidate selection, the c
 zigzag deltas); only the compact streams (positions, bitmaps, deltas: about 1% of the state) travel to the
 CPU, where they are split into byte planes and zstd-compressed by the shared code. The result digests need
 the tensors' bytes on the CPU: they are copied and hashed on a thread pool while the device moves on.
-Imports torch, so it is never imported by the contract's core.
+torch is imported inside the functions, so the module itself imports in the slim contract venv.
 """
 
 from __future__ import annotations
@@ -13,19 +13,25 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..tensors import MANTISSA_BITS, np_dtype, to_numpy, words
 from . import _checked, assemble, codec
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+if TYPE_CHECKING:
+    import torch
+
+
+def _int(unit: int):
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[unit]
 
 
 def _units(t: torch.Tensor, unit: int) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(_INT[unit])
+    return t.detach().contiguous().reshape(-1).view(_int(unit))
 
 
 def _mag(w: torch.Tensor, unit: int) -> torch.Tensor:
@@ -36,12 +42,17 @@ def _mag(w: torch.Tensor, unit: int) -> torch.Tensor:
 
 def _packbits(mask: torch.Tensor) -> torch.Tensor:
     """np.packbits on the device (first element in the most significant bit)."""
+    import torch
+
+    bits = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=mask.device)
     pad = (-mask.numel()) % 8
     m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(-1, 8)
-    return (m * _BITS.to(mask.device)).sum(dim=1, dtype=torch.uint8) if m.numel() else m.view(-1)
+    return (m * bits).sum(dim=1, dtype=torch.uint8) if m.numel() else m.view(-1)
 
 
 def _zigzag(d: torch.Tensor, unit: int) -> torch.Tensor:
+    import torch
+
     if unit == 1:  # torch has no signed shift on uint8; go through int16 and back (exact mod 256)
         s = d.view(torch.int8).to(torch.int16)
         return ((s << 1) ^ (s >> 7)).to(torch.uint8)
@@ -50,6 +61,8 @@ def _zigzag(d: torch.Tensor, unit: int) -> torch.Tensor:
 
 def _below(x: torch.Tensor, threshold: int, unit: int) -> torch.Tensor:
     """x < threshold for non-negative x, without letting a threshold past the signed range wrap."""
+    import torch
+
     if threshold > (1 << (8 * unit - 1)) - 1:
         return torch.ones_like(x, dtype=torch.bool)
     return x < threshold
@@ -60,6 +73,8 @@ def _np_unsigned(t: torch.Tensor, unit: int) -> np.ndarray:
 
 
 def encode_tensor_torch(old: torch.Tensor, new: torch.Tensor, dtype: str) -> codec.Coded:
+    import torch
+
     np_dt = np_dtype(dtype)
     unit = codec.unit_for(np_dt)
     ow, nw = _units(old, unit), _units(new, unit)

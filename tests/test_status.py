@@ -211,3 +211,31 @@ def test_host_unreachable_is_a_note_not_a_crash(store, built, tmp_path):
     st = collect_status(store, RUN, include_bytes=False)
     attach_remote(st, "nobody@127.0.0.1:1", ssh_key=str(tmp_path / "no-key"))
     assert st.remote is None and any(n.startswith("trainer box nobody@127.0.0.1:1") for n in st.notes)
+
+
+class GetCounter(FileStore):
+    """A real file store that counts reads of rollout records."""
+
+    reads = 0
+
+    def get(self, key):
+        if key.startswith(layout.rollouts_prefix(RUN)):
+            GetCounter.reads += 1
+        return super().get(key)
+
+
+def test_record_reads_are_bounded_and_cached_between_refreshes(file_store, monkeypatch):
+    import infra.ops.status as status_mod
+
+    b = build_run(file_store, RUN, pointer=10, anchor_interval=4, workers=WORKERS)
+    monkeypatch.setattr(status_mod, "MAX_RECORD_READS", 3)
+    counted, cache = GetCounter(file_store.root), {}
+    GetCounter.reads = 0
+    st = collect_status(counted, RUN, now=b.now, include_bytes=False, record_times=cache)
+    assert GetCounter.reads == 3 and len(cache) == 3 and any("newest 3 records" in n for n in st.notes)
+    assert {w.worker_id for w in st.workers if w.last_seen_s is not None} == {"mac-a"}  # v10 and v9 first
+    for _ in range(2):
+        st = collect_status(counted, RUN, now=b.now, include_bytes=False, record_times=cache)
+    assert GetCounter.reads == 8 and len(cache) == 8 and not st.notes  # every record read exactly once
+    collect_status(counted, RUN, now=b.now, include_bytes=False, record_times=cache)
+    assert GetCounter.reads == 8

@@ -166,18 +166,23 @@ def recent_rollouts(store: Store, run: str, first: int, last: int) -> list[tuple
     return out
 
 
-def _upload_times(store: Store, items: list[tuple[layout.RolloutKey, ObjectInfo]]) -> dict[str, float]:
-    """key -> upload time: from the listing, else the record's created_at for the newest few keys."""
+def _upload_times(store: Store, items: list[tuple[layout.RolloutKey, ObjectInfo]],
+                  cache: dict[str, float]) -> tuple[dict[str, float], bool]:
+    """(key -> upload time, whether some were left unread). From the listing when it carries times, else the
+    records' created_at: records are immutable, so `cache` keeps what earlier refreshes read, and each
+    refresh reads at most MAX_RECORD_READS more, newest versions first."""
     times = {o.key: t for _, o in items if (t := _mtime(o)) is not None}
     if times or not items:
-        return times
-    newest = sorted(items, key=lambda kv: (kv[0].version, kv[1].key), reverse=True)[:MAX_RECORD_READS]
-    for _, o in newest:
+        return times, False
+    todo = [o for _, o in sorted(items, key=lambda kv: (kv[0].version, kv[1].key), reverse=True)
+            if o.key not in cache]
+    for o in todo[:MAX_RECORD_READS]:
         try:
-            times[o.key] = decode_record(store.get(o.key)).created_at
+            cache[o.key] = decode_record(store.get(o.key)).created_at
         except (NotFound, RecordError):
-            continue
-    return times
+            cache[o.key] = float("nan")  # unreadable: the learner drops it; never read it again
+    times = {o.key: cache[o.key] for _, o in items if o.key in cache and cache[o.key] == cache[o.key]}
+    return times, len(todo) > MAX_RECORD_READS
 
 
 def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
@@ -233,7 +238,7 @@ def _num(d: dict, *names: str) -> float | None:
     return None
 
 
-def summarize_publishes(stats: dict[int, dict], patches: dict[int, int], pointer: int) -> list[PublishSeen]:
+def summarize_publishes(stats: dict[int, dict], patches: dict[int, int]) -> list[PublishSeen]:
     versions = sorted(set(stats) | set(patches), reverse=True)[:RECENT_PUBLISHES]
     rows = []
     for v in versions:
@@ -297,9 +302,14 @@ def collect_status(
     include_bytes: bool = True,
     bytes_cache: BucketUsage | None = None,
     now: float | None = None,
+    record_times: dict[str, float] | None = None,
     advance: Callable[[float], None] = lambda n=1: None,
 ) -> RunStatus:
-    """Read the run's state from the bucket (see the module docstring for what is listed)."""
+    """Read the run's state from the bucket (see the module docstring for what is listed).
+
+    `bytes_cache` reuses an earlier bytes-by-prefix summary (skipping the full listing); `record_times`
+    carries records' upload times between refreshes (`--watch`).
+    """
     layout.check_run_id(run)
     now = time.time() if now is None else now
     notes: list[str] = []
@@ -315,16 +325,16 @@ def collect_status(
         notes.append("no pointer yet (current.json): the trainer has not published version 1")
     else:
         items = recent_rollouts(store, run, pointer - staleness_bound - EXTRA_VERSIONS_BACK, pointer + 1)
-        times = _upload_times(store, items)
-        if items and not times:
-            notes.append("upload times unknown: the store lists no modification times")
+        times, partial = _upload_times(store, items, {} if record_times is None else record_times)
+        if partial:
+            notes.append(f"upload times read from the newest {MAX_RECORD_READS} records only (more each refresh)")
         workers, rate = summarize_workers(items, times, pointer, now, window_min * 60)
         hist = dict(sorted(Counter(pointer - k.version for k, _ in items).items()))
         stats = read_stats(store, run, pointer)
         drops, recent = sum_drops(stats)
         consumed = consumed_staleness(stats)
         add_learner_counts(workers, stats)
-        publishes = summarize_publishes(stats, recent_patch_sizes(store, run, pointer), pointer)
+        publishes = summarize_publishes(stats, recent_patch_sizes(store, run, pointer))
     active = sum(1 for w in workers if w.groups_recent is None or w.groups_recent > 0)
     usage = bytes_cache
     if usage is None and include_bytes:
@@ -340,6 +350,6 @@ def collect_status(
         pointer_version=pointer, pointer_age_s=(now - ptr.published_at) if ptr else None,
         pointer_anchor=ptr.anchor_version if ptr else None, anchors=anchors,
         window_min=window_min, workers=workers, active_workers=active, groups_per_minute=rate,
-        staleness=hist, staleness_consumed=consumed, drops=drops, drops_recent=recent, publishes=publishes, bytes_by_prefix=usage, cost=cost, remote=None,
-        notes=notes,
+        staleness=hist, staleness_consumed=consumed, drops=drops, drops_recent=recent, publishes=publishes,
+        bytes_by_prefix=usage, cost=cost, remote=None, notes=notes,
     )

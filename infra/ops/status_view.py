@@ -198,11 +198,12 @@ def show_status(store, run: str, *, watch: bool = False, as_json: bool = False, 
 
     console = Console()
     state = {"bytes_at": 0.0}
+    record_times: dict[str, float] = {}  # rollout records are immutable: their times are read once
 
     def read(prev: RunStatus | None) -> RunStatus:
         fresh = prev is None or time.monotonic() - state["bytes_at"] >= BYTES_REFRESH_S
         with progress("listing the run", unit="items") as advance:
-            st = collect_status(store, run, window_min=window_min, advance=advance,
+            st = collect_status(store, run, window_min=window_min, advance=advance, record_times=record_times,
                                 bytes_cache=None if fresh else prev.bytes_by_prefix)
         if fresh:
             state["bytes_at"] = time.monotonic()

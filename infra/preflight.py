@@ -26,21 +26,23 @@ DEFAULT_PROFILE = {"gsm8k": "quickstart", "psqa": "fleet"}
 
 
 def _checks():
-    """(check function, profiles it runs in, needs a box) in report order."""
+    """(check function, profiles it runs in, what it needs: None, "host" (a host was given) or "box" (a
+    working connection to the box)) in report order."""
     from infra import preflight_checks as c
     from infra import preflight_env as e
 
     both, quick, fleet = {"quickstart", "fleet"}, {"quickstart"}, {"fleet"}
     return [
-        (c.check_n_samples, both, False), (c.check_plane, both, False), (c.check_kv_mode, fleet, False),
-        (c.check_contract_agrees, both, False),
-        (c.check_save_interval, fleet, False), (c.check_dual_clip, both, False), (c.check_gate, both, False),
-        (c.check_reducer, both, False), (c.check_no_save_hf, both, False),
-        (c.check_algo, quick, False), (c.check_batch, quick, False),
-        (c.check_rotary, both, False), (c.check_vocab_tokenizer, both, False),
-        (e.check_credentials, both, False), (e.check_store, both, False), (e.check_bucket, both, False),
-        (e.check_run_id, both, False), (e.check_base_anchor, both, False),
-        (e.check_gpu, both, True), (e.check_disk, both, True), (e.check_ray_dashboard, both, True),
+        (c.check_n_samples, both, None), (c.check_plane, both, None), (c.check_kv_mode, fleet, None),
+        (c.check_contract_agrees, both, None),
+        (c.check_save_interval, fleet, None), (c.check_dual_clip, both, None), (c.check_gate, both, None),
+        (c.check_reducer, both, None), (c.check_no_save_hf, both, None),
+        (c.check_algo, quick, None), (c.check_batch, quick, None),
+        (c.check_rotary, both, None), (c.check_vocab_tokenizer, both, None),
+        (e.check_credentials, both, None), (e.check_store, both, None), (e.check_bucket, both, None),
+        (e.check_run_id, both, None), (e.check_base_anchor, both, None),
+        (e.check_ssh, both, "host"),
+        (e.check_gpu, both, "box"), (e.check_disk, both, "box"), (e.check_ray_dashboard, both, "box"),
     ]
 
 
@@ -89,11 +91,21 @@ def build_context(plan, *, profile: str, env: Mapping[str, str] | None = None, e
         effective, env_error = base, str(e)
     url = store or cfg.store or default_store_url(effective, REPO_ROOT)
     host = host or plan.host
-    if host and run_box is None:
-        run_box = ssh_runner(host, ssh_key)
+    box_error = None
+    if host:
+        try:  # one connection attempt: an unreachable box fails `box.ssh`, and the box checks say "not checked"
+            run_box = run_box or ssh_runner(host, ssh_key)
+            rc, _ = run_box("true")
+            if rc != 0:
+                box_error = f"`true` exited {rc}"
+        except Exception as e:
+            box_error = f"{type(e).__name__}: {redact(str(e))[:200]}"
     local_hf = hf_dir or _local_hf_dir(plan, cfg)
     ctx = Context(plan=plan, cfg=cfg, profile=PROFILES[profile], env=effective, env_file=env_path,
-                  env_error=env_error, store_url=url, hf_dir=Path(local_hf) if local_hf else None, run_box=run_box)
+                  env_error=env_error, store_url=url, hf_dir=Path(local_hf) if local_hf else None,
+                  run_box=None if box_error else run_box)
+    if host:
+        ctx.facts["box"] = (host, box_error)
     try:
         ctx.store = open_store(url, effective)
         ctx.manifest = load_manifest(ctx.store, plan.run)
@@ -135,8 +147,13 @@ def run_checks(ctx) -> list:
     from worker_contract.env import redact
 
     rows = []
-    for fn, profiles, needs_box in _checks():
-        if ctx.profile.name not in profiles or (needs_box and ctx.run_box is None):
+    for fn, profiles, needs in _checks():
+        if ctx.profile.name not in profiles or (needs == "host" and "box" not in ctx.facts):
+            continue
+        if needs == "box" and ctx.run_box is None:
+            if "box" in ctx.facts:  # a host was given but did not answer: box.ssh failed, these wait on it
+                rows.append(Row(check=fn.__name__.replace("check_", "box.", 1), status="WARN",
+                                seen="not checked (no SSH connection to the box)", required="-"))
             continue
         try:
             row = fn(ctx)

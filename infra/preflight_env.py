@@ -143,6 +143,14 @@ def check_base_anchor(ctx: Context) -> Row:
 
 
 # -- the box --------------------------------------------------------------------------------------------
+def check_ssh(ctx: Context) -> Row:
+    """The box answers over SSH (only when a host is given)."""
+    host, error = ctx.facts["box"]
+    return _row("box.ssh", error is None, f"{host}: " + ("connected" if error is None else error),
+                "reachable with the SSH key", f"check HOST={host} and SSH_KEY: `ssh {host} true` must work "
+                "(the key in ~/.ssh or SSH_KEY=/path/to/key, the box up, port 22 or HOST=user@box:port)")
+
+
 def check_gpu(ctx: Context) -> Row:
     assert ctx.run_box is not None
     rc, out = ctx.run_box("nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1")
@@ -186,4 +194,4 @@ def check_ray_dashboard(ctx: Context) -> Row:
 
 
 __all__ = ["check_credentials", "check_store", "check_bucket", "check_run_id", "check_base_anchor",
-           "check_gpu", "check_disk", "check_ray_dashboard", "hf_config"]
+           "check_ssh", "check_gpu", "check_disk", "check_ray_dashboard", "hf_config"]

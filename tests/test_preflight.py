@@ -436,3 +436,12 @@ def test_fleet_model_identity_from_the_shared_base_in_the_bucket(s3_store, s3_en
     _publish(s3_store, "fleet")  # its digests ("0" * 64) are not the tokenizer's
     rows, text = report(plan, "fleet", env=s3_env)
     assert fails(rows) == ["model.vocab_tokenizer"] and "tokenizer_digest" in text, text
+
+
+def test_unreachable_box_fails_only_box_ssh(s3_store, s3_env, tmp_path):
+    plan = make_plan("quickstart", s3_store.url, host="nobody@127.0.0.1:1")
+    rows, text = report(plan, "quickstart", env=s3_env, ssh_key=str(tmp_path / "no-such-key"))
+    status = {r.check: r.status for r in rows}
+    assert fails(rows) == ["box.ssh"], text
+    assert "ssh nobody@127.0.0.1:1 true" in text
+    assert status["box.gpu"] == status["box.disk"] == status["box.ray_dashboard"] == "WARN"

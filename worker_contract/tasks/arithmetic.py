@@ -6,14 +6,16 @@ double...), then a question. Its worked solution is one line per operation, `a +
 
 Problem `i` of a split is a pure function of the split's seed and `i` (string seeds go through SHA-512 in
 `random.Random`, so every process and platform builds the same problem). The two splits never overlap:
-besides its own seed and ranges, every problem's number tuple is hashed, and tuples in the reserved slice
-(1 in `HELDOUT_MODULUS`) are only ever used by the held-out split, never by training, whatever the ranges.
+besides its own seed and ranges, the tuple of numbers written in every question is hashed, and tuples in
+the reserved slice (1 in `HELDOUT_MODULUS`) are only ever used by the held-out split, never by training,
+whatever the ranges: no held-out question's numbers, in any story, are ever trained on.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import re
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -61,31 +63,33 @@ DEFAULT_SPLITS: dict[str, SplitSpec] = {
 }
 
 
+def question_numbers(question: str) -> tuple[int, ...]:
+    """The numbers written in a question, in order: what the held-out partition is keyed on."""
+    return tuple(int(n) for n in re.findall(r"\d+", question))
+
+
 def is_heldout_tuple(numbers: tuple[int, ...]) -> bool:
     """Whether a number tuple is reserved for the held-out split (a stable hash, not Python's hash())."""
     digest = hashlib.sha256(",".join(map(str, numbers)).encode()).digest()
     return digest[0] % HELDOUT_MODULUS == 0
 
 
-def _story(rng: random.Random, spec: SplitSpec) -> tuple[str, list[str], int, tuple[int, ...]]:
-    """One problem: (question, solution lines, answer, the numbers that appear in the question)."""
+def _story(rng: random.Random, spec: SplitSpec) -> tuple[str, list[str], int]:
+    """One problem: (question, solution lines, answer)."""
     name = rng.choice(NAMES)
     pro = PRONOUN[name]
     other = rng.choice([n for n in NAMES if n != name])
     money = rng.random() < 0.3
     item = rng.choice(ITEMS)
     lo, hi = spec.min_operand, spec.max_operand
-    numbers: list[int] = []
     lines: list[str] = []
     if not money and rng.random() < 0.3:
         boxes, per = rng.randint(2, spec.max_factor), rng.randint(lo, hi)
         x = boxes * per
-        numbers += [boxes, per]
         sents = [f"{name} buys {boxes} boxes of {item}. Each box has {per} {item}."]
         lines.append(f"{boxes} * {per} = {x}")
     else:
         x = rng.randint(lo, hi)
-        numbers.append(x)
         sents = [f"{name} has ${x}." if money else f"{name} has {x} {item}."]
     for _ in range(rng.randint(spec.min_steps, spec.max_steps) - (1 if lines else 0)):
         op = rng.choice("+-*") if x <= hi else rng.choice("+--")
@@ -94,11 +98,9 @@ def _story(rng: random.Random, spec: SplitSpec) -> tuple[str, list[str], int, tu
             word = {2: "doubles", 3: "triples"}[k]
             sents.append(f"Then {pro.lower()} {word} {'the money' if money else 'the ' + item}.")
             lines.append(f"{x} * {k} = {x * k}")
-            numbers.append(k)
             x *= k
             continue
         b = rng.randint(lo, hi) if op == "+" else rng.randint(1, max(1, min(hi, x - 1)))
-        numbers.append(b)
         if money:
             sent = f"{pro} earns ${b}." if op == "+" else f"{pro} spends ${b} on {rng.choice(SHOPS)}."
         elif op == "+":
@@ -110,7 +112,7 @@ def _story(rng: random.Random, spec: SplitSpec) -> tuple[str, list[str], int, tu
         lines.append(f"{x} {op} {b} = {y}")
         x = y
     ask = f"How much money does {name} have now?" if money else f"How many {item} does {name} have now?"
-    return " ".join(sents + [ask]), lines, x, tuple(numbers)
+    return " ".join(sents + [ask]), lines, x
 
 
 def make_problem(spec: SplitSpec, split: str, index: int) -> Problem:
@@ -118,8 +120,8 @@ def make_problem(spec: SplitSpec, split: str, index: int) -> Problem:
     want_heldout = split == "test"
     for attempt in range(_MAX_TRIES):
         rng = random.Random(f"{spec.seed}:{index}:{attempt}")
-        question, lines, answer, numbers = _story(rng, spec)
-        if is_heldout_tuple(numbers) == want_heldout:
+        question, lines, answer = _story(rng, spec)
+        if is_heldout_tuple(question_numbers(question)) == want_heldout:
             solution = "\n".join(lines + [f"#### {answer}"])
             return Problem(id=f"arith-{split}-{index}", question=question, answer=str(answer), solution=solution)
     raise AssertionError(f"no {split} problem found for index {index} in {_MAX_TRIES} tries")

@@ -1,0 +1,72 @@
+"""Entry point of the reference worker; see worker_contract/worker/__init__.py."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m worker_contract.worker",
+        description="Reference rollout worker: joins a run through the bucket, samples groups, uploads records. "
+                    "The group size and weight plane come from DRL_N_SAMPLES (default 8) and DRL_PULSE_PLANE "
+                    "(default bf16) and must match the run's run.json.",
+    )
+    p.add_argument("--store", default=os.environ.get("DRL_STORE"),
+                   help="store URL: file:///abs/path, r2://bucket, s3://bucket (default: $DRL_STORE)")
+    p.add_argument("--run", default=os.environ.get("DRL_RUN"), help="run id to join (default: $DRL_RUN)")
+    p.add_argument("--model", default=os.environ.get("DRL_MODEL"),
+                   help="local HF dir with the run's config.json and tokenizer (default: fetch them for "
+                        "run.json's model_id)")
+    p.add_argument("--worker-id", default=os.environ.get("DRL_WORKER_ID"), help="stable worker id (default host-pid)")
+    p.add_argument("--groups", type=int, default=0, help="stop after this many groups (default: run until stopped)")
+    p.add_argument("--seed", type=int, default=None, help="seed for prompts and sampling")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the run's first weights")
+    p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines")
+    args = p.parse_args(argv)
+    if not args.store or not args.run:
+        p.error("--store and --run are required (or set DRL_STORE and DRL_RUN)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    from ..manifest import ContractMismatch
+    from .loop import Worker, WorkerSettings
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        if stop.is_set():  # a second signal: leave now (nothing half-written: uploads are single puts)
+            raise KeyboardInterrupt
+        logging.getLogger("worker").info("signal %d: finishing the group in hand, then stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    settings = {k: v for k, v in dict(
+        store=args.store, run=args.run, model_dir=args.model, worker_id=args.worker_id, max_groups=args.groups,
+        seed=args.seed, threads=args.threads, wait_timeout_s=args.wait, log_every_s=args.log_every,
+    ).items() if v is not None}
+    try:
+        Worker(WorkerSettings(**settings)).run(stop)
+    except ContractMismatch as e:
+        print(f"worker refuses to join: {e}", file=sys.stderr)
+        return 3
+    except (ValueError, TimeoutError) as e:
+        print(f"worker error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

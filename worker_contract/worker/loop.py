@@ -1,0 +1,248 @@
+"""The reference worker's loop: join the run, then sample, score and upload one group at a time.
+
+    settings = WorkerSettings(store=..., run=..., model_dir=...)
+    Worker(settings, env=os.environ).run(stop_event)
+
+Between groups (never inside one) it follows the pointer, so every sample of a group comes from one
+policy version, the version the record names. A stop request (SIGTERM/SIGINT) lets the group in hand
+finish and upload; an upload is one create-only put, which a reader sees whole or not at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .. import layout
+from ..env import parse_env
+from ..manifest import ContractMismatch, RunManifest, load_manifest
+from ..schema import RolloutRecord, Sample, SamplingParams, encode_record
+from ..store import NotFound, PreconditionFailed, Store, open_store
+from ..tasks import Problem, get_task
+
+log = logging.getLogger("worker")
+
+
+class WorkerSettings(BaseModel):
+    """What one worker process is told (command line and environment)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    store: str
+    """Store URL (DRL_STORE): file:///abs/path, r2://<bucket> or s3://<bucket>."""
+    run: str
+    """Run id (DRL_RUN) to join."""
+    model_dir: str | None = None
+    """Local HF directory with the run's config.json and tokenizer; None = fetch them for run.json's model_id."""
+    worker_id: str = Field(default_factory=lambda: f"{socket.gethostname().split('.')[0]}-{os.getpid()}")
+    """Stable id of this worker (a key segment of every record it writes)."""
+    max_groups: int = 0
+    """Stop after this many uploaded groups (0 = run until stopped)."""
+    seed: int | None = None
+    """Seed for prompt choice and sampling (None = fresh randomness)."""
+    threads: int | None = None
+    """torch CPU threads (None = torch's default)."""
+    poll_interval_s: float = 2.0
+    """How often to look for run.json / the first version while waiting, and the log cadence floor."""
+    wait_timeout_s: float = 600.0
+    """Give up if the run publishes no weights within this long."""
+    log_every_s: float = 10.0
+    """Progress line cadence."""
+
+
+@dataclass
+class WorkerStats:
+    groups: int = 0
+    samples: int = 0
+    versions_seen: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+
+
+def declared_contract(env: Mapping[str, str]) -> tuple[int, str]:
+    """(DRL_N_SAMPLES, DRL_PULSE_PLANE) this worker declares; the plane defaults to the quickstart's bf16."""
+    c = parse_env(env)
+    return c.n_samples, c.plane or "bf16"
+
+
+def check_contract(manifest: RunManifest, n_samples: int, plane: str) -> None:
+    """Fail closed, naming the value that differs, before any weights are fetched."""
+    if manifest.plane != plane:
+        raise ContractMismatch(f"DRL_PULSE_PLANE={plane!r} but run {manifest.run!r} publishes plane "
+                               f"{manifest.plane!r}: set DRL_PULSE_PLANE={manifest.plane}")
+    if manifest.n_samples != n_samples:
+        raise ContractMismatch(f"DRL_N_SAMPLES={n_samples} but run {manifest.run!r} requires n_samples="
+                               f"{manifest.n_samples}: set DRL_N_SAMPLES={manifest.n_samples} (every group of "
+                               "another size is dropped)")
+
+
+def read_manifest(store: Store, run: str) -> RunManifest:
+    """run.json, with a contract version this worker does not speak reported as a mismatch."""
+    import json
+
+    raw = store.get(layout.manifest_key(run))
+    try:
+        version = json.loads(raw).get("contract_version")
+    except ValueError:
+        version = None
+    if version != layout.CONTRACT_VERSION:
+        raise ContractMismatch(f"run {run!r} has contract_version={version!r}; this worker speaks "
+                               f"contract_version={layout.CONTRACT_VERSION}: upgrade the worker")
+    return load_manifest(store, run)
+
+
+def resolve_model_dir(settings: WorkerSettings, manifest: RunManifest) -> Path:
+    """--model if given, else config and tokenizer (no weights) of run.json's model_id from the HF Hub."""
+    if settings.model_dir:
+        return Path(settings.model_dir)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(manifest.model_id, allow_patterns=["*.json", "*.jinja", "*.txt", "*.model"]))
+    except Exception as e:
+        raise ContractMismatch(f"could not fetch config and tokenizer of {manifest.model_id!r} ({e}); "
+                               "pass --model /path/to/hf-dir holding them") from None
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, env: Mapping[str, str] | None = None):
+        self.s = settings
+        self.env = os.environ if env is None else env
+        self.store = open_store(settings.store, self.env)
+        layout.check_run_id(settings.run)
+        layout.check_segment(settings.worker_id, "worker_id")
+        self.n_samples, self.plane = declared_contract(self.env)
+        self.stats = WorkerStats()
+        self._rng = random.Random(settings.seed if settings.seed is not None else os.urandom(16))
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def _wait_for(self, what: str, fetch, stop: threading.Event):
+        deadline = time.monotonic() + self.s.wait_timeout_s
+        said = False
+        while True:
+            try:
+                return fetch()
+            except NotFound:
+                pass
+            if not said:
+                log.info("waiting for the trainer to publish %s of run %r in %s", what, self.s.run, self.store.url)
+                said = True
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.s.run!r} published no {what} within {self.s.wait_timeout_s:.0f} s")
+            if stop.wait(self.s.poll_interval_s):
+                return None
+
+    def setup(self, stop: threading.Event) -> bool:
+        """Read and check run.json, load tokenizer and model, cold-join. False if stopped while waiting."""
+        manifest = self._wait_for("run.json", lambda: read_manifest(self.store, self.s.run), stop)
+        if manifest is None:
+            return False
+        check_contract(manifest, self.n_samples, self.plane)
+        self.manifest = manifest
+        self.task = get_task(manifest.task)
+        model_dir = resolve_model_dir(self.s, manifest)
+        from .identity import check_identity
+
+        check_identity(model_dir, manifest)
+        from ..reconstruct import Reconstructor, SyncError
+        from .model import PolicyModel
+
+        self.rec = Reconstructor(self.store, self.s.run, plane=self.plane, n_samples=self.n_samples)
+
+        def join():
+            try:
+                return self.rec.join()
+            except SyncError as e:
+                if "no weights yet" in str(e):
+                    raise NotFound(str(e)) from None
+                raise
+
+        joined = self._wait_for("its first weights", join, stop)
+        if joined is None:
+            return False
+        self.policy = PolicyModel(model_dir, threads=self.s.threads, seed=self._rng.getrandbits(63))
+        self._swap(*joined)
+        log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d)",
+                 self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples, self.plane,
+                 manifest.temperature, manifest.max_new_tokens)
+        return True
+
+    def _swap(self, version: int, state) -> None:
+        from ..planes import get_plane
+
+        self.policy.load(get_plane(self.plane).to_dense(state))
+        self.version = version
+        self.stats.versions_seen.append(version)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> WorkerStats:
+        """Join, then loop until stopped (or `max_groups` groups are uploaded)."""
+        if not self.setup(stop):
+            return self.stats
+        return self.loop(stop)
+
+    def loop(self, stop: threading.Event) -> WorkerStats:
+        train = self.task.dataset("train")
+        last_log = time.monotonic()
+        while not stop.is_set() and (self.s.max_groups <= 0 or self.stats.groups < self.s.max_groups):
+            update = self.rec.follow()  # between groups only: a group never mixes versions
+            if update is not None:
+                self._swap(*update)
+            problem = train[self._rng.randrange(len(train))]
+            record = self.sample_group(problem)
+            key = self.upload(record)
+            self.stats.groups += 1
+            self.stats.samples += len(record.samples)
+            self.stats.rewards.extend(s.reward for s in record.samples)
+            if time.monotonic() - last_log >= self.s.log_every_s:
+                last_log = time.monotonic()
+                self._log_progress(key)
+        log.info("worker %s stopping: %d groups uploaded, last version v%d", self.s.worker_id,
+                 self.stats.groups, self.version)
+        return self.stats
+
+    def sample_group(self, problem: Problem) -> RolloutRecord:
+        m = self.manifest
+        prompt = self.policy.prompt_ids(self.task.messages(problem))
+        outs = self.policy.sample(prompt, self.n_samples, temperature=m.temperature, top_p=m.top_p,
+                                  max_new_tokens=m.max_new_tokens)
+        samples = []
+        for o in outs:
+            text = self.policy.decode(o.token_ids)
+            samples.append(Sample(response_ids=o.token_ids, behavior_logprobs=o.logprobs,
+                                  loss_mask=[1] * len(o.token_ids), reward=self.task.reward(text, problem),
+                                  finish_reason=o.finish_reason))
+        return RolloutRecord(
+            run=self.s.run, worker_id=self.s.worker_id, group_id=self._group_id(), policy_version=self.version,
+            plane=self.plane, task=m.task, prompt_id=problem.id, prompt_ids=prompt,
+            sampling=SamplingParams(temperature=m.temperature, top_p=m.top_p, max_new_tokens=m.max_new_tokens),
+            samples=samples, created_at=time.time(),
+        )
+
+    def _group_id(self) -> str:
+        return f"g{time.time_ns() // 1_000_000:013d}-{self._rng.getrandbits(32):08x}"
+
+    def upload(self, record: RolloutRecord) -> str:
+        """One create-only put; a (vanishingly unlikely) id collision retries under a fresh id."""
+        for _ in range(3):
+            key = layout.rollout_key(self.s.run, record.policy_version, self.s.worker_id, record.group_id)
+            try:
+                self.store.put_if_absent(key, encode_record(record))
+                return key
+            except PreconditionFailed:
+                record = record.model_copy(update={"group_id": self._group_id()})
+        raise RuntimeError("three group-id collisions in a row: is another worker using the same --worker-id?")
+
+    def _log_progress(self, key: str) -> None:
+        recent = self.stats.rewards[-10 * self.n_samples:]
+        log.info("worker %s: v%d, %d groups, mean reward %.3f over the last %d samples; last %s",
+                 self.s.worker_id, self.version, self.stats.groups, sum(recent) / max(1, len(recent)),
+                 len(recent), key)

@@ -1,0 +1,67 @@
+"""The worker's policy: an HF causal LM built from the run's config, weights only ever from the bucket.
+
+The local directory supplies config.json and the tokenizer (checked against run.json first); its
+weights, if any, are never read. Published weights arrive as HF-named numpy arrays (bf16 plane: bf16;
+int8g64: dequantized) and are copied into the model in place, upcast to float32 on CPU, which is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..tensors import to_torch
+from .sampling import Completion, sample
+
+
+class PolicyModel:
+    def __init__(self, model_dir: str | Path, *, threads: int | None = None, seed: int = 0,
+                 device: str | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        config = AutoConfig.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        eos = config.eos_token_id if config.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None})
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    @torch.no_grad()
+    def load(self, state: Mapping[str, np.ndarray]) -> None:
+        """Copy a full published state into the model; a missing or unknown tensor is an error."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        tied_ok = {"lm_head.weight"} if self.tied else set()
+        missing = {n for n in params if n not in state and n not in tied_ok and "rotary_emb" not in n}
+        unknown = set(state) - set(params)
+        if missing or unknown:
+            raise ValueError(f"published weights do not fit the model: missing {sorted(missing)[:5]}, "
+                             f"unknown {sorted(unknown)[:5]}")
+        for name, arr in state.items():
+            t = to_torch(np.asarray(arr))
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise ValueError(f"{name}: published shape {tuple(t.shape)}, model shape {tuple(params[name].shape)}")
+            params[name].copy_(t.to(params[name].dtype))
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def sample(self, prompt: list[int], n: int, *, temperature: float, top_p: float,
+               max_new_tokens: int) -> list[Completion]:
+        return sample(self.model, [prompt] * n, temperature=temperature, top_p=top_p,
+                      max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                      generator=self.generator)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -1,0 +1,108 @@
+"""Token sampling that records each token's behaviour log-prob from the forward that produced it.
+
+Why not `model.generate`: its sampling goes through generation-config defaults (top_k=50, repetition
+penalties...) that would silently make the distribution the worker samples from differ from the one the
+learner scores; a short explicit loop keeps "the log-prob we record is the distribution we drew from"
+visible in one place. The recorded log-prob is the temperature-scaled log-softmax over the whole vocabulary
+(what the learner recomputes); top_p only restricts which tokens may be drawn.
+
+Prompts may differ in length: they are left-padded, with position ids counted from each prompt's start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    """Sampled ids, EOS included when the model stopped."""
+    logprobs: list[float]
+    """Behaviour log-prob of each sampled id."""
+    finish_reason: str
+    """'stop' (EOS) or 'length' (budget hit)."""
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool,
+          generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, their log-probs) for one decoding position of every row."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if greedy:
+        tok = logp.argmax(dim=-1)
+    else:
+        probs = logp.exp()
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the top token always survives)
+            drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5 renamed the KV-cache argument and output `past_key_values` -> `cache`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.inference_mode()
+def sample(
+    model,
+    prompts: list[list[int]],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> list[Completion]:
+    """Sample one completion per prompt (repeat a prompt to sample a group), with KV caching."""
+    assert prompts and all(prompts), "every prompt needs at least one token"
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    eos = torch.tensor(eos_ids, device=device)
+    cache_kw = _cache_kwarg(model)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+    past, logits = getattr(out, cache_kw), out.logits[:, -1]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    toks, lps = [], []
+    for _ in range(max_new_tokens):
+        tok, lp = _pick(logits, temperature, top_p, greedy, generator)
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        toks.append(tok)
+        lps.append(lp)
+        done = done | torch.isin(tok, eos)
+        if bool(done.all()):
+            break
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+        pos = pos[:, -1:] + 1
+        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, use_cache=True,
+                    **{cache_kw: past})
+        past, logits = getattr(out, cache_kw), out.logits[:, -1]
+    return _collect(torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist(), set(eos_ids))
+
+
+def _collect(tok_rows: list[list[int]], lp_rows: list[list[float]], eos: set[int]) -> list[Completion]:
+    result = []
+    for toks, lps in zip(tok_rows, lp_rows, strict=True):
+        n = next((j + 1 for j, t in enumerate(toks) if t in eos), None)
+        if n is None:
+            result.append(Completion(toks, lps, "length"))
+        else:
+            result.append(Completion(toks[:n], lps[:n], "stop"))
+    return result

@@ -75,6 +75,9 @@ class EmbeddedBaseConfig(_Model):
     """Problems per supervised step."""
     sft_lr: float = 3e-3
     """Peak supervised learning rate (warmup then cosine decay)."""
+    sft_direct_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """Share of supervised examples that show only the final `#### N` instead of the worked solution
+    (instruction data mixes both): the base then often answers without working, which RL unlearns."""
     sft_target_accuracy: tuple[float, float] = (0.2, 0.5)
     """Held-out accuracy band the base should land in (partly right, so RL has room)."""
     seed: int = 0

@@ -100,7 +100,9 @@ class EmbeddedConfig(_Model):
     base: EmbeddedBaseConfig = EmbeddedBaseConfig()
     overrides: dict[str, Any] = {}
     """Recipe values the embedded run replaces (dotted keys, e.g. `algo.lr: 2.0e-4`): the tiny CPU model
-    needs its own learning rate, response budget and so on. Applied by `embedded_recipe()`."""
+    needs its own learning rate, response budget and so on. Applied by `resolve(..., embedded=True)`."""
+    model_overrides: dict[str, Any] = {}
+    """The same for an embedded run on a real model from disk (MODEL=/path), instead of `overrides`."""
 
 
 class GateConfig(_Model):
@@ -250,12 +252,24 @@ def resolve(
     recipe: str,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    *,
+    embedded: bool = False,
 ) -> RecipeConfig:
-    """Resolve a recipe: defaults < runs/<recipe>.yaml < environment < `overrides` (dotted keys)."""
+    """Resolve a recipe: defaults < runs/<recipe>.yaml < environment < `overrides` (dotted keys).
+
+    `embedded=True` (the loop on this machine) applies the recipe's `embedded.overrides` (the small base
+    built on the spot) or, when `overrides` names a `model.path` (MODEL=), its `embedded.model_overrides`,
+    right after the YAML, so the environment and command line still win over them.
+    """
     import os
 
     env = os.environ if env is None else env
     tree = load_recipe_file(recipe_path(recipe))
+    if embedded:
+        emb = tree.get("embedded") or {}
+        which = "model_overrides" if (overrides or {}).get("model.path") else "overrides"
+        for dotted, value in dict(emb.get(which) or {}).items():
+            _set_dotted(tree, dotted, value)
     for var, dotted in ENV_FIELDS.items():
         if env.get(var, "") != "":
             _set_dotted(tree, dotted, env[var])

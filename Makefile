@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stoa-setup-stamp
+# Inside the slime/Megatron image the venv must see the image's CUDA torch, slime and Megatron-LM.
+VENV_FLAGS := $(if $(wildcard /root/slime),--system-site-packages)
 
 RUN ?=
 HOST ?=
@@ -22,7 +24,7 @@ help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
 
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install --upgrade pip >/dev/null
 	$(PY) -m pip install -e '.[dev]'
 	@touch $(STAMP)

@@ -37,7 +37,7 @@ def save_tiny_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def recipe(**train_kw) -> RecipeConfig:
+def recipe(staleness: int = 3, **train_kw) -> RecipeConfig:
     train = dict(backend="hf", micro_batch_size=4, save_interval=2, anchor_interval=3, num_steps=6,
                  seed=7, poll_interval_s=0.05, vocab_chunk=24)
     train.update(train_kw)
@@ -45,17 +45,17 @@ def recipe(**train_kw) -> RecipeConfig:
         name="test", task="arithmetic",
         contract=ContractConfig(n_samples=N_SAMPLES, plane="bf16"),
         model=ModelConfig(dtype="float32"),
-        algo=AlgoConfig(groups_per_step=2, staleness=3, reuse_cap=2, max_new_tokens=MAX_NEW, lr=1e-3,
+        algo=AlgoConfig(groups_per_step=2, staleness=staleness, reuse_cap=2, max_new_tokens=MAX_NEW, lr=1e-3,
                         temperature=1.0, gate=GateConfig(divergence="tv", delta_low=0.2, delta_high=0.2)),
         train=TrainConfig(**train),
     )
 
 
-def manifest(run: str, key, *, plane: str = "bf16") -> RunManifest:
+def manifest(run: str, key, *, plane: str = "bf16", staleness: int = 3) -> RunManifest:
     return RunManifest(run=run, n_samples=N_SAMPLES, plane=plane, task="arithmetic", model_id="tiny-qwen2",
                        architecture="Qwen2ForCausalLM", rope_theta=10000.0, vocab_size=VOCAB, hidden_size=32,
                        num_layers=2, num_attention_heads=4, num_key_value_heads=2, tokenizer_digest="0" * 64,
-                       chat_template_digest="0" * 64, temperature=1.0, max_new_tokens=MAX_NEW, staleness=3,
+                       chat_template_digest="0" * 64, temperature=1.0, max_new_tokens=MAX_NEW, staleness=staleness,
                        anchor_interval=3, trainer_public_key=public_key_b64(key))
 
 

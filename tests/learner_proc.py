@@ -2,7 +2,7 @@
 
     python tests/learner_proc.py save-loop <ckpt_root> <model_dir>
         one optimizer step, then checkpoints forever; prints "SAVED <step>" after each
-    python tests/learner_proc.py learn <store_root> <run_dir> <model_dir> <key_path> <run> <num_steps>
+    python tests/learner_proc.py learn <store_root> <run_dir> <model_dir> <key_path> <run> <num_steps> <staleness>
         the real learner loop (Ray actors, publisher) on a file store; prints "STEP <json>" per step
 """
 
@@ -42,7 +42,8 @@ def save_loop(ckpt_root: str, model_dir: str) -> None:
         print(f"SAVED {step}", flush=True)
 
 
-def learn(store_root: str, run_dir: str, model_dir: str, key_path: str, run: str, num_steps: str) -> None:
+def learn(store_root: str, run_dir: str, model_dir: str, key_path: str, run: str, num_steps: str,
+          staleness: str) -> None:
     from learner_fixtures import manifest, recipe
 
     from trainer.learner import run_learner
@@ -52,8 +53,8 @@ def learn(store_root: str, run_dir: str, model_dir: str, key_path: str, run: str
 
     store = FileStore(store_root)
     key = load_private_key(key_path)
-    m = create_or_resume(store, manifest(run, key), resume=True)
-    cfg = recipe(num_steps=int(num_steps))
+    m = create_or_resume(store, manifest(run, key, staleness=int(staleness)), resume=True)
+    cfg = recipe(staleness=int(staleness), num_steps=int(num_steps))
 
     def on_step(metrics: dict) -> None:
         print("STEP " + json.dumps({"step": metrics["step"], "version": metrics["version"]}), flush=True)

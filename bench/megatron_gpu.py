@@ -168,6 +168,34 @@ def parity(hf_model, model_dir: Path, device: str, batch: int, seq: int) -> dict
     return out
 
 
+def backend_parity(model_dir: Path, device: str, rows: int, prompt: int, response: int) -> dict:
+    """The backend's own forward path (fused rope in our SDPA attention, vocab-parallel log-probs) against
+    transformers' float32 log_softmax, on the response tokens of a batch, for float32 and bf16 models."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.backends.megatron import MegatronBackend
+    from trainer.config import resolve
+
+    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": 8})
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    batch = synthetic_batch(rows, prompt, response, hf.config.vocab_size, seed=1)
+    ids = batch.input_ids.to(device)
+    with torch.no_grad():
+        logits = hf(ids).logits[:, prompt - 1 : -1].float() / cfg.algo.temperature
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[:, prompt:, None]).squeeze(-1).cpu()
+    del hf, logits
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        be = MegatronBackend.load(model_dir, cfg, device=device, compute_dtype=dtype)
+        diff = (be.logprobs(batch).cpu() - ref).abs()
+        out[name] = {"logp_max_abs_diff": diff.max().item(), "logp_mean_abs_diff": diff.mean().item()}
+        del be
+        gc.collect()
+        torch.cuda.empty_cache() if device == "cuda" else None
+    return out
+
+
 def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0):
     import torch
 
@@ -334,6 +362,16 @@ def run(args, save) -> dict:
             result["parity"] = parity(hf_model, model_dir, args.device, 4 if not args.tiny else 2,
                                       512 if not args.tiny else 32)
             print(json.dumps(result["parity"], indent=1), flush=True)
+            save(result)
+            try:
+                result["parity_backend_logprobs"] = backend_parity(model_dir, args.device, 8 if not args.tiny else 2,
+                                                                   args.prompt, args.response)
+            except Exception as e:
+                import traceback
+
+                traceback.print_exc()
+                result["parity_backend_logprobs"] = {"error": f"{type(e).__name__}: {e}"}
+            print("backend log-probs vs HF fp32", json.dumps(result["parity_backend_logprobs"]), flush=True)
             save(result)
         del hf_model
         gc.collect()

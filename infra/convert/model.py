@@ -36,12 +36,55 @@ def have_te() -> bool:
     return True
 
 
+def _rope_eager(t: Any, cos: Any, sin: Any) -> Any:
+    """Rotary embedding as megatron and HF apply it (rotate-half, in the activations' dtype)."""
+    import torch
+
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
+
+
+_ROPE: dict[str, Any] = {}
+
+
+def apply_rope(t: Any, cos: Any, sin: Any) -> Any:
+    """`_rope_eager`, torch.compile'd into one kernel per direction on CUDA (megatron's unfused rope is
+    about ten kernels per tensor, and the learner's forward is launch-bound); eager elsewhere, and eager
+    from then on if compilation fails."""
+    import torch
+
+    if not t.is_cuda or _ROPE.get("failed"):
+        return _rope_eager(t, cos, sin)
+    if "fn" not in _ROPE:
+        _ROPE["fn"] = torch.compile(_rope_eager, dynamic=True)
+    try:
+        return _ROPE["fn"](t, cos, sin)
+    except Exception as e:  # no triton / no compiler: the eager version is the same maths
+        import logging
+
+        logging.getLogger(__name__).warning("torch.compile of rope failed (%s); running it eagerly", e)
+        _ROPE["failed"] = True
+        return _rope_eager(t, cos, sin)
+
+
+_SDPA: dict[str, type] = {}
+
+
 def _sdpa_attention_class() -> type:
+    if "cls" in _SDPA:
+        return _SDPA["cls"]
     import torch.nn.functional as F
     from megatron.core.transformer.module import MegatronModule
 
     class SDPAttention(MegatronModule):
-        """Causal core attention through torch SDPA: takes megatron's [s, b, heads, d] q/k/v, returns [s, b, h]."""
+        """Causal core attention through torch SDPA: takes megatron's [s, b, heads, d] q/k/v, returns [s, b, h].
+
+        `rope`: when a caller sets it to (cos, sin) [s, 1, 1, d] and runs the decoder without
+        `rotary_pos_emb`, the rotary embedding is applied here, fused (`apply_rope`); GPTModel.forward
+        leaves it None and megatron applies rope itself before calling us.
+        """
+
+        fuses_rope = True
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                      softmax_scale=None, cp_comm_type=None, pg_collection=None):
@@ -50,11 +93,14 @@ def _sdpa_attention_class() -> type:
                 raise ValueError(f"SDPAttention supports self-attention only, got attention_type={attention_type!r}")
             self.scale = softmax_scale
             self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+            self.rope: tuple[Any, Any] | None = None
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None, **_):
             if packed_seq_params is not None or attention_bias is not None:
                 raise NotImplementedError("SDPAttention: packed sequences and attention bias are not supported")
+            if self.rope is not None:
+                query, key = apply_rope(query, *self.rope), apply_rope(key, *self.rope)
             sq, b, nh, d = query.shape
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
             if k.shape[1] != nh:  # grouped-query attention: expand the groups to the heads
@@ -67,6 +113,7 @@ def _sdpa_attention_class() -> type:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=p, scale=self.scale)
             return out.permute(2, 0, 1, 3).reshape(sq, b, nh * d)
 
+    _SDPA["cls"] = SDPAttention
     return SDPAttention
 
 

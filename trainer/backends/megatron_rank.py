@@ -1,8 +1,8 @@
 """One tensor-parallel rank of the megatron backend: policy and reference shards, fp32 master weights, AdamW.
 
 Precision: the model computes in the recipe's dtype (bf16 on GPU) while the optimizer updates float32
-master copies, into which each micro-batch's gradients are accumulated (a post-accumulate hook adds the
-bf16 gradient to the float32 buffer and frees it). An lr-1e-6 Adam update is below half a bf16 ulp for
+master copies, into which each micro-batch's gradients are accumulated (one multi-tensor add of the bf16
+gradients into the float32 buffers after each micro-batch's backward, which then frees them). An lr-1e-6 Adam update is below half a bf16 ulp for
 most weights, so bf16-only weights would not learn; this is megatron's own mixed-precision scheme.
 
 Optimizer: torch AdamW (fused on CUDA) on the master weights, not megatron's DistributedOptimizer. The
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 #: float32 logits per vocabulary-chunk of tokens stay under this many bytes
 _LOGITS_BUDGET = 2 << 30
+#: tokens per forward when no gradient is needed (reference and behaviour log-probs)
+_NOGRAD_TOKENS = 32768
 
 
 class MegatronRank:
@@ -69,6 +71,9 @@ class MegatronRank:
                                attention=attention, device=self.device.type, init=True)  # init sets TP attributes
 
         self.model, self.reference = build(), build()
+        # our SDPA core attention applies rope itself (fused) when we hand it cos/sin; see _hidden
+        self._rope_sites = {id(m): [a for a in m.modules() if getattr(a, "fuses_rope", False)]
+                            for m in (self.model, self.reference)}
         self._load_weights(model_dir, load)
         self.reference.eval().requires_grad_(False)
         self._setup_optimizer()
@@ -100,9 +105,8 @@ class MegatronRank:
             self.masters = self.params  # the model's own weights are the master weights
         else:
             self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-            for p, m in zip(self.params, self.masters, strict=True):
+            for m in self.masters:
                 m.grad = torch.zeros_like(m)
-                p.register_post_accumulate_grad_hook(self._accumulate_into(m))
         on_cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(self.masters, lr=algo.lr, weight_decay=algo.weight_decay,
                                            betas=(0.9, 0.999), eps=1e-8, fused=on_cuda or None,
@@ -110,13 +114,16 @@ class MegatronRank:
         # which grads this rank counts in the global norm: its TP shards, and replicated ones on rank 0
         self._counted = [bool(getattr(p, "tensor_model_parallel", False)) or self.tp_rank == 0 for p in self.params]
 
-    @staticmethod
-    def _accumulate_into(master: torch.Tensor):
-        def hook(param: torch.Tensor) -> None:
-            master.grad.add_(param.grad)
-            param.grad = None
-
-        return hook
+    def _accumulate(self) -> None:
+        """Add this micro-batch's bf16 gradients into the float32 master gradients (one multi-tensor
+        launch, not one per parameter) and free them."""
+        if self.masters is self.params:
+            return  # float32 model: autograd accumulates in place
+        pairs = [(m.grad, p.grad) for m, p in zip(self.masters, self.params, strict=True) if p.grad is not None]
+        if pairs:
+            torch._foreach_add_([m for m, _ in pairs], [g for _, g in pairs])
+        for p in self.params:
+            p.grad = None
 
     # -- forward -------------------------------------------------------------------------------------
     def _hidden(self, model: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -124,11 +131,21 @@ class MegatronRank:
         b, t = ids.shape
         pos = torch.arange(t, device=ids.device).unsqueeze(0).expand(b, t)
         emb = model.embedding(input_ids=ids, position_ids=pos)
-        rope = model.rotary_pos_emb(t)
+        freqs = model.rotary_pos_emb(t)  # [t, 1, 1, d] float32
         mask = None
         if self.attention == "local":  # megatron's unfused attention needs an explicit mask (True = hidden)
             mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).triu_(1)[None, None]
-        return model.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=rope)
+        sites = self._rope_sites.get(id(model), [])
+        if not sites:
+            return model.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=freqs)
+        rope = (freqs.cos().to(emb.dtype), freqs.sin().to(emb.dtype))  # as megatron's unfused rope casts them
+        for site in sites:
+            site.rope = rope
+        try:
+            return model.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=None)
+        finally:
+            for site in sites:
+                site.rope = None
 
     def _head_weight(self, model: Any) -> torch.Tensor:
         if model.share_embeddings_and_output_weights:
@@ -152,18 +169,21 @@ class MegatronRank:
         out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
         return out.index_put((rows, cols), lp)
 
-    def _micro_batches(self, batch: TrainBatch):
-        step = max(1, self.cfg.train.micro_batch_size)
+    def _micro_batches(self, batch: TrainBatch, rows: int | None = None):
+        step = max(1, rows or self.cfg.train.micro_batch_size)
         for start in range(0, batch.rows, step):
             yield batch.select(start, min(start + step, batch.rows))
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Without gradients nothing is kept for a backward pass, so the forward takes up to
+        `_NOGRAD_TOKENS` tokens at a time (at least the recipe's micro-batch): fewer, larger launches."""
         model = self.reference if reference else self.model
         batch = batch.to(self.device)
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
+        rows = max(self.cfg.train.micro_batch_size, _NOGRAD_TOKENS // max(1, batch.input_ids.shape[1]))
         row = 0
-        for mb in self._micro_batches(batch):
+        for mb in self._micro_batches(batch, rows):
             lp = self.response_logp(model, mb)
             out[row : row + mb.rows, : lp.shape[1]] = lp
             row += mb.rows
@@ -188,6 +208,7 @@ class MegatronRank:
             logp = self.response_logp(self.model, mb)
             loss, metrics = loss_fn(logp, mb)
             (loss * (mb.rows / batch.rows)).backward()
+            self._accumulate()
             parts.append((mb.rows, metrics))
         norm = self._grad_norm()
         out = combine_metrics(parts)

@@ -54,9 +54,9 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", buffering=1)  # line-buffered: a crash loses at most one line
-        self._wandb = self._open_wandb(run, config, env) if env.get("DRL_WANDB_PROJECT") else None
         self._tb = self._open_tensorboard() if env.get("DRL_TENSORBOARD", "") not in ("", "0") else None
+        self._wandb = self._open_wandb(run, config, env) if env.get("DRL_WANDB_PROJECT") else None
+        self._file = open(self.path, "a", buffering=1)  # line-buffered: a crash loses at most one line
 
     def _open_wandb(self, run: str, config: Mapping[str, Any] | None, env: Mapping[str, str]):
         try:
@@ -64,7 +64,8 @@ class MetricsLogger:
         except ImportError:
             raise OptionalDependencyError(
                 f"DRL_WANDB_PROJECT={env['DRL_WANDB_PROJECT']!r} asks for W&B logging, but wandb is not "
-                "installed: `.venv/bin/pip install wandb` (set WANDB_MODE=offline to log without a network), "
+                "installed: `.venv/bin/pip install wandb` (or the `logging` extra; WANDB_MODE=offline logs without "
+                "a network), "
                 "or unset DRL_WANDB_PROJECT"
             ) from None
         return wandb.init(project=env["DRL_WANDB_PROJECT"], entity=env.get("DRL_WANDB_ENTITY") or None,
@@ -77,7 +78,7 @@ class MetricsLogger:
         except ImportError:
             raise OptionalDependencyError(
                 "DRL_TENSORBOARD=1 asks for TensorBoard logging, but tensorboard is not installed: "
-                "`.venv/bin/pip install tensorboard`, or unset DRL_TENSORBOARD"
+                "`.venv/bin/pip install tensorboard` (or the `logging` extra), or unset DRL_TENSORBOARD"
             ) from None
         return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 

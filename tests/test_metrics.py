@@ -46,22 +46,28 @@ def test_an_asked_for_sink_that_is_not_installed_says_how_to_get_it(tmp_path, en
     assert not (tmp_path / "metrics.jsonl").exists() or (tmp_path / "metrics.jsonl").read_text() == ""
 
 
-def test_stats_objects_are_what_the_operator_status_reads(tmp_path):
-    from infra.ops.status import read_stats, sum_drops, summarize_publishes
-
+def test_stats_objects_carry_the_documented_fields(tmp_path):
+    """The format docs/contract.md documents and `invoke status` reads: deltas add up to the totals."""
     store = FileStore(tmp_path)
+    totals: dict[str, int] = {}
     for v, delta in ((1, {}), (2, {"stale": 2}), (3, {"stale": 1, "group_size": 1})):
+        for k, n in delta.items():
+            totals[k] = totals.get(k, 0) + n
         stats = version_stats(
             version=v, step=v - 1, kind="anchor" if v == 1 else "patch",
             metrics={"train/loss": 0.1, "worker/w1/groups": 3.0, "publish/bytes": 1.0},
-            drops_total={"stale": 3, "group_size": 1}, drops_delta=delta,
+            drops_total=dict(totals), drops_delta=delta,
             workers={"w1": {"groups": 3, "version_lag": 1}}, groups=8,
-            publish={"patch_bytes": 100 * v, "latency_s": 0.5})
+            publish={"patch_bytes": 100 * v, "latency_s": 0.5, "ratio": math.nan})
         assert write_version_stats(store, "r", stats)
-    obj = json.loads(store.get(layout.stats_key("r", 3)))
-    assert obj["metrics"] == {"train/loss": 0.1}  # per-worker and stale publish values are not repeated
-    read = read_stats(store, "r", 3)
-    total, recent = sum_drops(read)
-    assert total == recent == {"stale": 3, "group_size": 1}  # the deltas add up to the totals
-    rows = {r.version: r for r in summarize_publishes(read, {}, 3)}
-    assert rows[3].patch_bytes == 300 and rows[3].latency_s == 0.5 and rows[3].groups == 8
+    objs = [json.loads(store.get(layout.stats_key("r", v))) for v in (1, 2, 3)]
+    assert [o["version"] for o in objs] == [1, 2, 3] and objs[0]["kind"] == "anchor"
+    summed: dict[str, int] = {}
+    for o in objs:
+        for k, n in o["drops"].items():
+            summed[k] = summed.get(k, 0) + n
+    assert summed == objs[-1]["drops_total"] == {"stale": 3, "group_size": 1}
+    last = objs[-1]
+    assert last["publish"] == {"patch_bytes": 300, "latency_s": 0.5, "ratio": None} and last["groups"] == 8
+    assert last["metrics"] == {"train/loss": 0.1}  # per-worker and stale publish values are not repeated
+    assert last["workers"] == {"w1": {"groups": 3, "version_lag": 1}}

@@ -6,6 +6,7 @@ import json
 import math
 import random
 import socket
+from pathlib import Path
 
 import psutil
 import pytest
@@ -193,3 +194,22 @@ def test_learner_loop_on_ray_trains_publishes_and_reports(model_dir, tmp_path, m
     assert {ip for ip, _ in listeners} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listeners  # loopback only
     assert list(home.iterdir()) == []  # no ~/.ray/auth_token, nothing else either
     assert not [p for p in psutil.Process().children(recursive=True) if "ray" in p.name().lower()]
+
+
+def test_stores_reach_actors_by_pickle_or_by_url(s3_store, moto_server, tmp_path):
+    """A file store travels as itself; an S3 store (its client does not pickle) as its URL plus only the
+    store variables of the environment, and reopens to the same bucket."""
+    from trainer.ray_runtime import open_store_spec, ray_tmpdir, store_spec
+    from worker_contract.store.file import FileStore
+
+    kind, value = store_spec(FileStore(tmp_path / "b"))
+    assert kind == "pickle"
+    env = {**moto_server.env(), "HOME": "/root", "UNRELATED": "x"}
+    kind, (url, sent) = store_spec(s3_store, env)
+    assert kind == "url" and url == s3_store.url and set(sent) == set(moto_server.env())
+    s3_store.put("r/x", b"hello")
+    assert open_store_spec((kind, (url, sent))).get("r/x") == b"hello"
+    # Ray's sockets need a short temp dir: the run dir's own when it fits, else a short one in /tmp
+    assert ray_tmpdir("/tmp/run") == (Path("/tmp/run/ray"), False)
+    long_dir, fallback = ray_tmpdir("/tmp/" + "d" * 80)
+    assert fallback and len(str(long_dir)) < 40 and ray_tmpdir("/tmp/" + "d" * 80)[0] == long_dir

@@ -97,6 +97,8 @@ class EmbeddedConfig(_Model):
     """Held-out evaluation every this many steps."""
     eval_problems: int = 200
     """Held-out problems per evaluation (own seed and number ranges, never trained on)."""
+    eval_temperature: float | None = None
+    """Sampling temperature of the held-out evaluation; None = greedy decoding."""
     base: EmbeddedBaseConfig = EmbeddedBaseConfig()
     overrides: dict[str, Any] = {}
     """Recipe values the embedded run replaces (dotted keys, e.g. `algo.lr: 2.0e-4`): the tiny CPU model

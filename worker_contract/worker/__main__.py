@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "run.json's model_id)")
     p.add_argument("--worker-id", default=os.environ.get("DRL_WORKER_ID"), help="stable worker id (default host-pid)")
     p.add_argument("--groups", type=int, default=0, help="stop after this many groups (default: run until stopped)")
+    p.add_argument("--max-groups-per-version", type=int, default=None,
+                   help="pause after this many groups at one version until a newer one is published")
     p.add_argument("--seed", type=int, default=None, help="seed for prompts and sampling")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the run's first weights")
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     settings = {k: v for k, v in dict(
         store=args.store, run=args.run, model_dir=args.model, worker_id=args.worker_id, max_groups=args.groups,
-        seed=args.seed, threads=args.threads, wait_timeout_s=args.wait, log_every_s=args.log_every,
+        seed=args.seed, threads=args.threads, max_groups_per_version=args.max_groups_per_version,
+        wait_timeout_s=args.wait, log_every_s=args.log_every,
     ).items() if v is not None}
     try:
         Worker(WorkerSettings(**settings)).run(stop)

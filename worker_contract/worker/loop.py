@@ -51,6 +51,9 @@ class WorkerSettings(BaseModel):
     """Seed for prompt choice and sampling (None = fresh randomness)."""
     threads: int | None = None
     """torch CPU threads (None = torch's default)."""
+    max_groups_per_version: int = 0
+    """Pause after this many groups at one version until a newer one is published (0 = never pause): a
+    worker sharing a machine with the learner should not burn CPU on groups that would only go stale."""
     poll_interval_s: float = 2.0
     """How often to look for run.json / the first version while waiting, and the log cadence floor."""
     wait_timeout_s: float = 600.0
@@ -121,6 +124,7 @@ class Worker:
         layout.check_segment(settings.worker_id, "worker_id")
         self.n_samples, self.plane = declared_contract(self.env)
         self.stats = WorkerStats()
+        self._per_version: dict[int, int] = {}
         self._rng = random.Random(settings.seed if settings.seed is not None else os.urandom(16))
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -196,9 +200,13 @@ class Worker:
             update = self.rec.follow()  # between groups only: a group never mixes versions
             if update is not None:
                 self._swap(*update)
+            if self._ahead():
+                stop.wait(min(self.s.poll_interval_s, 0.5))
+                continue
             problem = train[self._rng.randrange(len(train))]
             record = self.sample_group(problem)
             key = self.upload(record)
+            self._per_version[record.policy_version] = self._per_version.get(record.policy_version, 0) + 1
             self.stats.groups += 1
             self.stats.samples += len(record.samples)
             self.stats.rewards.extend(s.reward for s in record.samples)
@@ -208,6 +216,10 @@ class Worker:
         log.info("worker %s stopping: %d groups uploaded, last version v%d", self.s.worker_id,
                  self.stats.groups, self.version)
         return self.stats
+
+    def _ahead(self) -> bool:
+        cap = self.s.max_groups_per_version
+        return cap > 0 and self._per_version.get(self.version, 0) >= cap
 
     def sample_group(self, problem: Problem) -> RolloutRecord:
         m = self.manifest

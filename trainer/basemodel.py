@@ -1,0 +1,207 @@
+"""The embedded default's base model, built on the spot because no pretrained weights can be downloaded.
+
+`ensure_base` trains a byte-level BPE tokenizer (digits split one per token, like Qwen2's) on generated
+GSM8K-format problems, builds a small Qwen2-architecture model from a config, and fine-tunes it with
+supervision on worked solutions just long enough to be partly right, so RL has both signal (some samples
+of a group are right) and room (most are not). The result is an ordinary HF directory (config.json,
+model.safetensors, tokenizer files with a ChatML template) cached under `.stoa/cache/base-<digest>/`,
+keyed by everything that shapes it, so a second run starts in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from worker_contract.tasks import Problem, Task
+from worker_contract.worker.sampling import sample
+
+from .config import EmbeddedBaseConfig
+
+#: ChatML, the format Qwen2 instruct models use; the tiny base speaks it too so MODEL= swaps cleanly.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+#: bump when the recipe below changes in a way the config digest cannot see
+BUILD_VERSION = 1
+
+
+class BaseReport(BaseModel):
+    """What building the base measured (written beside the weights as base.json)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    params: int
+    vocab_size: int
+    sft_steps: int
+    sft_seconds: float
+    heldout_accuracy: float
+    heldout_problems: int
+    config_digest: str
+
+
+def build_tokenizer(texts: Sequence[str], vocab_size: int):
+    """A byte-level BPE tokenizer trained on `texts`, wrapped for transformers with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def build_model(tokenizer, cfg: EmbeddedBaseConfig):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=512, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    torch.manual_seed(cfg.seed)
+    return Qwen2ForCausalLM(config)
+
+
+def prompt_ids(tokenizer, task: Task, problem: Problem) -> list[int]:
+    """The prompt's token ids: the task's chat messages rendered with the model's chat template."""
+    text = tokenizer.apply_chat_template(task.messages(problem), tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _sft_batch(tokenizer, task: Task, problems: list[Problem], directs: list[bool]) -> tuple[torch.Tensor, ...]:
+    """Right-padded (ids, labels, attention mask); labels are -100 on the prompt and padding. Where
+    `directs` is true the target is the bare final answer instead of the worked solution."""
+    rows = []
+    for p, direct in zip(problems, directs, strict=True):
+        pid = prompt_ids(tokenizer, task, p)
+        target = f"#### {p.answer}" if direct else p.solution
+        rid = tokenizer.encode(target + tokenizer.eos_token, add_special_tokens=False)
+        rows.append((pid + rid, [-100] * len(pid) + rid))
+    width = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (x, y) in enumerate(rows):
+        ids[i, : len(x)], labels[i, : len(y)], attn[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
+    return ids, labels, attn
+
+
+def supervise(model, tokenizer, task: Task, cfg: EmbeddedBaseConfig,
+              on_step: Callable[[int, float], None] | None = None) -> None:
+    """Fine-tune on worked solutions of training problems (AdamW, warmup then cosine decay)."""
+    train = task.dataset("train")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warm = max(1, cfg.sft_steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.sft_steps)))
+    )
+    rng = random.Random(cfg.seed)
+    model.train()
+    for step in range(cfg.sft_steps):
+        batch = [train[(step * cfg.sft_batch_size + j) % len(train)] for j in range(cfg.sft_batch_size)]
+        directs = [rng.random() < cfg.sft_direct_fraction for _ in batch]
+        ids, labels, attn = _sft_batch(tokenizer, task, batch, directs)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if on_step is not None:
+            on_step(step + 1, loss.item())
+    model.eval()
+
+
+def evaluate(model, tokenizer, task: Task, problems: Sequence[Problem], *, max_new_tokens: int,
+             temperature: float = 1.0, greedy: bool = True, batch_size: int = 100, seed: int = 0) -> float:
+    """Accuracy on `problems` under the task's own reward (the same code that scores rollouts)."""
+    if not problems:
+        return 0.0
+    gen = torch.Generator().manual_seed(seed)
+    eos = [tokenizer.eos_token_id]
+    correct = 0.0
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(problems), batch_size):
+        chunk = list(problems[start:start + batch_size])
+        outs = sample(model, [prompt_ids(tokenizer, task, p) for p in chunk], temperature=temperature,
+                      max_new_tokens=max_new_tokens, eos_ids=eos, pad_id=tokenizer.pad_token_id,
+                      greedy=greedy, generator=gen)
+        for p, o in zip(chunk, outs, strict=True):
+            correct += task.reward(tokenizer.decode(o.token_ids, skip_special_tokens=True), p)
+    model.train(was_training)
+    return correct / len(problems)
+
+
+def config_digest(cfg: EmbeddedBaseConfig, task: Task) -> str:
+    blob = json.dumps({"cfg": cfg.model_dump(mode="json"), "task": task.name, "build": BUILD_VERSION},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new_tokens: int,
+                eval_problems: int = 200, log: Callable[[str], None] = print,
+                on_sft_step: Callable[[int, float], None] | None = None) -> BaseReport:
+    """The cached base for `cfg`, building it first if needed (atomic: a half-built base is never used)."""
+    digest = config_digest(cfg, task)
+    out = Path(cache_dir) / f"base-{digest}"
+    if (out / "base.json").exists():
+        return BaseReport.model_validate_json((out / "base.json").read_text())
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" bars would tear the launcher's display
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    t0 = time.time()
+    train = task.dataset("train")
+    corpus = [_render(task, train[i]) for i in range(cfg.tokenizer_corpus)]
+    tokenizer = build_tokenizer(corpus, cfg.vocab_size)
+    model = build_model(tokenizer, cfg)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"building the base model: Qwen2 {cfg.num_layers}x{cfg.hidden_size}, {params / 1e6:.2f} M parameters, "
+        f"vocab {len(tokenizer)}; {cfg.sft_steps} supervised steps")
+    supervise(model, tokenizer, task, cfg, on_sft_step)
+    acc = evaluate(model, tokenizer, task, task.dataset("test")[:eval_problems], max_new_tokens=max_new_tokens)
+    tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    report = BaseReport(path=str(out), params=params, vocab_size=len(tokenizer), sft_steps=cfg.sft_steps,
+                        sft_seconds=round(time.time() - t0, 1), heldout_accuracy=acc,
+                        heldout_problems=eval_problems, config_digest=digest)
+    (tmp / "base.json").write_text(report.model_dump_json(indent=2))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished the same base first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return BaseReport.model_validate_json((out / "base.json").read_text())
+
+
+def _render(task: Task, problem: Problem) -> str:
+    """Text the tokenizer is trained on: what the model will read and write."""
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in task.messages(problem))
+    return f"{turns}<|im_start|>assistant\n{problem.solution or ''}<|im_end|>"

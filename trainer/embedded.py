@@ -1,0 +1,407 @@
+"""The embedded default: the whole loop on this machine, no GPU, no R2 credentials.
+
+    run_embedded(cfg)      what `make gsm8k RUN=<id>` runs when there is no HOST, GPU or credentials
+
+1. the base: a small Qwen2 built and fine-tuned on the spot (trainer/basemodel.py, cached under
+   .stoa/cache/), or the model given with MODEL=/path;
+2. run.json (created, or resumed with an identical contract) in the file bucket .stoa/bucket/, signed by
+   the run's key .stoa/runs/<run>/trainer.key (0600);
+3. processes, each in its own session so Ctrl-C reaches only this one, which then stops them in order:
+   the learner (`python -m trainer.embedded learner`: trainer.learner.run_learner, which publishes the
+   base as the first anchor and runs Ray) and `embedded.workers` reference workers
+   (`python -m worker_contract.worker`); their logs are in the run dir;
+4. held-out evaluation in this process: it follows the bucket like a worker (verified join) and scores
+   published versions on the task's test split with the task's reward; rows go to metrics.jsonl;
+5. live progress, then a summary and plots (trainer/embedded_view.py).
+A rerun of the same RUN resumes from the learner's checkpoint; a new RUN starts fresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import REPO_ROOT, RecipeConfig
+
+STOA_DIR = REPO_ROOT / ".stoa"
+
+
+@dataclass(frozen=True)
+class EmbeddedPaths:
+    root: Path
+    run: str
+
+    @property
+    def bucket(self) -> Path:
+        return self.root / "bucket"
+
+    @property
+    def store_url(self) -> str:
+        return f"file://{self.bucket}"
+
+    @property
+    def cache(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "runs" / self.run
+
+    @property
+    def key_file(self) -> Path:
+        return self.run_dir / "trainer.key"
+
+    @property
+    def metrics(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+
+def embedded_cfg(cfg: RecipeConfig, paths: EmbeddedPaths) -> RecipeConfig:
+    """The recipe as the embedded run uses it: the file store, the hf backend, `max_steps` steps."""
+    train = cfg.train.model_copy(update={"backend": "hf", "num_steps": cfg.embedded.max_steps})
+    return cfg.model_copy(update={"store": cfg.store or paths.store_url, "train": train})
+
+
+def gsm8k_data_available() -> bool:
+    """Whether the real GSM8K can be loaded here (a local copy, or the `datasets` package to fetch it)."""
+    local = os.environ.get("DRL_GSM8K_DIR")
+    if local:
+        return (Path(local) / "train.jsonl").exists()
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
+    """What `run_embedded` will do, for the dry run."""
+    from .basemodel import config_digest
+
+    py = "python"
+    if cfg.model.path:
+        base = f"use the model at {cfg.model.path} (MODEL=); task {cfg.task}"
+    else:
+        from worker_contract.tasks import get_task
+
+        d = paths.cache / f"base-{config_digest(cfg.embedded.base, get_task(cfg.task))}"
+        b = cfg.embedded.base
+        base = (f"{'reuse the cached' if (d / 'base.json').exists() else 'build and cache the'} base model {d}: "
+                f"Qwen2 {b.num_layers}x{b.hidden_size}, {b.sft_steps} supervised steps on generated problems")
+    w = [f"  {i + 1}. {py} -m worker_contract.worker --store {paths.store_url} --run {cfg.run} --model <base> "
+         f"--worker-id local-{i + 1} --threads 1 --max-groups-per-version {cfg.algo.groups_per_step}   "
+         f"(DRL_N_SAMPLES={cfg.contract.n_samples} "
+         f"DRL_PULSE_PLANE={cfg.contract.plane}; log {paths.run_dir}/worker-{i + 1}.log)"
+         for i in range(cfg.embedded.workers)]
+    return [
+        "mode: embedded (no HOST, no CUDA GPU with R2 credentials): the whole loop on this machine",
+        f"1. {base}",
+        f"2. run.json in the file bucket {paths.bucket} (created, or resumed with an identical contract); "
+        f"signing key {paths.key_file} (0600)",
+        f"3. learner: {py} -m trainer.embedded learner (Ray on 127.0.0.1, dashboard off; publishes the first "
+        f"anchor, then {cfg.train.num_steps} steps of {cfg.algo.groups_per_step} groups x {cfg.contract.n_samples}; "
+        f"log {paths.run_dir}/learner.log)",
+        f"4. {cfg.embedded.workers} reference workers:", *w,
+        f"5. held-out evaluation every {cfg.embedded.eval_every} steps on {cfg.embedded.eval_problems} test "
+        f"problems of task {cfg.task}, in this process",
+        f"6. stop after {cfg.train.num_steps} steps or {cfg.embedded.time_budget_s:.0f} s; Ctrl-C stops every "
+        "process cleanly; a rerun of the same RUN resumes",
+        f"7. metrics {paths.metrics}; plots in {paths.run_dir}/plots/",
+    ]
+
+
+# -- processes -----------------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Child setup: a session of its own (Ctrl-C reaches only the launcher), SIGTERM if the launcher dies."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own stop path still applies
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Processes:
+    """The processes this run started, stopped by PID (their own process groups)."""
+
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> Child:
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def signal_all(self, sig: int) -> None:
+        for c in self.children:
+            if c.alive():
+                try:
+                    os.killpg(c.proc.pid, sig)  # the group we created for it: it and what it started
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM every child (graceful: the learner checkpoints, workers finish their group), then SIGKILL."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal_all(signal.SIGKILL)
+        for c in self.children:
+            c.proc.wait()
+
+
+def child_env(cfg: RecipeConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+               DRL_N_SAMPLES=str(cfg.contract.n_samples), DRL_PULSE_PLANE=cfg.contract.plane,
+               DRL_TORCH_THREADS="1", OMP_NUM_THREADS="1", DRL_PROGRESS="0", PYTHONUNBUFFERED="1")
+    return env
+
+
+def start_learner(procs: Processes, cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path) -> Child:
+    recipe = paths.run_dir / "recipe.json"
+    recipe.write_text(cfg.model_dump_json(indent=2))
+    argv = [sys.executable, "-m", "trainer.embedded", "learner", "--recipe-json", str(recipe),
+            "--model-dir", str(model_dir), "--run-dir", str(paths.run_dir)]
+    return procs.start("learner", argv, child_env(cfg), paths.run_dir / "learner.log")
+
+
+def start_workers(procs: Processes, cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path) -> list[Child]:
+    out = []
+    for i in range(1, cfg.embedded.workers + 1):
+        argv = [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
+                "--model", str(model_dir), "--worker-id", f"local-{i}", "--threads", "1", "--log-every", "30",
+                "--max-groups-per-version", str(cfg.algo.groups_per_step)]
+        out.append(procs.start(f"worker-{i}", argv, child_env(cfg), paths.run_dir / f"worker-{i}.log"))
+    return out
+
+
+# -- the learner child ---------------------------------------------------------------------------------
+def learner_main(argv: list[str] | None = None) -> int:
+    """`python -m trainer.embedded learner ...`: run_learner until done or SIGTERM/SIGINT (graceful)."""
+    ap = argparse.ArgumentParser(prog="python -m trainer.embedded learner")
+    ap.add_argument("--recipe-json", required=True)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--run-dir", required=True)
+    args = ap.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    from worker_contract.manifest import load_manifest
+    from worker_contract.signing import load_private_key
+    from worker_contract.store import open_store
+
+    from .learner import run_learner
+
+    cfg = RecipeConfig.model_validate_json(Path(args.recipe_json).read_text())
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    store = open_store(cfg.store)
+    key = load_private_key(Path(args.run_dir) / "trainer.key")
+    res = run_learner(cfg, store, load_manifest(store, cfg.run), key, args.model_dir, args.run_dir, stop_event=stop)
+    print(json.dumps({"learner_done": {"step": res.step, "version": res.version,
+                                       "first_version": res.first_version}}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["learner"]:
+        return learner_main(argv[1:])
+    print("usage: python -m trainer.embedded learner --recipe-json R --model-dir D --run-dir R\n"
+          "(the embedded run itself starts with `make gsm8k RUN=<id>` / python -m trainer.launch)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# -- the run -------------------------------------------------------------------------------------------
+def prepare_model(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> tuple[RecipeConfig, Path]:
+    """The model directory (MODEL= or the cached small base, built now if needed) and the final recipe."""
+    from worker_contract.tasks import get_task
+
+    if cfg.model.path:
+        if cfg.task == "gsm8k" and not gsm8k_data_available():
+            console.print("[yellow]real GSM8K data is not available here (no `datasets` package, no "
+                          "DRL_GSM8K_DIR): using generated GSM8K-format problems (task arithmetic)[/]")
+            cfg = cfg.model_copy(update={"task": "arithmetic"})
+        return cfg, Path(cfg.model.path)
+    from .basemodel import ensure_base
+
+    task = get_task(cfg.task)
+    with console.status("building the base model (once; cached under .stoa/cache/)") as status:
+        def on_sft(step: int, loss: float) -> None:
+            status.update(f"building the base model: supervised step {step}/{cfg.embedded.base.sft_steps}, "
+                          f"loss {loss:.3f}")
+
+        report = ensure_base(cfg.embedded.base, task, paths.cache, max_new_tokens=cfg.algo.max_new_tokens,
+                             eval_problems=cfg.embedded.eval_problems, log=console.print, on_sft_step=on_sft)
+    console.print(f"base model {report.path}: {report.params / 1e6:.2f} M parameters, held-out accuracy "
+                  f"{100 * report.heldout_accuracy:.1f}% after {report.sft_steps} supervised steps "
+                  f"({report.sft_seconds:.0f} s to build)")
+    model = cfg.model.model_copy(update={"path": report.path, "hf_id": None})
+    return cfg.model_copy(update={"model": model}), Path(report.path)
+
+
+def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
+    """run.json (created, or resumed with an identical contract) and the run's signing key."""
+    from infra.anchor import run_manifest
+    from infra.convert.identity import identity_from_hf
+    from worker_contract.manifest import create_or_resume
+    from worker_contract.signing import load_or_create_private_key, public_key_b64
+    from worker_contract.store import open_store
+
+    key = load_or_create_private_key(paths.key_file)
+    store = open_store(cfg.store)
+    manifest = create_or_resume(store, run_manifest(cfg, identity_from_hf(model_dir), public_key_b64(key)),
+                                resume=True)
+    return store, manifest
+
+
+class _Interrupts:
+    """Ctrl-C / SIGTERM: the first asks for a clean stop, a second kills the children at once."""
+
+    def __init__(self, procs: Processes):
+        self.procs, self.count = procs, 0
+
+    def __call__(self, signum, _frame) -> None:
+        self.count += 1
+        if self.count > 1:
+            self.procs.signal_all(signal.SIGKILL)
+
+
+def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR) -> int:
+    """The embedded run, start to summary; the exit status of `make gsm8k` (0 ok, 1 failed, 130 Ctrl-C).
+
+    `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default)."""
+    from rich.console import Console
+
+    from worker_contract.manifest import ContractMismatch, RunExists
+    from worker_contract.tasks import get_task
+
+    from .embedded_view import MetricsTail, RunState, panel, status_line, summary
+    from .heldout import HeldoutEvaluator
+    from .plots import plot_run
+
+    console = console or Console()
+    paths = EmbeddedPaths(Path(root), cfg.run)
+    cfg = embedded_cfg(cfg, paths)
+    paths.run_dir.mkdir(parents=True, exist_ok=True)
+    cfg, model_dir = prepare_model(cfg, paths, console)
+    try:
+        store, manifest = publish_contract(cfg, paths, model_dir)
+    except (ContractMismatch, RunExists) as e:
+        console.print(f"[red]{e}[/]\nchoose a new RUN id to start fresh")
+        return 2
+    procs = Processes()
+    interrupts = _Interrupts(procs)
+    old = {s: signal.signal(s, interrupts) for s in (signal.SIGINT, signal.SIGTERM)}
+    evaluator = HeldoutEvaluator(store, cfg.run, cfg.contract.plane, model_dir, get_task(cfg.task),
+                                 problems=cfg.embedded.eval_problems, max_new_tokens=cfg.algo.max_new_tokens,
+                                 temperature=cfg.embedded.eval_temperature, metrics_path=paths.metrics)
+    state = RunState(run=cfg.run, max_steps=cfg.train.num_steps, budget_s=cfg.embedded.time_budget_s)
+    for row in MetricsTail(paths.metrics).read():  # earlier sessions of this run
+        state.update(row)
+    state.session_first_step = None
+    tail = MetricsTail(paths.metrics)
+    tail.offset = paths.metrics.stat().st_size if paths.metrics.exists() else 0
+    try:
+        learner = start_learner(procs, cfg, paths, model_dir)
+        workers = start_workers(procs, cfg, paths, model_dir)
+        evaluator.start()
+        reason, rc = _watch(cfg, state, tail, evaluator, learner, workers, procs, interrupts, console,
+                            panel, status_line)
+    finally:
+        procs.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+        evaluator.close()
+    if rc != 1:
+        state.phase = "final held-out evaluation"
+        evaluator.evaluate_newest()
+        for row in tail.read():
+            state.update(row)
+    plots = plot_run(paths.metrics, paths.run_dir / "plots")
+    if evaluator.version is not None:
+        state.version = evaluator.version
+    summary(console, state, paths=paths, plots=plots, stop_reason=reason, store_url=cfg.store)
+    return rc
+
+
+def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], procs: Processes,
+           interrupts: _Interrupts, console, panel, status_line) -> tuple[str, int]:
+    """Follow the run until the learner exits; (why it ended, exit status)."""
+    import contextlib
+
+    from rich.live import Live
+
+    live = Live(panel(state), console=console, refresh_per_second=2) if console.is_terminal else None
+    stopping, reason, rc, last_line = False, "finished", 0, 0
+    with live or contextlib.nullcontext():
+        while learner.alive():
+            for row in tail.read():
+                if state.update(row) and state.step % cfg.embedded.eval_every == 0:
+                    evaluator.request()
+            if not evaluator.results:
+                evaluator.request()  # the first published version (the base in a fresh run), once it exists
+            if not stopping:
+                if interrupts.count:
+                    stopping, reason, rc = True, "stopped by Ctrl-C", 130
+                elif time.monotonic() - state.started > cfg.embedded.time_budget_s:
+                    stopping, reason = True, f"time budget of {cfg.embedded.time_budget_s:.0f} s reached"
+                elif not any(w.alive() for w in workers) or any(w.proc.poll() not in (None, 0) for w in workers):
+                    bad = next(w for w in workers if not w.alive())
+                    console.print(f"[red]{bad.name} exited with status {bad.proc.returncode}:[/]\n{bad.tail()}")
+                    stopping, reason, rc = True, f"{bad.name} failed", 1
+                if stopping:
+                    state.phase = f"stopping ({reason}): the learner finishes its step and checkpoints"
+                    os.killpg(learner.proc.pid, signal.SIGTERM)
+            if live is not None:
+                live.update(panel(state))
+            elif state.step >= last_line + 5:
+                last_line = state.step
+                console.print(status_line(state))
+            time.sleep(0.5)
+        for row in tail.read():
+            state.update(row)
+    if learner.proc.returncode not in (0, None) and rc == 0:
+        console.print(f"[red]the learner exited with status {learner.proc.returncode}:[/]\n{learner.tail(30)}")
+        reason, rc = "learner failed", 1
+    elif not stopping and state.step >= cfg.train.num_steps:
+        reason = f"{cfg.train.num_steps} steps done"
+    return reason, rc

@@ -1,0 +1,147 @@
+"""What the embedded run shows: a live panel while it trains, a summary table when it ends.
+
+The state comes from the run's metrics.jsonl (the learner's step rows and the held-out rows), read as it
+grows, so the view shows exactly what the file records. On a terminal the panel redraws in place (rich);
+elsewhere (CI, a pipe) a plain line is printed every few steps instead.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class MetricsTail:
+    """New complete lines of a JSONL file since the last read (a half-written last line waits)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        rows = []
+        for line in data[:end].splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+        return rows
+
+
+@dataclass
+class RunState:
+    run: str
+    max_steps: int
+    budget_s: float
+    started: float = field(default_factory=time.monotonic)
+    step: int = 0
+    session_first_step: int | None = None
+    version: int | None = None
+    rewards: list[tuple[int, float]] = field(default_factory=list)
+    evals: list[tuple[int | None, int, float]] = field(default_factory=list)
+    accepted: float = 0.0
+    drops: dict[str, float] = field(default_factory=dict)
+    workers: dict[str, float] = field(default_factory=dict)
+    phase: str = "starting the learner and workers"
+
+    def update(self, row: dict) -> bool:
+        """Fold one metrics row in; True if it was a learner step row."""
+        if "eval/accuracy" in row:
+            self.evals.append((row.get("step"), int(row.get("eval/version") or 0), float(row["eval/accuracy"])))
+            return False
+        if "step" not in row or "rollout/raw_reward" not in row:
+            return False
+        self.step = int(row["step"])
+        if self.session_first_step is None:
+            self.session_first_step = self.step
+        self.version = row.get("version", self.version)
+        if row.get("rollout/raw_reward") is not None:
+            self.rewards.append((self.step, float(row["rollout/raw_reward"])))
+        self.accepted = float(row.get("rollout/accepted") or self.accepted)
+        self.drops = {k.rsplit("/", 1)[1]: v for k, v in row.items()
+                      if k.startswith("rollout/drops/") and v}
+        self.workers = {k.split("/")[1]: v for k, v in row.items()
+                        if k.startswith("worker/") and k.endswith("/groups") and v is not None}
+        self.phase = "training"
+        return True
+
+    def recent_reward(self, n: int = 5) -> float | None:
+        tail = [r for _, r in self.rewards[-n:]]
+        return sum(tail) / len(tail) if tail else None
+
+    def heldout(self) -> tuple[float | None, float | None]:
+        """(first, latest) held-out accuracy: the first is the base's in a fresh run."""
+        if not self.evals:
+            return None, None
+        ordered = sorted(self.evals, key=lambda e: (e[0] if e[0] is not None else -1, e[1]))
+        return ordered[0][2], ordered[-1][2]
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _drops(state: RunState) -> str:
+    return ", ".join(f"{k} {int(v)}" for k, v in sorted(state.drops.items())) or "none"
+
+
+def panel(state: RunState):
+    from rich.panel import Panel
+    from rich.table import Table
+
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    elapsed = time.monotonic() - state.started
+    base, last = state.heldout()
+    t.add_row("phase", state.phase)
+    t.add_row("step", f"{state.step} / {state.max_steps}   ({elapsed:.0f} s of {state.budget_s:.0f} s)")
+    t.add_row("train reward", f"{_pct(state.recent_reward())} (mean of the last 5 steps)")
+    t.add_row("held-out accuracy", f"{_pct(last)}   (first eval {_pct(base)}, {len(state.evals)} evals)")
+    t.add_row("version", f"v{state.version}" if state.version else "-")
+    t.add_row("groups received", f"{int(state.accepted)}   by worker: " +
+              (", ".join(f"{w} {int(g)}" for w, g in sorted(state.workers.items())) or "-"))
+    t.add_row("drops", _drops(state))
+    return Panel(t, title=f"stoa embedded run [bold]{state.run}[/]", border_style="cyan")
+
+
+def status_line(state: RunState) -> str:
+    base, last = state.heldout()
+    return (f"step {state.step}/{state.max_steps}  reward {_pct(state.recent_reward())}  held-out {_pct(last)} "
+            f"(base {_pct(base)})  v{state.version}  groups {int(state.accepted)}  drops {_drops(state)}")
+
+
+def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: str, store_url: str) -> None:
+    from rich.table import Table
+
+    base, last = state.heldout()
+    t = Table(title=f"run {state.run}: {stop_reason}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    first = state.session_first_step
+    t.add_row("steps", f"{state.step} in total" + (f" ({state.step - first + 1} this session)" if first else ""))
+    t.add_row("versions", f"v{state.version} published" if state.version else "none published")
+    r0 = [r for _, r in state.rewards[:5]]
+    t.add_row("train reward", f"{_pct(sum(r0) / len(r0) if r0 else None)} -> {_pct(state.recent_reward())} "
+              "(first 5 steps -> last 5)")
+    delta = f" ({100 * (last - base):+.1f} points)" if base is not None and last is not None else ""
+    t.add_row("held-out accuracy", f"{_pct(base)} -> {_pct(last)}{delta}")
+    t.add_row("groups received", f"{int(state.accepted)} (accepted into the learner's pool)")
+    t.add_row("drops", _drops(state))
+    t.add_row("wall time", f"{time.monotonic() - state.started:.0f} s")
+    t.add_row("metrics", str(paths.metrics))
+    for p in plots:
+        t.add_row("plot", str(p))
+    t.add_row("logs", str(paths.run_dir / "learner.log") + ", worker-*.log")
+    t.add_row("check", f"python -m worker_contract verify --store {store_url} --run {state.run}")
+    t.add_row("resume", f"make gsm8k RUN={state.run}")
+    console.print(t)

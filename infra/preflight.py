@@ -48,8 +48,12 @@ def _checks():
 
 def ssh_runner(host: str, ssh_key: str | None = None) -> Callable[[str], tuple[int, str]]:
     """Run shell commands on `host` over SSH (infra.remote's Fabric connection); returns (exit code, stdout)."""
+    import logging
+
     from infra.remote.ssh import connect
 
+    # paramiko logs a failed handshake with a traceback from its own thread; the box.ssh row reports it
+    logging.getLogger("paramiko").setLevel(logging.CRITICAL)
     conn = connect(host, ssh_key)
 
     def run(cmd: str) -> tuple[int, str]:

@@ -445,3 +445,24 @@ def test_unreachable_box_fails_only_box_ssh(s3_store, s3_env, tmp_path):
     assert fails(rows) == ["box.ssh"], text
     assert "ssh nobody@127.0.0.1:1 true" in text
     assert status["box.gpu"] == status["box.disk"] == status["box.ray_dashboard"] == "WARN"
+
+
+def test_fleet_dry_run_piped_into_preflight(moto_server, s3_store, sshd_server, tmp_path):  # noqa: F811
+    """The documented fleet path: source launch_fleet.env, `DRL_DRY_RUN=1 ... | preflight`. Every check of the
+    launch passes; the box is this machine (through a real sshd), which is not a B200 box: only the GPU and
+    disk rows may fail, and they say so."""
+    example = REPO / "runs" / "psqa-decoupled" / "launch_fleet.env.example"
+    key, box = str(sshd_server.client_key), tmp_path / "box"
+    env = {**moto_server.env(), "PATH": os.environ["PATH"], "HOME": str(tmp_path), "DRL_STORE": s3_store.url}
+    script = (f"set -a; . {example}; set +a; DRL_DRY_RUN=1 {sys.executable} -m trainer.launch --recipe psqa "
+              f'--run "$DRL_RUN" --host {sshd_server.host} --ssh-key {key} --remote-dir {box} '
+              f"| {sys.executable} -m infra.preflight --ssh-key {key}")
+    out = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    rows = {line.split()[1]: line.split()[0] for line in out.stdout.splitlines()
+            if line[:4] in ("PASS", "FAIL", "WARN")}
+    assert rows["box.ssh"] == "PASS", out.stdout + out.stderr
+    launch_rows = {k: v for k, v in rows.items() if not k.startswith("box.")}
+    assert len(launch_rows) == 16 and set(launch_rows.values()) == {"PASS"}, out.stdout + out.stderr
+    assert {k for k, v in rows.items() if v == "FAIL"} <= {"box.gpu", "box.disk"}
+    assert out.returncode == (1 if "FAIL" in rows.values() else 0)
+    assert TEST_SECRET_KEY not in out.stdout + out.stderr

@@ -210,14 +210,19 @@ def plan_from_recipe(recipe: str, run: str | None, host: str | None, env: Mappin
 
 def read_plan(args, stdin, env: Mapping[str, str]):
     """The plan: resolved from --recipe, else parsed from the dry run on stdin."""
-    from infra.launch_plan import parse_plan
+    from infra.launch_plan import PlanError, parse_plan
 
     if args.recipe:
         return plan_from_recipe(args.recipe, args.run, args.host, env, args.env_file)
     if stdin.isatty():
         raise ValueError("nothing on stdin: pipe a dry run into it (DRL_DRY_RUN=1 make gsm8k RUN=<id> | "
                          "nox -s preflight) or pass --recipe gsm8k|psqa")
-    return parse_plan(stdin.read())
+    text = stdin.read()
+    if "# mode: embedded" in text and "BEGIN STOA LAUNCH PLAN" not in text:
+        raise PlanError("this dry run is the embedded default (no GPU box, nothing to preflight); the preflight "
+                        "checks a trainer launch: add HOST=user@box (DRL_DRY_RUN=1 make gsm8k RUN=<id> "
+                        "HOST=user@box | nox -s preflight), or run the dry run on a GPU box with R2 credentials")
+    return parse_plan(text)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -466,3 +466,26 @@ def test_fleet_dry_run_piped_into_preflight(moto_server, s3_store, sshd_server, 
     assert {k for k, v in rows.items() if v == "FAIL"} <= {"box.gpu", "box.disk"}
     assert out.returncode == (1 if "FAIL" in rows.values() else 0)
     assert TEST_SECRET_KEY not in out.stdout + out.stderr
+
+
+def test_quickstart_dry_run_piped_into_preflight(moto_server, s3_store, sshd_server, tmp_path):  # noqa: F811
+    key = str(sshd_server.client_key)
+    env = {**moto_server.env(), "PATH": os.environ["PATH"], "HOME": str(tmp_path), "DRL_STORE": s3_store.url,
+           "DRL_RUN": "qs-pf-1", "DRL_PULSE_PLANE": "bf16", "DRL_DRY_RUN": "1"}
+    launch = [sys.executable, "-m", "trainer.launch", "--recipe", "gsm8k", "--run", "qs-pf-1"]
+    dry = subprocess.run([*launch, "--host", sshd_server.host, "--ssh-key", key, "--remote-dir", str(tmp_path / "b")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr
+    out = subprocess.run([sys.executable, "-m", "infra.preflight", "--ssh-key", key], input=dry.stdout, cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)
+    rows = {line.split()[1]: line.split()[0] for line in out.stdout.splitlines()
+            if line[:4] in ("PASS", "FAIL", "WARN")}
+    assert "profile quickstart" in out.stdout and rows["box.ssh"] == "PASS", out.stdout + out.stderr
+    assert {k for k, v in rows.items() if v != "PASS"} <= {"box.gpu", "box.disk"}, out.stdout
+    assert {"recipe.algo", "recipe.batch", "contract.agree"} <= set(rows)
+    # without HOST (and no GPU here) the dry run is the embedded default: nothing to preflight, said plainly
+    embedded = subprocess.run(launch, cwd=REPO, env={**env, "DRL_STORE": ""}, capture_output=True, text=True,
+                              timeout=300)
+    out = subprocess.run([sys.executable, "-m", "infra.preflight"], input=embedded.stdout, cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "embedded default" in out.stderr

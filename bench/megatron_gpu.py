@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.megatron_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="parity,step", help="comma list of: parity, step, tp2 (needs 2 GPUs)")
     p.add_argument("--variants", default="megatron,hf,megatron-local",
-                   help="learner-step backends: megatron (sdpa spec), megatron-local (stock local spec), hf")
+                   help="learner-step backends: megatron (sdpa spec), megatron-local (stock local spec), "
+                   "megatron-compiled (experimental: torch.compile per layer), hf")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant (after 2 warm-up steps)")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
@@ -244,7 +245,8 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
         from trainer.backends.megatron import MegatronBackend
 
         backend = MegatronBackend.load(model_dir, cfg, device=args.device,
-                                       attention="local" if variant == "megatron-local" else "auto")
+                                       attention="local" if variant == "megatron-local" else "auto",
+                                       compile_layers=variant == "megatron-compiled")
     else:
         from trainer.backends.hf import HFBackend
 

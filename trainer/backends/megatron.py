@@ -85,7 +85,7 @@ class MegatronBackend(Backend):
     @classmethod
     def load(cls, model_dir: str | Path, cfg: RecipeConfig, *, device: str | None = None,
              attention: str = "auto", load: str | Path | None = None, setup: str | None = None,
-             compute_dtype: torch.dtype | None = None) -> MegatronBackend:
+             compute_dtype: torch.dtype | None = None, compile_layers: bool = False) -> MegatronBackend:
         """`device`: "cuda" (default when available) or "cpu" (tests); `load`: a converted torch_dist root;
         `setup`: "module:function" each rank calls before megatron is imported; `compute_dtype`: the
         model's dtype (default: the recipe's model.dtype on CUDA, float32 on CPU)."""
@@ -96,7 +96,8 @@ class MegatronBackend(Backend):
         tp = cfg.train.tensor_parallel
         if tp < 1:
             raise ValueError(f"train.tensor_parallel={tp} must be at least 1")
-        kwargs = {"attention": attention, "load": None if load is None else str(load), "compute_dtype": compute_dtype}
+        kwargs = {"attention": attention, "load": None if load is None else str(load), "compute_dtype": compute_dtype,
+                  "compile_layers": compile_layers}
         if tp == 1:
             _run_setup(setup)
             from .megatron_rank import MegatronRank

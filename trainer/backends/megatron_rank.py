@@ -41,7 +41,8 @@ class MegatronRank:
     """The model state of one TP rank. Every rank of the group runs every method (they are collective)."""
 
     def __init__(self, model_dir: str | Path, cfg: RecipeConfig, *, device: str | torch.device,
-                 attention: str = "auto", load: str | Path | None = None, compute_dtype: torch.dtype | None = None):
+                 attention: str = "auto", load: str | Path | None = None, compute_dtype: torch.dtype | None = None,
+                 compile_layers: bool = False):
         from megatron.core import parallel_state as ps
 
         from infra.convert import check_model_identity, identity_from_hf, load_hf_config
@@ -75,6 +76,10 @@ class MegatronRank:
         self._rope_sites = {id(m): [a for a in m.modules() if getattr(a, "fuses_rope", False)]
                             for m in (self.model, self.reference)}
         self._load_weights(model_dir, load)
+        if compile_layers and self.device.type == "cuda":  # experimental: torch.compile each decoder layer
+            for m in (self.model, self.reference):
+                for layer in m.decoder.layers:
+                    layer.compile()
         self.reference.eval().requires_grad_(False)
         self._setup_optimizer()
 
@@ -152,12 +157,13 @@ class MegatronRank:
             return model.shared_embedding_or_output_weight()
         return model.output_layer.weight
 
-    def response_logp(self, model: Any, mb: TrainBatch) -> torch.Tensor:
-        """[b, R] float32 log-probs of the response tokens (0 past each response)."""
+    def response_logp(self, model: Any, mb: TrainBatch, index: tuple | None = None) -> torch.Tensor:
+        """[b, R] float32 log-probs of the response tokens (0 past each response). `index`: the
+        micro-batch's response_index(), computed on the CPU so the GPU queue is not drained for it."""
         from megatron.core import tensor_parallel
 
         hidden = self._hidden(model, mb.input_ids)
-        rows, cols, pos = mb.response_index()
+        rows, cols, pos = index if index is not None else mb.response_index()
         targets = mb.input_ids[rows, pos + 1]
         h = hidden[pos, rows]
         if self.tp_size > 1:  # identity forward; backward all-reduces this rank's partial d(hidden)
@@ -170,21 +176,24 @@ class MegatronRank:
         return out.index_put((rows, cols), lp)
 
     def _micro_batches(self, batch: TrainBatch, rows: int | None = None):
+        """(micro-batch on the device, its response index on the device), cut on the CPU."""
+        batch = batch.to("cpu")
         step = max(1, rows or self.cfg.train.micro_batch_size)
         for start in range(0, batch.rows, step):
-            yield batch.select(start, min(start + step, batch.rows))
+            mb = batch.select(start, min(start + step, batch.rows))
+            index = tuple(t.to(self.device, non_blocking=True) for t in mb.response_index())
+            yield mb.to(self.device), index
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Without gradients nothing is kept for a backward pass, so the forward takes up to
         `_NOGRAD_TOKENS` tokens at a time (at least the recipe's micro-batch): fewer, larger launches."""
         model = self.reference if reference else self.model
-        batch = batch.to(self.device)
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
         rows = max(self.cfg.train.micro_batch_size, _NOGRAD_TOKENS // max(1, batch.input_ids.shape[1]))
         row = 0
-        for mb in self._micro_batches(batch, rows):
-            lp = self.response_logp(model, mb)
+        for mb, index in self._micro_batches(batch, rows):
+            lp = self.response_logp(model, mb, index)
             out[row : row + mb.rows, : lp.shape[1]] = lp
             row += mb.rows
         return out
@@ -202,10 +211,9 @@ class MegatronRank:
         return sq.sqrt()
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        batch = batch.to(self.device)
         parts = []
-        for mb in self._micro_batches(batch):
-            logp = self.response_logp(self.model, mb)
+        for mb, index in self._micro_batches(batch):
+            logp = self.response_logp(self.model, mb, index)
             loss, metrics = loss_fn(logp, mb)
             (loss * (mb.rows / batch.rows)).backward()
             self._accumulate()

@@ -175,14 +175,15 @@ class MegatronRank:
         out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
         return out.index_put((rows, cols), lp)
 
-    def _micro_batches(self, batch: TrainBatch, rows: int | None = None):
-        """(micro-batch on the device, its response index on the device), cut on the CPU."""
-        batch = batch.to("cpu")
+    def _micro_batches(self, batch: TrainBatch, rows: int | None = None) -> list[tuple[TrainBatch, tuple]]:
+        """(micro-batch, its response index), both on the device. Everything crosses to the GPU up front:
+        a copy from pageable host memory waits for the GPU queue to drain, and the index (a nonzero())
+        would too, so neither may happen between one micro-batch's launches and the next."""
+        cpu, dev = batch.to("cpu"), batch.to(self.device)
         step = max(1, rows or self.cfg.train.micro_batch_size)
-        for start in range(0, batch.rows, step):
-            mb = batch.select(start, min(start + step, batch.rows))
-            index = tuple(t.to(self.device, non_blocking=True) for t in mb.response_index())
-            yield mb.to(self.device), index
+        cuts = [(start, min(start + step, batch.rows)) for start in range(0, batch.rows, step)]
+        index = [tuple(t.to(self.device) for t in cpu.select(a, b).response_index()) for a, b in cuts]
+        return [(dev.select(a, b), ix) for (a, b), ix in zip(cuts, index, strict=True)]
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:

@@ -32,6 +32,7 @@ from typing import Any
 from worker_contract.manifest import RunManifest
 from worker_contract.store import Store
 
+from .audit import WorkerAudit
 from .config import RecipeConfig
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ class LearnerActor:
         self._groups_unsent = 0
         self.last_publish: dict = {}
         self.publish_failures = 0
+        self.audit = WorkerAudit()  # behaviour log-probs vs our recomputation, per worker (trainer/audit.py)
+        self._published_step: int | None = None  # the step whose weights the newest visible version holds
 
     # -- start -------------------------------------------------------------------------------------
     def setup(self) -> dict:
@@ -167,6 +170,7 @@ class LearnerActor:
                 raise RuntimeError(f"the publisher reused version {version} (pointer was {pointer}, "
                                    f"checkpoint's last published {last_published}); refusing to train")
         self.current, self.last_publish = version, res
+        self._published_step = self.step
         self._drops_sent = Counter(snap["drops"])
         return {"step": self.step, "version": version, "pointer_before": pointer,
                 "resumed_from": str(path) if path else None}
@@ -186,6 +190,8 @@ class LearnerActor:
         t0 = time.monotonic()
         tb = collate([g.record for g in batch.groups])
         tb.ref_logp = self.backend.logprobs(tb, reference=True)
+        self.audit.audit_step([g.record for g in batch.groups], self._weights_version(),
+                              lambda recs: self.backend.logprobs(collate(recs)))
         algo = self.cfg.algo
         train = self.backend.train_step(tb, lambda lp, mb: policy_loss(
             lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo))
@@ -196,6 +202,7 @@ class LearnerActor:
         metrics["train/step_time_s"] = time.monotonic() - t0
         metrics.update(batch.metrics)
         metrics.update(snap["metrics"])
+        metrics.update(self.audit.metrics())
         metrics.update({f"publish/{k}": v for k, v in self.last_publish.items()
                         if isinstance(v, int | float) and not isinstance(v, bool)})
         metrics["publish/failures"] = self.publish_failures
@@ -205,11 +212,16 @@ class LearnerActor:
         # which groups this step used (and how often): lets an audit rebuild the lineage's consumption
         return {**metrics, "rollout/groups": [[g.key, g.use] for g in batch.groups]}
 
+    def _weights_version(self) -> int | None:
+        """The published version that holds exactly the learner's current weights, if any (for the audit)."""
+        settled = self._inflight is None and self._pending is None and self._published_step == self.step
+        return self.current if settled else None
+
     def _ctx(self, metrics: dict, snap: dict, groups: int) -> dict:
         drops = Counter(snap["drops"])
         delta = {k: v - self._drops_sent.get(k, 0) for k, v in drops.items()}
         return {"step": self.step, "metrics": metrics, "drops_total": dict(drops), "drops_delta": delta,
-                "workers": snap["workers"], "groups": groups}
+                "workers": self.audit.merge_into(snap["workers"]), "groups": groups}
 
     def _submit(self, state: dict, metrics: dict, snap: dict) -> None:
         if self._inflight is not None:
@@ -235,6 +247,7 @@ class LearnerActor:
             try:
                 res = ray.get(ref)
                 self.current, self.last_publish = int(res["version"]), res
+                self._published_step = step
             except Exception as e:  # a failed publish delays workers; it does not stop learning
                 self.publish_failures += 1
                 log.error("publishing the weights of step %d failed: %s", step, e)

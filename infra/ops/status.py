@@ -59,6 +59,10 @@ class WorkerSeen(_Model):
     """Its groups the learner trained on, whole run (trainer's newest stats object; None if absent)."""
     dropped: int | None = None
     """Its groups the learner dropped, whole run (trainer's stats)."""
+    logprob_mismatch: float | None = None
+    """Mean |learner - recorded| behaviour log-prob per token (nats), trainer's audit (None if not audited)."""
+    flagged: bool | None = None
+    """True when the trainer's audit flags its log-probs (wrong weights, wrong plane, or edited)."""
 
 
 class PublishSeen(_Model):
@@ -274,6 +278,9 @@ def add_learner_counts(workers: list[WorkerSeen], stats: dict[int, dict]) -> Non
             drops = ws.get("drops")
             w.used = int(ws["used"]) if isinstance(ws.get("used"), int | float) else None
             w.dropped = sum(int(n) for n in drops.values()) if isinstance(drops, dict) else None
+            mismatch = ws.get("logprob_mismatch")
+            w.logprob_mismatch = float(mismatch) if isinstance(mismatch, int | float) else None
+            w.flagged = ws["flagged"] if isinstance(ws.get("flagged"), bool) else None
 
 
 def sum_drops(stats: dict[int, dict]) -> tuple[dict[str, int], dict[str, int]]:

@@ -48,10 +48,17 @@ def _overview(st: RunStatus) -> Table:
     return t
 
 
+def _audit_cell(w) -> Text:
+    """The trainer's log-prob audit of a worker: its mismatch in nats, red and marked when flagged."""
+    if w.logprob_mismatch is None:
+        return Text("-")
+    return Text(f"{'FLAGGED ' if w.flagged else ''}{w.logprob_mismatch:.3f}", style="bold red" if w.flagged else "")
+
+
 def _workers(st: RunStatus) -> Table:
     t = Table(title="workers (recent version prefixes)", title_justify="left")
     for col in ("worker", "newest", "lag", "groups", f"last {st.window_min:g}m", "last seen", "used", "dropped",
-                "versions"):
+                "audit", "versions"):
         t.add_column(col, justify="left" if col in ("worker", "versions") else "right")
     for w in st.workers:
         lag = Text(str(w.lag), style="red" if st.manifest and w.lag > st.manifest["staleness"] else "")
@@ -59,7 +66,7 @@ def _workers(st: RunStatus) -> Table:
                   "-" if w.groups_recent is None else str(w.groups_recent), human_age(w.last_seen_s),
                   "-" if w.used is None else str(w.used),
                   Text("-" if w.dropped is None else str(w.dropped), style="red" if w.dropped else ""),
-                  " ".join(str(v) for v in w.versions[-8:]))
+                  _audit_cell(w), " ".join(str(v) for v in w.versions[-8:]))
     return t
 
 

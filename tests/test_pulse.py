@@ -178,7 +178,7 @@ def test_wrong_base_is_refused(pair):
     words(other["b"])[0] ^= 1
     _refused(other, patch, "wrong base.*tensor b")
     # a caller that vouches for a digest the patch does not name still gets its base checked
-    _refused(other, patch, "wrong base", verified_base_digest="sha256:" + "0" * 64)
+    _refused(other, patch, "wrong base", verified_base_digest="blake3:" + "0" * 64)
 
 
 def test_truncated_and_corrupted_patches_are_refused(pair):
@@ -193,8 +193,8 @@ def test_truncated_and_corrupted_patches_are_refused(pair):
     _refused(old, bytes(head), "PULSE patch")
     _refused(old, b"garbage" * 10, "not a PULSE patch")
     newer = bytearray(patch)
-    newer[7] = 2
-    _refused(old, bytes(newer), "format 2 is not supported")
+    newer[7] = 3
+    _refused(old, bytes(newer), "format 3 is not supported")
 
 
 def test_signatures_refuse_forgery(pair):
@@ -205,7 +205,7 @@ def test_signatures_refuse_forgery(pair):
     _assert_state_equal(apply_patch(old, signed, public_key=pub), new)
     _refused(old, patch, "not signed", public_key=pub)
     _refused(old, sign_patch(patch, other), "does not verify", public_key=pub)
-    # a re-signed header cannot carry another body: the body's sha256 is in the signed header
+    # a re-signed header cannot carry another body: the body's digest is in the signed header
     tampered = bytearray(signed)
     tampered[-1] ^= 0xFF
     _refused(old, bytes(tampered), "corrupted", public_key=pub)

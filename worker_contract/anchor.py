@@ -5,27 +5,31 @@
 
 Shards are written create-only, each read back (size and ETag) before the next step; the manifest goes
 last, so an anchor without a manifest is an incomplete attempt that readers ignore. A reader checks the
-manifest's signature, each shard's sha256, each tensor's sha256, dtype and shape, and the state digest.
+manifest's signature, each shard's digest, each tensor's digest, dtype and shape, and the state digest.
+Digests are BLAKE3 (`tensors.DIGEST_ALG`, named in the manifest).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Literal
+
+import blake3
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import layout, safetensors_np, signing
 from .store import NotFound, PreconditionFailed, Store
-from .tensors import digest_of_entries, dtype_name, tensor_sha256
+from .tensors import DIGEST_ALG, blake3_hex, digest_of_entries, dtype_name, tensor_digest
 
-ANCHOR_FORMAT = 1
+#: 2: BLAKE3 digests (`digest` fields, `digest_alg`); 1 had sha256
+ANCHOR_FORMAT = 2
 DEFAULT_SHARD_BYTES = 2 << 30
 _SIG_CONTEXT = b"stoa-anchor-manifest\0"
 
@@ -47,7 +51,7 @@ class AnchorTensor(BaseModel):
     name: str = Field(description="Tensor name in the plane.")
     dtype: str = Field(description="Canonical dtype name.")
     shape: list[int] = Field(description="Shape.")
-    sha256: str = Field(description="sha256 of the tensor's raw bytes.")
+    digest: str = Field(description="BLAKE3 (hex) of the tensor's raw bytes.")
     shard: int = Field(ge=0, description="Index of the shard that holds it.")
 
 
@@ -56,13 +60,14 @@ class AnchorShard(BaseModel):
 
     index: int = Field(ge=0, description="Shard index (its key is layout.anchor_shard_key(run, version, index)).")
     size: int = Field(ge=0, description="Bytes of the shard file.")
-    sha256: str = Field(description="sha256 of the shard file.")
+    digest: str = Field(description="BLAKE3 (hex) of the shard file.")
 
 
 class AnchorManifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: int = Field(ANCHOR_FORMAT, description="Manifest format version.")
+    digest_alg: Literal["blake3"] = Field(DIGEST_ALG, description="Algorithm of every digest here (tensors.DIGEST_ALG).")
     run: str = Field(description="Run id.")
     version: int = Field(ge=1, description="Policy version the anchor holds.")
     plane: str = Field(description="Weight plane (bf16 / int8g64).")
@@ -98,7 +103,7 @@ def _plan_shards(state: Mapping[str, np.ndarray], shard_bytes: int) -> list[list
 
 class _HashingFile:
     def __init__(self, f):
-        self.f, self.h, self.n = f, hashlib.sha256(), 0
+        self.f, self.h, self.n = f, blake3.blake3(), 0
 
     def write(self, b) -> None:
         self.f.write(b)
@@ -117,7 +122,7 @@ def write_anchor(store: Store, run: str, version: int, plane: str, state: Mappin
                  progress: Progress | None = None) -> AnchorManifest:
     """Upload `state` (numpy plane tensors) as the anchor of `version`; `VersionTaken` if any of its objects
     exist already. `entries`: per-tensor records the caller already computed (spares hashing again)."""
-    sha = {e["name"]: e["sha256"] for e in entries} if entries else {}
+    known = {e["name"]: e["digest"] for e in entries} if entries else {}
     tensors, shards = [], []
     total, done = sum(a.nbytes for a in state.values()), 0
     for index, names in enumerate(_plan_shards(state, shard_bytes)):
@@ -135,11 +140,11 @@ def write_anchor(store: Store, run: str, version: int, plane: str, state: Mappin
             _verify_landed(store, skey, hf.n, etag)
         finally:
             Path(tmp).unlink(missing_ok=True)
-        shards.append(AnchorShard(index=index, size=hf.n, sha256=hf.h.hexdigest()))
+        shards.append(AnchorShard(index=index, size=hf.n, digest=hf.h.hexdigest()))
         for n in names:
             a = state[n]
             tensors.append(AnchorTensor(name=n, dtype=dtype_name(a), shape=list(a.shape),
-                                        sha256=sha.get(n) or tensor_sha256(a), shard=index))
+                                        digest=known.get(n) or tensor_digest(a), shard=index))
             done += a.nbytes
         if progress:
             progress(done, total)
@@ -164,6 +169,13 @@ def read_manifest(store: Store, run: str, version: int, public_key: str) -> Anch
         raw = store.get(key)
     except NotFound:
         raise AnchorError(f"anchor v{version} has no manifest ({key})") from None
+    try:
+        fmt = json.loads(raw).get("format")
+    except (ValueError, AttributeError):
+        fmt = None
+    if fmt != ANCHOR_FORMAT:
+        raise AnchorError(f"{key} has anchor format {fmt!r}; this reader knows format {ANCHOR_FORMAT} "
+                          "(publisher and worker must run the same contract release)")
     try:
         m = AnchorManifest.model_validate_json(raw)
     except ValidationError as e:
@@ -193,14 +205,14 @@ def read_anchor(store: Store, run: str, version: int, public_key: str, *,
             data = store.get(key)
         except NotFound:
             raise AnchorError(f"anchor v{version} shard {shard.index} is missing ({key})") from None
-        if len(data) != shard.size or hashlib.sha256(data).hexdigest() != shard.sha256:
+        if len(data) != shard.size or blake3_hex(data) != shard.digest:
             raise AnchorError(f"anchor v{version} shard {shard.index} does not match its manifest digest")
         tensors, _meta = safetensors_np.load(data)
         for name, arr in tensors.items():
             t = want.get(name)
             if t is None or t.shard != shard.index:
                 raise AnchorError(f"anchor v{version} shard {shard.index} holds {name}, which its manifest does not list there")
-            if dtype_name(arr) != t.dtype or list(arr.shape) != t.shape or tensor_sha256(arr) != t.sha256:
+            if dtype_name(arr) != t.dtype or list(arr.shape) != t.shape or tensor_digest(arr) != t.digest:
                 raise AnchorError(f"anchor v{version} tensor {name} does not match its manifest digest")
             state[name] = arr
         done += len(data)

@@ -11,11 +11,11 @@ The torch boundary (`to_numpy`, `from_numpy_like`) imports torch only when hande
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
 
+import blake3
 import ml_dtypes
 import numpy as np
 
@@ -125,25 +125,35 @@ def state_from_numpy(state: Mapping[str, np.ndarray], as_torch: bool) -> dict[st
 
 
 # -- digests ------------------------------------------------------------------------------------------
-def tensor_sha256(arr: np.ndarray) -> str:
-    """sha256 (hex) of the tensor's raw little-endian bytes in C order."""
-    return hashlib.sha256(memoryview(words(arr)).cast("B")).hexdigest()
+#: the digest algorithm of tensors, shards, patch bodies and states; named in every format that carries one
+DIGEST_ALG = "blake3"
 
 
-def tensor_entry(name: str, arr: np.ndarray, sha256: str | None = None) -> dict:
-    """The per-tensor record that anchors and patches carry: name, dtype, shape, sha256."""
+def blake3_hex(data) -> str:
+    """BLAKE3 (256-bit, hex) of a bytes-like object: collision-resistant like sha256 (the signed digest chain
+    relies on that) and about 4x faster on one core here (AVX-512), so hashing a state costs ~0.13 s per GB."""
+    return blake3.blake3(data).hexdigest()
+
+
+def tensor_digest(arr: np.ndarray) -> str:
+    """BLAKE3 (hex) of the tensor's raw little-endian bytes in C order."""
+    return blake3_hex(memoryview(words(arr)).cast("B"))
+
+
+def tensor_entry(name: str, arr: np.ndarray, digest: str | None = None) -> dict:
+    """The per-tensor record that anchors and patches carry: name, dtype, shape, digest."""
     return {"name": name, "dtype": dtype_name(arr), "shape": list(arr.shape),
-            "sha256": sha256 if sha256 is not None else tensor_sha256(arr)}
+            "digest": digest if digest is not None else tensor_digest(arr)}
 
 
 def digest_of_entries(entries: list[dict]) -> str:
-    """The state digest: sha256 over the canonical JSON of the per-tensor records, sorted by name.
+    """The state digest: "blake3:" + BLAKE3 over the canonical JSON of the per-tensor records, sorted by name.
 
     Anchors and patches both name a state by this digest, so a state reached by a cold join from an
     anchor and one reached by patches agree exactly when their tensors do.
     """
-    rows = sorted(([e["name"], e["dtype"], list(e["shape"]), e["sha256"]] for e in entries), key=lambda r: r[0])
-    return "sha256:" + hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+    rows = sorted(([e["name"], e["dtype"], list(e["shape"]), e["digest"]] for e in entries), key=lambda r: r[0])
+    return f"{DIGEST_ALG}:" + blake3_hex(json.dumps(rows, separators=(",", ":")).encode())
 
 
 def state_entries(state: Mapping[str, np.ndarray]) -> list[dict]:

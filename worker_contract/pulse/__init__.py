@@ -12,17 +12,26 @@ Format: docs/pulse.md. Coding: codec.py.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .. import signing
-from ..tensors import digest_of_entries, dtype_name, np_dtype, state_from_numpy, state_to_numpy, tensor_sha256
+from ..tensors import (
+    DIGEST_ALG,
+    blake3_hex,
+    digest_of_entries,
+    dtype_name,
+    np_dtype,
+    state_from_numpy,
+    state_to_numpy,
+    tensor_digest,
+)
 from . import codec
 from .format import (
     FORMAT,
+    SHORT,
     PatchError,
     PatchHeader,
     TensorPatch,
@@ -34,10 +43,6 @@ from .format import (
     split,
 )
 from .format import check_body as _check_body
-
-#: hex digits of the per-tensor digests a header carries (to name a tensor in an error)
-SHORT = 8
-
 
 def t_lengths_match(t: TensorPatch, c: codec.Coded) -> bool:
     return t.lengths() == {f: len(x) for f, x in c.chunks.items()}
@@ -69,11 +74,11 @@ def encode_patch(old: Mapping[str, Any], new: Mapping[str, Any], *, base_version
     o, _ = state_to_numpy(old)
     n, _ = state_to_numpy(new)
     coded = {name: codec.encode_tensor(o[name], n[name], dtype_name(o[name])) for name in _checked(o, n)}
-    base_sha = {e["name"]: e["sha256"] for e in base_entries} if base_entries is not None else {}
-    meta = {name: (dtype_name(n[name]), list(n[name].shape), base_sha.get(name) or tensor_sha256(o[name]),
-                   tensor_sha256(n[name])) for name in sorted(n)}
+    known = {e["name"]: e["digest"] for e in base_entries} if base_entries is not None else {}
+    meta = {name: (dtype_name(n[name]), list(n[name].shape), known.get(name) or tensor_digest(o[name]),
+                   tensor_digest(n[name])) for name in sorted(n)}
     if entries_out is not None:
-        entries_out.extend({"name": k, "dtype": m[0], "shape": m[1], "sha256": m[3]} for k, m in meta.items())
+        entries_out.extend({"name": k, "dtype": m[0], "shape": m[1], "digest": m[3]} for k, m in meta.items())
     return assemble(coded, meta, base_version, target_version)
 
 
@@ -95,27 +100,26 @@ def _dt(x: Any) -> str:
 
 def assemble(coded: Mapping[str, codec.Coded], meta: Mapping[str, tuple], base_version: int | None,
              target_version: int | None) -> bytes:
-    """Header and compressed streams from per-tensor codings; `meta[name]` = (dtype, shape, base sha256,
-    result sha256). Shared by the numpy encoder and the torch/CUDA one (torch_encode.py)."""
+    """Header and compressed streams from per-tensor codings; `meta[name]` = (dtype, shape, base digest,
+    result digest). Shared by the numpy encoder and the torch/CUDA one (torch_encode.py)."""
     families: dict[str, list[bytes]] = {}
     tensors, base_rows, result_rows = [], [], []
     for name in sorted(coded):
         c = coded[name]
-        dt, shape, bsha, rsha = meta[name]
+        dt, shape, bdig, rdig = meta[name]
         for fam, chunk in c.chunks.items():
             families.setdefault(fam, []).append(chunk)
         tensors.append(TensorPatch(
             name=name, dtype=dt, shape=shape, changed=c.changed,
-            threshold=c.threshold, candidates=c.candidates, changed_in=c.changed_in,
-            base_sha=bsha[:SHORT], sha=rsha[:SHORT] if rsha != bsha else None))
+            threshold=c.threshold, candidates=c.candidates, changed_in=c.changed_in, base=bdig[:SHORT]))
         assert t_lengths_match(tensors[-1], c) and (c.unit, c.count) == (tensors[-1].unit, tensors[-1].count), name
-        base_rows.append({"name": name, "dtype": dt, "shape": shape, "sha256": bsha})
-        result_rows.append({"name": name, "dtype": dt, "shape": shape, "sha256": rsha})
+        base_rows.append({"name": name, "dtype": dt, "shape": shape, "digest": bdig})
+        result_rows.append({"name": name, "dtype": dt, "shape": shape, "digest": rdig})
     streams, body = compress_streams(families)
     header = PatchHeader(
-        base_version=base_version, target_version=target_version,
+        base_version=base_version, target_version=target_version, digest_alg=DIGEST_ALG,
         base_digest=digest_of_entries(base_rows), result_digest=digest_of_entries(result_rows),
-        body_sha256=hashlib.sha256(body).hexdigest(), body_size=len(body), streams=streams, tensors=tensors)
+        body_digest=blake3_hex(body), body_size=len(body), streams=streams, tensors=tensors)
     return pack(header, body)
 
 
@@ -125,7 +129,7 @@ def read_header(patch: bytes) -> PatchHeader:
 
 
 def sign_patch(patch: bytes, key) -> bytes:
-    """The same patch with an Ed25519 signature over its header (which pins the body by its sha256)."""
+    """The same patch with an Ed25519 signature over its header (which pins the body by its digest)."""
     hb, _header, _sig, body = split(patch)
     return pack_raw(hb, signing.sign(key, signing_message(hb)), body)
 
@@ -168,15 +172,15 @@ def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: s
     if verified_base_digest is None or verified_base_digest != header.base_digest:
         base_rows = []
         for t in header.tensors:
-            sha = tensor_sha256(o[t.name])
-            if sha[:SHORT] != t.base_sha:
+            dig = tensor_digest(o[t.name])
+            if dig[:SHORT] != t.base:
                 raise PatchError(f"wrong base for this patch (v{header.base_version} -> v{header.target_version}): "
                                  f"tensor {t.name} differs from the base it was made against")
-            base_rows.append({"name": t.name, "dtype": t.dtype, "shape": t.shape, "sha256": sha})
+            base_rows.append({"name": t.name, "dtype": t.dtype, "shape": t.shape, "digest": dig})
         if digest_of_entries(base_rows) != header.base_digest:
             raise PatchError(f"wrong base for this patch (v{header.base_version} -> v{header.target_version}): "
                              "its digest differs from the patch's base digest")
-    streams = decompress_streams(header, body)
+    streams = {f: memoryview(x) for f, x in decompress_streams(header, body).items()}
     cursors = dict.fromkeys(streams, 0)
     result: dict[str, np.ndarray] = {}
     rows: list[dict] = []
@@ -192,11 +196,8 @@ def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: s
         except codec.CodecError as e:
             raise PatchError(f"tensor {t.name}: {e}") from None
         arr = w.view(np_dtype(t.dtype)).reshape(t.shape)
-        sha = tensor_sha256(arr)
-        if sha[:SHORT] != (t.sha or t.base_sha):
-            raise PatchError(f"patch result for tensor {t.name} does not match its digest (corrupted patch or base)")
         result[t.name] = arr
-        rows.append({"name": t.name, "dtype": t.dtype, "shape": t.shape, "sha256": sha})
+        rows.append({"name": t.name, "dtype": t.dtype, "shape": t.shape, "digest": tensor_digest(arr)})
     if digest_of_entries(rows) != header.result_digest:
         raise PatchError("the patch result does not match the patch's result digest")
     return state_from_numpy(result, as_torch)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..tensors import MANTISSA_BITS
+from ..tensors import MANTISSA_BITS, np_dtype
 
 #: tensors smaller than this are coded without context (the sampling and sort are not worth it)
 MIN_CONTEXT_WORDS = 1 << 14
@@ -71,18 +71,24 @@ def as_units(arr: np.ndarray, unit: int) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(-1).view(_UINT[unit])
 
 
-def _planes(x: np.ndarray) -> list[bytes]:
-    """Byte planes of an unsigned array: plane j holds byte j of every element (little-endian)."""
+def _planes(x: np.ndarray) -> list[np.ndarray]:
+    """Byte planes of an unsigned array: plane j holds byte j of every element (little-endian). One
+    transposing copy; the planes are rows of it (buffers that bytes.join and zstd take as they are)."""
     w = x.dtype.itemsize
-    b = x.view(np.uint8).reshape(-1, w)
-    return [np.ascontiguousarray(b[:, j]).tobytes() for j in range(w)]
+    if w == 1:
+        return [x.view(np.uint8)]
+    t = np.ascontiguousarray(x.view(np.uint8).reshape(-1, w).T)
+    return list(t)
 
 
-def _unplanes(planes: list[bytes], n: int, w: int) -> np.ndarray:
-    b = np.empty((n, w), dtype=np.uint8)
+def _unplanes(planes: list, n: int, w: int) -> np.ndarray:
     for j, p in enumerate(planes):
         if len(p) != n:
             raise CodecError(f"byte plane {j} has {len(p)} bytes, expected {n}")
+    if w == 1:
+        return np.frombuffer(planes[0], dtype=np.uint8).copy()
+    b = np.empty((n, w), dtype=np.uint8)
+    for j, p in enumerate(planes):
         b[:, j] = np.frombuffer(p, dtype=np.uint8)
     return b.reshape(-1).view(_UINT[w])
 
@@ -98,7 +104,7 @@ def _unzigzag(z: np.ndarray, w: int) -> np.ndarray:
 
 
 def _entropy_bits(p: np.ndarray) -> np.ndarray:
-    p = np.clip(p, 1e-12, 1 - 1e-12)
+    p = np.minimum(np.maximum(p, 1e-12), 1 - 1e-12)
     return -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
 
 
@@ -107,34 +113,47 @@ def _magnitude(w: np.ndarray, unit: int) -> np.ndarray:
     return w & _UINT[unit]((1 << (8 * unit - 1)) - 1)
 
 
+def class_dtype(unit: int, mbits: int) -> type:
+    """The narrowest unsigned type of an exponent class (uint8 for bf16/fp16/fp32: a one-pass radix sort)."""
+    return np.uint8 if 8 * unit - 1 - mbits <= 8 else np.uint16
+
+
 def sample_step(n: int) -> int:
     return max(1, n // _SAMPLE)
 
 
-def choose_threshold(ow: np.ndarray, changed_mag: np.ndarray, mbits: int, n: int) -> int:
+def choose_threshold(ow: np.ndarray, changed_old: np.ndarray, mbits: int, n: int) -> int:
     """The magnitude threshold (on sign-stripped bits) that minimises the estimated coded size; 0 = none.
 
     Only the encoder runs this; the decoder reads the threshold from the header, so the estimate (from a
-    strided sample of the old tensor) affects size, never correctness.
+    strided sample of the old tensor and the changed words' old values) affects size, never correctness.
     """
-    if n < MIN_CONTEXT_WORDS or changed_mag.size == 0:
+    if n < MIN_CONTEXT_WORDS or changed_old.size == 0:
         return 0
-    sample_mag = _magnitude(ow[::sample_step(n)], ow.dtype.itemsize)
-    return threshold_from(sample_mag, changed_mag, mbits, n)
+    unit = ow.dtype.itemsize
+    sample = _magnitude(ow[::sample_step(n)], unit) >> _UINT[unit](mbits)
+    changed = _magnitude(changed_old, unit) >> _UINT[unit](mbits)
+    return threshold_from(_bincount(sample), sample.size, _bincount(changed), mbits, n)
 
 
-def threshold_from(sample_mag: np.ndarray, changed_mag: np.ndarray, mbits: int, n: int) -> int:
-    """`choose_threshold` on the small arrays it needs (the GPU encoder computes them on the device)."""
-    k = changed_mag.size
-    sample_cls = (sample_mag >> mbits).astype(np.int64)
-    ch_cls = (changed_mag >> mbits).astype(np.int64)
-    nclass = int(max(sample_cls.max(initial=0), ch_cls.max(initial=0))) + 1
-    n_c = np.bincount(sample_cls, minlength=nclass) * (n / sample_cls.size)
-    k_c = np.bincount(ch_cls, minlength=nclass).astype(np.float64)
+def _bincount(cls: np.ndarray) -> np.ndarray:
+    return np.bincount(cls if cls.dtype.itemsize < 8 else cls.astype(np.intp))
+
+
+def threshold_from(sample_counts: np.ndarray, sample_size: int, changed_counts: np.ndarray, mbits: int,
+                   n: int) -> int:
+    """`choose_threshold` from class histograms (exponent class = sign-stripped bits >> mbits) of a strided
+    sample of the old tensor and of every changed word's old value; the GPU encoder counts on the device."""
+    nclass = max(sample_counts.size, changed_counts.size)
+    n_c = np.zeros(nclass)
+    n_c[: sample_counts.size] = sample_counts * (n / sample_size)
+    k_c = np.zeros(nclass)
+    k_c[: changed_counts.size] = changed_counts
+    k = float(k_c.sum())
     n_c = np.maximum(n_c, k_c)
     cum_n, cum_k = np.cumsum(n_c), np.cumsum(k_c)
     bitmap_bits = np.cumsum(n_c * np.maximum(_entropy_bits(k_c / np.maximum(n_c, 1)), 0.02))
-    k_out = k - cum_k
+    k_out = np.maximum(k - cum_k, 0)
     p_out = np.maximum(k_out, 1) / n
     gap_bits = k_out * _entropy_bits(p_out) / p_out
     cost = bitmap_bits + gap_bits + CANDIDATE_COST_BITS * cum_n
@@ -146,43 +165,86 @@ def threshold_from(sample_mag: np.ndarray, changed_mag: np.ndarray, mbits: int, 
     return (c + 1) << mbits
 
 
-def _chunked_where(n: int, fill) -> np.ndarray:
-    """Positions where `fill(start, stop, out)` sets True, computed a cache-sized chunk at a time so the
-    scratch memory stays small (a worker may hold a large model) and no temporary of a tensor's size is
-    ever allocated."""
-    mask = np.empty(min(n, _CHUNK), dtype=bool)
-    found = []
-    for start in range(0, n, _CHUNK):
-        stop = min(n, start + _CHUNK)
-        m = mask[: stop - start]
-        fill(start, stop, m)
-        idx = np.flatnonzero(m)
-        if idx.size:
-            found.append(idx + start)
-    return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+def diff_words(ow: np.ndarray, nw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, old words, new words) of the words whose bits differ, positions ascending.
+
+    Why blocks: numpy's nonzero is the costly pass, so the words are first compared 8 bytes at a time (one
+    uint64 holds four bf16 words) and nonzero runs over a quarter of the elements; only the blocks that
+    differ are split into words, from a gathered copy. A chunk at a time, so no full-size temporary exists.
+    """
+    unit, n = ow.dtype.itemsize, ow.size
+    per = 8 // unit
+    nblocks = n // per
+    pos, olds, news = [], [], []
+    if nblocks:
+        ob, nb = ow[: nblocks * per].view(np.uint64), nw[: nblocks * per].view(np.uint64)
+        shift = per.bit_length() - 1
+        mask = np.empty(min(nblocks, _CHUNK), dtype=bool)
+        for a in range(0, nblocks, _CHUNK):
+            b = min(nblocks, a + _CHUNK)
+            m = mask[: b - a]
+            np.not_equal(ob[a:b], nb[a:b], out=m)
+            blk = np.flatnonzero(m)
+            if not blk.size:
+                continue
+            blk += a
+            if per == 1:
+                pos.append(blk)
+                olds.append(ow[blk])
+                news.append(nw[blk])
+                continue
+            o, w = ob[blk].view(ow.dtype), nb[blk].view(ow.dtype)
+            j = np.flatnonzero(o != w)
+            pos.append((blk[j >> shift] << shift) | (j & (per - 1)))
+            olds.append(o[j])
+            news.append(w[j])
+    tail = nblocks * per
+    if tail < n:
+        j = np.flatnonzero(ow[tail:] != nw[tail:])
+        pos.append(j + tail)
+        olds.append(ow[tail:][j])
+        news.append(nw[tail:][j])
+    if not pos:
+        return np.zeros(0, np.int64), ow[:0], nw[:0]
+    if len(pos) == 1:
+        return pos[0], olds[0], news[0]
+    return np.concatenate(pos), np.concatenate(olds), np.concatenate(news)
 
 
-def changed_positions(ow: np.ndarray, nw: np.ndarray) -> np.ndarray:
-    return _chunked_where(ow.size, lambda a, b, m: np.not_equal(ow[a:b], nw[a:b], out=m))
-
-
-def _candidates(ow: np.ndarray, threshold: int, unit: int, mbits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Candidate positions (sign-stripped bits below the threshold) in natural order, and the stable
-    order that groups them by exponent class: the bitmap is sent in that order so each class's bits sit
-    together and zstd codes each run at its own density."""
-    u = _UINT[unit]
+def _candidate_scan(ow: np.ndarray, threshold: int, unit: int, mbits: int, *, nw: np.ndarray | None = None,
+                    copy_to: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The candidates (sign-stripped bits below the threshold), a chunk at a time: their positions, their
+    exponent classes and, with `nw`, whether each changed. `copy_to` receives a copy of `ow` in the same
+    pass (the decoder's fresh result array), so the tensor is read once."""
+    u, cdt = _UINT[unit], class_dtype(unit, mbits)
+    keep, thr, sh = u((1 << (8 * unit - 1)) - 1), u(min(threshold, (1 << (8 * unit)) - 1)), u(mbits)
+    full = threshold > (1 << (8 * unit - 1)) - 1  # every word is a candidate (sign-stripped bits fit below)
     scratch = np.empty(min(ow.size, _CHUNK), dtype=u)
-    keep, thr = u((1 << (8 * unit - 1)) - 1), u(threshold)
-
-    def fill(a: int, b: int, m: np.ndarray) -> None:
+    mask = np.empty(min(ow.size, _CHUNK), dtype=bool)
+    pos, cls, ne = [], [], []
+    for a in range(0, ow.size, _CHUNK):
+        b = min(ow.size, a + _CHUNK)
+        o = ow[a:b]
+        if copy_to is not None:
+            copy_to[a:b] = o
         t = scratch[: b - a]
-        np.bitwise_and(ow[a:b], keep, out=t)
-        np.less(t, thr, out=m)
-
-    s = _chunked_where(ow.size, fill)
-    cls = (ow[s] & keep) >> u(mbits)
-    cls = cls.astype(np.uint16 if int(cls.max(initial=0)) < 65536 else np.uint64)
-    return s, np.argsort(cls, kind="stable")
+        np.bitwise_and(o, keep, out=t)
+        if full:
+            idx = np.arange(b - a)
+        else:
+            m = mask[: b - a]
+            np.less(t, thr, out=m)
+            idx = np.flatnonzero(m)
+        if not idx.size:
+            continue
+        pos.append(idx + a)
+        cls.append((t[idx] >> sh).astype(cdt))
+        if nw is not None:
+            ne.append(o[idx] != nw[a:b][idx])
+    if not pos:
+        return np.zeros(0, np.int64), np.zeros(0, cdt), (np.zeros(0, bool) if nw is not None else None)
+    cat = np.concatenate
+    return cat(pos), cat(cls), (cat(ne) if nw is not None else None)
 
 
 def encode_tensor(old: np.ndarray, new: np.ndarray, dtype_name: str) -> Coded:
@@ -191,34 +253,39 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, dtype_name: str) -> Coded:
     ow, nw = as_units(old, unit), as_units(new, unit)
     n = ow.size
     out = Coded(unit=unit, count=n, gap_bytes=4 if n < (1 << 32) else 8)
-    changed = changed_positions(ow, nw)
-    k = out.changed = changed.size
-    if k == 0:
+    positions, ov, nv = diff_words(ow, nw)
+    out.changed = positions.size
+    if out.changed == 0:
         return out
+    zz = _zigzag(nv - ov, unit)  # wraps: exact on the bit patterns
     mbits = MANTISSA_BITS.get(dtype_name) if unit == old.dtype.itemsize else None
-    threshold = 0
-    if mbits is not None:
-        threshold = choose_threshold(ow, _magnitude(ow[changed], unit), mbits, n)
-    if threshold:
-        cand, order = _candidates(ow, threshold, unit, mbits)
-        mask = ow[cand] != nw[cand]
-        k_in = int(np.count_nonzero(mask))
-        pos_out = changed[_magnitude(ow[changed], unit) >= _UINT[unit](threshold)]
-        out.threshold, out.candidates, out.changed_in = threshold, cand.size, k_in
-        in_sorted = mask[order]
-        out.chunks["bitmap"] = np.packbits(in_sorted).tobytes()
-        positions = np.concatenate([cand[order[in_sorted]], pos_out])
-    else:
-        pos_out = positions = changed
-    delta = nw[positions] - ow[positions]  # wraps: exact on the bit patterns
-    return pack_streams(out, pos_out, _zigzag(delta, unit))
+    threshold = choose_threshold(ow, ov, mbits, n) if mbits is not None else 0
+    if not threshold:
+        return pack_streams(out, positions, zz)
+    cand, cls, ne = _candidate_scan(ow, threshold, unit, mbits, nw=nw)
+    in_sorted = ne[np.argsort(cls, kind="stable")]
+    inside = _magnitude(ov, unit) < _UINT[unit](min(threshold, (1 << (8 * unit)) - 1))
+    out.threshold, out.candidates, out.changed_in = threshold, cand.size, int(np.count_nonzero(inside))
+    assert int(np.count_nonzero(in_sorted)) == out.changed_in
+    out.chunks["bitmap"] = np.packbits(in_sorted)
+    # the changed candidates in bitmap order (class, then position): a stable sort of their classes
+    zin = zz[inside]
+    order = np.argsort((_magnitude(ov[inside], unit) >> _UINT[unit](mbits)).astype(class_dtype(unit, mbits)),
+                       kind="stable")
+    outside = ~inside
+    return pack_streams(out, positions[outside], np.concatenate([zin[order], zz[outside]]))
 
 
 def pack_streams(out: Coded, pos_out: np.ndarray, zigzagged: np.ndarray) -> Coded:
     """Byte-plane split of the bulk gaps and the zigzagged deltas into `out.chunks`."""
     if pos_out.size:
-        gaps = np.diff(pos_out, prepend=-1) - 1
-        for j, plane in enumerate(_planes(gaps.astype(_UINT[out.gap_bytes]))):
+        gw = _UINT[out.gap_bytes]
+        p = pos_out.astype(gw)
+        gaps = np.empty_like(p)
+        gaps[0] = p[0]
+        np.subtract(p[1:], p[:-1], out=gaps[1:])
+        gaps[1:] -= gw(1)
+        for j, plane in enumerate(_planes(gaps)):
             out.chunks[f"gap{j}"] = plane
     for j, plane in enumerate(_planes(zigzagged)):
         out.chunks[f"val{j}"] = plane
@@ -226,40 +293,45 @@ def pack_streams(out: Coded, pos_out: np.ndarray, zigzagged: np.ndarray) -> Code
     return out
 
 
-def decode_tensor(old: np.ndarray, coded: Coded, dtype_name: str, chunks: dict[str, bytes]) -> np.ndarray:
+def decode_tensor(old: np.ndarray, coded: Coded, dtype_name: str, chunks: dict) -> np.ndarray:
     """The new tensor's words (a fresh array; `old` is not touched)."""
     unit = coded.unit
     ow = as_units(old, unit)
     if ow.size != coded.count:
         raise CodecError(f"tensor has {ow.size} words of {unit} bytes, the patch expects {coded.count}")
-    nw = ow.copy()
     k = coded.changed
     if k == 0:
-        return nw
+        return ow.copy()
     parts = []
     if coded.threshold:
-        mbits = MANTISSA_BITS.get(dtype_name)
+        mbits = MANTISSA_BITS.get(dtype_name) if unit == np_dtype(dtype_name).itemsize else None
         if mbits is None:
             raise CodecError(f"a magnitude threshold is not defined for dtype {dtype_name}")
-        cand, order = _candidates(ow, coded.threshold, unit, mbits)
+        nw = np.empty_like(ow)
+        cand, cls, _ = _candidate_scan(ow, coded.threshold, unit, mbits, copy_to=nw)
         if cand.size != coded.candidates:
             raise CodecError(f"{cand.size} candidates where the patch expects {coded.candidates}: wrong base")
         bitmap = np.frombuffer(chunks.get("bitmap", b""), dtype=np.uint8)
         if bitmap.size != (cand.size + 7) // 8:
             raise CodecError("candidate bitmap has the wrong length")
         in_sorted = np.unpackbits(bitmap, count=cand.size).view(bool)
-        parts.append(cand[order[in_sorted]])
+        parts.append(cand[np.argsort(cls, kind="stable")[in_sorted]])
         if parts[0].size != coded.changed_in:
             raise CodecError("candidate bitmap does not match the patch's count")
+    else:
+        nw = ow.copy()
     k_out = k - coded.changed_in
     if k_out:
         gw = coded.gap_bytes
-        gaps = _unplanes([chunks.get(f"gap{j}", b"") for j in range(gw)], k_out, gw).astype(np.int64)
-        pos_out = np.cumsum(gaps + 1) - 1
-        if pos_out[-1] >= coded.count or pos_out[0] < 0:
+        gaps = _unplanes([chunks.get(f"gap{j}", b"") for j in range(gw)], k_out, gw)
+        if int(gaps.max()) >= coded.count:
+            raise CodecError("a changed position lies outside the tensor")
+        pos_out = np.cumsum(gaps, dtype=np.int64)
+        pos_out += np.arange(k_out, dtype=np.int64)
+        if pos_out[-1] >= coded.count:
             raise CodecError("a changed position lies outside the tensor")
         parts.append(pos_out)
     positions = np.concatenate(parts) if len(parts) > 1 else parts[0]
     z = _unplanes([chunks.get(f"val{j}", b"") for j in range(unit)], k, unit)
-    nw[positions] = ow[positions] + _unzigzag(z, unit)
+    nw[positions] += _unzigzag(z, unit)
     return nw

@@ -1,6 +1,6 @@
-"""The PULSE patch container (format 1), documented in docs/pulse.md.
+"""The PULSE patch container (format 2), documented in docs/pulse.md.
 
-    magic      8 bytes   b"STOAPLS" + format byte (1)
+    magic      8 bytes   b"STOAPLS" + format byte (2)
     hlen       u32 LE    length of the header
     header     hlen bytes: one zstd frame of the compact JSON `PatchHeader` (versions, digests, per-tensor
                coding, streams); compressed because per-tensor entries add up on big models
@@ -8,26 +8,31 @@
     signature  slen bytes, base64 Ed25519 over b"stoa-pulse-header\\0" + header
     body       the zstd frames of the streams, back to back, as the header's `streams` lists them
 
-The header carries the sha256 of the body, so a signature over the header covers the whole patch.
+The header carries the BLAKE3 digest of the body, so a signature over the header covers the whole patch.
+Format 2 moved every digest from sha256 to BLAKE3 (`digest_alg`) and slimmed the per-tensor entries.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
+from typing import Literal
 
 import zstandard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..tensors import np_dtype
+from ..tensors import blake3_hex, np_dtype
 from .codec import unit_for
 
-FORMAT = 1
+FORMAT = 2
 MAGIC = b"STOAPLS" + bytes([FORMAT])
 _SIG_CONTEXT = b"stoa-pulse-header\0"
 MAX_HEADER_BYTES = 64 << 20
 ZSTD_LEVEL = 3
+#: the header is small and compressed once; a high level pays for itself (per-tensor names repeat)
+HEADER_ZSTD_LEVEL = 19
+#: hex digits of the per-tensor base digests a header carries (to name a tensor in an error)
+SHORT = 4
 
 
 class PatchError(ValueError):
@@ -49,13 +54,12 @@ class TensorPatch(BaseModel):
     name: str = Field(description="Tensor name in the plane.")
     dtype: str = Field(description="Canonical dtype name (torch spelling: bfloat16, float32, uint32, bool...).")
     shape: list[int] = Field(description="Shape; equal in base and result.")
-    changed: int = Field(ge=0, description="Words whose bits differ between base and result.")
+    changed: int = Field(0, ge=0, description="Words whose bits differ between base and result.")
     threshold: int = Field(0, ge=0, description="Sign-stripped-bits threshold of the candidate set; 0 = none.")
     candidates: int = Field(0, ge=0, description="Size of the candidate set (a check on the base).")
     changed_in: int = Field(0, ge=0, description="Changed words inside the candidate set.")
-    base_sha: str = Field(description="First 8 hex digits of the base tensor's sha256 (names a wrong tensor; "
-                          "the full digests are bound by base_digest).")
-    sha: str | None = Field(None, description="Same for the result tensor; absent when nothing changed.")
+    base: str = Field(description="First 4 hex digits of the base tensor's digest: names a wrong tensor in an "
+                      "error (the full digests are bound by base_digest, the result's by result_digest).")
 
     @property
     def unit(self) -> int:
@@ -87,12 +91,14 @@ class PatchHeader(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: int = Field(FORMAT, description="Container format version (also the magic's last byte).")
+    digest_alg: Literal["blake3"] = Field(description="Algorithm of every digest here (tensors.DIGEST_ALG); "
+                                          "always written.")
     codec: str = Field("stoa-pulse", description="Codec family name.")
     base_version: int | None = Field(None, description="Version the patch applies to.")
     target_version: int | None = Field(None, description="Version it produces.")
     base_digest: str = Field(description="State digest of the base (tensors.digest_of_entries).")
     result_digest: str = Field(description="State digest of the result.")
-    body_sha256: str = Field(description="sha256 of the body (all stream frames).")
+    body_digest: str = Field(description="BLAKE3 (hex) of the body (all stream frames).")
     body_size: int = Field(ge=0, description="Bytes of the body.")
     streams: list[StreamInfo] = Field(description="Stream frames in body order.")
     tensors: list[TensorPatch] = Field(description="Every tensor of the state, sorted by name.")
@@ -103,7 +109,8 @@ def signing_message(header_bytes: bytes) -> bytes:
 
 
 def pack(header: PatchHeader, body: bytes, signature: str = "") -> bytes:
-    hb = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(header.model_dump_json(exclude_defaults=True).encode())
+    hb = zstandard.ZstdCompressor(level=HEADER_ZSTD_LEVEL).compress(
+        header.model_dump_json(exclude_defaults=True).encode())
     return pack_raw(hb, signature, body)
 
 
@@ -144,8 +151,8 @@ def split(patch: bytes) -> tuple[bytes, PatchHeader, str, memoryview]:
 
 
 def check_body(header: PatchHeader, body: memoryview) -> None:
-    if hashlib.sha256(body).hexdigest() != header.body_sha256:
-        raise PatchError("corrupted PULSE patch: the body's sha256 does not match its header")
+    if blake3_hex(body) != header.body_digest:
+        raise PatchError("corrupted PULSE patch: the body's digest does not match its header")
 
 
 def compress_streams(families: dict[str, list[bytes]]) -> tuple[list[StreamInfo], bytes]:

@@ -10,14 +10,13 @@ torch is imported inside the functions, so the module itself imports in the slim
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..tensors import MANTISSA_BITS, np_dtype, to_numpy, words
+from ..tensors import MANTISSA_BITS, np_dtype, tensor_digest, to_numpy
 from . import _checked, assemble, codec
 
 if TYPE_CHECKING:
@@ -72,6 +71,13 @@ def _np_unsigned(t: torch.Tensor, unit: int) -> np.ndarray:
     return t.cpu().numpy().view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[unit])
 
 
+def _counts(cls: torch.Tensor) -> np.ndarray:
+    """np.bincount of non-negative classes, counted on the device (only the histogram travels)."""
+    import torch
+
+    return torch.bincount(cls.to(torch.int64)).cpu().numpy()
+
+
 def encode_tensor_torch(old: torch.Tensor, new: torch.Tensor, dtype: str) -> codec.Coded:
     import torch
 
@@ -88,8 +94,8 @@ def encode_tensor_torch(old: torch.Tensor, new: torch.Tensor, dtype: str) -> cod
     threshold = 0
     changed_mag = _mag(ow[changed], unit)
     if mbits is not None and n >= codec.MIN_CONTEXT_WORDS:
-        sample = _mag(ow[:: codec.sample_step(n)], unit)
-        threshold = codec.threshold_from(_np_unsigned(sample, unit), _np_unsigned(changed_mag, unit), mbits, n)
+        sample = _mag(ow[:: codec.sample_step(n)], unit) >> mbits
+        threshold = codec.threshold_from(_counts(sample), sample.numel(), _counts(changed_mag >> mbits), mbits, n)
     if threshold:
         mag = _mag(ow, unit)
         cand = torch.nonzero(_below(mag, threshold, unit)).flatten()
@@ -106,9 +112,9 @@ def encode_tensor_torch(old: torch.Tensor, new: torch.Tensor, dtype: str) -> cod
     return codec.pack_streams(out, pos_out.cpu().numpy(), _np_unsigned(zz, unit))
 
 
-def _sha(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes; the device-to-host copy happens here, on the pool's thread."""
-    return hashlib.sha256(memoryview(words(to_numpy(t.detach().cpu()))).cast("B")).hexdigest()
+def _digest(t: torch.Tensor) -> str:
+    """The tensor's digest; the device-to-host copy happens here, on the pool's thread."""
+    return tensor_digest(to_numpy(t.detach().cpu()))
 
 
 def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
@@ -116,18 +122,18 @@ def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
                        base_entries: list[dict] | None = None, hash_threads: int = 8) -> bytes:
     """`encode_patch` for torch tensors on any device; the same bytes as the numpy encoder."""
     names = _checked(old, new)
-    base_sha = {e["name"]: e["sha256"] for e in base_entries} if base_entries is not None else {}
+    known = {e["name"]: e["digest"] for e in base_entries} if base_entries is not None else {}
     coded, futures = {}, {}
     with ThreadPoolExecutor(max_workers=hash_threads) as pool:
         for name in names:
             a, b = old[name], new[name]
             dt = str(a.dtype).removeprefix("torch.")
-            futures[name] = (pool.submit(_sha, b), None if name in base_sha else pool.submit(_sha, a))
+            futures[name] = (pool.submit(_digest, b), None if name in known else pool.submit(_digest, a))
             coded[name] = encode_tensor_torch(a, b, dt)
         meta = {}
         for name in names:
             b = new[name]
             rs, bs = futures[name]
             meta[name] = (str(b.dtype).removeprefix("torch."), list(b.shape),
-                          base_sha.get(name) or bs.result(), rs.result())
+                          known.get(name) or bs.result(), rs.result())
     return assemble(coded, meta, base_version, target_version)

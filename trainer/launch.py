@@ -65,6 +65,11 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
     """The resolved config, the contract environment (secrets redacted) and what would run."""
     from worker_contract.env import R2_VARS, REDACTED, SECRET_VARS
 
+    if mode == "embedded":
+        from .embedded import STOA_DIR, EmbeddedPaths, embedded_cfg
+
+        paths = EmbeddedPaths(STOA_DIR, cfg.run)
+        cfg = embedded_cfg(cfg, paths)
     out(f"# DRL_DRY_RUN=1: nothing is changed\n# mode: {mode} ({why})\n# resolved configuration:")
     out(_dump(cfg))
     out("# environment:")
@@ -75,11 +80,10 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
     if not shown:
         out("(no DRL_* contract or R2_* variables set)")
     if mode == "embedded":
-        from .embedded import STOA_DIR, EmbeddedPaths, embedded_cfg, plan_lines
+        from .embedded import plan_lines
 
-        paths = EmbeddedPaths(STOA_DIR, cfg.run)
         out("# will run:")
-        for line in plan_lines(embedded_cfg(cfg, paths), paths):
+        for line in plan_lines(cfg, paths):
             out(line)
 
 

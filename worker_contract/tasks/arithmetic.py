@@ -47,6 +47,8 @@ class SplitSpec(BaseModel):
     """Largest starting amount or added/removed amount."""
     max_factor: int = Field(ge=2)
     """Largest multiplier (boxes of N, doubles, triples)."""
+    ops: str = Field("+-*", pattern=r"^[+*-]+$")
+    """Operations a story may use: + (buy, earn, get), - (give, lose, spend), * (boxes of, doubles, triples)."""
     min_steps: int = Field(ge=1)
     """Fewest operations in a problem."""
     max_steps: int = Field(ge=1)
@@ -56,10 +58,10 @@ class SplitSpec(BaseModel):
 #: The default splits. Training is effectively unbounded (every index is a fresh problem); the held-out
 #: split is fixed. Same difficulty, different seed, disjoint number tuples.
 DEFAULT_SPLITS: dict[str, SplitSpec] = {
-    "train": SplitSpec(seed="arith-train-v1", size=10**9, min_operand=2, max_operand=49, max_factor=5,
-                       min_steps=1, max_steps=3),
-    "test": SplitSpec(seed="arith-heldout-v1", size=1000, min_operand=2, max_operand=49, max_factor=5,
-                      min_steps=1, max_steps=3),
+    "train": SplitSpec(seed="arith-train-v1", size=10**9, min_operand=2, max_operand=20, max_factor=4,
+                       min_steps=2, max_steps=3),
+    "test": SplitSpec(seed="arith-heldout-v1", size=1000, min_operand=2, max_operand=20, max_factor=4,
+                      min_steps=2, max_steps=3),
 }
 
 
@@ -83,7 +85,7 @@ def _story(rng: random.Random, spec: SplitSpec) -> tuple[str, list[str], int]:
     item = rng.choice(ITEMS)
     lo, hi = spec.min_operand, spec.max_operand
     lines: list[str] = []
-    if not money and rng.random() < 0.3:
+    if not money and "*" in spec.ops and rng.random() < 0.3:
         boxes, per = rng.randint(2, spec.max_factor), rng.randint(lo, hi)
         x = boxes * per
         sents = [f"{name} buys {boxes} boxes of {item}. Each box has {per} {item}."]
@@ -92,7 +94,7 @@ def _story(rng: random.Random, spec: SplitSpec) -> tuple[str, list[str], int]:
         x = rng.randint(lo, hi)
         sents = [f"{name} has ${x}." if money else f"{name} has {x} {item}."]
     for _ in range(rng.randint(spec.min_steps, spec.max_steps) - (1 if lines else 0)):
-        op = rng.choice("+-*") if x <= hi else rng.choice("+--")
+        op = rng.choice(spec.ops if x <= hi else spec.ops.replace("*", "") or "+")
         if op == "*":
             k = rng.randint(2, min(3, spec.max_factor))
             word = {2: "doubles", 3: "triples"}[k]

@@ -137,7 +137,7 @@ def build_model(cfg: Mapping[str, Any], *, padded_vocab_size: int | None = None,
                 device: str | None = None) -> Any:
     """GPTModel for this HF config on this rank's tensor-parallel shard.
 
-    `fused`: megatron's torch.compile'd SwiGLU (default: on CUDA only, since
+    `fused`: megatron's torch.compile'd SwiGLU and bias-dropout-add (default: on CUDA only, since
     inductor on CPU compiles C++ for seconds); `init`: random init. Without it weights are left empty for
     loading, but megatron then also skips tagging them with their tensor-parallel layout (partition
     dim/stride), which `shard`/`unshard` read: pass init=True whenever tensor_parallel > 1.
@@ -165,9 +165,7 @@ def build_model(cfg: Mapping[str, Any], *, padded_vocab_size: int | None = None,
         use_cpu_initialization=device == "cpu",
         perform_initialization=init,
         bias_activation_fusion=fused,
-        # no bias and dropout 0: the unfused bias-dropout-add is one add kernel, cheaper than a compiled
-        # call per layer and pass in a launch-bound forward
-        bias_dropout_fusion=False,
+        bias_dropout_fusion=fused,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,

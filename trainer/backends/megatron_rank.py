@@ -76,8 +76,8 @@ class MegatronRank:
         self._rope_sites = {id(m): [a for a in m.modules() if getattr(a, "fuses_rope", False)]
                             for m in (self.model, self.reference)}
         self._load_weights(model_dir, load)
-        if compile_layers and self.device.type == "cuda":  # experimental: torch.compile each decoder layer
-            for m in (self.model, self.reference):
+        if compile_layers and self.device.type == "cuda":  # torch.compile per decoder layer: measured slower
+            for m in (self.model, self.reference):          # on the H200 (33.8% vs 44-47% MFU); kept to compare
                 for layer in m.decoder.layers:
                     layer.compile()
         self.reference.eval().requires_grad_(False)
@@ -157,13 +157,12 @@ class MegatronRank:
             return model.shared_embedding_or_output_weight()
         return model.output_layer.weight
 
-    def response_logp(self, model: Any, mb: TrainBatch, index: tuple | None = None) -> torch.Tensor:
-        """[b, R] float32 log-probs of the response tokens (0 past each response). `index`: the
-        micro-batch's response_index(), computed on the CPU so the GPU queue is not drained for it."""
+    def response_logp(self, model: Any, mb: TrainBatch) -> torch.Tensor:
+        """[b, R] float32 log-probs of the response tokens (0 past each response)."""
         from megatron.core import tensor_parallel
 
         hidden = self._hidden(model, mb.input_ids)
-        rows, cols, pos = index if index is not None else mb.response_index()
+        rows, cols, pos = mb.response_index()
         targets = mb.input_ids[rows, pos + 1]
         h = hidden[pos, rows]
         if self.tp_size > 1:  # identity forward; backward all-reduces this rank's partial d(hidden)
@@ -175,26 +174,22 @@ class MegatronRank:
         out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
         return out.index_put((rows, cols), lp)
 
-    def _micro_batches(self, batch: TrainBatch, rows: int | None = None) -> list[tuple[TrainBatch, tuple]]:
-        """(micro-batch, its response index), both on the device. Everything crosses to the GPU up front:
-        a copy from pageable host memory waits for the GPU queue to drain, and the index (a nonzero())
-        would too, so neither may happen between one micro-batch's launches and the next."""
-        cpu, dev = batch.to("cpu"), batch.to(self.device)
+    def _micro_batches(self, batch: TrainBatch, rows: int | None = None):
         step = max(1, rows or self.cfg.train.micro_batch_size)
-        cuts = [(start, min(start + step, batch.rows)) for start in range(0, batch.rows, step)]
-        index = [tuple(t.to(self.device) for t in cpu.select(a, b).response_index()) for a, b in cuts]
-        return [(dev.select(a, b), ix) for (a, b), ix in zip(cuts, index, strict=True)]
+        for start in range(0, batch.rows, step):
+            yield batch.select(start, min(start + step, batch.rows))
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Without gradients nothing is kept for a backward pass, so the forward takes up to
         `_NOGRAD_TOKENS` tokens at a time (at least the recipe's micro-batch): fewer, larger launches."""
         model = self.reference if reference else self.model
+        batch = batch.to(self.device)
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
         rows = max(self.cfg.train.micro_batch_size, _NOGRAD_TOKENS // max(1, batch.input_ids.shape[1]))
         row = 0
-        for mb, index in self._micro_batches(batch, rows):
-            lp = self.response_logp(model, mb, index)
+        for mb in self._micro_batches(batch, rows):
+            lp = self.response_logp(model, mb)
             out[row : row + mb.rows, : lp.shape[1]] = lp
             row += mb.rows
         return out
@@ -212,9 +207,10 @@ class MegatronRank:
         return sq.sqrt()
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        batch = batch.to(self.device)
         parts = []
-        for mb, index in self._micro_batches(batch):
-            logp = self.response_logp(self.model, mb, index)
+        for mb in self._micro_batches(batch):
+            logp = self.response_logp(self.model, mb)
             loss, metrics = loss_fn(logp, mb)
             (loss * (mb.rows / batch.rows)).backward()
             self._accumulate()

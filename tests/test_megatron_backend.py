@@ -159,3 +159,26 @@ def test_bf16_model_with_float32_master_weights(tmp_path, mcore):
     assert min(moved) > 0  # every tensor took an update (lr 1e-3)
     assert (bf["logp"] - f32["logp"]).abs().max() < 0.1  # same model, bf16 rounding
     assert bf["metrics"][0]["grad_norm"] == pytest.approx(f32["metrics"][0]["grad_norm"], rel=0.05)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_through_ray_actors(tmp_path, mcore):
+    """The product path for TP > 1: two Ray actors (CPU, gloo) behind MegatronBackend, same answers as TP=1."""
+    import os
+
+    import ray
+
+    from trainer.backends.megatron import MegatronBackend
+
+    megatron_cpu.make_tiny_qwen2(tmp_path, tied=True, vocab=VOCAB, hidden=32, ffn=64)
+    repo = str(megatron_cpu.__file__).rsplit("/tests/", 1)[0]
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {
+        "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}})
+    try:
+        tp2 = MegatronBackend.load(tmp_path, recipe("megatron", tp=2), device="cpu", attention="sdpa",
+                                   setup="tests.megatron_cpu:setup_rank")
+        got = run_steps(tp2)
+        tp2.shutdown()
+    finally:
+        ray.shutdown()
+    assert_same(got, run_steps(MegatronBackend.load(tmp_path, recipe("megatron"), device="cpu", attention="sdpa")))

@@ -1,0 +1,163 @@
+"""The embedded default end to end, with real processes: the base is published, both workers upload,
+versions advance, `python -m worker_contract verify` passes, a rerun resumes, Ctrl-C stops everything and
+leaves the bucket consistent; and (slow lane) reward rises on the generated task.
+
+The default lane runs a tiny model on a short schedule; the slow lane runs the recipe's own embedded
+configuration, shortened.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.config import resolve
+from worker_contract import layout
+from worker_contract.store.file import FileStore
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY = {
+    "contract.n_samples": 4, "algo.max_new_tokens": 24, "algo.groups_per_step": 2, "algo.lr": 1e-3,
+    "train.micro_batch_size": 16, "train.save_interval": 2, "train.poll_interval_s": 0.5,
+    "embedded.eval_every": 2, "embedded.eval_problems": 20,
+    "embedded.base.hidden_size": 32, "embedded.base.num_layers": 1, "embedded.base.num_heads": 2,
+    "embedded.base.num_kv_heads": 1, "embedded.base.intermediate_size": 64, "embedded.base.sft_steps": 20,
+    "embedded.base.sft_batch_size": 8, "embedded.base.tokenizer_corpus": 300, "embedded.base.vocab_size": 300,
+}
+
+
+def _run(root: Path, run: str, **over):
+    from rich.console import Console
+
+    from trainer.embedded import run_embedded
+
+    cfg = resolve("gsm8k", env={}, overrides={"run": run, **TINY, **over}, embedded=True)
+    buf = io.StringIO()
+    rc = run_embedded(cfg, console=Console(file=buf, width=160), root=root)
+    return rc, buf.getvalue()
+
+
+def _rows(root: Path, run: str) -> list[dict]:
+    path = root / "runs" / run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _verify(root: Path, run: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker_contract", "verify", "--store", f"file://{root}/bucket",
+                           "--run", run], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+
+
+def _leftovers(root: Path) -> list[str]:
+    """Processes whose command line or working files point into this test's directory."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if str(root) in cmd and p.pid != os.getpid():
+            found.append(f"{p.pid}: {cmd[:200]}")
+    return found
+
+
+def _wait_gone(root: Path, timeout: float = 30.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := _leftovers(root)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+@pytest.mark.integration
+def test_embedded_run_end_to_end_then_resume(tmp_path):
+    run = "e2e-quick"
+    rc, out = _run(tmp_path, run, **{"embedded.max_steps": 4})
+    assert rc == 0, out
+    store = FileStore(tmp_path / "bucket")
+    # the base was published as the first anchor, under a signed run.json
+    assert store.exists(layout.manifest_key(run)) and store.exists(layout.anchor_manifest_key(run, 1))
+    manifest = json.loads(store.get(layout.manifest_key(run)))
+    assert manifest["task"] == "arithmetic" and manifest["n_samples"] == 4 and manifest["plane"] == "bf16"
+    # both workers uploaded, and versions advanced past the base
+    workers = {layout.parse_rollout_key(k).worker_id for k in store.list_keys(layout.rollouts_prefix(run))}
+    assert workers == {"local-1", "local-2"}
+    rows = _rows(tmp_path, run)
+    steps = [r["step"] for r in rows if "rollout/raw_reward" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert steps == [1, 2, 3, 4]
+    assert evals[0]["eval/version"] == 1 and evals[0]["step"] == 0
+    assert evals[-1]["eval/version"] >= 4 and evals[-1]["step"] == 4
+    assert "held-out accuracy" in out and "4 steps done" in out
+    for png in ("train_reward.png", "heldout_accuracy.png"):
+        assert (tmp_path / "runs" / run / "plots" / png).stat().st_size > 0
+    v = _verify(tmp_path, run)
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert _wait_gone(tmp_path) == []
+    first_pointer = evals[-1]["eval/version"]
+
+    # the same RUN again resumes from the checkpoint: steps continue, versions keep rising
+    rc, out = _run(tmp_path, run, **{"embedded.max_steps": 6})
+    assert rc == 0, out
+    rows = _rows(tmp_path, run)
+    assert [r["step"] for r in rows if "rollout/raw_reward" in r] == [1, 2, 3, 4, 5, 6]
+    assert "resumed from" in (tmp_path / "runs" / run / "learner.log").read_text()
+    assert max(r["eval/version"] for r in rows if "eval/accuracy" in r) > first_pointer
+    assert _verify(tmp_path, run).returncode == 0
+    assert _wait_gone(tmp_path) == []
+
+
+@pytest.mark.integration
+def test_ctrl_c_stops_every_process_and_leaves_the_bucket_consistent(tmp_path):
+    run = "e2e-ctrl-c"
+    metrics = tmp_path / "runs" / run / "metrics.jsonl"
+
+    def interrupt_after_two_steps():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if metrics.exists() and metrics.read_text().count("rollout/raw_reward") >= 2:
+                os.kill(os.getpid(), signal.SIGINT)  # what a terminal's Ctrl-C delivers to the launcher
+                return
+            time.sleep(0.2)
+
+    t = threading.Thread(target=interrupt_after_two_steps, daemon=True)
+    t.start()
+    rc, out = _run(tmp_path, run, **{"embedded.max_steps": 1000})
+    t.join()
+    assert rc == 130, out
+    assert "stopped by Ctrl-C" in out
+    assert _wait_gone(tmp_path) == []
+    v = _verify(tmp_path, run)
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert any((tmp_path / "runs" / run / "checkpoints").iterdir())  # the learner checkpointed on its way out
+
+
+@pytest.mark.slow
+def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path):
+    """The recipe's own tiny model and RL settings, shortened: train reward and held-out accuracy rise."""
+    from rich.console import Console
+
+    from trainer.embedded import run_embedded
+
+    run = "e2e-rises"
+    cfg = resolve("gsm8k", env={}, overrides={"run": run, "embedded.max_steps": 80, "embedded.eval_every": 20},
+                  embedded=True)
+    buf = io.StringIO()
+    assert run_embedded(cfg, console=Console(file=buf, width=160), root=tmp_path) == 0, buf.getvalue()
+    rows = _rows(tmp_path, run)
+    rewards = [r["rollout/raw_reward"] for r in rows if "rollout/raw_reward" in r]
+    evals = sorted((r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r)
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1, rewards
+    assert evals[-1][1] >= evals[0][1] + 0.1, evals
+    assert _verify(tmp_path, run).returncode == 0

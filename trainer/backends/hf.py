@@ -51,7 +51,11 @@ class HFBackend(Backend):
         self.model.eval()  # no dropout: the learner's log-probs must match the sampler's
         if cfg.train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.reference = copy.deepcopy(self.model).to(self.compute_dtype).eval()
+        self.reference = copy.deepcopy(self.model).eval()
+        # Cast parameters only: `.to(dtype)` would also round buffers such as rotary `inv_freq` to bf16,
+        # a 0.4% frequency error that makes the reference a different model at long positions.
+        for p in self.reference.parameters():
+            p.data = p.data.to(self.compute_dtype)
         self.reference.requires_grad_(False)
         algo = cfg.algo
         self.optimizer = torch.optim.AdamW(

@@ -38,10 +38,13 @@ class BucketWatcher(threading.Thread):
     """A concurrent reader: partial objects, regressions and unfollowable pointers are what it looks for."""
 
     def __init__(self, store: Store, run: str, public_key: str, *, interval_s: float = 0.02,
-                 follow: bool = True, plane: str = "bf16"):
+                 follow: bool = True, plane: str = "bf16", rollouts: bool = True):
         super().__init__(daemon=True)
         self.store, self.run_id, self.public_key = store, run, public_key
         self.interval_s, self.follow, self.plane = interval_s, follow, plane
+        # the trainer's objects always; workers' rollouts too unless there are too many to re-list
+        self.prefixes = [layout.run_prefix(run)] if rollouts else [
+            layout.pointer_key(run), layout.manifest_key(run), layout.anchors_prefix(run), layout.versions_prefix(run)]
         self.stop_event = threading.Event()
         self.seen = Seen()
         self._rec: Reconstructor | None = None
@@ -67,7 +70,7 @@ class BucketWatcher(threading.Thread):
     def poll(self) -> None:
         s = self.seen
         s.polls += 1
-        for info in list(self.store.list(layout.run_prefix(self.run_id))):
+        for info in [i for prefix in self.prefixes for i in self.store.list(prefix)]:
             if info.key in s.digests and info.key != layout.pointer_key(self.run_id):
                 continue  # create-only objects are read once; the final check compares them
             try:

@@ -20,6 +20,7 @@ concatenates and compresses.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,31 +126,36 @@ def sample_step(n: int) -> int:
 def choose_threshold(ow: np.ndarray, changed_old: np.ndarray, mbits: int, n: int) -> int:
     """The magnitude threshold (on sign-stripped bits) that minimises the estimated coded size; 0 = none.
 
-    Only the encoder runs this; the decoder reads the threshold from the header, so the estimate (from a
-    strided sample of the old tensor and the changed words' old values) affects size, never correctness.
+    Only the encoder runs this; the decoder reads the threshold from the header, so the estimate (from
+    strided samples of the old tensor and of the changed words' old values) affects size, never correctness.
     """
     if n < MIN_CONTEXT_WORDS or changed_old.size == 0:
         return 0
-    unit = ow.dtype.itemsize
+    unit, k = ow.dtype.itemsize, changed_old.size
     sample = _magnitude(ow[::sample_step(n)], unit) >> _UINT[unit](mbits)
-    changed = _magnitude(changed_old, unit) >> _UINT[unit](mbits)
-    return threshold_from(_bincount(sample), sample.size, _bincount(changed), mbits, n)
+    changed = _magnitude(changed_old[::changed_step(k)], unit) >> _UINT[unit](mbits)
+    return threshold_from(_bincount(sample), sample.size, _bincount(changed), changed.size, mbits, n, k)
+
+
+def changed_step(k: int) -> int:
+    """Stride of the changed words whose classes are counted (2^18 of them: as exact as all, measured)."""
+    return max(1, k >> 18)
 
 
 def _bincount(cls: np.ndarray) -> np.ndarray:
     return np.bincount(cls if cls.dtype.itemsize < 8 else cls.astype(np.intp))
 
 
-def threshold_from(sample_counts: np.ndarray, sample_size: int, changed_counts: np.ndarray, mbits: int,
-                   n: int) -> int:
-    """`choose_threshold` from class histograms (exponent class = sign-stripped bits >> mbits) of a strided
-    sample of the old tensor and of every changed word's old value; the GPU encoder counts on the device."""
+def threshold_from(sample_counts: np.ndarray, sample_size: int, changed_counts: np.ndarray, changed_size: int,
+                   mbits: int, n: int, k: int) -> int:
+    """`choose_threshold` from class histograms (exponent class = sign-stripped bits >> mbits) of the strided
+    samples of the old tensor (n words) and of the k changed words' old values; the GPU encoder counts on
+    the device and passes the same numbers, so both encoders choose the same threshold."""
     nclass = max(sample_counts.size, changed_counts.size)
     n_c = np.zeros(nclass)
     n_c[: sample_counts.size] = sample_counts * (n / sample_size)
     k_c = np.zeros(nclass)
-    k_c[: changed_counts.size] = changed_counts
-    k = float(k_c.sum())
+    k_c[: changed_counts.size] = changed_counts * (k / changed_size)
     n_c = np.maximum(n_c, k_c)
     cum_n, cum_k = np.cumsum(n_c), np.cumsum(k_c)
     bitmap_bits = np.cumsum(n_c * np.maximum(_entropy_bits(k_c / np.maximum(n_c, 1)), 0.02))
@@ -165,45 +171,57 @@ def threshold_from(sample_counts: np.ndarray, sample_size: int, changed_counts: 
     return (c + 1) << mbits
 
 
-def diff_words(ow: np.ndarray, nw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(positions, old words, new words) of the words whose bits differ, positions ascending.
+def _group_hits(blocks: int, unit: int, fill: Callable[[int, int, np.ndarray], None]) -> Iterator[np.ndarray]:
+    """Indices of the 8-word groups (`unit` uint64 blocks each) with a block that `fill(a, b, out)` marks
+    True, a chunk of blocks at a time.
 
-    Why blocks: numpy's nonzero is the costly pass, so the words are first compared 8 bytes at a time (one
-    uint64 holds four bf16 words) and nonzero runs over a quarter of the elements; only the blocks that
-    differ are split into words, from a gathered copy. A chunk at a time, so no full-size temporary exists.
+    Why groups of 8 words: numpy's nonzero is the costly pass, and below 10% density it takes a branchy
+    loop that mispredicts. Testing 8 bytes at a time (uint64 blocks) and then 8 words at a time (a group's
+    block flags viewed as one integer) leaves a quarter to a sixteenth of the elements for nonzero, and
+    within a hit group at least 1 word in 8 is a hit, so the second nonzero stays on the branchless path.
     """
+    mask = np.empty(min(blocks, _CHUNK), dtype=bool)
+    gmask = np.empty(min(blocks, _CHUNK) // unit, dtype=bool)
+    for a in range(0, blocks, _CHUNK):
+        b = min(blocks, a + _CHUNK)
+        m = mask[: b - a]
+        fill(a, b, m)
+        if unit > 1:
+            g = gmask[: (b - a) // unit]
+            np.not_equal(m.view(_UINT[unit]), 0, out=g)
+            m = g
+        idx = np.flatnonzero(m)
+        if idx.size:
+            idx += a // unit
+            yield idx
+
+
+def _lane_positions(groups: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """Word positions of lane hits `j` (flat indices into the gathered (groups, 8) rows)."""
+    return (groups[j >> 3] << 3) | (j & 7)
+
+
+def diff_words(ow: np.ndarray, nw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, old words, new words) of the words whose bits differ, positions ascending; the words
+    are compared 8 bytes, then 8 words at a time (`_group_hits`), and only hit groups word by word."""
     unit, n = ow.dtype.itemsize, ow.size
-    per = 8 // unit
-    nblocks = n // per
+    ng = n // 8
     pos, olds, news = [], [], []
-    if nblocks:
-        ob, nb = ow[: nblocks * per].view(np.uint64), nw[: nblocks * per].view(np.uint64)
-        shift = per.bit_length() - 1
-        mask = np.empty(min(nblocks, _CHUNK), dtype=bool)
-        for a in range(0, nblocks, _CHUNK):
-            b = min(nblocks, a + _CHUNK)
-            m = mask[: b - a]
-            np.not_equal(ob[a:b], nb[a:b], out=m)
-            blk = np.flatnonzero(m)
-            if not blk.size:
-                continue
-            blk += a
-            if per == 1:
-                pos.append(blk)
-                olds.append(ow[blk])
-                news.append(nw[blk])
-                continue
-            o, w = ob[blk].view(ow.dtype), nb[blk].view(ow.dtype)
-            j = np.flatnonzero(o != w)
-            pos.append((blk[j >> shift] << shift) | (j & (per - 1)))
-            olds.append(o[j])
-            news.append(w[j])
-    tail = nblocks * per
-    if tail < n:
-        j = np.flatnonzero(ow[tail:] != nw[tail:])
-        pos.append(j + tail)
-        olds.append(ow[tail:][j])
-        news.append(nw[tail:][j])
+    if ng:
+        o2, n2 = ow[: ng * 8].reshape(-1, 8), nw[: ng * 8].reshape(-1, 8)
+        ob, nb = o2.reshape(-1).view(np.uint64), n2.reshape(-1).view(np.uint64)
+        for grp in _group_hits(ob.size, unit, lambda a, b, m: np.not_equal(ob[a:b], nb[a:b], out=m)):
+            ro, rn = np.take(o2, grp, axis=0).reshape(-1), np.take(n2, grp, axis=0).reshape(-1)
+            j = np.flatnonzero(ro != rn)
+            pos.append(_lane_positions(grp, j))
+            olds.append(ro[j])
+            news.append(rn[j])
+    if ng * 8 < n:  # the last words that do not fill a group
+        t = ng * 8
+        j = np.flatnonzero(ow[t:] != nw[t:])
+        pos.append(j + t)
+        olds.append(ow[t:][j])
+        news.append(nw[t:][j])
     if not pos:
         return np.zeros(0, np.int64), ow[:0], nw[:0]
     if len(pos) == 1:
@@ -213,34 +231,59 @@ def diff_words(ow: np.ndarray, nw: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
 
 def _candidate_scan(ow: np.ndarray, threshold: int, unit: int, mbits: int, *, nw: np.ndarray | None = None,
                     copy_to: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The candidates (sign-stripped bits below the threshold), a chunk at a time: their positions, their
-    exponent classes and, with `nw`, whether each changed. `copy_to` receives a copy of `ow` in the same
-    pass (the decoder's fresh result array), so the tensor is read once."""
+    """The candidates (sign-stripped bits below the threshold): their positions, their exponent classes and,
+    with `nw`, whether each changed. `copy_to` receives a copy of `ow` in the same pass (the decoder's fresh
+    result array), so the tensor is read once.
+
+    Blocks and groups as in `diff_words`. A uint64 block holds a candidate when some lane y (sign-stripped)
+    is below t: with each lane's top bit set first, (y | top) - t never borrows across lanes and keeps the
+    top bit exactly when y >= t (SWAR arithmetic).
+    """
     u, cdt = _UINT[unit], class_dtype(unit, mbits)
-    keep, thr, sh = u((1 << (8 * unit - 1)) - 1), u(min(threshold, (1 << (8 * unit)) - 1)), u(mbits)
-    full = threshold > (1 << (8 * unit - 1)) - 1  # every word is a candidate (sign-stripped bits fit below)
-    scratch = np.empty(min(ow.size, _CHUNK), dtype=u)
-    mask = np.empty(min(ow.size, _CHUNK), dtype=bool)
-    pos, cls, ne = [], [], []
-    for a in range(0, ow.size, _CHUNK):
-        b = min(ow.size, a + _CHUNK)
-        o = ow[a:b]
+    n, top = ow.size, 1 << (8 * unit - 1)
+    keep, sh = u(top - 1), u(mbits)
+    if threshold >= top:  # every word is a candidate
         if copy_to is not None:
-            copy_to[a:b] = o
+            copy_to[:] = ow
+        return (np.arange(n), ((ow & keep) >> sh).astype(cdt), (ow != nw) if nw is not None else None)
+    per = 8 // unit
+    hi = np.uint64(sum(top << (8 * unit * i) for i in range(per)))
+    lo = np.uint64(sum(threshold << (8 * unit * i) for i in range(per)))
+    ng = n // 8
+    o2 = ow[: ng * 8].reshape(-1, 8)
+    ob = o2.reshape(-1).view(np.uint64)
+    n2 = nw[: ng * 8].reshape(-1, 8) if nw is not None else None
+    cb = copy_to[: ng * 8].view(np.uint64) if copy_to is not None else None
+    scratch = np.empty(min(ob.size, _CHUNK), dtype=np.uint64)
+    pos, cls, ne = [], [], []
+
+    def fill(a: int, b: int, m: np.ndarray) -> None:
         t = scratch[: b - a]
-        np.bitwise_and(o, keep, out=t)
-        if full:
-            idx = np.arange(b - a)
-        else:
-            m = mask[: b - a]
-            np.less(t, thr, out=m)
-            idx = np.flatnonzero(m)
-        if not idx.size:
-            continue
-        pos.append(idx + a)
-        cls.append((t[idx] >> sh).astype(cdt))
+        if cb is not None:
+            cb[a:b] = ob[a:b]
+        np.bitwise_or(ob[a:b], hi, out=t)
+        np.subtract(t, lo, out=t)
+        np.bitwise_and(t, hi, out=t)
+        np.not_equal(t, hi, out=m)
+
+    for grp in _group_hits(ob.size, unit, fill) if ng else ():
+        words = np.take(o2, grp, axis=0).reshape(-1)
+        mag = words & keep
+        j = np.flatnonzero(mag < u(threshold))
+        pos.append(_lane_positions(grp, j))
+        cls.append((mag[j] >> sh).astype(cdt))
+        if n2 is not None:
+            ne.append(words[j] != np.take(n2, grp, axis=0).reshape(-1)[j])
+    t = ng * 8
+    if t < n:  # the last words that do not fill a group
+        if copy_to is not None:
+            copy_to[t:] = ow[t:]
+        mag = ow[t:] & keep
+        j = np.flatnonzero(mag < u(threshold))
+        pos.append(j + t)
+        cls.append((mag[j] >> sh).astype(cdt))
         if nw is not None:
-            ne.append(o[idx] != nw[a:b][idx])
+            ne.append(ow[t:][j] != nw[t:][j])
     if not pos:
         return np.zeros(0, np.int64), np.zeros(0, cdt), (np.zeros(0, bool) if nw is not None else None)
     cat = np.concatenate

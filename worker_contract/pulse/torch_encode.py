@@ -95,7 +95,9 @@ def encode_tensor_torch(old: torch.Tensor, new: torch.Tensor, dtype: str) -> cod
     changed_mag = _mag(ow[changed], unit)
     if mbits is not None and n >= codec.MIN_CONTEXT_WORDS:
         sample = _mag(ow[:: codec.sample_step(n)], unit) >> mbits
-        threshold = codec.threshold_from(_counts(sample), sample.numel(), _counts(changed_mag >> mbits), mbits, n)
+        changed_cls = changed_mag[:: codec.changed_step(out.changed)] >> mbits
+        threshold = codec.threshold_from(_counts(sample), sample.numel(), _counts(changed_cls), changed_cls.numel(),
+                                         mbits, n, out.changed)
     if threshold:
         mag = _mag(ow, unit)
         cand = torch.nonzero(_below(mag, threshold, unit)).flatten()

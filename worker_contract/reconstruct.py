@@ -76,7 +76,15 @@ class Reconstructor:
         pointer = self._pointer()
         if pointer is None or pointer.version <= self.version:
             return None
-        version, state, digest = self._walk(self.version, self.state, self.digest, pointer.version)
+        try:
+            version, state, digest = self._walk(self.version, self.state, self.digest, pointer.version)
+        except SyncError:
+            if pointer.anchor_version <= self.version:
+                raise
+            # something on the way does not verify (anyone with bucket write access can squat a version the
+            # trainer then skipped); the signed pointer names a newer anchor: enter there, as a joiner would
+            version, state, digest = self._load_anchor(pointer.anchor_version)
+            version, state, digest = self._walk(version, state, digest, pointer.version)
         self._check_pointer_digest(pointer, version, digest)
         self.version, self.state, self.digest = version, state, digest
         return version, state

@@ -25,8 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import layout
 from ..env import parse_env
 from ..manifest import ContractMismatch, RunManifest, load_manifest
+from ..reconstruct import SyncError
 from ..schema import RolloutRecord, Sample, SamplingParams, encode_record
-from ..store import NotFound, PreconditionFailed, Store, open_store
+from ..signing import fingerprint
+from ..store import NotFound, PreconditionFailed, Store, StoreError, open_store
 from ..tasks import Problem, get_task
 
 log = logging.getLogger("worker")
@@ -85,6 +87,18 @@ def check_contract(manifest: RunManifest, n_samples: int, plane: str) -> None:
         raise ContractMismatch(f"DRL_N_SAMPLES={n_samples} but run {manifest.run!r} requires n_samples="
                                f"{manifest.n_samples}: set DRL_N_SAMPLES={manifest.n_samples} (every group of "
                                "another size is dropped)")
+
+
+def check_trainer_key(manifest: RunManifest, expected: str) -> None:
+    """Trust run.json's signing key only if it is the join card's (DRL_TRAINER_KEY_FINGERPRINT): anyone
+    who can write to the bucket can replace run.json and sign weights with a key of their own."""
+    got = fingerprint(manifest.trainer_public_key)
+    if not expected:
+        log.warning("DRL_TRAINER_KEY_FINGERPRINT is not set: trusting run.json's key %s as found; set it from "
+                    "the join card so a replaced run.json is refused", got)
+    elif got != expected:
+        raise ContractMismatch(f"run {manifest.run!r} is signed by key {got}, but DRL_TRAINER_KEY_FINGERPRINT="
+                               f"{expected!r} (the join card's): refusing weights signed by another key")
 
 
 def read_manifest(store: Store, run: str) -> RunManifest:
@@ -150,16 +164,18 @@ class Worker:
         if manifest is None:
             return False
         check_contract(manifest, self.n_samples, self.plane)
+        check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
         self.manifest = manifest
         self.task = get_task(manifest.task)
         model_dir = resolve_model_dir(self.s, manifest)
         from .identity import check_identity
 
         check_identity(model_dir, manifest)
-        from ..reconstruct import Reconstructor, SyncError
+        from ..reconstruct import Reconstructor
         from .model import PolicyModel
 
-        self.rec = Reconstructor(self.store, self.s.run, plane=self.plane, n_samples=self.n_samples)
+        self.rec = Reconstructor(self.store, self.s.run, plane=self.plane, n_samples=self.n_samples,
+                                 public_key=manifest.trainer_public_key)  # the key checked above, kept
 
         def join():
             try:
@@ -197,7 +213,11 @@ class Worker:
         train = self.task.dataset("train")
         last_log = time.monotonic()
         while not stop.is_set() and (self.s.max_groups <= 0 or self.stats.groups < self.s.max_groups):
-            update = self.rec.follow()  # between groups only: a group never mixes versions
+            try:
+                update = self.rec.follow()  # between groups only: a group never mixes versions
+            except (SyncError, StoreError) as e:  # forged or damaged objects, a flaky store
+                log.warning("not following the pointer, staying on v%d: %s", self.version, e)
+                update = None
             if update is not None:
                 self._swap(*update)
             if self._ahead():

@@ -141,3 +141,45 @@ def test_bf16_plane_casts_round_to_nearest_even_like_torch():
         np.testing.assert_array_equal(_bits(from_np[k]), _bits(from_torch[k]))
     assert bf16.quantized_tensors(from_np) == []
     assert set(bf16.to_dense(from_np)) == set(state)
+
+
+# -- the device (torch) conversion the publisher runs on the learner's GPU: the same bits, here on the CPU --
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("kind", ["random", "zero", "constant", "tiny", "ties", "negative", "mixed"])
+def test_device_quantize_matches_numpy_bit_for_bit(dtype, kind):
+    torch = pytest.importorskip("torch")
+    from worker_contract.planes.device import quantize_torch
+    from worker_contract.tensors import to_numpy, to_torch
+
+    rng = np.random.default_rng(hash(("device", dtype, kind)) % 2**32)
+    x = _groups(kind, rng, (16, 256))
+    if dtype == "float16":
+        x = np.clip(x, -6e4, 6e4)
+    w = x.astype(np.float32).astype(np_dtype(dtype))
+    want = int8g64.quantize_np(w)
+    got = quantize_torch(to_torch(w))
+    assert got[0].dtype == torch.uint32 and str(got[1].dtype) == f"torch.{dtype}"
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_array_equal(_bits(to_numpy(g)), _bits(e))
+
+
+@pytest.mark.parametrize("plane", ["bf16", "int8g64"])
+def test_device_plane_equals_numpy_plane_and_copies(plane):
+    torch = pytest.importorskip("torch")
+    from worker_contract.planes import device
+    from worker_contract.tensors import to_numpy
+
+    state = {k: torch.from_numpy(v) for k, v in _hf_state(np.random.default_rng(2)).items()}
+    state["model.norm.weight"] = torch.ones(128, dtype=torch.bfloat16)  # already bf16: must still be copied
+    want = get_plane(plane).from_hf(state)
+    got = device.from_hf(plane, state)
+    assert list(got) == list(want)
+    for k in want:
+        assert isinstance(got[k], torch.Tensor)
+        g = to_numpy(got[k])
+        assert g.dtype == want[k].dtype and g.shape == want[k].shape, k
+        np.testing.assert_array_equal(_bits(g), _bits(want[k]))
+    state["model.norm.weight"].add_(1)  # the learner updates in place; the published plane must not move
+    assert float(got["model.norm.weight"][0]) == 1.0
+    with pytest.raises(ValueError, match="known: bf16, int8g64"):
+        device.from_hf("fp8", state)

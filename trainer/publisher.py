@@ -12,11 +12,15 @@ publisher moves on to the next free version and publishes a full anchor there (a
 start from the crashed attempt's state, which only that attempt knew).
 
 Runs off the training critical path (the learner calls it from its own Ray actor); it keeps the last
-published plane state in memory as the base of the next patch.
+published plane state in memory as the base of the next patch. When the learner hands CUDA tensors, the
+plane is made and diffed on the GPU (worker_contract/planes/device.py, pulse/torch_encode.py) and the base
+stays there (one plane copy of GPU memory); only the patch's compact streams and the host copies the
+digests need cross to the CPU. Host tensors take the numpy encoder. Both give the same bytes.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -32,10 +36,12 @@ from worker_contract.planes import get_plane
 from worker_contract.pointer import advance_pointer, make_pointer, read_pointer
 from worker_contract.pulse import encode_patch, read_header, sign_patch
 from worker_contract.store import PreconditionFailed, Store
-from worker_contract.tensors import digest_of_entries, state_entries
+from worker_contract.tensors import digest_of_entries, is_torch, state_entries, to_numpy, to_torch
 
 #: how many taken versions to skip before giving up (each is a crashed attempt's leftovers)
 MAX_SKIPS = 64
+#: which encoder diffs the states: auto = torch on the device when the weights are CUDA tensors
+ENCODERS = ("auto", "numpy", "torch")
 
 
 class PublishError(RuntimeError):
@@ -57,9 +63,11 @@ def drop_aliases(state: Mapping[str, Any]) -> dict[str, Any]:
 
 class Publisher:
     def __init__(self, store: Store, manifest: RunManifest, key: Ed25519PrivateKey, *, anchor_interval: int,
-                 progress: bool = True, shard_bytes: int | None = None):
+                 progress: bool = True, shard_bytes: int | None = None, encoder: str = "auto"):
         if anchor_interval < 1:
             raise ValueError(f"anchor_interval={anchor_interval} must be at least 1")
+        if encoder not in ENCODERS:
+            raise ValueError(f"encoder={encoder!r} is not known; use one of {', '.join(ENCODERS)}")
         if signing.public_key_b64(key) != manifest.trainer_public_key:
             raise ValueError(f"the signing key ({signing.fingerprint(signing.public_key_b64(key))}) is not the run's "
                              f"key ({signing.fingerprint(manifest.trainer_public_key)}); use the key run.json names")
@@ -69,7 +77,8 @@ class Publisher:
         self.anchor_interval = anchor_interval
         self.progress = progress
         self.shard_bytes = shard_bytes
-        self._base: dict[str, np.ndarray] | None = None  # last published plane state
+        self.encoder = encoder
+        self._base: dict[str, Any] | None = None  # last published plane state (numpy, or torch on the device)
         self._base_entries: list[dict] | None = None
         self._base_version: int | None = None
         self._anchor_version: int | None = None
@@ -98,14 +107,15 @@ class Publisher:
     def publish_anchor(self, state: Mapping[str, Any]) -> int:
         """A full anchor at pointer + 1 (1 for the first), or the next free version; returns the version."""
         t0 = time.monotonic()
-        plane_state = self.plane.from_hf(drop_aliases(state))
-        entries = state_entries(plane_state)
+        plane_state, on_device = self._plane(state)
+        host = {k: to_numpy(v) for k, v in plane_state.items()} if on_device else plane_state
+        entries = state_entries(host)
         version = self._next_free(self.current_version() or 0)
-        anchor_bytes = self._upload_anchor(version, plane_state, entries)
+        anchor_bytes = self._upload_anchor(version, host, entries)
         upload_s = time.monotonic() - t0
         self._advance(version, version, digest_of_entries(entries))
         self._remember(plane_state, entries, version, anchor=True)
-        full = sum(a.nbytes for a in plane_state.values())
+        full = sum(a.nbytes for a in host.values())
         self.last_stats = {"kind": "anchor", "version": version, "bytes": anchor_bytes, "anchor_bytes": anchor_bytes,
                            "full_bytes": full, "upload_s": upload_s, "latency_s": time.monotonic() - t0}
         return version
@@ -115,19 +125,18 @@ class Publisher:
         if self._base is None:
             return self.publish_anchor(state)
         t0 = time.monotonic()
-        plane_state = self.plane.from_hf(drop_aliases(state))
         pointer = self.current_version() or 0
         version = self._base_version + 1
         if pointer != self._base_version or not self._free(version):
             # our base is not what the pointer names, or a crashed attempt holds the version: restart the
             # chain with a full anchor at a free version
             return self.publish_anchor(state)
+        t_enc = time.monotonic()
         entries: list[dict] = []  # full per-tensor digests of the new state: the next base, an anchor's list
-        patch = encode_patch(self._base, plane_state, base_version=self._base_version, target_version=version,
-                             base_entries=self._base_entries, entries_out=entries)
+        patch, plane_state, host, plane_s, on_device = self._encode(state, version, entries)
         header = read_header(patch)
         assert header.result_digest == digest_of_entries(entries)
-        encode_s = time.monotonic() - t0
+        encode_s = time.monotonic() - t_enc
         signed = sign_patch(patch, self.key)
         key = layout.patch_key(self.run, version)
         try:
@@ -140,19 +149,55 @@ class Publisher:
         anchor_bytes = 0
         due = version - (self._anchor_version or 0) >= self.anchor_interval
         if due:
-            anchor_bytes = self._upload_anchor(version, plane_state, entries)
-        upload_s = time.monotonic() - t0 - encode_s
+            anchor_bytes = self._upload_anchor(version, host, entries)
+        upload_s = time.monotonic() - t_enc - encode_s
         self._advance(version, version if due else self._anchor_version, header.result_digest)
         self._remember(plane_state, entries, version, anchor=due)
         changed = sum(t.changed for t in header.tensors)
         words = sum(t.count for t in header.tensors)
-        full = sum(a.nbytes for a in plane_state.values())
+        full = sum(a.nbytes for a in host.values())
         self.last_stats = {
             "kind": "patch+anchor" if due else "patch", "version": version, "bytes": len(signed) + anchor_bytes,
             "patch_bytes": len(signed), "anchor_bytes": anchor_bytes, "full_bytes": full,
             "compression": full / len(signed), "changed": changed, "sparsity": 1.0 - changed / max(words, 1),
-            "encode_s": encode_s, "upload_s": upload_s, "latency_s": time.monotonic() - t0}
+            "encoder": "torch" if on_device else "numpy",
+            "plane_s": plane_s, "encode_s": encode_s, "upload_s": upload_s, "latency_s": time.monotonic() - t0}
         return version
+
+    def _encode(self, state: Mapping[str, Any], version: int, entries: list[dict]):
+        """(unsigned patch, plane state, its host copy, seconds making the plane, made on the device?) for
+        `state` against the base: on the device with the torch encoder, or on the host with numpy."""
+        t0 = time.monotonic()
+        plane_state, on_device = self._plane(state)
+        plane_s = time.monotonic() - t0
+        kw = {"base_version": self._base_version, "target_version": version, "base_entries": self._base_entries,
+              "entries_out": entries}
+        if on_device:
+            from worker_contract.pulse.torch_encode import encode_patch_torch
+
+            first = next(iter(plane_state.values()), None)
+            base = {k: v if is_torch(v) else to_torch(v).to(first.device) for k, v in self._base.items()}
+            host: dict[str, np.ndarray] = {}
+            patch = encode_patch_torch(base, plane_state, host_out=host, hash_threads=min(16, os.cpu_count() or 1),
+                                       **kw)
+            return patch, plane_state, host, plane_s, True
+        base = {k: to_numpy(v) for k, v in self._base.items()}
+        return encode_patch(base, plane_state, **kw), plane_state, plane_state, plane_s, False
+
+    def _plane(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """(plane state, made on the device?): torch on the tensors' device for CUDA weights (or always with
+        encoder="torch"), numpy otherwise."""
+        state = drop_aliases(state)
+        tensors = list(state.values())
+        if self.encoder == "numpy" or not tensors or not all(is_torch(t) for t in tensors):
+            if self.encoder == "torch" and tensors:
+                raise ValueError("encoder='torch' needs torch tensors; got numpy arrays (use encoder='auto')")
+            return self.plane.from_hf(state), False
+        if self.encoder == "auto" and not any(t.device.type == "cuda" for t in tensors):
+            return self.plane.from_hf(state), False
+        from worker_contract.planes.device import from_hf
+
+        return from_hf(self.manifest.plane, state), True
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _upload_anchor(self, version: int, plane_state: dict[str, np.ndarray], entries: list[dict]) -> int:

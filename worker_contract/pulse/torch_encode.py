@@ -114,15 +114,22 @@ def encode_tensor_torch(old: torch.Tensor, new: torch.Tensor, dtype: str) -> cod
     return codec.pack_streams(out, pos_out.cpu().numpy(), _np_unsigned(zz, unit))
 
 
-def _digest(t: torch.Tensor) -> str:
-    """The tensor's digest; the device-to-host copy happens here, on the pool's thread."""
-    return tensor_digest(to_numpy(t.detach().cpu()))
+def _host_digest(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """(host copy, digest) of a tensor; the device-to-host copy happens here, on the pool's thread, and
+    BLAKE3 spreads a large tensor over the machine's cores (the same digest as one thread gives)."""
+    arr = to_numpy(t.detach().cpu())
+    return arr, tensor_digest(arr, threads=arr.nbytes >= (64 << 20))
 
 
 def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
                        base_version: int | None = None, target_version: int | None = None,
-                       base_entries: list[dict] | None = None, hash_threads: int = 8) -> bytes:
-    """`encode_patch` for torch tensors on any device; the same bytes as the numpy encoder."""
+                       base_entries: list[dict] | None = None, entries_out: list[dict] | None = None,
+                       host_out: dict[str, np.ndarray] | None = None, hash_threads: int = 8) -> bytes:
+    """`encode_patch` for torch tensors on any device; the same bytes as the numpy encoder.
+
+    `base_entries` spares hashing `old`; `entries_out` receives the per-tensor records of `new` (the next
+    base) and `host_out` its host copies (numpy, made anyway for the digests; an anchor uploads them).
+    """
     names = _checked(old, new)
     known = {e["name"]: e["digest"] for e in base_entries} if base_entries is not None else {}
     coded, futures = {}, {}
@@ -130,12 +137,17 @@ def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
         for name in names:
             a, b = old[name], new[name]
             dt = str(a.dtype).removeprefix("torch.")
-            futures[name] = (pool.submit(_digest, b), None if name in known else pool.submit(_digest, a))
+            futures[name] = (pool.submit(_host_digest, b), None if name in known else pool.submit(_host_digest, a))
             coded[name] = encode_tensor_torch(a, b, dt)
         meta = {}
         for name in names:
             b = new[name]
             rs, bs = futures[name]
+            host, digest = rs.result()
             meta[name] = (str(b.dtype).removeprefix("torch."), list(b.shape),
-                          known.get(name) or bs.result(), rs.result())
+                          known.get(name) or bs.result()[1], digest)
+            if host_out is not None:
+                host_out[name] = host
+    if entries_out is not None:
+        entries_out.extend({"name": k, "dtype": m[0], "shape": m[1], "digest": m[3]} for k, m in meta.items())
     return assemble(coded, meta, base_version, target_version)

@@ -17,13 +17,17 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-def test_pulse_gpu_bench_runs_on_cpu_tiny(tmp_path):
+@pytest.mark.parametrize("plane", ["bf16", "int8g64"])
+def test_pulse_gpu_bench_runs_on_cpu_tiny(tmp_path, plane):
+    """The GPU bench's path (the publisher with the torch encoder) on CPU tensors of the tiny shape."""
     out = tmp_path / "pulse_gpu.json"
-    res = _run(["bench.pulse_gpu", "--device", "cpu", "--shape", "tiny", "--hash-threads", "2", "--out", str(out)])
+    res = _run(["bench.pulse_gpu", "--device", "cpu", "--shape", "tiny", "--plane", plane, "--hash-threads", "2",
+                "--out", str(out)])
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
-    assert data["exact"] is True and data["shape"] == "tiny" and 0.9 < data["sparsity"] < 1
-    assert data["machine"]["commit"] and data["encode_s"] > 0 and data["patch_bytes"] > 0
+    assert data["exact"] is True and data["shape"] == "tiny" and data["plane"] == plane and 0.9 < data["sparsity"] < 1
+    assert data["encoder"] == "torch" and data["gpu"] is None and data["hash_threads"] == 2
+    assert data["machine"]["commit"] and data["encode_s"] >= data["plane_s"] >= 0 and data["patch_bytes"] > 0
 
 
 def test_pulse_gpu_bench_refuses_without_cuda():

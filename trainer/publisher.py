@@ -63,7 +63,8 @@ def drop_aliases(state: Mapping[str, Any]) -> dict[str, Any]:
 
 class Publisher:
     def __init__(self, store: Store, manifest: RunManifest, key: Ed25519PrivateKey, *, anchor_interval: int,
-                 progress: bool = True, shard_bytes: int | None = None, encoder: str = "auto"):
+                 progress: bool = True, shard_bytes: int | None = None, encoder: str = "auto",
+                 hash_threads: int | None = None):
         if anchor_interval < 1:
             raise ValueError(f"anchor_interval={anchor_interval} must be at least 1")
         if encoder not in ENCODERS:
@@ -78,6 +79,8 @@ class Publisher:
         self.progress = progress
         self.shard_bytes = shard_bytes
         self.encoder = encoder
+        #: host threads that copy the device's result to the CPU and hash it (the torch encoder)
+        self.hash_threads = hash_threads or min(16, os.cpu_count() or 1)
         self._base: dict[str, Any] | None = None  # last published plane state (numpy, or torch on the device)
         self._base_entries: list[dict] | None = None
         self._base_version: int | None = None
@@ -149,13 +152,14 @@ class Publisher:
         anchor_bytes = 0
         due = version - (self._anchor_version or 0) >= self.anchor_interval
         if due:
+            host.update({k: to_numpy(v) for k, v in plane_state.items() if k not in host})  # unchanged tensors
             anchor_bytes = self._upload_anchor(version, host, entries)
         upload_s = time.monotonic() - t_enc - encode_s
         self._advance(version, version if due else self._anchor_version, header.result_digest)
         self._remember(plane_state, entries, version, anchor=due)
         changed = sum(t.changed for t in header.tensors)
         words = sum(t.count for t in header.tensors)
-        full = sum(a.nbytes for a in host.values())
+        full = sum(_nbytes(a) for a in plane_state.values())
         self.last_stats = {
             "kind": "patch+anchor" if due else "patch", "version": version, "bytes": len(signed) + anchor_bytes,
             "patch_bytes": len(signed), "anchor_bytes": anchor_bytes, "full_bytes": full,
@@ -178,8 +182,7 @@ class Publisher:
             first = next(iter(plane_state.values()), None)
             base = {k: v if is_torch(v) else to_torch(v).to(first.device) for k, v in self._base.items()}
             host: dict[str, np.ndarray] = {}
-            patch = encode_patch_torch(base, plane_state, host_out=host, hash_threads=min(16, os.cpu_count() or 1),
-                                       **kw)
+            patch = encode_patch_torch(base, plane_state, host_out=host, hash_threads=self.hash_threads, **kw)
             return patch, plane_state, host, plane_s, True
         base = {k: to_numpy(v) for k, v in self._base.items()}
         return encode_patch(base, plane_state, **kw), plane_state, plane_state, plane_s, False
@@ -218,6 +221,10 @@ class Publisher:
         self._base, self._base_entries, self._base_version = plane_state, entries, version
         if anchor:
             self._anchor_version = version
+
+
+def _nbytes(t: Any) -> int:
+    return t.nbytes if isinstance(t, np.ndarray) else t.numel() * t.element_size()
 
 
 class _progress:

@@ -114,10 +114,30 @@ def encode_tensor_torch(old: torch.Tensor, new: torch.Tensor, dtype: str) -> cod
     return codec.pack_streams(out, pos_out.cpu().numpy(), _np_unsigned(zz, unit))
 
 
+def _host_copy(t: torch.Tensor) -> np.ndarray:
+    """A host copy of a tensor. From CUDA: into pinned memory (torch's caching host allocator reuses it from
+    one version to the next) on a side stream, so the copy overlaps the encoder's kernels on the main one."""
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cuda":
+        return to_numpy(t.cpu())
+    try:
+        side = torch.cuda.Stream(device=t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(side):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+        side.synchronize()
+    except RuntimeError:  # no pinned memory to be had (a locked-memory limit): a plain copy
+        host = t.cpu()
+    return to_numpy(host)
+
+
 def _host_digest(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    """(host copy, digest) of a tensor; the device-to-host copy happens here, on the pool's thread, and
-    BLAKE3 spreads a large tensor over the machine's cores (the same digest as one thread gives)."""
-    arr = to_numpy(t.detach().cpu())
+    """(host copy, digest) of a tensor, on a pool thread; BLAKE3 spreads a large tensor over the machine's
+    cores (the same digest as one thread gives)."""
+    arr = _host_copy(t)
     return arr, tensor_digest(arr, threads=arr.nbytes >= (64 << 20))
 
 
@@ -127,8 +147,9 @@ def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
                        host_out: dict[str, np.ndarray] | None = None, hash_threads: int = 8) -> bytes:
     """`encode_patch` for torch tensors on any device; the same bytes as the numpy encoder.
 
-    `base_entries` spares hashing `old`; `entries_out` receives the per-tensor records of `new` (the next
-    base) and `host_out` its host copies (numpy, made anyway for the digests; an anchor uploads them).
+    `base_entries` spares hashing `old`, and then a tensor that did not change is neither copied nor hashed
+    (its digest is the base's); `entries_out` receives the per-tensor records of `new` (the next base) and
+    `host_out` the host copies made for the digests (numpy; an anchor uploads them).
     """
     names = _checked(old, new)
     known = {e["name"]: e["digest"] for e in base_entries} if base_entries is not None else {}
@@ -136,18 +157,22 @@ def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
     with ThreadPoolExecutor(max_workers=hash_threads) as pool:
         for name in names:
             a, b = old[name], new[name]
-            dt = str(a.dtype).removeprefix("torch.")
-            futures[name] = (pool.submit(_host_digest, b), None if name in known else pool.submit(_host_digest, a))
-            coded[name] = encode_tensor_torch(a, b, dt)
+            base = None if name in known else pool.submit(_host_digest, a)
+            coded[name] = encode_tensor_torch(a, b, str(a.dtype).removeprefix("torch."))
+            same = coded[name].changed == 0 and name in known
+            futures[name] = (None if same else pool.submit(_host_digest, b), base)
         meta = {}
         for name in names:
             b = new[name]
             rs, bs = futures[name]
-            host, digest = rs.result()
-            meta[name] = (str(b.dtype).removeprefix("torch."), list(b.shape),
-                          known.get(name) or bs.result()[1], digest)
-            if host_out is not None:
-                host_out[name] = host
+            base_digest = known.get(name) or bs.result()[1]
+            if rs is None:
+                digest = base_digest
+            else:
+                host, digest = rs.result()
+                if host_out is not None:
+                    host_out[name] = host
+            meta[name] = (str(b.dtype).removeprefix("torch."), list(b.shape), base_digest, digest)
     if entries_out is not None:
         entries_out.extend({"name": k, "dtype": m[0], "shape": m[1], "digest": m[3]} for k, m in meta.items())
     return assemble(coded, meta, base_version, target_version)

@@ -99,9 +99,10 @@ def _dt(x: Any) -> str:
 
 
 def assemble(coded: Mapping[str, codec.Coded], meta: Mapping[str, tuple], base_version: int | None,
-             target_version: int | None) -> bytes:
+             target_version: int | None, *, threads: int = 1) -> bytes:
     """Header and compressed streams from per-tensor codings; `meta[name]` = (dtype, shape, base digest,
-    result digest). Shared by the numpy encoder and the torch/CUDA one (torch_encode.py)."""
+    result digest). Shared by the numpy encoder and the torch/CUDA one (torch_encode.py); `threads`
+    compresses the streams in parallel (the same bytes)."""
     families: dict[str, list[bytes]] = {}
     tensors, base_rows, result_rows = [], [], []
     for name in sorted(coded):
@@ -115,7 +116,7 @@ def assemble(coded: Mapping[str, codec.Coded], meta: Mapping[str, tuple], base_v
         assert t_lengths_match(tensors[-1], c) and (c.unit, c.count) == (tensors[-1].unit, tensors[-1].count), name
         base_rows.append({"name": name, "dtype": dt, "shape": shape, "digest": bdig})
         result_rows.append({"name": name, "dtype": dt, "shape": shape, "digest": rdig})
-    streams, body = compress_streams(families)
+    streams, body = compress_streams(families, threads=threads)
     header = PatchHeader(
         base_version=base_version, target_version=target_version, digest_alg=DIGEST_ALG,
         base_digest=digest_of_entries(base_rows), result_digest=digest_of_entries(result_rows),

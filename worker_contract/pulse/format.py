@@ -159,19 +159,30 @@ def check_body(header: PatchHeader, body: memoryview) -> None:
         raise PatchError("corrupted PULSE patch: the body's digest does not match its header")
 
 
-def compress_streams(families: dict[str, list[bytes]]) -> tuple[list[StreamInfo], bytes]:
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    small = zstandard.ZstdCompressor(level=SMALL_ZSTD_LEVEL)
-    infos, frames, offset = [], [], 0
-    for name in sorted(families):
+def compress_streams(families: dict[str, list], threads: int = 1) -> tuple[list[StreamInfo], bytes]:
+    """One zstd frame per stream family, in name order; `threads` > 1 compresses families in parallel (each
+    frame is the same bytes either way: every family is compressed alone, single-threaded)."""
+    names = sorted(families)
+
+    def frame(name: str) -> tuple[int, bytes]:
         raw = b"".join(families[name])
-        frame = cctx.compress(raw)
+        out = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
         if len(raw) < SMALL_STREAM:
-            frame = min(frame, small.compress(raw), key=len)
-        infos.append(StreamInfo(name=name, offset=offset, size=len(frame), raw_size=len(raw)))
-        frames.append(frame)
-        offset += len(frame)
-    return infos, b"".join(frames)
+            out = min(out, zstandard.ZstdCompressor(level=SMALL_ZSTD_LEVEL).compress(raw), key=len)
+        return len(raw), out
+
+    if threads > 1 and len(names) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(threads, len(names))) as pool:
+            done = list(pool.map(frame, names))
+    else:
+        done = [frame(name) for name in names]
+    infos, offset = [], 0
+    for name, (raw_size, data) in zip(names, done, strict=True):
+        infos.append(StreamInfo(name=name, offset=offset, size=len(data), raw_size=raw_size))
+        offset += len(data)
+    return infos, b"".join(data for _, data in done)
 
 
 def decompress_streams(header: PatchHeader, body: memoryview) -> dict[str, bytes]:

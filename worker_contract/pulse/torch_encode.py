@@ -111,7 +111,30 @@ def encode_tensor_torch(old: torch.Tensor, new: torch.Tensor, dtype: str) -> cod
     else:
         pos_out = positions = changed
     zz = _zigzag(nw[positions] - ow[positions], unit)
-    return codec.pack_streams(out, pos_out.cpu().numpy(), _np_unsigned(zz, unit))
+    return _pack_streams(out, pos_out, zz)
+
+
+def _pack_streams(out: codec.Coded, pos_out: torch.Tensor, zz: torch.Tensor) -> codec.Coded:
+    """`codec.pack_streams` on the device: gaps and byte planes made there, then one copy to the host."""
+    import torch
+
+    k_out, k, unit, gw = pos_out.numel(), zz.numel(), out.unit, out.gap_bytes
+    parts = []
+    if k_out:
+        gaps = torch.empty_like(pos_out)
+        gaps[:1] = pos_out[:1]
+        torch.sub(pos_out[1:], pos_out[:-1], out=gaps[1:])
+        gaps[1:] -= 1
+        parts.append(gaps.view(torch.uint8).reshape(k_out, 8)[:, :gw].t().reshape(-1))  # little-endian low bytes
+    parts.append(zz.contiguous().view(torch.uint8).reshape(k, unit).t().reshape(-1))
+    host = torch.cat(parts).cpu().numpy()
+    for j in range(gw if k_out else 0):
+        out.chunks[f"gap{j}"] = host[j * k_out:(j + 1) * k_out]
+    base = gw * k_out if k_out else 0
+    for j in range(unit):
+        out.chunks[f"val{j}"] = host[base + j * k:base + (j + 1) * k]
+    assert out.changed_in + k_out == out.changed
+    return out
 
 
 def _host_copy(t: torch.Tensor) -> np.ndarray:
@@ -175,4 +198,4 @@ def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
             meta[name] = (str(b.dtype).removeprefix("torch."), list(b.shape), base_digest, digest)
     if entries_out is not None:
         entries_out.extend({"name": k, "dtype": m[0], "shape": m[1], "digest": m[3]} for k, m in meta.items())
-    return assemble(coded, meta, base_version, target_version)
+    return assemble(coded, meta, base_version, target_version, threads=hash_threads)

@@ -198,7 +198,10 @@ def _group_hits(blocks: int, unit: int, fill: Callable[[int, int, np.ndarray], N
 
 def _lane_positions(groups: np.ndarray, j: np.ndarray) -> np.ndarray:
     """Word positions of lane hits `j` (flat indices into the gathered (groups, 8) rows)."""
-    return (groups[j >> 3] << 3) | (j & 7)
+    pos = np.take(groups, j >> 3)
+    pos <<= 3
+    pos |= j & 7
+    return pos
 
 
 def diff_words(ow: np.ndarray, nw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -60,7 +60,11 @@ def moto_server():
 
     from moto.server import ThreadedMotoServer
 
+    from worker_contract.env import register_secret
+
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one access-log line per request otherwise
+    for value in (TEST_ACCESS_KEY, TEST_SECRET_KEY):  # redacted in captured logs, as real credentials are
+        register_secret(value)
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

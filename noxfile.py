@@ -40,6 +40,22 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def soak(session: nox.Session) -> None:
+    """Long fault-injection trials (crashes, store and worker faults, hostile records): `nox -s soak -- 30`
+    runs 30 crash trials (default DRL_SOAK_TRIALS, else 20); figures go to bench/results/soak.json."""
+    args = list(session.posargs)
+    trials = args.pop(0) if args and args[0].isdigit() else os.environ.get("DRL_SOAK_TRIALS", "20")
+    out = os.path.join("bench", "results", "soak.json")
+    partial = out + ".partial"  # only a soak that passes replaces the figures docs/reliability.md quotes
+    if os.path.exists(partial):
+        os.remove(partial)
+    session.run(PY, "-m", "pytest", "-m", "soak", *args,
+                env={"DRL_SOAK_TRIALS": trials, "DRL_SOAK_RESULTS": os.path.abspath(partial)})
+    os.replace(partial, out)
+    session.log(f"soak figures written to {out}")
+
+
+@nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """Static checks with ruff."""
     session.run(PY, "-m", "ruff", "check", ".")

@@ -170,8 +170,8 @@ def test_multipart_anchor_through_faults_is_never_seen_half_done(moto_server):
 
 @pytest.mark.soak
 def test_soak_store_faults(moto_server, model_dir):
-    trials = max(2, soak_trials(20) // 4)
-    runs = [faulty_run(moto_server, model_dir, seed=100 + t, steps=8) for t in range(trials)]
+    trials = max(2, soak_trials(20) // 5)  # a fifth of the crash trials, 6 learner steps each
+    runs = [faulty_run(moto_server, model_dir, seed=100 + t, steps=6) for t in range(trials)]
     kinds: Counter = Counter()
     for r in runs:
         kinds.update(r["by_kind"])

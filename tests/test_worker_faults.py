@@ -199,7 +199,7 @@ def test_groups_on_stale_weights_wrong_plane_or_size_are_dropped_with_reasons(tm
 
 @pytest.mark.soak
 def test_soak_worker_kills(tmp_path, moto_server, tiny_model_dir):  # noqa: F811
-    trials = max(4, soak_trials(20) // 2)
+    trials = max(4, soak_trials(20) // 4)  # a quarter of the crash trials on a file bucket, half that on S3
     store = FileStore(tmp_path / "bucket")
     man, _, _ = _publish_run(store, tiny_model_dir)
     file_figs = kill_mid_upload(store, man, tiny_model_dir, trials=trials, env=None,

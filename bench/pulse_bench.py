@@ -21,7 +21,6 @@ import argparse
 import sys
 import time
 
-
 #: timed repetitions of our encode and apply (the best one's thread CPU time counts: the machine is shared)
 REPS = 3
 

@@ -192,9 +192,10 @@ def test_truncated_and_corrupted_patches_are_refused(pair):
     head[20] ^= 0x01
     _refused(old, bytes(head), "PULSE patch")
     _refused(old, b"garbage" * 10, "not a PULSE patch")
-    newer = bytearray(patch)
-    newer[7] = 3
-    _refused(old, bytes(newer), "format 3 is not supported")
+    for fmt in (1, 3):  # format 1 (sha256 digests) and a future one
+        other = bytearray(patch)
+        other[7] = fmt
+        _refused(old, bytes(other), f"format {fmt} is not supported")
 
 
 def test_signatures_refuse_forgery(pair):

@@ -124,6 +124,20 @@ def test_forged_or_damaged_anchor_is_refused(file_store):
         Reconstructor(file_store, manifest.run, plane="bf16").join()
 
 
+def test_manifest_of_another_format_is_refused_naming_it(file_store):
+    """An anchor written by a format-1 publisher (sha256 digests) is refused by name, not half-read."""
+    import json
+
+    manifest, *_ = _published(file_store, n=1)
+    mkey = layout.anchor_manifest_key(manifest.run, 1)
+    raw = json.loads(file_store.get(mkey))
+    assert raw["format"] == 2 and raw["digest_alg"] == "blake3" and raw["state_digest"].startswith("blake3:")
+    raw["format"] = 1
+    file_store.put(mkey, json.dumps(raw).encode())
+    with pytest.raises(SyncError, match="anchor format 1; this reader knows format 2"):
+        Reconstructor(file_store, manifest.run, plane="bf16").join()
+
+
 def _cli(store_url: str, run: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "worker_contract", "verify", "--store", store_url, "--run", run],
                           cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Literal
 
 import blake3
-
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 

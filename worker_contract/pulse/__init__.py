@@ -44,6 +44,7 @@ from .format import (
 )
 from .format import check_body as _check_body
 
+
 def t_lengths_match(t: TensorPatch, c: codec.Coded) -> bool:
     return t.lengths() == {f: len(x) for f, x in c.chunks.items()}
 

@@ -35,6 +35,7 @@ def test_publish_sequence_objects_pointer_and_stats(store):
     assert anchor_versions(store, manifest.run) == [1, 3]
     stats = pub.last_stats
     assert stats["kind"] == "patch" and stats["patch_bytes"] < stats["full_bytes"] / 4
+    assert stats["encoder"] == "numpy"  # host tensors: the numpy encoder (CUDA ones take the torch one)
     assert 0.5 < stats["sparsity"] < 1 and stats["latency_s"] > 0
     pointer, _ = read_pointer(store, manifest.run, manifest.trainer_public_key)
     assert (pointer.version, pointer.anchor_version) == (4, 3)

@@ -33,8 +33,9 @@ MAX_HEADER_BYTES = 64 << 20
 ZSTD_LEVEL = 1
 SMALL_ZSTD_LEVEL = 3
 SMALL_STREAM = 4 << 20
-#: the header is small and compressed once; a high level pays for itself (per-tensor names repeat)
-HEADER_ZSTD_LEVEL = 19
+#: the header is small and its names repeat: level 12 takes ~20% off level 3's frame in 0.3 ms (level 19: 8%
+#: more, but 10 ms for 300 tensors)
+HEADER_ZSTD_LEVEL = 12
 #: hex digits of the per-tensor base digests a header carries (to name a tensor in an error)
 SHORT = 4
 

@@ -29,6 +29,8 @@ class Seen:
     """Pointer versions in the order they were read."""
     followed: list[int] = field(default_factory=list)
     """Versions the reconstructor reached (each verified against the pointer's digest)."""
+    named: dict[int, set[str]] = field(default_factory=dict)
+    """version -> every state digest a pointer named for it (a reused version number would show two)."""
     problems: list[str] = field(default_factory=list)
     reads: int = 0
     polls: int = 0
@@ -92,6 +94,7 @@ class BucketWatcher(threading.Thread):
         if s.pointers and p.version < s.pointers[-1]:
             s.problems.append(f"pointer moved back from v{s.pointers[-1]} to v{p.version}")
         s.pointers.append(p.version)
+        s.named.setdefault(p.version, set()).add(p.result_digest)
         if not self.follow or (s.followed and s.followed[-1] >= p.version):
             return
         try:
@@ -108,6 +111,7 @@ class BucketWatcher(threading.Thread):
         object (a partial or replaced object). `overwritten` names key parts that may legally change."""
         final = final or self.store
         out = list(self.seen.problems)
+        out += [f"v{v} was named with {len(d)} different states" for v, d in self.seen.named.items() if len(d) > 1]
         for key, digests in self.seen.digests.items():
             if key == layout.pointer_key(self.run_id) or any(part in key for part in overwritten):
                 continue

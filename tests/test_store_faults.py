@@ -196,9 +196,10 @@ def test_the_reader_catches_partial_objects_and_a_pointer_moving_back(file_store
         file_store.put(obj, b"half of it")
         time.sleep(0.3)
         file_store.put(obj, b"half of it, then the rest")  # what an object store never shows a reader
-        for v in (3, 2):
-            file_store.put(layout.pointer_key("bad-writer"), make_pointer("bad-writer", v, 1, "0" * 64, key).to_bytes())
+        for v, digest in ((3, "0" * 64), (2, "0" * 64), (3, "1" * 64)):  # back, then v3 naming other weights
+            file_store.put(layout.pointer_key("bad-writer"), make_pointer("bad-writer", v, 1, digest, key).to_bytes())
             time.sleep(0.3)
     found = "\n".join(watcher.problems(file_store))
     assert f"{obj}: a reader saw content other than the final object" in found
     assert "pointer moved back from v3 to v2" in found and "could not follow the pointer" in found
+    assert "v3 was named with 2 different states" in found

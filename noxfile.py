@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 
 import nox
@@ -49,8 +50,11 @@ def soak(session: nox.Session) -> None:
     partial = out + ".partial"  # only a soak that passes replaces the figures docs/reliability.md quotes
     if os.path.exists(partial):
         os.remove(partial)
+    # the commit the run starts on (the tree may move on while it runs); empty outside a git checkout
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     session.run(PY, "-m", "pytest", "-m", "soak", *args,
-                env={"DRL_SOAK_TRIALS": trials, "DRL_SOAK_RESULTS": os.path.abspath(partial)})
+                env={"DRL_SOAK_TRIALS": trials, "DRL_SOAK_RESULTS": os.path.abspath(partial),
+                     "DRL_SOAK_COMMIT": commit})
     os.replace(partial, out)
     session.log(f"soak figures written to {out}")
 

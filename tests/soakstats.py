@@ -17,6 +17,7 @@ from typing import Any
 
 TRIALS_ENV = "DRL_SOAK_TRIALS"
 RESULTS_ENV = "DRL_SOAK_RESULTS"
+COMMIT_ENV = "DRL_SOAK_COMMIT"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -48,7 +49,7 @@ def record(section: str, figures: dict[str, Any]) -> None:
     data = json.loads(p.read_text()) if p.exists() else {}
     data.setdefault("format", 1)
     data.setdefault("started_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    data["commit"] = _commit()
+    data["commit"] = os.environ.get(COMMIT_ENV) or _commit()  # the session names the commit it started on
     data["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
                        "cpus": os.cpu_count()}
     data.setdefault("sections", {})[section] = {**figures, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",

@@ -14,6 +14,7 @@ import copy
 import gc
 import io
 import json
+import math
 import os
 import random
 import shutil
@@ -494,8 +495,6 @@ def test_10k_hostile_records_are_each_dropped_with_their_reason(tmp_path):
     # every reason one record can earn on its own (reuse_cap and vanished need a consumer / a deleter)
     assert set(figures["reasons"]) == set(DROP_REASONS) - {"reuse_cap", "vanished"}
     print({k: v for k, v in figures.items() if k != "reasons"})
-    import math
-
     assert math.isfinite(_learner_step_on(src, tmp_path))
 
 

@@ -138,23 +138,25 @@ def _pack_streams(out: codec.Coded, pos_out: torch.Tensor, zz: torch.Tensor) -> 
 
 
 def _host_copy(t: torch.Tensor) -> np.ndarray:
-    """A host copy of a tensor. From CUDA: into pinned memory (torch's caching host allocator reuses it from
-    one version to the next) on a side stream, so the copy overlaps the encoder's kernels on the main one."""
+    """A host copy of a tensor. From CUDA: its raw bytes (one copy kernel for every dtype, packed uint32
+    codes included) into pinned memory (torch's caching host allocator reuses it from one version to the
+    next) on a side stream, so the copy overlaps the encoder's kernels on the main one."""
     import torch
 
     t = t.detach()
     if t.device.type != "cuda":
         return to_numpy(t.cpu())
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
     try:
         side = torch.cuda.Stream(device=t.device)
         side.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(side):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
+            host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(raw, non_blocking=True)
         side.synchronize()
     except RuntimeError:  # no pinned memory to be had (a locked-memory limit): a plain copy
-        host = t.cpu()
-    return to_numpy(host)
+        host = raw.cpu()
+    return host.numpy().view(np_dtype(str(t.dtype).removeprefix("torch."))).reshape(tuple(t.shape))
 
 
 def _host_digest(t: torch.Tensor) -> tuple[np.ndarray, str]:

@@ -13,6 +13,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
+    """HEAD (with -dirty), or STOA_COMMIT where the tree was copied without .git (a rented GPU box)."""
+    if os.environ.get("STOA_COMMIT"):
+        return os.environ["STOA_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=RESULTS.parent, capture_output=True, text=True,
                              timeout=10)

@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stoa-setup-stamp
 # Inside the slime/Megatron image the venv must see the image's CUDA torch, slime and Megatron-LM.
 VENV_FLAGS := $(if $(wildcard /root/slime),--system-site-packages)
+# torch for machines without an NVIDIA GPU (a CPU build where the package index offers one).
+CPU_TORCH ?= torch==2.13.0
 
 RUN ?=
 HOST ?=
@@ -26,6 +28,9 @@ help:  ## list the targets
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install --upgrade pip >/dev/null
+	@# Without an NVIDIA GPU, pin the CPU torch build first so the resolver never pulls the multi-GB CUDA one.
+	@if ! $(PY) -c 'import torch' 2>/dev/null && ! command -v nvidia-smi >/dev/null; then \
+	  echo "no NVIDIA GPU: installing $(CPU_TORCH)"; $(PY) -m pip install '$(CPU_TORCH)'; fi
 	$(PY) -m pip install -e '.[dev]'
 	@touch $(STAMP)
 

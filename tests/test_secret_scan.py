@@ -116,6 +116,8 @@ def scan(tmp_path, moto_server):
     return Scan(root, home, env), bucket
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_no_credential_value_in_any_command_output_or_file(scan, moto_server):
     scan, bucket = scan
     py, inv = sys.executable, str(Path(sys.executable).parent / "invoke")

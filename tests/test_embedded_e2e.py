@@ -143,6 +143,52 @@ def test_ctrl_c_stops_every_process_and_leaves_the_bucket_consistent(tmp_path):
     assert any((tmp_path / "runs" / run / "checkpoints").iterdir())  # the learner checkpointed on its way out
 
 
+@pytest.mark.integration
+def test_model_option_runs_the_same_loop_on_a_model_from_disk_with_real_gsm8k_data(tmp_path, monkeypatch):
+    """MODEL=/path: no base is built; the task is the real GSM8K (here a local copy of a few rows)."""
+    from rich.console import Console
+
+    from trainer.basemodel import _render, build_model, build_tokenizer
+    from trainer.config import EmbeddedBaseConfig
+    from trainer.embedded import run_embedded
+    from worker_contract.tasks import get_task
+
+    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+             "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"} for a in range(2, 9) for b in range(2, 6)]
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    monkeypatch.setenv("DRL_GSM8K_DIR", str(data))
+    arith = get_task("arithmetic").dataset("train")
+    tok = build_tokenizer([_render(get_task("gsm8k"), p) for p in get_task("gsm8k").dataset("train")]
+                          + [_render(get_task("arithmetic"), arith[i]) for i in range(100)], 300)
+    model_dir = tmp_path / "my-model"
+    build_model(tok, EmbeddedBaseConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                        intermediate_size=64)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+
+    run = "e2e-model"
+    over = {k: v for k, v in TINY.items() if not k.startswith("embedded.base.")}
+    cfg = resolve("gsm8k", env={}, overrides={"run": run, "model.path": str(model_dir), **over,
+                                              "embedded.max_steps": 2, "train.micro_batch_size": 8},
+                  embedded=True)
+    assert cfg.task == "gsm8k"
+    buf = io.StringIO()
+    assert run_embedded(cfg, console=Console(file=buf, width=160), root=tmp_path) == 0, buf.getvalue()
+    assert not (tmp_path / "cache").exists()  # no base was built
+    store = FileStore(tmp_path / "bucket")
+    manifest = json.loads(store.get(layout.manifest_key(run)))
+    assert manifest["task"] == "gsm8k" and manifest["model_id"] == str(model_dir)
+    from worker_contract.schema import decode_record
+
+    keys = store.list_keys(layout.rollouts_prefix(run))
+    rec = decode_record(store.get(keys[0]))
+    assert rec.prompt_id.startswith("gsm8k-train-") and "Tom has" in tok.decode(rec.prompt_ids)
+    assert _verify(tmp_path, run).returncode == 0
+    assert _wait_gone(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path):
     """The recipe's own tiny model and RL settings, shortened: train reward and held-out accuracy rise."""

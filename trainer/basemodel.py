@@ -159,8 +159,9 @@ def evaluate(model, tokenizer, task: Task, problems: Sequence[Problem], *, max_n
 
 
 def config_digest(cfg: EmbeddedBaseConfig, task: Task) -> str:
-    blob = json.dumps({"cfg": cfg.model_dump(mode="json"), "task": task.name, "build": BUILD_VERSION},
-                      sort_keys=True)
+    splits = {k: v.model_dump(mode="json") for k, v in getattr(task, "splits", {}).items()}  # generated data
+    blob = json.dumps({"cfg": cfg.model_dump(mode="json"), "task": task.name, "splits": splits,
+                       "build": BUILD_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

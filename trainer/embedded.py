@@ -98,7 +98,7 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
         base = (f"{'reuse the cached' if (d / 'base.json').exists() else 'build and cache the'} base model {d}: "
                 f"Qwen2 {b.num_layers}x{b.hidden_size}, {b.sft_steps} supervised steps on generated problems")
     w = [f"  {i + 1}. {py} -m worker_contract.worker --store {paths.store_url} --run {cfg.run} --model <base> "
-         f"--worker-id local-{i + 1} --threads 1 --max-groups-per-version {cfg.algo.groups_per_step}   "
+         f"--worker-id local-{i + 1} --threads 1 --max-groups-per-version {_per_worker_cap(cfg)}   "
          f"(DRL_N_SAMPLES={cfg.contract.n_samples} "
          f"DRL_PULSE_PLANE={cfg.contract.plane}; log {paths.run_dir}/worker-{i + 1}.log)"
          for i in range(cfg.embedded.workers)]
@@ -199,12 +199,18 @@ def start_learner(procs: Processes, cfg: RecipeConfig, paths: EmbeddedPaths, mod
     return procs.start("learner", argv, child_env(cfg), paths.run_dir / "learner.log")
 
 
+def _per_worker_cap(cfg: RecipeConfig) -> int:
+    """Groups a local worker samples per version: together the workers make one step's batch per version,
+    so on a shared CPU they do not burn cycles on groups that would go stale before the learner uses them."""
+    return max(1, -(-cfg.algo.groups_per_step // cfg.embedded.workers))
+
+
 def start_workers(procs: Processes, cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path) -> list[Child]:
     out = []
     for i in range(1, cfg.embedded.workers + 1):
         argv = [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
                 "--model", str(model_dir), "--worker-id", f"local-{i}", "--threads", "1", "--log-every", "30",
-                "--max-groups-per-version", str(cfg.algo.groups_per_step)]
+                "--max-groups-per-version", str(_per_worker_cap(cfg))]
         out.append(procs.start(f"worker-{i}", argv, child_env(cfg), paths.run_dir / f"worker-{i}.log"))
     return out
 
@@ -378,7 +384,7 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
             for row in tail.read():
                 if state.update(row) and state.step % cfg.embedded.eval_every == 0:
                     evaluator.request()
-            if not evaluator.results:
+            if not evaluator.results and not evaluator.busy:
                 evaluator.request()  # the first published version (the base in a fresh run), once it exists
             if not stopping:
                 if interrupts.count:

@@ -46,6 +46,11 @@ class HeldoutEvaluator:
         self._thread = threading.Thread(target=self._loop, name="heldout-eval", daemon=True)
 
     @property
+    def busy(self) -> bool:
+        """An evaluation is running or asked for."""
+        return self._lock.locked() or self._wake.is_set()
+
+    @property
     def version(self) -> int | None:
         """The newest version this evaluator holds."""
         return self._rec.version if self._rec is not None else None

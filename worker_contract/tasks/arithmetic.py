@@ -56,11 +56,14 @@ class SplitSpec(BaseModel):
 
 
 #: The default splits. Training is effectively unbounded (every index is a fresh problem); the held-out
-#: split is fixed. Same difficulty, different seed, disjoint number tuples.
+#: split is fixed. Same difficulty, different seed, disjoint number tuples. The difficulty is tuned for
+#: the embedded default's 0.85 M-parameter model: two or three additions and subtractions of one-digit
+#: amounts, which it learns to work out step by step in a few minutes of supervision, but rarely gets
+#: right in one leap (docs/embedded.md has the measurements).
 DEFAULT_SPLITS: dict[str, SplitSpec] = {
-    "train": SplitSpec(seed="arith-train-v1", size=10**9, min_operand=2, max_operand=20, max_factor=4,
+    "train": SplitSpec(seed="arith-train-v1", size=10**9, min_operand=2, max_operand=9, max_factor=4, ops="+-",
                        min_steps=2, max_steps=3),
-    "test": SplitSpec(seed="arith-heldout-v1", size=1000, min_operand=2, max_operand=20, max_factor=4,
+    "test": SplitSpec(seed="arith-heldout-v1", size=1000, min_operand=2, max_operand=9, max_factor=4, ops="+-",
                       min_steps=2, max_steps=3),
 }
 
@@ -94,7 +97,10 @@ def _story(rng: random.Random, spec: SplitSpec) -> tuple[str, list[str], int]:
         x = rng.randint(lo, hi)
         sents = [f"{name} has ${x}." if money else f"{name} has {x} {item}."]
     for _ in range(rng.randint(spec.min_steps, spec.max_steps) - (1 if lines else 0)):
-        op = rng.choice(spec.ops if x <= hi else spec.ops.replace("*", "") or "+")
+        ops = spec.ops if x <= hi else spec.ops.replace("*", "")  # keep products small
+        if x < 2:
+            ops = ops.replace("-", "")  # never below zero
+        op = rng.choice(ops or "+")
         if op == "*":
             k = rng.randint(2, min(3, spec.max_factor))
             word = {2: "doubles", 3: "triples"}[k]

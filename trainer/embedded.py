@@ -67,7 +67,7 @@ class EmbeddedPaths:
 def embedded_cfg(cfg: RecipeConfig, paths: EmbeddedPaths) -> RecipeConfig:
     """The recipe as the embedded run uses it: the file store, the hf backend, `max_steps` steps."""
     train = cfg.train.model_copy(update={"backend": "hf", "num_steps": cfg.embedded.max_steps})
-    model = cfg.model if cfg.model.path else cfg.model.model_copy(update={"hf_id": None})  # built, not fetched
+    model = cfg.model.model_copy(update={"hf_id": None})  # built here or given with MODEL=: never fetched
     return cfg.model_copy(update={"store": cfg.store or paths.store_url, "train": train, "model": model})
 
 

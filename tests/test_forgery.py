@@ -1,8 +1,10 @@
 """Forgery: anyone holding worker credentials can write any key of the bucket, but not sign as the trainer.
 Pointers, patches and anchor manifests written that way (direct store writes, on both backends) are
-refused by the reconstructor, which keeps its last good version bit for bit; a version squatted by an
-attacker does not stop followers; a replaced run.json is refused by a joiner holding the join card's key;
-and the reference worker, a real process, keeps producing rollouts on its last good version."""
+refused by the reconstructor, which keeps its last good version bit for bit; the trainer replaces a forged
+pointer with its own (never behind the last valid one) and takes back versions squatted with objects it did
+not sign, while its own crashed attempts are skipped, never reused; a replaced run.json is refused by a
+joiner holding the join card's key; and the reference worker, a real process, keeps producing rollouts on
+its last good version."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from worker_contract.anchor import AnchorManifest
 from worker_contract.anchor import read_manifest as read_anchor_manifest
 from worker_contract.manifest import ContractMismatch, create_or_resume
 from worker_contract.pointer import Pointer, make_pointer, read_pointer
-from worker_contract.pulse import encode_patch, sign_patch
+from worker_contract.pulse import encode_patch, sign_patch, verify_patch_signature
 from worker_contract.reconstruct import Reconstructor, SyncError
 from worker_contract.signing import fingerprint, generate_private_key, public_key_b64, sign
 from worker_contract.verify import verify_run
@@ -56,12 +58,30 @@ class Published:
     def pointer(self) -> Pointer:
         return read_pointer(self.store, RUN, self.man.trainer_public_key)[0]
 
-    def evil_patch(self, base_version: int, target: int) -> bytes:
-        """A well-formed patch from the worker's own state to other weights, signed with the attacker's key."""
+    def evil_patch(self, base_version: int, target: int, key=None) -> bytes:
+        """A well-formed patch from the worker's own state to other weights, signed with the attacker's key
+        (or with `key`: the run's key makes it a crashed attempt of the trainer)."""
         old = self.rec.state
         new = {k: v.copy() for k, v in old.items()}
         new["model.b.weight"][:] = 0
-        return sign_patch(encode_patch(old, new, base_version=base_version, target_version=target), self.evil)
+        return sign_patch(encode_patch(old, new, base_version=base_version, target_version=target), key or self.evil)
+
+    def evil_anchor(self, version: int, key=None) -> None:
+        """A complete anchor (shard and manifest) of other weights at `version`, signed with `key`."""
+        from worker_contract.anchor import write_anchor
+        from worker_contract.planes import get_plane
+
+        state = get_plane("bf16").from_hf({k: v * 0 for k, v in self.state.items()})
+        write_anchor(self.store, RUN, version, "bf16", state, key or self.evil)
+
+    def verified(self) -> list[str]:
+        lines: list[str] = []
+        assert verify_run(self.store, RUN, out=lines.append), "\n".join(lines)
+        return lines
+
+    def same_as_trainer(self, state) -> bool:
+        mine = self.pub._base
+        return all(np.array_equal(state[k].view(np.uint16), np.asarray(mine[k]).view(np.uint16)) for k in mine)
 
 
 @pytest.fixture
@@ -131,29 +151,78 @@ def test_a_tampered_patch_is_refused_and_the_last_good_version_is_kept(pub, how)
     assert all(np.array_equal(pub.rec.state[k].view(np.uint16), mine[k].view(np.uint16)) for k in mine)
 
 
-@pytest.mark.parametrize("squat", ["garbage patch", "patch signed by another key", "anchor manifest signed by another key"])
-def test_a_squatted_version_does_not_stop_followers(pub, squat):
-    """Workers can create the key of the next version before the trainer does; the trainer skips it
-    (create-only) and publishes an anchor above, and followers must reach that anchor, not stop at v4."""
-    if squat == "garbage patch":
-        pub.store.put_if_absent(layout.patch_key(RUN, 4), b"PULSE? no")
-    elif squat == "patch signed by another key":
-        pub.store.put_if_absent(layout.patch_key(RUN, 4), pub.evil_patch(3, 4))
-    else:
-        from worker_contract.anchor import write_anchor
-        from worker_contract.planes import get_plane
+SQUATS = ("garbage patch", "patch signed by another key", "the trainer's patch of another version",
+          "anchor manifest signed by another key", "a stray object under the anchor")
 
-        evil_state = get_plane("bf16").from_hf({k: v * 0 for k, v in pub.state.items()})
-        write_anchor(pub.store, RUN, 4, "bf16", evil_state, pub.evil)
+
+def squat(p: Published, version: int, how: str) -> None:
+    """Create objects at `version` with worker credentials (create-only, as a squatter racing ahead would)."""
+    if how == "garbage patch":
+        p.store.put_if_absent(layout.patch_key(RUN, version), b"PULSE? no")
+    elif how == "patch signed by another key":
+        p.store.put_if_absent(layout.patch_key(RUN, version), p.evil_patch(version - 1, version))
+    elif how == "the trainer's patch of another version":  # genuinely signed, replayed under another number
+        p.store.put_if_absent(layout.patch_key(RUN, version), p.store.get(layout.patch_key(RUN, 3)))
+    elif how == "anchor manifest signed by another key":
+        p.evil_anchor(version)
         with pytest.raises(Exception, match="signature|sign"):
-            read_anchor_manifest(pub.store, RUN, 4, pub.man.trainer_public_key)
+            read_anchor_manifest(p.store, RUN, version, p.man.trainer_public_key)
+    else:
+        p.store.put_if_absent(layout.anchor_prefix(RUN, version) + "README.txt", b"taken")
+
+
+@pytest.mark.parametrize("how", SQUATS)
+def test_a_squatted_version_is_taken_back_and_followers_go_on(pub, how):
+    """Workers can create the keys of the next version before the trainer does. Nothing there is signed by
+    the run key for that version, so it is a squatter's: the trainer deletes it and publishes there."""
+    squat(pub, 4, how)
     v = pub.bump()
-    assert v == 5 and pub.pointer().anchor_version == 5  # skipped v4, anchored at v5
+    assert v == 4 and pub.pub.last_stats["kind"] == "patch" and pub.pointer().version == 4
+    assert pub.pub.last_stats["forged_versions_reclaimed"] == 1
+    assert layout.anchor_prefix(RUN, 4) + "README.txt" not in pub.store.list_keys(layout.anchors_prefix(RUN))
     got = pub.rec.follow()
-    assert got is not None and got[0] == 5
-    mine = pub.pub._base
-    assert all(np.array_equal(got[1][k].view(np.uint16), np.asarray(mine[k]).view(np.uint16)) for k in mine)
-    assert Reconstructor(pub.store, RUN, plane="bf16").join()[0] == 5
+    assert got is not None and got[0] == 4 and pub.same_as_trainer(got[1])
+    assert Reconstructor(pub.store, RUN, plane="bf16").join()[0] == 4
+    pub.verified()
+
+
+def test_a_squatter_on_the_next_100_versions_does_not_stop_publishing(pub):
+    for v in range(4, 104):
+        squat(pub, v, SQUATS[v % len(SQUATS)])
+    published = [pub.bump() for _ in range(3)]
+    restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
+    published.append(restarted.publish_anchor(pub.state))  # a restart meets the squatter too
+    assert published == [4, 5, 6, 7]
+    assert pub.pub.forged_versions_reclaimed == 3 and restarted.forged_versions_reclaimed == 1
+    assert pub.pointer().version == 7
+    for v in published[:3]:  # every published version is the trainer's own, signed
+        verify_patch_signature(pub.store.get(layout.patch_key(RUN, v)), pub.man.trainer_public_key)
+    read_anchor_manifest(pub.store, RUN, 7, pub.man.trainer_public_key)
+    lines = pub.verified()
+    assert "pointer v7" in lines[-1] and "77 beyond the pointer, 0 failures: OK" in lines[-1], lines[-1]
+    got = pub.rec.follow()
+    assert got is not None and got[0] == 7
+    assert Reconstructor(pub.store, RUN, plane="bf16").join()[0] == 7
+
+
+def test_the_trainers_own_crashed_attempts_are_skipped_never_reused(pub):
+    """What the run key signed at a version (a crashed attempt of the trainer: a patch at v4, an anchor at
+    v6) and anchor shards without a manifest (an interrupted anchor upload at v5, which nothing signed
+    tells from a squatter's) are never overwritten: the trainer publishes above them."""
+    pub.store.put_if_absent(layout.patch_key(RUN, 4), pub.evil_patch(3, 4, key=pub.key))
+    pub.evil_anchor(5, key=pub.key)
+    pub.store.delete(layout.anchor_manifest_key(RUN, 5))
+    pub.evil_anchor(6, key=pub.key)
+    before = {k: pub.store.get(k) for k in pub.store.list_keys(layout.run_prefix(RUN)) if "/v0" in k}
+    assert pub.bump() == 7 and pub.pub.last_stats["kind"] == "anchor"
+    assert pub.rec.follow()[0] == 7
+    restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
+    pub.store.put_if_absent(layout.patch_key(RUN, 8), pub.evil_patch(7, 8, key=pub.key))  # crashed again
+    assert restarted.publish_anchor(pub.state) == 9
+    assert pub.pub.forged_versions_reclaimed == restarted.forged_versions_reclaimed == 0
+    assert all(pub.store.get(k) == data for k, data in before.items())  # left as they were
+    assert pub.rec.follow()[0] == 9 and pub.rec.digest == pub.pointer().result_digest
+    pub.verified()
 
 
 @pytest.mark.parametrize("what", ["manifest signed by another key", "shard bytes"])
@@ -193,12 +262,53 @@ def test_a_replaced_run_json_is_refused_by_a_joiner_holding_the_join_card_key(st
     check_trainer_key(evil_man, fingerprint(public_key_b64(evil)))  # the matching card passes
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: after a forged current.json the publisher cannot read the "
-                   "pointer (PointerError) and stops publishing until an operator deletes the forged object")
-def test_the_trainer_publishes_over_a_forged_pointer(pub):
-    pub.store.put(layout.pointer_key(RUN), forged_pointers(pub)["signed by another key"])
-    v = pub.bump()
-    assert pub.pointer().version == v
+@pytest.mark.parametrize("forgery", ["signed by another key", "unsigned", "genuine signature, altered version",
+                                     "not JSON", "signed by another key, far ahead"])
+def test_the_trainer_publishes_over_a_forged_pointer(pub, forgery, caplog):
+    """A current.json written with worker credentials does not stop the trainer: its next publish replaces it
+    by compare-and-swap, one version above the last valid pointer (not above the forgery's claim), with a
+    warning and a count; followers that refused the forgery go on from there."""
+    blobs = forged_pointers(pub)
+    blobs["signed by another key, far ahead"] = make_pointer(RUN, 10**6, 1, pub.pointer().result_digest,
+                                                             pub.evil).to_bytes()
+    pub.store.put(layout.pointer_key(RUN), blobs[forgery])
+    assert pub.pub.current_version() == 3  # the last valid version, not the forgery's
+    with pytest.raises(SyncError):
+        pub.rec.follow()
+    with caplog.at_level("WARNING", logger="trainer.publisher"):
+        v = pub.bump()
+    assert v == 4 and pub.pointer().version == 4 and pub.pub.last_stats["kind"] == "patch"
+    assert pub.pub.last_stats["forged_pointer_reclaimed"] == 1
+    assert "current.json did not verify under the run key" in caplog.text
+    assert pub.rec.follow()[0] == 4 and pub.same_as_trainer(pub.rec.state)
+    assert pub.bump() == 5 and pub.pub.last_stats["forged_pointer_reclaimed"] == 1  # nothing more to reclaim
+    pub.verified()
+
+
+def test_a_restarted_trainer_publishes_over_a_forged_pointer_above_everything_it_signed(pub):
+    """A restart has no memory of what it made visible: over a forged pointer it goes above the newest
+    version the run key signed (here a crashed attempt at v4 above the last valid pointer, v3), and above
+    squatters' objects, which do not count."""
+    pub.store.put_if_absent(layout.patch_key(RUN, 4), pub.evil_patch(3, 4, key=pub.key))
+    squat(pub, 6, "patch signed by another key")
+    pub.store.put(layout.pointer_key(RUN), forged_pointers(pub)["unsigned"])
+    restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
+    assert restarted.current_version() == 4
+    assert restarted.publish_anchor(pub.state) == 5
+    assert restarted.last_stats["forged_pointer_reclaimed"] == 1 and pub.pointer().version == 5
+    assert pub.rec.follow()[0] == 5
+    pub.verified()
+
+
+def test_a_forged_pointer_before_the_first_publish_is_replaced_by_v1(store):
+    key = generate_private_key()
+    man = create_or_resume(store, manifest(RUN, key), resume=False)
+    store.put(layout.pointer_key(RUN), make_pointer(RUN, 7, 1, "blake3:" + "0" * 64, generate_private_key()).to_bytes())
+    pub = Publisher(store, man, key, anchor_interval=10, progress=False)
+    assert pub.current_version() is None
+    assert pub.publish_anchor({"model.w": torch.ones(64)}) == 1
+    assert read_pointer(store, RUN, man.trainer_public_key)[0].version == 1
+    assert verify_run(store, RUN, out=lambda line: None)
 
 
 @pytest.mark.integration

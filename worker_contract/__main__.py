@@ -1,28 +1,47 @@
-"""`python -m worker_contract verify --store URL --run RUN`: check a run's published weights."""
+"""`python -m worker_contract verify [--store URL] [--run RUN] [--env-file PATH]`: check a run's published weights.
+
+Credentials and defaults come as for every other entry point (worker_contract.env): the environment, over
+the env file (`.r2env` in the current directory unless `--env-file` names one; it must be mode 0600).
+`--store` defaults to DRL_STORE, else r2://$R2_BUCKET when the four R2 values are set, else the embedded
+file store under the current directory; `--run` defaults to DRL_RUN.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker_contract", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m worker_contract", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="walk every published version from the anchors; exit 1 on any failure")
-    v.add_argument("--store", required=True, help="store URL (file:///abs/path, s3://bucket, r2://bucket)")
-    v.add_argument("--run", required=True, help="run id (DRL_RUN)")
+    v.add_argument("--store", help="store URL: file:///abs/path, s3://bucket, r2://bucket (default: DRL_STORE, "
+                                   "else r2://$R2_BUCKET with the four R2 values, else ./.stoa/bucket)")
+    v.add_argument("--run", help="run id (default: DRL_RUN)")
+    v.add_argument("--env-file", help="credentials file (default: .r2env in the current directory if it "
+                                      "exists; must be mode 0600); the environment wins over it")
     args = parser.parse_args(argv)
 
-    from .store import open_store
+    from .env import check_store_url, default_store_url, load_env
+    from .layout import check_run_id
+    from .store import StoreError, open_store
     from .verify import verify_run
 
     try:
-        store = open_store(args.store)
-    except ValueError as e:
+        env = load_env(env_file=args.env_file, repo_root=Path.cwd())
+        run = args.run or env.get("DRL_RUN", "").strip()
+        if not run:
+            raise ValueError("no run given: pass --run RUN or set DRL_RUN (in the environment or the env file)")
+        check_run_id(run)
+        url = check_store_url(args.store) if args.store else default_store_url(env, Path.cwd())
+        store = open_store(url, env)
+        return 0 if verify_run(store, run) else 1
+    except (ValueError, StoreError) as e:  # store errors pass through redaction: no secret in them
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0 if verify_run(store, args.run) else 1
 
 
 if __name__ == "__main__":

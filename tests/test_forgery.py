@@ -356,3 +356,24 @@ def test_the_reference_worker_keeps_producing_on_its_last_good_version(tmp_path,
     q = _spawn(store, tiny_model_dir, env={"DRL_TRAINER_KEY_FINGERPRINT": fingerprint(public_key_b64(evil))})
     _, err = q.communicate(timeout=120)
     assert q.returncode == 3 and "DRL_TRAINER_KEY_FINGERPRINT" in err, err
+
+
+def test_keys_the_layout_does_not_make_stop_neither_the_trainer_nor_verify(pub):
+    pub.store.put(layout.versions_prefix(RUN) + "v4-evil.pulse", b"x")
+    pub.store.put(layout.anchors_prefix(RUN) + "latest/manifest.json", b"{}")
+    pub.store.put(layout.pointer_key(RUN), forged_pointers(pub)["unsigned"])  # the trainer lists the bucket
+    restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
+    assert restarted.publish_anchor(pub.state) == 4
+    assert pub.bump() == 5
+    assert Reconstructor(pub.store, RUN, plane="bf16").join()[0] == 5  # anchor v4 named by the pointer
+    pub.verified()
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="known gap: worker_contract.anchor.anchor_versions "
+                   "raises ValueError on a key the layout does not make, and the reconstructor lists anchors "
+                   "when a version has no patch (a restart's anchor), so a follower stops there")
+def test_a_follower_passes_keys_the_layout_does_not_make(pub):
+    pub.store.put(layout.anchors_prefix(RUN) + "latest/manifest.json", b"{}")
+    restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
+    assert restarted.publish_anchor(pub.state) == 4
+    assert pub.rec.follow()[0] == 4

@@ -11,17 +11,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import layout
-from .anchor import AnchorError, anchor_versions, read_anchor
+from .anchor import AnchorError, read_anchor
 from .manifest import load_manifest
 from .pointer import PointerError, read_pointer
 from .pulse import PatchError, apply_patch, verify_patch_signature
 from .store import NotFound, Store
 
 
-def _patch_versions(store: Store, run: str) -> set[int]:
+def _versions(store: Store, prefix: str, version_of: Callable[[str], int | None]) -> set[int]:
+    """Versions of the keys under `prefix`; keys the layout does not make (anyone with bucket credentials
+    can write one) are not the trainer's and are left out."""
     out = set()
-    for info in store.list(layout.versions_prefix(run)):
-        v = layout.patch_version_of(info.key)
+    for info in store.list(prefix):
+        try:
+            v = version_of(info.key)
+        except ValueError:
+            continue
         if v is not None:
             out.add(v)
     return out
@@ -43,7 +48,8 @@ def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bo
     if pointer is None:
         out(f"run {run!r}: no current.json yet (nothing published); 0 versions")
         return True
-    anchors, patches = set(anchor_versions(store, run)), _patch_versions(store, run)
+    anchors = _versions(store, layout.anchors_prefix(run), layout.anchor_version_of)
+    patches = _versions(store, layout.versions_prefix(run), layout.patch_version_of)
     failures, skipped = 0, 0
     state, digest = None, None
     for v in range(1, pointer.version + 1):

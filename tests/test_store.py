@@ -20,9 +20,13 @@ def _md5(data: bytes) -> str:
 
 @pytest.fixture
 def proxied(moto_server, s3_bucket, fault_proxy):
-    """(store, proxy): an S3Store whose every request passes the fault proxy; short timeouts."""
+    """(store, proxy): an S3Store whose every request passes the fault proxy.
+
+    The read timeout is generous so that a loaded machine's slow moto never adds a timeout retry to the
+    exact request sequences these tests count; the slow-answer test sets a short one itself.
+    """
     store = S3Store.from_url(f"s3://{s3_bucket}", moto_server.env(endpoint=fault_proxy.url),
-                             read_timeout=0.5, connect_timeout=1.0, part_size=5 * MiB)
+                             read_timeout=15.0, connect_timeout=5.0, part_size=5 * MiB)
     return store, fault_proxy
 
 
@@ -246,8 +250,10 @@ def test_lost_answer_of_a_conditional_write_is_recognised(proxied):
     assert store.get("l/ptr") == b"v2"
 
 
-def test_slow_answer_times_out_and_is_retried(proxied):
-    store, proxy = proxied
+def test_slow_answer_times_out_and_is_retried(proxied, moto_server, s3_bucket):
+    _, proxy = proxied
+    store = S3Store.from_url(f"s3://{s3_bucket}", moto_server.env(endpoint=proxy.url),
+                             read_timeout=0.5, connect_timeout=1.0)
     proxy.slow_s = 2.0  # the store's read timeout is 0.5 s
     proxy.inject(["slow"], match=lambda r: r.method == "GET")
     store.put("s/a", b"x")

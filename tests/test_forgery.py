@@ -369,9 +369,6 @@ def test_keys_the_layout_does_not_make_stop_neither_the_trainer_nor_verify(pub):
     pub.verified()
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="known gap: worker_contract.anchor.anchor_versions "
-                   "raises ValueError on a key the layout does not make, and the reconstructor lists anchors "
-                   "when a version has no patch (a restart's anchor), so a follower stops there")
 def test_a_follower_passes_keys_the_layout_does_not_make(pub):
     pub.store.put(layout.anchors_prefix(RUN) + "latest/manifest.json", b"{}")
     restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)

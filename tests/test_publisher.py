@@ -12,6 +12,7 @@ from trainer.publisher import Publisher
 from worker_contract import layout, signing
 from worker_contract.anchor import anchor_versions, read_anchor, read_manifest
 from worker_contract.planes import get_plane
+from worker_contract.store.file import FileStore
 from worker_contract.pointer import PointerError, advance_pointer, make_pointer, read_pointer
 from worker_contract.pulse import read_header, verify_patch_signature
 from worker_contract.verify import verify_run
@@ -68,14 +69,21 @@ def test_pointer_never_moves_backwards(file_store):
     assert pub.current_version() == 2
 
 
-def test_leftovers_of_a_crashed_attempt_are_skipped_never_reused(store):
+def test_leftovers_of_a_crashed_attempt_are_skipped_never_reused(store, tmp_path):
     manifest, key = make_run(store)
     policy = TinyPolicy()
     pub = Publisher(store, manifest, key, anchor_interval=10, progress=False)
     pub.publish_anchor(policy.state())
-    # a crashed attempt left a shard of an anchor at v2 and a patch object at v3, the pointer still at v1
+    # A crashed attempt of the trainer itself left a shard of an anchor at v2 and a whole, signed patch at
+    # v3, the pointer still at v1 (unsigned objects would be a squatter's, which the publisher takes back).
+    scratch = FileStore(tmp_path / "scratch")
+    other = Publisher(scratch, manifest, key, anchor_interval=10, progress=False)
+    other.publish_anchor(policy.state())  # v1
+    other.publish(policy.state())  # v2
+    other.publish(policy.state())  # v3: the patch the crashed attempt left behind
+    crashed_patch = scratch.get(layout.patch_key(manifest.run, 3))
     store.put(layout.anchor_shard_key(manifest.run, 2, 0), b"partial")
-    store.put(layout.patch_key(manifest.run, 3), b"junk from a crashed attempt")
+    store.put(layout.patch_key(manifest.run, 3), crashed_patch)
     policy.step()
     restarted = Publisher(store, manifest, key, anchor_interval=10, progress=False)
     assert restarted.publish_anchor(policy.state()) == 4
@@ -86,6 +94,7 @@ def test_leftovers_of_a_crashed_attempt_are_skipped_never_reused(store):
     policy.step()
     assert pub.publish(policy.state()) == 6
     assert pub.last_stats["kind"] == "anchor"
+    assert store.get(layout.patch_key(manifest.run, 3)) == crashed_patch  # the trainer's own object, untouched
 
 
 def test_int8g64_anchor_is_mlx_and_safetensors_readable(file_store, tmp_path):

@@ -227,7 +227,10 @@ def anchor_versions(store: Store, run: str) -> list[int]:
     """Versions with an anchor manifest (complete anchors), ascending."""
     out = []
     for info in store.list(layout.anchors_prefix(run)):
-        v = layout.anchor_version_of(info.key)
+        try:
+            v = layout.anchor_version_of(info.key)
+        except ValueError:  # a key the layout never makes (anyone with credentials can write one): not ours
+            continue
         if v is not None:
             out.append(v)
     return sorted(out)

@@ -57,6 +57,24 @@ class Task(abc.ABC):
         """Scalar reward of one completion of `problem`."""
 
 
+class CachedSplitTask(Task):
+    """A task whose splits are read once (a local copy or the data set's home) and kept for its life."""
+
+    def __init__(self, local_dir: str | None = None):
+        self.local_dir = local_dir
+        self._cache: dict[str, Sequence[Problem]] = {}
+
+    def dataset(self, split: Split) -> Sequence[Problem]:
+        split = check_split(split)
+        if split not in self._cache:
+            self._cache[split] = self._load_split(split)
+        return self._cache[split]
+
+    @abc.abstractmethod
+    def _load_split(self, split: Split) -> Sequence[Problem]:
+        """The problems of a checked split, from `self.local_dir` when set (called once per split)."""
+
+
 def _gsm8k() -> Task:
     from .gsm8k import GSM8KTask
 
@@ -96,4 +114,4 @@ def check_split(split: str) -> Split:
     return split  # type: ignore[return-value]
 
 
-__all__ = ["Problem", "Task", "TASKS", "SPLITS", "Split", "get_task", "check_split"]
+__all__ = ["Problem", "Task", "CachedSplitTask", "TASKS", "SPLITS", "Split", "get_task", "check_split"]

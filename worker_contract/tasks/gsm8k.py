@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from . import Problem, Split, Task, check_split
+from . import CachedSplitTask, Problem, Split
 
 HF_DATASET = "openai/gsm8k"
 HF_CONFIG = "main"
@@ -142,20 +142,13 @@ def load_gsm8k(split: Split, local_dir: str | None = None) -> list[tuple[str, st
     return [(row["question"], row["answer"]) for row in ds]
 
 
-class GSM8KTask(Task):
+class GSM8KTask(CachedSplitTask):
     """GSM8K prompt format, extraction and reward over the real data set."""
 
     name = "gsm8k"
 
-    def __init__(self, local_dir: str | None = None):
-        self.local_dir = local_dir
-        self._cache: dict[str, Sequence[Problem]] = {}
-
-    def dataset(self, split: Split) -> Sequence[Problem]:
-        split = check_split(split)
-        if split not in self._cache:
-            self._cache[split] = _Rows(split, load_gsm8k(split, self.local_dir))
-        return self._cache[split]
+    def _load_split(self, split: Split) -> Sequence[Problem]:
+        return _Rows(split, load_gsm8k(split, self.local_dir))
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return [{"role": "user", "content": prompt_text(problem.question)}]

@@ -32,7 +32,7 @@ from typing import NamedTuple
 from pydantic import Field
 
 from ..schema import Sample
-from . import Problem, Split, Task, check_split
+from . import CachedSplitTask, Problem, Split
 
 HF_DATASET = "jmhb/PaperSearchQA"
 HF_CORPUS = "jmhb/pubmed_bioasq_2022"
@@ -267,20 +267,13 @@ def load_psqa(split: Split, local_dir: str | None = None, revision: str | None =
     return [dict(row) for row in ds]
 
 
-class PsqaTask(Task):
+class PsqaTask(CachedSplitTask):
     """PaperSearchQA prompt, answer extraction and cover-EM reward; episodes via `run_episode`."""
 
     name = "psqa"
 
-    def __init__(self, local_dir: str | None = None):
-        self.local_dir = local_dir
-        self._cache: dict[str, Sequence[PsqaProblem]] = {}
-
-    def dataset(self, split: Split) -> Sequence[PsqaProblem]:
-        split = check_split(split)
-        if split not in self._cache:
-            self._cache[split] = _Rows(split, load_psqa(split, self.local_dir))
-        return self._cache[split]
+    def _load_split(self, split: Split) -> Sequence[PsqaProblem]:
+        return _Rows(split, load_psqa(split, self.local_dir))
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         question = problem.question.strip()

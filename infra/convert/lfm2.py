@@ -39,7 +39,7 @@ from typing import Any
 
 from .hf_io import ConvertError, rope_theta_of
 from .qwen2 import interleave_qkv, split_qkv
-from .registry import Architecture
+from .registry import Architecture, HfTensors
 
 _IGNORED = re.compile(r"(^|\.)(pos_emb|rotary_emb)\.(original_)?inv_freq$")
 
@@ -151,20 +151,9 @@ class Lfm2(Architecture):
         import torch
 
         nh, ng, d = _shape(cfg)
-        vocab = int(cfg["vocab_size"])
         src = {k: v for k, v in hf.items() if not _IGNORED.search(k)}
-        used: set[str] = set()
-
-        def take(name: str) -> Any:
-            if name not in src:
-                raise ConvertError(f"HF checkpoint lacks tensor {name!r}; the checkpoint is incomplete or not {cfg['model_type']}")
-            used.add(name)
-            return src[name]
-
-        def pad_rows(t: Any) -> Any:
-            if t.shape[0] != vocab:
-                raise ConvertError(f"embedding has {t.shape[0]} rows but config.json says vocab_size={vocab}")
-            return t if padded_vocab_size == vocab else torch.cat([t, t.new_zeros(padded_vocab_size - vocab, *t.shape[1:])])
+        tensors = HfTensors(src, cfg, padded_vocab_size)
+        take, pad_rows = tensors.take, tensors.pad_rows
 
         out: dict[str, Any] = {"embedding.word_embeddings.weight": pad_rows(take("model.embed_tokens.weight")),
                                "decoder.final_layernorm.weight": take("model.embedding_norm.weight")}
@@ -204,9 +193,7 @@ class Lfm2(Architecture):
                 raise ConvertError("config.json says tie_word_embeddings=true but lm_head.weight differs from embed_tokens")
         else:
             out["output_layer.weight"] = pad_rows(take("lm_head.weight"))
-        extra = sorted(set(src) - used)
-        if extra:
-            raise ConvertError(f"HF checkpoint has {len(extra)} tensor(s) with no Megatron mapping: {', '.join(extra[:8])}")
+        tensors.check_all_used()
         return out
 
     def megatron_to_hf(self, mg: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .hf_io import ConvertError, rope_theta_of
-from .registry import Architecture
+from .registry import Architecture, HfTensors
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 #: HF buffers that carry no weights
@@ -118,22 +118,9 @@ class Qwen2(Architecture):
 
         nh, ng, d = _shape(cfg)
         tied = bool(cfg.get("tie_word_embeddings", False))
-        vocab = int(cfg["vocab_size"])
         src = {k: v for k, v in hf.items() if not _IGNORED.search(k)}
-        used: set[str] = set()
-
-        def take(name: str) -> Any:
-            if name not in src:
-                raise ConvertError(f"HF checkpoint lacks tensor {name!r}; the checkpoint is incomplete or not {cfg['model_type']}")
-            used.add(name)
-            return src[name]
-
-        def pad_rows(t: Any) -> Any:
-            if t.shape[0] != vocab:
-                raise ConvertError(f"embedding has {t.shape[0]} rows but config.json says vocab_size={vocab}")
-            if padded_vocab_size == vocab:
-                return t
-            return torch.cat([t, t.new_zeros(padded_vocab_size - vocab, *t.shape[1:])])
+        tensors = HfTensors(src, cfg, padded_vocab_size)
+        take, pad_rows = tensors.take, tensors.pad_rows
 
         out: dict[str, Any] = {"embedding.word_embeddings.weight": pad_rows(take("model.embed_tokens.weight"))}
         for i in range(int(cfg["num_hidden_layers"])):
@@ -152,9 +139,7 @@ class Qwen2(Architecture):
                     raise ConvertError("config.json says tie_word_embeddings=true but lm_head.weight differs from embed_tokens")
         else:
             out["output_layer.weight"] = pad_rows(take("lm_head.weight"))
-        extra = sorted(set(src) - used)
-        if extra:
-            raise ConvertError(f"HF checkpoint has {len(extra)} tensor(s) with no Megatron mapping: {', '.join(extra[:8])}")
+        tensors.check_all_used()
         return out
 
     def megatron_to_hf(self, mg: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,36 @@ class Architecture:
         return layer_spec(attention)
 
 
+class HfTensors:
+    """An HF checkpoint's tensors handed out by name to one hf_to_megatron: a missing tensor and one no
+    mapping took are both a clear ConvertError, and vocab-sized matrices are padded to megatron's size."""
+
+    def __init__(self, src: Mapping[str, Any], cfg: Mapping[str, Any], padded_vocab_size: int):
+        self.src, self.cfg, self.padded_vocab_size = src, cfg, padded_vocab_size
+        self.vocab = int(cfg["vocab_size"])
+        self.used: set[str] = set()
+
+    def take(self, name: str) -> Any:
+        if name not in self.src:
+            raise ConvertError(f"HF checkpoint lacks tensor {name!r}; the checkpoint is incomplete or not {self.cfg['model_type']}")
+        self.used.add(name)
+        return self.src[name]
+
+    def pad_rows(self, t: Any) -> Any:
+        """`t` (vocab_size rows) with zero rows appended up to the padded vocab size."""
+        import torch
+
+        vocab, padded = self.vocab, self.padded_vocab_size
+        if t.shape[0] != vocab:
+            raise ConvertError(f"embedding has {t.shape[0]} rows but config.json says vocab_size={vocab}")
+        return t if padded == vocab else torch.cat([t, t.new_zeros(padded - vocab, *t.shape[1:])])
+
+    def check_all_used(self) -> None:
+        extra = sorted(set(self.src) - self.used)
+        if extra:
+            raise ConvertError(f"HF checkpoint has {len(extra)} tensor(s) with no Megatron mapping: {', '.join(extra[:8])}")
+
+
 def _registry() -> dict[str, Architecture]:
     from .lfm2 import Lfm2
     from .qwen2 import Qwen2

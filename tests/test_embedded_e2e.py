@@ -197,13 +197,16 @@ def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path):
     from trainer.embedded import run_embedded
 
     run = "e2e-rises"
-    cfg = resolve("gsm8k", env={}, overrides={"run": run, "embedded.max_steps": 80, "embedded.eval_every": 20},
+    cfg = resolve("gsm8k", env={}, overrides={"run": run, "embedded.max_steps": 120, "embedded.eval_every": 20},
                   embedded=True)
     buf = io.StringIO()
     assert run_embedded(cfg, console=Console(file=buf, width=160), root=tmp_path) == 0, buf.getvalue()
     rows = _rows(tmp_path, run)
     rewards = [r["rollout/raw_reward"] for r in rows if "rollout/raw_reward" in r]
     evals = sorted((r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r)
-    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1, rewards
-    assert evals[-1][1] >= evals[0][1] + 0.1, evals
+    assert len(rewards) == 120
+    # measured (docs/embedded.md): train reward ~0.28 over the first 20 steps, ~0.39 from step 80 on;
+    # held-out accuracy ~33% -> 55-60%
+    assert sum(rewards[-20:]) / 20 > sum(rewards[:20]) / 20 + 0.04, rewards
+    assert evals[0][0] == 0 and evals[-1][1] >= evals[0][1] + 0.15, evals
     assert _verify(tmp_path, run).returncode == 0

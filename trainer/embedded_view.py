@@ -106,7 +106,8 @@ def panel(state: RunState):
     t.add_row("phase", state.phase)
     t.add_row("step", f"{state.step} / {state.max_steps}   ({elapsed:.0f} s of {state.budget_s:.0f} s)")
     t.add_row("train reward", f"{_pct(state.recent_reward())} (mean of the last 5 steps)")
-    t.add_row("held-out accuracy", f"{_pct(last)}   (first eval {_pct(base)}, {len(state.evals)} evals)")
+    delta = f", {100 * (last - base):+.1f} points" if base is not None and last is not None else ""
+    t.add_row("held-out accuracy", f"{_pct(last)}   (base {_pct(base)}{delta}; {len(state.evals)} evals)")
     t.add_row("version", f"v{state.version}" if state.version else "-")
     t.add_row("groups received", f"{int(state.accepted)}   by worker: " +
               (", ".join(f"{w} {int(g)}" for w, g in sorted(state.workers.items())) or "-"))

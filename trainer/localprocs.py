@@ -1,0 +1,113 @@
+"""The embedded run's child processes: started in sessions of their own, stopped by PID.
+
+Each child gets its own session, so a terminal's Ctrl-C reaches only the launcher, which then stops the
+children in order (SIGTERM: the learner finishes its step and checkpoints, workers finish their group;
+SIGKILL after a timeout). On Linux a child also gets SIGTERM if the launcher dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import REPO_ROOT, RecipeConfig
+
+
+def _die_with_parent() -> None:
+    """Child setup: a session of its own (Ctrl-C reaches only the launcher), SIGTERM if the launcher dies."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own stop path still applies
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Processes:
+    """The processes this run started, stopped by PID (their own process groups)."""
+
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> Child:
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        child = Child(name, proc, log)
+        self.children.append(child)
+        return child
+
+    def signal_all(self, sig: int) -> None:
+        for c in self.children:
+            if c.alive():
+                try:
+                    os.killpg(c.proc.pid, sig)  # the group we created for it: it and what it started
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM every child (graceful: the learner checkpoints, workers finish their group), then SIGKILL."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal_all(signal.SIGKILL)
+        for c in self.children:
+            c.proc.wait()
+
+
+def child_env(cfg: RecipeConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+               DRL_N_SAMPLES=str(cfg.contract.n_samples), DRL_PULSE_PLANE=cfg.contract.plane,
+               DRL_TORCH_THREADS="1", OMP_NUM_THREADS="1", DRL_PROGRESS="0", PYTHONUNBUFFERED="1")
+    return env
+
+
+def start_learner(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path) -> Child:
+    recipe = paths.run_dir / "recipe.json"
+    recipe.write_text(cfg.model_dump_json(indent=2))
+    argv = [sys.executable, "-m", "trainer.embedded", "learner", "--recipe-json", str(recipe),
+            "--model-dir", str(model_dir), "--run-dir", str(paths.run_dir)]
+    return procs.start("learner", argv, child_env(cfg), paths.run_dir / "learner.log")
+
+
+def per_worker_cap(cfg: RecipeConfig) -> int:
+    """Groups a local worker samples per version: together the workers make one step's batch per version,
+    so on a shared CPU they do not burn cycles on groups that would go stale before the learner uses them."""
+    return max(1, -(-cfg.algo.groups_per_step // cfg.embedded.workers))
+
+
+def start_workers(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path) -> list[Child]:
+    out = []
+    for i in range(1, cfg.embedded.workers + 1):
+        argv = [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
+                "--model", str(model_dir), "--worker-id", f"local-{i}", "--threads", "1", "--log-every", "30",
+                "--max-groups-per-version", str(per_worker_cap(cfg))]
+        out.append(procs.start(f"worker-{i}", argv, child_env(cfg), paths.run_dir / f"worker-{i}.log"))
+    return out

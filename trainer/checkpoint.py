@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from worker_contract.store.file import fsync_dir
+
 if TYPE_CHECKING:
     from .backends.base import Backend
 
@@ -59,15 +61,7 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(Path(dirpath))
 
 
 def capture_rng() -> dict:
@@ -110,7 +104,7 @@ def save(root: str | Path, state: TrainerState, backend: Backend, *, keep: int =
         if final.exists():  # a step re-saved after resuming from an earlier checkpoint
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -33,6 +33,15 @@ def _etag_of_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename or link in `path` durable (the directory entry, not just the file, must reach disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class FileStore(Store):
     def __init__(self, root: str | Path):
         root = Path(root)
@@ -67,14 +76,6 @@ class FileStore(Store):
             raise
         return tmp
 
-    @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def _commit(self, tmp: Path, path: Path, *, if_absent: bool) -> None:
         try:
             if if_absent:
@@ -86,7 +87,7 @@ class FileStore(Store):
                 os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
-        self._fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def _key(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()

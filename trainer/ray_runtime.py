@@ -9,7 +9,11 @@ otherwise starts a local single-machine Ray with:
 - RAY_AUTH_MODE=disabled, so nothing is written to the home directory (Ray 2.60 turns token auth on by
   default and then writes ~/.ray/auth_token). DRL_RAY_AUTH=token keeps token auth with a fresh random
   token that lives only in the environment of this process and the Ray processes it starts (for boxes
-  whose other local users must not reach the loopback ports). A RAY_AUTH_MODE the user set is respected;
+  whose other local users must not reach the loopback ports). A RAY_AUTH_MODE already in the environment
+  is respected, and that includes the `token` a bare `ray.init()` leaves in os.environ of the process
+  that called it (children inherit it). In token mode with no token to load (RAY_AUTH_TOKEN,
+  RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), the token is made in memory the same way, because
+  `ray.init` would otherwise generate one and save it to ~/.ray/auth_token;
 - its temp dir (RAY_TMPDIR) under `<run_dir>/ray`; Unix socket paths are limited to 107 bytes, so when
   that path is too long it falls back to a short `/tmp/stoa-ray-<hash>` (recorded in `<run_dir>/ray.path`
   and removed after a clean shutdown);
@@ -115,21 +119,27 @@ def _loopback_only() -> None:
 
 
 def _set_auth(env: Mapping[str, str]) -> None:
-    if os.environ.get("RAY_AUTH_MODE"):
-        return  # the user chose; a token they chose comes from RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH
-    mode = env.get("DRL_RAY_AUTH", "disabled") or "disabled"
-    if mode not in ("token", "disabled"):
-        raise ValueError(f"DRL_RAY_AUTH={mode!r} must be 'disabled' (default) or 'token'")
-    os.environ["RAY_AUTH_MODE"] = mode
-    if mode == "token":
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # in memory only: never written to a file
-    if "ray._raylet" in sys.modules:
-        # Ray reads its config once per process; refresh it the way ray.init does when it turns token
-        # auth on itself, in case this process imported Ray before the mode was set
-        from ray._raylet import AuthenticationTokenLoader, Config
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if not mode:  # a mode already here is the user's, or one a bare ray.init() left in this process
+        mode = env.get("DRL_RAY_AUTH", "disabled") or "disabled"
+        if mode not in ("token", "disabled"):
+            raise ValueError(f"DRL_RAY_AUTH={mode!r} must be 'disabled' (default) or 'token'")
+        os.environ["RAY_AUTH_MODE"] = mode
+        if mode == "token":
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # in memory only: never written to a file
+    # Ray reads its config once per process; refresh it the way ray.init does when it turns token auth on
+    # itself, in case this process imported Ray before the mode was set
+    from ray._raylet import AuthenticationTokenLoader, Config
 
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+    Config.initialize("")
+    loader = AuthenticationTokenLoader.instance()
+    loader.reset_cache()
+    # Ray's own lookup (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token); with none found, ray.init
+    # would generate a token and save it under HOME
+    if mode.lower() == "token" and not loader.has_token(ignore_auth_mode=True):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        loader.reset_cache()
+        log.info("RAY_AUTH_MODE=token and no Ray token to load: using a fresh one kept in memory")
 
 
 # -- moving things into actors -----------------------------------------------------------------------

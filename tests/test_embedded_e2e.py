@@ -80,6 +80,26 @@ def _wait_gone(root: Path, timeout: float = 30.0) -> list[str]:
     return left
 
 
+def test_a_second_launcher_of_the_same_run_is_refused(tmp_path):
+    from rich.console import Console
+
+    from trainer.embedded import EmbeddedPaths, _lock_run, run_embedded
+
+    paths = EmbeddedPaths(tmp_path, "busy-run")
+    paths.run_dir.mkdir(parents=True)
+    held = _lock_run(paths)
+    assert held is not None
+    try:
+        cfg = resolve("gsm8k", env={}, overrides={"run": "busy-run", **TINY}, embedded=True)
+        buf = io.StringIO()
+        assert run_embedded(cfg, console=Console(file=buf, width=160), root=tmp_path) == 2
+        assert "already running on this machine" in buf.getvalue()
+        assert not (tmp_path / "cache").exists() and not (tmp_path / "bucket").exists()
+    finally:
+        held.close()
+    assert _lock_run(paths) is not None  # released with its holder
+
+
 @pytest.mark.integration
 def test_embedded_run_end_to_end_then_resume(tmp_path):
     run = "e2e-quick"

@@ -180,6 +180,14 @@ def test_worker_refuses_an_unknown_contract_version(tmp_path, tiny_model_dir):
         _worker(store, tiny_model_dir).setup(threading.Event())
 
 
+def test_worker_refuses_a_multi_turn_task(tmp_path, tiny_model_dir):
+    store = FileStore(tmp_path / "b3")
+    manifest, _, _ = _publish_run(store, tiny_model_dir)
+    store.put(layout.manifest_key(RUN), manifest.model_copy(update={"task": "psqa"}).to_bytes())
+    with pytest.raises(ContractMismatch, match="trains task 'psqa', which needs multi-turn tool episodes"):
+        _worker(store, tiny_model_dir).setup(threading.Event())
+
+
 def test_worker_identity_digests_agree_with_the_trainers(tiny_model_dir):
     from infra.convert.identity import identity_from_hf
     from worker_contract.worker.identity import local_identity

@@ -185,6 +185,11 @@ def prepare_model(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> tuple[Rec
     console.print(f"base model {report.path}: {report.params / 1e6:.2f} M parameters, held-out accuracy "
                   f"{100 * report.heldout_accuracy:.1f}% after {report.sft_steps} supervised steps "
                   f"({report.sft_seconds:.0f} s to build)")
+    lo, hi = cfg.embedded.base.sft_target_accuracy
+    if not lo <= report.heldout_accuracy <= hi:
+        console.print(f"[yellow]the base is outside the intended {100 * lo:.0f}-{100 * hi:.0f}% band: RL has "
+                      f"{'too little signal' if report.heldout_accuracy < lo else 'little room'}; adjust "
+                      "embedded.base.sft_steps in runs/gsm8k.yaml[/]")
     model = cfg.model.model_copy(update={"path": report.path, "hf_id": None})
     return cfg.model_copy(update={"model": model}), Path(report.path)
 

@@ -33,6 +33,9 @@ from ..tasks import Problem, get_task
 
 log = logging.getLogger("worker")
 
+#: tasks whose group is one prompt and one sampled turn per sample (psqa needs search-tool episodes)
+SINGLE_TURN_TASKS = frozenset({"gsm8k", "arithmetic"})
+
 
 class WorkerSettings(BaseModel):
     """What one worker process is told (command line and environment)."""
@@ -165,6 +168,10 @@ class Worker:
             return False
         check_contract(manifest, self.n_samples, self.plane)
         check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
+        if manifest.task not in SINGLE_TURN_TASKS:
+            raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}, which needs multi-turn "
+                                   "tool episodes; this reference worker samples single-turn tasks: "
+                                   f"{', '.join(sorted(SINGLE_TURN_TASKS))}")
         self.manifest = manifest
         self.task = get_task(manifest.task)
         model_dir = resolve_model_dir(self.s, manifest)

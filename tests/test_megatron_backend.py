@@ -162,9 +162,13 @@ def test_bf16_model_with_float32_master_weights(tmp_path, mcore):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_through_ray_actors(tmp_path, mcore):
+def test_tensor_parallel_2_through_ray_actors(tmp_path, mcore, monkeypatch):
     """The product path for TP > 1: two Ray actors (CPU, gloo) behind MegatronBackend, same answers as TP=1."""
     import os
+
+    # Left unset, Ray turns token auth on for the whole pytest process and saves a token under HOME.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
 
     import ray
 

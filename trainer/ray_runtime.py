@@ -111,6 +111,18 @@ def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: in
                 os.environ[k] = v
 
 
+def init_standalone(*, num_cpus: int | None = None) -> None:
+    """`ray.init` for a component used outside the learner loop (a multi-rank backend built on its own):
+    the same loopback-only, no-usage-stats, no-token-file setup as `ray_session`, for the process's life."""
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    _loopback_only()
+    _set_auth(os.environ)
+    import ray
+
+    ray.init(include_dashboard=False, dashboard_host="127.0.0.1", num_cpus=num_cpus, log_to_driver=True,
+             configure_logging=False)
+
+
 def _loopback_only() -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by every Ray process at import
     constants = sys.modules.get("ray._private.ray_constants")

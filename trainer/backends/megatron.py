@@ -114,7 +114,9 @@ class MegatronBackend(Backend):
         import ray
 
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=True)
+            from trainer.ray_runtime import init_standalone
+
+            init_standalone()
         if dev == "cuda":
             have = int(ray.cluster_resources().get("GPU", 0))
             if have < tp:

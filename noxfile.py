@@ -36,7 +36,7 @@ def _ensure_sshd(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Run the test suite (everything but `gpu`; pass `-- -m slow` etc. to narrow)."""
     _ensure_sshd(session)
-    args = session.posargs or ["-m", "not gpu and not soak"]
+    args = session.posargs or ["-m", "not gpu and not soak", "--durations=25"]
     session.run(PY, "-m", "pytest", *args)
 
 

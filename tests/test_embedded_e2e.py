@@ -137,6 +137,10 @@ def test_embedded_run_end_to_end_then_resume(tmp_path):
     assert _verify(tmp_path, run).returncode == 0
     assert _wait_gone(tmp_path) == []
 
+    # a finished run is not restarted
+    rc, out = _run(tmp_path, run, **{"embedded.max_steps": 6})
+    assert rc == 0 and "already took 6 steps" in out
+
 
 @pytest.mark.integration
 def test_ctrl_c_stops_every_process_and_leaves_the_bucket_consistent(tmp_path):

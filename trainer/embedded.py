@@ -209,6 +209,14 @@ def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
     return store, manifest
 
 
+def _steps_done(paths: EmbeddedPaths) -> int:
+    """Steps in the run's newest checkpoint (0 for a new run)."""
+    from . import checkpoint
+
+    path = checkpoint.latest(paths.run_dir / "checkpoints")
+    return checkpoint.read_state(path).step if path is not None else 0
+
+
 class _Interrupts:
     """Ctrl-C / SIGTERM: the first asks for a clean stop, a second kills the children at once."""
 
@@ -263,6 +271,11 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
     from .heldout import HeldoutEvaluator
     from .plots import plot_run
 
+    done = _steps_done(paths)
+    if done >= cfg.train.num_steps:
+        console.print(f"run {cfg.run!r} already took {done} steps (embedded.max_steps={cfg.train.num_steps}): "
+                      f"nothing to do. Its metrics: {paths.metrics}; choose a new RUN to start fresh")
+        return 0
     cfg, model_dir = prepare_model(cfg, paths, console)
     try:
         store, manifest = publish_contract(cfg, paths, model_dir)

@@ -64,6 +64,8 @@ def _init_distributed(device: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    if device.startswith("cuda"):  # before NCCL comes up, and with an index ("cuda" alone is refused)
+        torch.cuda.set_device(torch.device(device).index or 0)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29531")
@@ -71,7 +73,6 @@ def _init_distributed(device: str) -> None:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 

@@ -17,6 +17,8 @@ way megatron saves SwiGLU's fc1 in two, so the global tensor is HF's [B; C; x] a
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -125,6 +127,16 @@ class FrozenBiasRouter(TopKRouter):
             self.expert_bias = torch.nn.Parameter(bias, requires_grad=False)
 
 
+def _with_router(mlp: Any, router: type) -> Any:
+    """The MoE feed-forward spec with our router. megatron-core <= 0.18 gives a ModuleSpec; 0.19 gives a
+    builder, `partial(MoELayer, submodules=MoESubmodules(...))`: both carry the same submodules dataclass."""
+    if isinstance(mlp, functools.partial):
+        subs = dataclasses.replace(mlp.keywords["submodules"], router=router)
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
+    return ModuleSpec(module=mlp.module, params=dict(mlp.params or {}),
+                      submodules=dataclasses.replace(mlp.submodules, router=router))
+
+
 def block_spec(layer_types: list[str], num_dense_layers: int, num_experts: int | None, kernel_size: int,
                core_attention: Any = None) -> TransformerBlockSubmodules:
     """One TransformerLayer spec per layer: conv or attention operator, dense or MoE feed-forward."""
@@ -137,8 +149,7 @@ def block_spec(layer_types: list[str], num_dense_layers: int, num_experts: int |
         sub = base.submodules
         mlp = sub.mlp
         if base is moe:
-            mlp = ModuleSpec(module=mlp.module, params=dict(mlp.params or {}), submodules=type(mlp.submodules)(
-                experts=mlp.submodules.experts, shared_experts=mlp.submodules.shared_experts, router=FrozenBiasRouter))
+            mlp = _with_router(mlp, FrozenBiasRouter)
         if kind == "conv":
             operator = ModuleSpec(module=Lfm2ShortConv, params={"kernel_size": kernel_size})
             keys = {"pre_mlp_layernorm.": sub.sharded_state_dict_keys_map.get("pre_mlp_layernorm.", "pre_mlp_layernorm.")}

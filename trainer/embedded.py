@@ -305,9 +305,11 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         evaluator.close()
-    if rc != 1:
-        state.phase = "final held-out evaluation"
-        evaluator.evaluate_newest()
+    if rc == 0:  # after Ctrl-C or a failure, report what was measured and leave
+        try:
+            evaluator.evaluate_newest()
+        except Exception as e:  # advisory: the run itself is complete
+            console.print(f"[yellow]final held-out evaluation failed: {type(e).__name__}: {e}[/]")
         for row in tail.read():
             state.update(row)
     plots = plot_run(paths.metrics, paths.run_dir / "plots")
@@ -344,7 +346,7 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
                     stopping, reason, rc = True, f"{bad.name} failed", 1
                 if stopping:
                     state.phase = f"stopping ({reason}): the learner finishes its step and checkpoints"
-                    os.killpg(learner.proc.pid, signal.SIGTERM)
+                    procs.signal(learner, signal.SIGTERM)
             if live is not None:
                 live.update(panel(state))
             elif state.step >= last_line + 5:

@@ -59,13 +59,18 @@ class Processes:
         self.children.append(child)
         return child
 
+    @staticmethod
+    def signal(child: Child, sig: int) -> None:
+        """Signal the process group we created for a child: it and what it started (Ray's processes)."""
+        if child.alive():
+            try:
+                os.killpg(child.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def signal_all(self, sig: int) -> None:
         for c in self.children:
-            if c.alive():
-                try:
-                    os.killpg(c.proc.pid, sig)  # the group we created for it: it and what it started
-                except ProcessLookupError:
-                    pass
+            self.signal(c, sig)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM every child (graceful: the learner checkpoints, workers finish their group), then SIGKILL."""

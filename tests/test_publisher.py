@@ -12,9 +12,9 @@ from trainer.publisher import Publisher
 from worker_contract import layout, signing
 from worker_contract.anchor import anchor_versions, read_anchor, read_manifest
 from worker_contract.planes import get_plane
-from worker_contract.store.file import FileStore
 from worker_contract.pointer import PointerError, advance_pointer, make_pointer, read_pointer
 from worker_contract.pulse import read_header, verify_patch_signature
+from worker_contract.store.file import FileStore
 from worker_contract.verify import verify_run
 
 torch = pytest.importorskip("torch")

@@ -103,11 +103,11 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
          f"DRL_PULSE_PLANE={cfg.contract.plane}; log {paths.run_dir}/worker-{i + 1}.log)"
          for i in range(cfg.embedded.workers)]
     return [
-        "mode: embedded (no HOST, no CUDA GPU with R2 credentials): the whole loop on this machine",
+        "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the whole loop on this machine",
         f"1. {base}",
         f"2. run.json in the file bucket {paths.bucket} (created, or resumed with an identical contract); "
         f"signing key {paths.key_file} (0600)",
-        f"3. learner: {py} -m trainer.embedded learner (Ray on 127.0.0.1, dashboard off; publishes the first "
+        f"3. learner: {py} -m trainer.embedded learner (Ray on 127.0.0.1 only; publishes the first "
         f"anchor, then {cfg.train.num_steps} steps of {cfg.algo.groups_per_step} groups x {cfg.contract.n_samples}; "
         f"log {paths.run_dir}/learner.log)",
         f"4. {cfg.embedded.workers} reference workers:", *w,

@@ -10,13 +10,14 @@ different model from the workers (the importance ratios become meaningless).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+
+from worker_contract import model_digests
 
 from .hf_io import ConvertError, load_hf_config, rope_theta_of
 
@@ -91,46 +92,23 @@ class ModelIdentity(BaseModel):
         return path
 
 
-def _sha256(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
 def tokenizer_digest(hf_dir: str | Path) -> str:
-    """sha256 over tokenizer.json re-serialised canonically, so whitespace and key order don't matter."""
-    path = Path(hf_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise ConvertError(
-            f"{path} is missing: the tokenizer is part of the model's identity; copy the model's "
-            "tokenizer.json into the checkpoint directory"
-        )
+    """sha256 over tokenizer.json re-serialised canonically (worker_contract.model_digests, as workers do)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConvertError(f"{path} is not valid JSON ({e}); re-download the tokenizer") from None
-    return _sha256(json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+        return model_digests.tokenizer_digest(hf_dir)
+    except ValueError as e:
+        raise ConvertError(f"{e}; copy the model's tokenizer.json into the checkpoint directory") from None
 
 
 def chat_template_text(hf_dir: str | Path) -> str:
-    """The chat template as transformers stores it: chat_template.jinja, else tokenizer_config.json."""
-    d = Path(hf_dir)
-    jinja = d / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    cfg = d / "tokenizer_config.json"
-    if cfg.is_file():
-        try:
-            tpl = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
-        except json.JSONDecodeError as e:
-            raise ConvertError(f"{cfg} is not valid JSON ({e})") from None
-        if isinstance(tpl, str):
-            return tpl
-        if tpl is not None:  # a list of named templates
-            return json.dumps(tpl, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return ""
+    try:
+        return model_digests.chat_template_text(hf_dir)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
 
 
 def chat_template_digest(hf_dir: str | Path) -> str:
-    return _sha256(chat_template_text(hf_dir).encode("utf-8"))
+    return model_digests.sha256_tagged(chat_template_text(hf_dir).encode("utf-8"))
 
 
 def identity_from_hf(hf_dir: str | Path, *, padded_vocab_size: int | None = None) -> ModelIdentity:

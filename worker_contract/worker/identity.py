@@ -9,40 +9,23 @@ trainer's code, because the contract package never imports the trainer.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import model_digests
 from ..manifest import ContractMismatch, RunManifest
 
 
-def _sha256(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
 def tokenizer_digest(model_dir: str | Path) -> str:
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise ContractMismatch(f"{path} is missing: the worker needs the model's tokenizer.json to check it "
-                               "against run.json")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return _sha256(json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+    try:
+        return model_digests.tokenizer_digest(model_dir)
+    except ValueError as e:
+        raise ContractMismatch(f"{e}: the worker needs the model's tokenizer.json to check it against run.json") from None
 
 
-def chat_template_text(model_dir: str | Path) -> str:
-    d = Path(model_dir)
-    if (d / "chat_template.jinja").is_file():
-        return (d / "chat_template.jinja").read_text(encoding="utf-8")
-    cfg = d / "tokenizer_config.json"
-    if cfg.is_file():
-        tpl = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
-        if isinstance(tpl, str):
-            return tpl
-        if tpl is not None:
-            return json.dumps(tpl, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return ""
+chat_template_text = model_digests.chat_template_text
 
 
 def rope_theta(cfg: Mapping[str, Any]) -> float | None:
@@ -69,7 +52,7 @@ def local_identity(model_dir: str | Path) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
         "tokenizer_digest": tokenizer_digest(model_dir),
-        "chat_template_digest": _sha256(chat_template_text(model_dir).encode("utf-8")),
+        "chat_template_digest": model_digests.chat_template_digest(model_dir),
     }
 
 

@@ -23,7 +23,7 @@ def run_manifest(cfg: RecipeConfig, identity: Any, public_key: str) -> RunManife
     a = cfg.algo
     return RunManifest(
         run=cfg.run, n_samples=cfg.contract.n_samples, plane=cfg.contract.plane, kv_mode=cfg.contract.kv_mode,
-        task=cfg.task, model_id=cfg.model.hf_id or str(cfg.model.path), **identity.manifest_values(),
+        task=cfg.task, model_id=str(cfg.model.path) if cfg.model.path else cfg.model.hf_id, **identity.manifest_values(),
         temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens, staleness=a.staleness,
         anchor_interval=cfg.train.anchor_interval, trainer_public_key=public_key,
     )

@@ -10,7 +10,9 @@ No torch here: an MLX worker imports this package as is.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -106,6 +108,28 @@ def get_task(name: str) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
     return TASKS[name]()
+
+
+def local_split_path(split: Split, local_dir: str | None, env_var: str, title: str) -> Path | None:
+    """`<local_dir or $env_var>/<split>.jsonl` of a real data set, or None when no directory is set
+    (then the task downloads it with `hf_datasets()`)."""
+    local_dir = local_dir or os.environ.get(env_var) or None
+    if not local_dir:
+        return None
+    path = Path(local_dir) / f"{split}.jsonl"
+    if not path.exists():
+        raise ValueError(f"{env_var}={local_dir!r} has no {split}.jsonl; put the {title} {split} split there")
+    return path
+
+
+def hf_datasets(title: str, hf_dataset: str, env_var: str):
+    """The `datasets` module (present on the GPU box image; not a dependency of the contract)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"the real {title} data needs the `datasets` package (pip install datasets) to download "
+                         f"{hf_dataset}, or {env_var} pointing at train.jsonl/test.jsonl") from None
+    return datasets
 
 
 def check_split(split: str) -> Split:

@@ -16,13 +16,12 @@ library on the box that runs the job, or from a local copy (`DRL_GSM8K_DIR` hold
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from . import CachedSplitTask, Problem, Split
+from . import CachedSplitTask, Problem, Split, hf_datasets, local_split_path
 
 HF_DATASET = "openai/gsm8k"
 HF_CONFIG = "main"
@@ -125,19 +124,10 @@ def load_jsonl(path: str | Path) -> list[tuple[str, str]]:
 
 def load_gsm8k(split: Split, local_dir: str | None = None) -> list[tuple[str, str]]:
     """The real GSM8K split: from `local_dir`/$DRL_GSM8K_DIR if set, else `datasets` (downloads once)."""
-    local_dir = local_dir or os.environ.get("DRL_GSM8K_DIR") or None
-    if local_dir:
-        path = Path(local_dir) / f"{split}.jsonl"
-        if not path.exists():
-            raise ValueError(f"DRL_GSM8K_DIR={local_dir!r} has no {split}.jsonl; put the GSM8K {split} split there")
+    path = local_split_path(split, local_dir, "DRL_GSM8K_DIR", "GSM8K")
+    if path is not None:
         return load_jsonl(path)
-    try:
-        import datasets  # the HF loader, present on the GPU box image; not a dependency of the contract
-    except ImportError:
-        raise ValueError(
-            f"the real GSM8K data needs the `datasets` package (pip install datasets) to download "
-            f"{HF_DATASET}, or DRL_GSM8K_DIR pointing at train.jsonl/test.jsonl"
-        ) from None
+    datasets = hf_datasets("GSM8K", HF_DATASET, "DRL_GSM8K_DIR")
     ds = datasets.load_dataset(HF_DATASET, HF_CONFIG, split=split)
     return [(row["question"], row["answer"]) for row in ds]
 

@@ -32,7 +32,7 @@ from typing import NamedTuple
 from pydantic import Field
 
 from ..schema import Sample
-from . import CachedSplitTask, Problem, Split
+from . import CachedSplitTask, Problem, Split, hf_datasets, local_split_path
 
 HF_DATASET = "jmhb/PaperSearchQA"
 HF_CORPUS = "jmhb/pubmed_bioasq_2022"
@@ -252,17 +252,10 @@ def load_jsonl(path: str | Path) -> list[dict]:
 
 def load_psqa(split: Split, local_dir: str | None = None, revision: str | None = None) -> list[dict]:
     """The real split: from `local_dir`/$DRL_PSQA_DIR when set, else `datasets` (downloads once)."""
-    local_dir = local_dir or os.environ.get("DRL_PSQA_DIR") or None
-    if local_dir:
-        path = Path(local_dir) / f"{split}.jsonl"
-        if not path.exists():
-            raise ValueError(f"DRL_PSQA_DIR={local_dir!r} has no {split}.jsonl; put the PaperSearchQA {split} split there")
+    path = local_split_path(split, local_dir, "DRL_PSQA_DIR", "PaperSearchQA")
+    if path is not None:
         return load_jsonl(path)
-    try:
-        import datasets  # present on the GPU box image; not a dependency of the contract
-    except ImportError:
-        raise ValueError(f"the real PaperSearchQA data needs `datasets` (pip install datasets) to download "
-                         f"{HF_DATASET}, or DRL_PSQA_DIR pointing at train.jsonl/test.jsonl") from None
+    datasets = hf_datasets("PaperSearchQA", HF_DATASET, "DRL_PSQA_DIR")
     ds = datasets.load_dataset(HF_DATASET, split=split, revision=revision or os.environ.get("DRL_PSQA_REVISION"))
     return [dict(row) for row in ds]
 

@@ -7,10 +7,12 @@ the fault-injecting proxy (tests/faultproxy.py). Network never leaves 127.0.0.1.
     file_store    a FileStore under tmp_path
     store         parametrized over both backends: a test using it runs once per backend
     fault_proxy   a FaultProxy in front of the server (rate 0 until the test injects faults)
+    temp_home     (autouse) an empty HOME per test, inherited by every process the test starts
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import uuid
@@ -24,6 +26,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/faultproxy.py 
 #: credentials moto accepts (it does not check them); distinct enough to look for in output
 TEST_ACCESS_KEY = "AKIASTOATESTACCESS01"
 TEST_SECRET_KEY = "stoa-test-secret-key-do-not-print-0123456789"
+
+
+#: the user's home as pytest found it: only read (its pip.conf), never written to
+_USER_HOME = Path.home()
+_XDG_DIRS = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME")
+
+
+@pytest.fixture(autouse=True)
+def temp_home(tmp_path_factory, monkeypatch) -> Path:
+    """An empty HOME for each test and every process it starts with the inherited environment, so what
+    they save under ~ (Ray's auth token, matplotlib's font cache, pip's cache, ...) never lands in the
+    user's home. XDG_* are unset so they follow HOME; the user's pip.conf stays readable (package index)."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    for var in _XDG_DIRS:
+        monkeypatch.delenv(var, raising=False)
+    pip_conf = _USER_HOME / ".config" / "pip" / "pip.conf"
+    if "PIP_CONFIG_FILE" not in os.environ and pip_conf.is_file():
+        monkeypatch.setenv("PIP_CONFIG_FILE", str(pip_conf))
+    return home
 
 
 def free_port() -> int:

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -91,7 +94,9 @@ class Run:
         save_private_key(self.key, tmp_path / "run.key")
         self.man = create_or_resume(self.store, manifest("crash", self.key, staleness=STALENESS), resume=False)
         self.args = [str(tmp_path / "bucket"), str(self.run_dir), str(model_dir), str(tmp_path / "run.key"), "crash"]
-        self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        self.home = tmp_path / "home"  # the trainer's processes get an empty HOME; it must stay empty
+        self.home.mkdir()
+        self.env = {**os.environ, "HOME": str(self.home), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
         self.pointers: list[int] = []
         self.starts: list[tuple[int, int, int]] = []  # (pointer before, newest version in the bucket, first)
         self.leftovers: set[str] = set()  # publish files that crashed attempts left
@@ -209,6 +214,7 @@ def crash_trials(tmp_path: Path, model_dir: Path, trials: int, seed: int) -> dic
         feeder.stop.set()
         _remove_ray_tmp(run.run_dir)
     assert problems == [], problems
+    assert list(run.home.iterdir()) == [], "the trainer wrote into its HOME"
     assert len(set(watcher.seen.pointers)) > trials, "the reader saw too few versions to judge"
     # no version number reused: each start published above everything already in the bucket, and every
     # version object was written once (the reader saw each one's content only as it is now)
@@ -230,6 +236,16 @@ def crash_trials(tmp_path: Path, model_dir: Path, trials: int, seed: int) -> dic
             "groups_used": len(uses), "max_uses": max(uses.values()), "reuse_cap": REUSE_CAP,
             "skipped_versions": sum("interrupted attempt" in line for line in verify_all(run.store, "crash")[1]),
             "pointer_reads": len(watcher.seen.pointers), "followed_versions": len(watcher.seen.followed)}
+
+
+def test_the_test_and_the_trainer_it_starts_have_a_temporary_home(tmp_path, tmp_path_factory):
+    """Neither this test nor the processes it starts may write into the user's home directory."""
+    user_home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    assert Path.home() != user_home and Path.home().is_relative_to(tmp_path_factory.getbasetemp())
+    run = Run(tmp_path, tmp_path / "model")
+    seen = subprocess.run([sys.executable, "-c", "import pathlib; print(pathlib.Path.home())"], env=run.env,
+                          capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert seen == str(run.home) and run.home.is_relative_to(tmp_path)
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ def cold_join(store, run=RUN):
 
 def verify_cli(store, request, run=RUN) -> subprocess.CompletedProcess:
     """`python -m worker_contract verify` as a process (with the S3 server's environment for s3://)."""
-    env = {"PATH": os.environ["PATH"]}
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ["HOME"]}  # the test's temporary HOME
     if store.url.startswith("s3://"):
         env.update(request.getfixturevalue("moto_server").env())
     return subprocess.run([sys.executable, "-m", "worker_contract", "verify", "--store", store.url, "--run", run],

@@ -368,19 +368,20 @@ def test_fleet_env_example_passes_out_of_the_box(moto_server, s3_store, tmp_path
     for row in ("contract.kv_mode", "recipe.save_interval", "recipe.dual_clip", "recipe.no_save_hf", "bucket"):
         assert f"PASS  {row}" in out.stdout
     sourced = subprocess.run(["bash", "-c", f"set -a; . {example}; set +a; env"], capture_output=True, text=True,
-                             env={"PATH": os.environ["PATH"]}).stdout
+                             env={"PATH": os.environ["PATH"], "HOME": os.environ["HOME"]}).stdout
     assert "DRL_N_SAMPLES=8" in sourced and "DRL_PULSE_PLANE=int8g64" in sourced
     assert "DRL_KV_MODE=paged_prefix" in sourced and "R2_SECRET" not in sourced
 
 
 def test_invoke_preflight_task(file_store):
     plan = render_plan(make_plan("quickstart", file_store.url))
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ["HOME"]}
     out = subprocess.run([sys.executable, "-m", "invoke", "preflight", "--profile", "quickstart"], input=plan,
-                         cwd=REPO, capture_output=True, text=True, timeout=120, env={"PATH": os.environ["PATH"]})
+                         cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and "0 FAIL" in out.stdout, out.stdout + out.stderr
     bad = render_plan(make_plan("quickstart", file_store.url, env={"DRL_N_SAMPLES": "4"}))
     out = subprocess.run([sys.executable, "-m", "invoke", "preflight"], input=bad, cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env={"PATH": os.environ["PATH"]})
+                         text=True, timeout=120, env=env)
     assert out.returncode == 1 and "FAIL  contract.n_samples" in out.stdout
 
 

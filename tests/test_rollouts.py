@@ -148,10 +148,16 @@ def test_listing_is_confined_to_the_staleness_window(tmp_path):
     store.lists.clear()
     src.poll(20)
     assert len(store.lists) == 4 and all(after is not None and after.startswith(p) for p, after in store.lists)
-    # the window moves with the version; prefixes that left it are never listed again
+    # the window moves with the version; prefixes that left it are listed whole one last time (to count
+    # the groups never read), then never again
     store.lists.clear()
     src.poll(22)
-    assert {p for p, _ in store.lists} == {layout.rollout_version_prefix(RUN, v) for v in range(19, 23)}
+    left = [layout.rollout_version_prefix(RUN, v) for v in (17, 18)]
+    window = {layout.rollout_version_prefix(RUN, v) for v in range(19, 23)}
+    assert [(p, a) for p, a in store.lists if p not in window] == [(p, None) for p in left]
+    store.lists.clear()
+    src.poll(22)
+    assert {p for p, _ in store.lists} == window and len(store.lists) == 4
 
 
 def test_a_late_upload_that_sorts_before_the_last_seen_key_is_found_by_the_sweep(tmp_path):
@@ -204,6 +210,46 @@ def test_fresh_groups_go_first_and_unused_groups_that_age_out_count_as_stale(tmp
     src.poll(7)
     src.poll(11)  # "never" (version 7) leaves the window unused
     assert src.drops["stale"] == 1
+
+
+def test_groups_uploaded_after_the_last_poll_count_as_stale_when_their_version_leaves_the_window(tmp_path):
+    store = CountingStore(tmp_path / "a")
+    put_record(store, record_dict(version=1, group="history"))  # never inside any window of this source
+    put_record(store, record_dict(version=5, worker="w1", group="used"))
+    src = source(store, groups_per_step=1, sweep_every=1000)
+    assert src.poll(5) == 1 and src.take_batch(5).groups[0].record.group_id == "used"
+    # uploaded after that poll: one under a worker id that sorts before the last key seen
+    put_record(store, record_dict(version=5, worker="w2", group="late"))
+    put_record(store, record_dict(version=5, worker="aa", group="early-id"))
+    put_record(store, record_dict(version=4, worker="w1", group="late4"))
+    store.lists.clear()
+    src.poll(9)  # window 6..9: versions 2..5 leave it, each listed whole once, unread groups counted
+    gone = [layout.rollout_version_prefix(RUN, v) for v in range(2, 6)]
+    assert [(p, a) for p, a in store.lists if p in gone] == [(p, None) for p in gone]
+    assert src.drops == {"stale": 3}
+    assert {w: s["drops"] for w, s in src.worker_stats().items()} == {
+        "w1": {"stale": 1}, "w2": {"stale": 1}, "aa": {"stale": 1}}
+    m = src.metrics()
+    assert m["rollout/drops/stale"] == 3 and m["rollout/dropped"] == 3
+    # counted once: later polls list only the window, and version 1 was never listed at all
+    store.lists.clear()
+    src.poll(9)
+    src.poll(10)
+    assert all(layout.parse_rollout_key(p + "w/g.json.zst").version >= 6 for p, _ in store.lists)
+    assert src.drops == {"stale": 3}
+
+    # a failed last listing is retried at the next poll, so the count is not lost
+    broken = BrokenListStore(tmp_path / "b")
+    broken.fail = False
+    src = source(broken, groups_per_step=1)
+    assert src.poll(5) == 0
+    put_record(broken, record_dict(version=5, group="late"))
+    broken.fail = True
+    src.poll(9)
+    assert src.drops["stale"] == 0
+    broken.fail = False
+    src.poll(9)
+    assert src.drops == {"stale": 1}
 
 
 def test_duplicate_group_under_a_second_key_is_dropped(tmp_path):

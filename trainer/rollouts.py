@@ -5,7 +5,10 @@ Workers write one immutable record per prompt group under `rollouts/v<version>/<
 [current - staleness, current], so its listing cost is bounded by that window, never by the run's
 history. Per prefix it remembers the last key it saw and lists from there (`start_after`); because a
 worker whose id sorts early can upload after one that sorts late, every `sweep_every` polls it lists each
-window prefix whole once more (still window-bounded) and takes only keys it has not seen.
+window prefix whole once more (still window-bounded) and takes only keys it has not seen. When a version
+leaves the window its prefix is listed whole one last time and every group never read is counted as a
+`stale` drop (uploaded after the last poll that covered it); groups uploaded under a version after that
+are not listed, so this count is a floor.
 
 Every record is checked; a bad one is dropped with a counted reason (DROP_REASONS) and never stops the
 learner. A prompt group is used at most `reuse_cap` times; the consumption ledger (record key -> uses) is
@@ -143,6 +146,7 @@ class RolloutSource:
         self._ids: dict[tuple[str, str], str] = {}  # (worker, group_id) -> key, inside the window
         self._last_seen: dict[str, str] = {}  # prefix -> last key listed
         self._seen: dict[str, set[str]] = defaultdict(set)  # prefix -> keys handled
+        self._listed: set[int] = set()  # versions listed in the window, to be retired when they leave it
         self._workers: dict[str, _WorkerStats] = {}
         self._polls = 0
         self._seq = 0
@@ -175,6 +179,7 @@ class RolloutSource:
             sweep = self._polls % self.sweep_every == 0
             added = 0
             for version in self.window(current):
+                self._listed.add(version)
                 prefix = layout.rollout_version_prefix(self.run, version)
                 for info in self._list(prefix, None if sweep else self._last_seen.get(prefix)):
                     added += self._ingest(info, prefix, current)
@@ -193,11 +198,27 @@ class RolloutSource:
         return infos
 
     def _forget_listing(self, current: int) -> None:
-        """Listing state of prefixes that left the window (called under the poll lock)."""
+        """Retire versions that left the window (called under the poll lock): list each prefix whole once
+        more, count the groups never read as `stale`, then forget its listing state. A listing that fails
+        is retried at the next poll, so no version's count is skipped."""
         low = self.window(current).start
-        for prefix in [p for p in list(self._seen) + list(self._last_seen) if self._prefix_version(p) < low]:
+        for version in sorted(v for v in self._listed if v < low):
+            prefix = layout.rollout_version_prefix(self.run, version)
+            self.list_calls += 1
+            try:
+                infos = list(self.store.list(prefix))
+            except StoreError as e:
+                log.warning("listing %s one last time failed, will retry: %s", prefix, e)
+                continue
+            seen = self._seen.pop(prefix, set())
+            for info in infos:
+                if info.key not in seen:
+                    try:
+                        self._drop("stale", layout.parse_rollout_key(info.key).worker_id)
+                    except ValueError:
+                        self._drop("bad_key", OTHER_WORKER)
             self._last_seen.pop(prefix, None)
-            self._seen.pop(prefix, None)
+            self._listed.discard(version)
 
     def _forget_outside(self, current: int) -> None:
         """Pool, ledger and id entries that can never be used again (called under the lock)."""
@@ -212,9 +233,6 @@ class RolloutSource:
         for ident, key in list(self._ids.items()):
             if self._key_version(key) < low:
                 del self._ids[ident]
-
-    def _prefix_version(self, prefix: str) -> int:
-        return int(prefix.rstrip("/").rsplit("/", 1)[1][1:])
 
     @staticmethod
     def _key_version(key: str) -> int:

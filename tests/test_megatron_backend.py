@@ -120,26 +120,72 @@ def test_vocab_parallel_logprobs_match_float64():
         assert (vocab_parallel_logprobs(hh, padded, t, temp, vocab_size=50) - lp).abs().max() < 1e-5
 
 
-def _tp2_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+def _tp2_rank(rank: int, port: int, model_dir: str, out: str, bf16: bool) -> None:
     torch.set_num_threads(1)
     megatron_cpu.init_distributed(rank, 2, port, tp=2)
     from trainer.backends.megatron_rank import MegatronRank
 
-    result = run_steps(MegatronRank(model_dir, recipe("megatron", tp=2), device="cpu", attention="sdpa"))
+    kw = {"compute_dtype": torch.bfloat16, "fused_wgrad": True} if bf16 else {}
+    rank_state = MegatronRank(model_dir, recipe("megatron", tp=2), device="cpu", attention="sdpa", **kw)
+    assert rank_state.fused_wgrad == bf16
+    result = run_steps(rank_state)
     if rank == 0:
         torch.save(result, out)
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_equals_1(tmp_path, mcore):
-    """Two gloo ranks (spawned processes): sharded weights, vocab-parallel log-probs, TP-aware clipping."""
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-main-grad"])
+def test_tensor_parallel_2_equals_1(tmp_path, mcore, bf16):
+    """Two gloo ranks (spawned processes): sharded weights, vocab-parallel log-probs, TP-aware clipping;
+    in bf16 with float32 main gradients too (the column-parallel input gradient is all-reduced by our linear)."""
     from trainer.backends.megatron import MegatronBackend
 
     megatron_cpu.make_tiny_qwen2(tmp_path, tied=False, vocab=VOCAB, hidden=32, ffn=64)
     out = tmp_path / "tp2.pt"
-    torch.multiprocessing.spawn(_tp2_rank, args=(megatron_cpu.free_port(), str(tmp_path), str(out)), nprocs=2)
-    tp1 = run_steps(MegatronBackend.load(tmp_path, recipe("megatron"), device="cpu", attention="sdpa"))
-    assert_same(torch.load(out, weights_only=False), tp1)
+    torch.multiprocessing.spawn(_tp2_rank, args=(megatron_cpu.free_port(), str(tmp_path), str(out), bf16), nprocs=2)
+    kw = {"compute_dtype": torch.bfloat16, "fused_wgrad": True} if bf16 else {}
+    tp1 = run_steps(MegatronBackend.load(tmp_path, recipe("megatron"), device="cpu", attention="sdpa", **kw))
+    got = torch.load(out, weights_only=False)
+    if not bf16:
+        assert_same(got, tp1)
+        return
+    # bf16: the same model up to rounding in a different reduction order
+    assert (got["logp"] - tp1["logp"]).abs().max() < 0.05
+    for a, b in zip(got["metrics"], tp1["metrics"], strict=True):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=0.02)
+    assert max((got["state"][k].float() - tp1["state"][k].float()).abs().max().item() for k in got["state"]) < 0.02
+
+
+def test_float32_main_grads_accumulate_inside_the_linears(tmp_path, mcore):
+    """bf16 model: the linear and output-layer weight gradients go straight into the float32 master
+    gradients (no bf16 .grad is ever made for them) and the step equals the unfused one."""
+    from trainer.backends.megatron import MegatronBackend
+
+    megatron_cpu.make_tiny_qwen2(tmp_path, tied=True, vocab=VOCAB, hidden=32, ffn=64)
+
+    def load(fused: bool):
+        return MegatronBackend.load(tmp_path, recipe("megatron"), device="cpu", compute_dtype=torch.bfloat16,
+                                    attention="sdpa", **({"fused_wgrad": True} if fused else {}))
+
+    plain, fused = load(False), load(True)
+    assert not plain._local.fused_wgrad and fused._local.fused_wgrad  # CPU: off unless asked for
+    rank = fused._local
+    from infra.convert.fused_linear import is_main_grad_linear
+
+    linears = [m.weight for m in rank.model.modules() if is_main_grad_linear(m)]
+    assert len(linears) == 4 * 2  # qkv, proj, fc1, fc2 per layer
+    masters = dict(zip((id(p) for p in rank.params), rank.masters, strict=True))
+    head = rank._head_weight(rank.model)  # the tied embedding: its lookup gradient still comes as .grad
+    assert all(masters[id(w)].grad is w.main_grad for w in [*linears, head])
+    seen = []
+    for w in linears:
+        w.register_hook(seen.append)  # unfused, autograd would pass a bf16 weight gradient here
+    a, b = run_steps(plain, steps=1), run_steps(fused, steps=1)
+    assert seen and all(g is None for g in seen)  # called, but autograd got no weight gradient
+    assert (a["logp"] - b["logp"]).abs().max() == 0  # same weights before the step
+    assert b["metrics"][0]["grad_norm"] == pytest.approx(a["metrics"][0]["grad_norm"], rel=1e-3)
+    worst = max((a["state"][k].float() - b["state"][k].float()).abs().max().item() for k in a["state"])
+    assert worst <= 2 ** -6, worst  # at most a bf16 rounding step apart (lr 1e-3 moves every weight)
 
 
 def test_bf16_model_with_float32_master_weights(tmp_path, mcore):

@@ -7,7 +7,8 @@ single process; the learner backend for its tensor-parallel group).
 Layer specs (`attention=`):
 - "sdpa" (default without Transformer Engine): the local spec with core attention replaced by torch's
   scaled_dot_product_attention (flash / memory-efficient kernels on GPU) instead of megatron's unfused
-  DotProductAttention, which materialises [b*heads, s, s] scores;
+  DotProductAttention, which materialises [b*heads, s, s] scores, and linears that can accumulate
+  weight gradients in float32 inside the GEMM (`fused_linear`);
 - "local": megatron's stock local spec (DotProductAttention);
 - "te": the Transformer Engine spec, used by "auto" when transformer_engine imports.
 All three have the same parameters and the same checkpoint keys.
@@ -128,8 +129,23 @@ def layer_spec(attention: str = "auto") -> Any:
         raise ValueError(f"attention={attention!r}; choose one of auto, sdpa, local, te")
     spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     if attention == "sdpa":
+        use_main_grad_linears(spec)
         spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     return spec
+
+
+def use_main_grad_linears(spec: Any) -> None:
+    """Swap a local layer spec's attention and MLP linears for ones that accumulate weight gradients
+    into `weight.main_grad` in float32 when the learner provides it (`fused_linear`); the same
+    parameters and checkpoint keys. megatron 0.19 keeps the MLP's submodules in a builder (partial)."""
+    from .fused_linear import linear_classes
+
+    column, row = linear_classes()
+    attn = spec.submodules.self_attention.submodules
+    attn.linear_qkv, attn.linear_proj = column, row
+    mlp = spec.submodules.mlp
+    sub = mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules
+    sub.linear_fc1, sub.linear_fc2 = column, row
 
 
 def build_model(cfg: Mapping[str, Any], *, padded_vocab_size: int | None = None, dtype: Any = None,

@@ -1,8 +1,11 @@
 """One tensor-parallel rank of the megatron backend: policy and reference shards, fp32 master weights, AdamW.
 
 Precision: the model computes in the recipe's dtype (bf16 on GPU) while the optimizer updates float32
-master copies, into which each micro-batch's gradients are accumulated (one multi-tensor add of the bf16
-gradients into the float32 buffers after each micro-batch's backward, which then frees them). An lr-1e-6 Adam update is below half a bf16 ulp for
+master copies, into which each micro-batch's gradients are accumulated. The linear layers and the output
+layer add their weight gradients into the float32 buffers inside the weight-gradient GEMM
+(`infra/convert/fused_linear.py`, where torch supports it: `weight.main_grad` points at the master's
+gradient); the remaining parameters' bf16 gradients (embedding, norms, biases) are added with one
+multi-tensor launch after each micro-batch's backward. An lr-1e-6 Adam update is below half a bf16 ulp for
 most weights, so bf16-only weights would not learn; this is megatron's own mixed-precision scheme.
 
 Optimizer: torch AdamW (fused on CUDA) on the master weights, not megatron's DistributedOptimizer. The
@@ -42,7 +45,7 @@ class MegatronRank:
 
     def __init__(self, model_dir: str | Path, cfg: RecipeConfig, *, device: str | torch.device,
                  attention: str = "auto", load: str | Path | None = None, compute_dtype: torch.dtype | None = None,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, fused_wgrad: bool | None = None):
         from megatron.core import parallel_state as ps
 
         from infra.convert import check_model_identity, identity_from_hf, load_hf_config
@@ -82,6 +85,7 @@ class MegatronRank:
                     layer.compile()
         self.reference.eval().requires_grad_(False)
         self._setup_optimizer()
+        self.fused_wgrad = self._use_main_grads(fused_wgrad)
 
     def vocab_size(self) -> int:
         return self.identity.vocab_size
@@ -118,6 +122,20 @@ class MegatronRank:
                                            foreach=None if on_cuda else True)
         # which grads this rank counts in the global norm: its TP shards, and replicated ones on rank 0
         self._counted = [bool(getattr(p, "tensor_model_parallel", False)) or self.tp_rank == 0 for p in self.params]
+
+    def _use_main_grads(self, fused: bool | None) -> bool:
+        """Point the linear and output-layer weights' `main_grad` at their float32 master gradients, so their
+        backward accumulates there (`fused`: None = where the GEMM can add in float32, probed once)."""
+        from infra.convert.fused_linear import fused_wgrad_available, is_main_grad_linear
+
+        if self.masters is self.params or not (fused_wgrad_available(self.device) if fused is None else fused):
+            return False
+        master_grad = {id(p): m.grad for p, m in zip(self.params, self.masters, strict=True)}
+        weights = [m.weight for m in self.model.modules() if is_main_grad_linear(m)]
+        for w in [*weights, self._head_weight(self.model)]:
+            if id(w) in master_grad:
+                w.main_grad = master_grad[id(w)]
+        return bool(weights)
 
     def _accumulate(self) -> None:
         """Add this micro-batch's bf16 gradients into the float32 master gradients (one multi-tensor

@@ -7,7 +7,8 @@ float32 logits of a chunk are never larger than `chunk_tokens x V_local`.
 
 Backward recomputes each chunk's logits (one extra head GEMM) instead of keeping [tokens, V] float32
 alive between forward and backward: the memory of the policy forward stays that of the hidden states.
-The gradient of `hidden` is this rank's partial sum; the caller wraps `hidden` in megatron's
+When the weight carries `main_grad` (the learner's float32 master gradient), its gradient is added there
+inside the GEMM and none is returned to autograd. The gradient of `hidden` is this rank's partial sum; the caller wraps `hidden` in megatron's
 `copy_to_tensor_model_parallel_region`, whose backward all-reduces it (as megatron's own output layer does).
 """
 
@@ -127,10 +128,16 @@ class _VocabParallelLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        from infra.convert.fused_linear import accumulate_wgrad
+
         hidden, weight, local, inside, lse = ctx.saved_tensors
         inv_t, valid, chunk = ctx.inv_t, ctx.valid, ctx.chunk
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        # the learner's float32 master gradient, when it hands one over (accumulated in the GEMM)
+        main_grad = getattr(weight, "main_grad", None) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1] and main_grad is None:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         g = grad_out.float()
         _, grad_fn = _kernels(hidden.device)
         for s in range(0, hidden.shape[0], chunk):
@@ -142,7 +149,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
             del logits
             if grad_h is not None:
                 grad_h[s:e] = gl @ weight
-            if grad_w is not None:
+            if main_grad is not None:
+                accumulate_wgrad(main_grad, gl, hidden[s:e])
+            elif grad_w is not None:
                 grad_w += _mm_f32(gl.t(), hidden[s:e])
         return grad_h, (None if grad_w is None else grad_w.to(weight.dtype)), None, None, None, None, None, None
 

@@ -77,6 +77,23 @@ def test_chunked_logprobs_match_full_softmax_values_and_gradients():
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(g_ours, g_full, strict=True))
 
 
+def test_bf16_output_layer_gives_the_same_logprobs_and_trains(model_dir):
+    """The GPU path of the output layer (bf16 operands, float32 logits, token chunks), run on the CPU."""
+    cfg = recipe(micro_batch_size=5)
+    f32 = get_backend("hf").load(model_dir, cfg, device="cpu")
+    bf16 = get_backend("hf").load(model_dir, cfg, device="cpu", compute_dtype=torch.bfloat16)
+    batch = fixed_batch(tiny_model(seed=0), groups=2)
+    a, b = f32.logprobs(batch), bf16.logprobs(batch)
+    assert 0 < (a - b).abs().max() < 0.05  # a different computation, the same model to bf16 rounding
+    batch.ref_logp = bf16.logprobs(batch, reference=True)
+    head = bf16.model.get_output_embeddings().weight
+    before = head.detach().clone()
+    m = bf16.train_step(batch, lambda lp, mb: policy_loss(lp, mb.behavior_logp, mb.ref_logp, mb.advantages,
+                                                          mb.loss_mask, cfg.algo))
+    assert head.dtype == torch.float32 and not torch.equal(head, before)  # gradient reached the fp32 weight
+    assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+
+
 def test_learner_steps_lower_the_loss_on_a_fixed_batch(model_dir):
     cfg = recipe(micro_batch_size=4)
     backend = get_backend("hf").load(model_dir, cfg, device="cpu")

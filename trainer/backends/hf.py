@@ -4,7 +4,8 @@ The policy keeps float32 master weights (an lr-1e-6 Adam update is below half a 
 weights, so bf16 master weights would not learn); on CUDA the forward runs under bf16 autocast when the
 recipe's dtype is bfloat16. Published weights are cast to the recipe's dtype. The reference policy is a
 frozen copy of the loaded weights in the compute dtype. Logits are divided by the sampling temperature
-and reduced over the vocabulary in chunks (`token_logprobs`).
+and reduced over the vocabulary in chunks (`token_logprobs`, float32); with a bf16 compute dtype (CUDA)
+the output layer takes bf16 operands and gives float32 logits, chunked over tokens (`vocab_parallel`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from ..batch import TrainBatch
 from .base import Backend, LossFn, combine_metrics, token_logprobs
+from .vocab_parallel import chunk_tokens_for, vocab_parallel_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -40,13 +42,14 @@ def _pick_device(device: str | None) -> torch.device:
 class HFBackend(Backend):
     name = "hf"
 
-    def __init__(self, model: PreTrainedModel, cfg: RecipeConfig, *, device: str | None = None):
+    def __init__(self, model: PreTrainedModel, cfg: RecipeConfig, *, device: str | None = None,
+                 compute_dtype: torch.dtype | None = None):
         self.cfg = cfg
         self.device = _pick_device(device)
         self.publish_dtype = _DTYPES[cfg.model.dtype]
         on_cuda = self.device.type == "cuda"
-        # bf16 compute only on CUDA; CPU autocast to bf16 is slow and the CPU path serves tiny models
-        self.compute_dtype = self.publish_dtype if on_cuda else torch.float32
+        # bf16 compute by default only on CUDA; CPU autocast to bf16 is slow and the CPU path serves tiny models
+        self.compute_dtype = compute_dtype or (self.publish_dtype if on_cuda else torch.float32)
         self.model = model.to(device=self.device, dtype=torch.float32)
         self.model.eval()  # no dropout: the learner's log-probs must match the sampler's
         if cfg.train.gradient_checkpointing:
@@ -65,11 +68,13 @@ class HFBackend(Backend):
         self._check_head(self.model)
 
     @classmethod
-    def load(cls, model_dir: str | Path, cfg: RecipeConfig, *, device: str | None = None) -> HFBackend:
+    def load(cls, model_dir: str | Path, cfg: RecipeConfig, *, device: str | None = None,
+             compute_dtype: torch.dtype | None = None) -> HFBackend:
+        """`compute_dtype`: the forward's dtype (default: the recipe's model.dtype on CUDA, float32 on CPU)."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        return cls(model, cfg, device=device)
+        return cls(model, cfg, device=device, compute_dtype=compute_dtype)
 
     @staticmethod
     def _check_head(model: PreTrainedModel) -> None:
@@ -96,8 +101,15 @@ class HFBackend(Backend):
         rows, cols, pos = mb.response_index()
         targets = mb.input_ids[rows, pos + 1]
         head = model.get_output_embeddings()
-        lp = token_logprobs(hidden[rows, pos], head.weight, targets, self.cfg.algo.temperature,
-                            bias=head.bias, chunk_size=self.cfg.train.vocab_chunk)
+        if self.compute_dtype != torch.float32 and head.bias is None:
+            # bf16 operands, float32 logits, token-chunked (as the megatron backend): a float32 output
+            # layer was most of this backend's step time on a GPU
+            w = head.weight.to(self.compute_dtype)
+            lp = vocab_parallel_logprobs(hidden[rows, pos].to(self.compute_dtype), w, targets,
+                                         self.cfg.algo.temperature, chunk_tokens=chunk_tokens_for(w.shape[0]))
+        else:
+            lp = token_logprobs(hidden[rows, pos], head.weight, targets, self.cfg.algo.temperature,
+                                bias=head.bias, chunk_size=self.cfg.train.vocab_chunk)
         out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
         return out.index_put((rows, cols), lp)
 

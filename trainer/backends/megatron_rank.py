@@ -26,7 +26,7 @@ import torch
 
 from ..batch import TrainBatch
 from .base import LossFn, combine_metrics
-from .vocab_parallel import vocab_parallel_logprobs
+from .vocab_parallel import chunk_tokens_for, vocab_parallel_logprobs
 
 if TYPE_CHECKING:
     from ..config import RecipeConfig
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-#: float32 logits per vocabulary-chunk of tokens stay under this many bytes
-_LOGITS_BUDGET = 2 << 30
 #: tokens per forward when no gradient is needed (reference and behaviour log-probs)
 _NOGRAD_TOKENS = 32768
 
@@ -186,7 +184,7 @@ class MegatronRank:
         if self.tp_size > 1:  # identity forward; backward all-reduces this rank's partial d(hidden)
             h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
         w = self._head_weight(model)
-        chunk = max(128, _LOGITS_BUDGET // (4 * w.shape[0]))
+        chunk = chunk_tokens_for(w.shape[0])
         lp = vocab_parallel_logprobs(h, w, targets, self.cfg.algo.temperature, vocab_start=self.tp_rank * w.shape[0],
                                      vocab_size=self.identity.vocab_size, group=self.tp_group, chunk_tokens=chunk)
         out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK_TOKENS = 2048
+#: float32 logits of one token chunk stay under this many bytes (`chunk_tokens_for`)
+LOGITS_BUDGET = 2 << 30
 
 log = logging.getLogger(__name__)
 #: what this process learned about its torch: {"out_dtype": bool, "compiled": bool}
@@ -154,6 +156,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
             elif grad_w is not None:
                 grad_w += _mm_f32(gl.t(), hidden[s:e])
         return grad_h, (None if grad_w is None else grad_w.to(weight.dtype)), None, None, None, None, None, None
+
+
+def chunk_tokens_for(vocab_rows: int, budget_bytes: int = LOGITS_BUDGET) -> int:
+    """Tokens per chunk so that a chunk's float32 logits over `vocab_rows` stay under the budget."""
+    return max(128, budget_bytes // (4 * max(1, vocab_rows)))
 
 
 def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,

@@ -9,9 +9,12 @@
    converter's mapping), in float32 (relative L2 and max error) and bf16 (max and mean absolute
    difference relative to the logits' spread, i.e. their standard deviation).
 3. The learner step of the quickstart recipe: 64 sequences (8 groups x 8) of 128 prompt + 384 response
-   tokens, micro-batches of 8, reference log-probs, then policy forward + backward + AdamW through each
-   backend's `train_step` with the recipe's objective. MFU = 8 x parameters x tokens / time / matmul rate
-   (policy forward 2 + backward 4 + reference forward 2, per parameter and token).
+   tokens, micro-batches of 8 (the recipe's; `variant@N` for N), reference log-probs, then policy
+   forward + backward + AdamW through each backend's `train_step` with the recipe's objective.
+   MFU = 8 x parameters x tokens / time / matmul rate (policy forward 2 + backward 4 + reference
+   forward 2, per parameter and token).
+4. `wgrad`: the weight-gradient GEMM of one MLP layer accumulated into float32 in the GEMM, against a
+   bf16 GEMM and a separate add (what the backend's fused and unfused paths do).
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.megatron_gpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="parity,step", help="comma list of: parity, step, tp2 (needs 2 GPUs)")
-    p.add_argument("--variants", default="megatron,hf,megatron-local",
-                   help="learner-step backends: megatron (sdpa spec), megatron-local (stock local spec), "
-                   "megatron-compiled (experimental: torch.compile per layer), hf")
+    p.add_argument("--parts", default="parity,wgrad,step", help="comma list of: parity, wgrad, step, tp2 (needs 2 GPUs)")
+    p.add_argument("--variants", default="megatron,megatron-unfused,hf,megatron@16,megatron@32",
+                   help="learner-step backends, each optionally @micro-batch: megatron (sdpa spec, float32 "
+                   "weight-gradient accumulation in the GEMM where torch can), megatron-unfused (the same, "
+                   "accumulating separately), megatron-local (stock local spec), megatron-compiled "
+                   "(experimental: torch.compile per layer), hf")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant (after 2 warm-up steps)")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
@@ -232,21 +237,59 @@ def _profile_step(backend, batch, fn, out: Path, device: str) -> None:
     del torch
 
 
+def wgrad_accumulation(device: str, tokens: int = 4096, n_in: int = 1536, n_out: int = 8960, reps: int = 20) -> dict:
+    """One weight-gradient GEMM [n_out, n_in] over `tokens`, accumulated into float32: inside the GEMM vs
+    a bf16 GEMM then a separate float32 add (CUDA events, mean of `reps`)."""
+    import torch
+
+    from infra.convert.fused_linear import accumulate_wgrad, fused_wgrad_available
+
+    out = {"fused_available": fused_wgrad_available(device), "shape": [tokens, n_in, n_out]}
+    if device != "cuda":
+        return out
+    g = torch.randn(tokens, n_out, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, n_in, device="cuda", dtype=torch.bfloat16)
+    acc = torch.zeros(n_out, n_in, device="cuda")
+
+    def unfused():
+        acc.add_(g.t() @ x)
+
+    def fused():
+        accumulate_wgrad(acc, g, x, fused=True)
+
+    for name, fn in (("unfused_ms", unfused), ("fused_ms", fused) if out["fused_available"] else (None, None)):
+        if fn is None:
+            continue
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        out[name] = start.elapsed_time(end) / reps
+    return out
+
+
 def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float) -> dict:
     import torch
 
     from trainer.algo import policy_loss
     from trainer.config import resolve
 
-    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": args.micro_batch,
+    name, _, mb = variant.partition("@")
+    micro_batch = int(mb) if mb else args.micro_batch
+    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": micro_batch,
                                               "model.dtype": "bfloat16" if args.device == "cuda" else "float32"})
     algo = cfg.algo
-    if variant.startswith("megatron"):
+    if name.startswith("megatron"):
         from trainer.backends.megatron import MegatronBackend
 
         backend = MegatronBackend.load(model_dir, cfg, device=args.device,
-                                       attention="local" if variant == "megatron-local" else "auto",
-                                       compile_layers=variant == "megatron-compiled")
+                                       attention="local" if name == "megatron-local" else "auto",
+                                       compile_layers=name == "megatron-compiled",
+                                       fused_wgrad=False if name in ("megatron-unfused", "megatron-local") else None)
     else:
         from trainer.backends.hf import HFBackend
 
@@ -270,11 +313,12 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
         if i >= 2:
             times.append(t2 - t0)
             ref_times.append(t1 - t0)
-    if args.profile and variant == "megatron":
+    if args.profile and variant == "megatron":  # the recipe's micro-batch
         _profile_step(backend, batch, fn, Path(args.out).with_name("megatron_profile.txt"), args.device)
     tokens = args.rows * (args.prompt + args.response)
     step = statistics.median(times)
-    res = {"step_s": step, "ref_forward_s": statistics.median(ref_times), "steps_s": times,
+    res = {"micro_batch": micro_batch, "fused_wgrad": bool(getattr(getattr(backend, "_local", None), "fused_wgrad", False)),
+           "step_s": step, "ref_forward_s": statistics.median(ref_times), "steps_s": times,
            "tokens": tokens, "tokens_per_s": tokens / step, "mfu": 8 * n_params * tokens / step / (rate * 1e12),
            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
     if args.device == "cuda":
@@ -379,6 +423,10 @@ def run(args, save) -> dict:
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+        if "wgrad" in args.parts:
+            result["wgrad"] = wgrad_accumulation(args.device)
+            print("wgrad", json.dumps(result["wgrad"]), flush=True)
+            save(result)
         if "step" in args.parts:
             result["step"] = {}
             for variant in args.variants.split(","):

@@ -22,6 +22,7 @@ import pytest
 
 from trainer.config import resolve
 from worker_contract import layout
+from worker_contract.signing import fingerprint, load_private_key, public_key_b64
 from worker_contract.store.file import FileStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,6 +127,12 @@ def test_embedded_run_end_to_end_then_resume(tmp_path):
     assert v.returncode == 0, v.stdout + v.stderr
     assert _wait_gone(tmp_path) == []
     first_pointer = evals[-1]["eval/version"]
+    # the workers were handed the fingerprint of the launcher's key (trainer.key) and checked run.json by it
+    key = load_private_key(tmp_path / "runs" / run / "trainer.key")
+    for i in (1, 2):
+        log = (tmp_path / "runs" / run / f"worker-{i}.log").read_text()
+        assert f"signing key {fingerprint(public_key_b64(key))} is the join card's" in log, log[-3000:]
+        assert "DRL_TRAINER_KEY_FINGERPRINT is not set" not in log
 
     # the same RUN again resumes from the checkpoint: steps continue, versions keep rising
     rc, out = _run(tmp_path, run, **{"embedded.max_steps": 6})

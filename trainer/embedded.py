@@ -100,7 +100,8 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
     w = [f"  {i + 1}. {py} -m worker_contract.worker --store {paths.store_url} --run {cfg.run} --model <base> "
          f"--worker-id local-{i + 1} --threads 1 --max-groups-per-version {per_worker_cap(cfg)}   "
          f"(DRL_N_SAMPLES={cfg.contract.n_samples} "
-         f"DRL_PULSE_PLANE={cfg.contract.plane}; log {paths.run_dir}/worker-{i + 1}.log)"
+         f"DRL_PULSE_PLANE={cfg.contract.plane} DRL_TRAINER_KEY_FINGERPRINT=<fingerprint of trainer.key>; "
+         f"log {paths.run_dir}/worker-{i + 1}.log)"
          for i in range(cfg.embedded.workers)]
     return [
         "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the whole loop on this machine",
@@ -195,18 +196,19 @@ def prepare_model(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> tuple[Rec
 
 
 def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
-    """run.json (created, or resumed with an identical contract) and the run's signing key."""
+    """run.json (created, or resumed with an identical contract) and the run's signing key; returns the
+    store, the manifest and the fingerprint of the key this launcher holds (the workers' join card value)."""
     from infra.anchor import run_manifest
     from infra.convert.identity import identity_from_hf
     from worker_contract.manifest import create_or_resume
-    from worker_contract.signing import load_or_create_private_key, public_key_b64
+    from worker_contract.signing import fingerprint, load_or_create_private_key, public_key_b64
     from worker_contract.store import open_store
 
     key = load_or_create_private_key(paths.key_file)
     store = open_store(cfg.store)
     manifest = create_or_resume(store, run_manifest(cfg, identity_from_hf(model_dir), public_key_b64(key)),
                                 resume=True)
-    return store, manifest
+    return store, manifest, fingerprint(public_key_b64(key))
 
 
 def _steps_done(paths: EmbeddedPaths) -> int:
@@ -278,7 +280,7 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
         return 0
     cfg, model_dir = prepare_model(cfg, paths, console)
     try:
-        store, manifest = publish_contract(cfg, paths, model_dir)
+        store, manifest, key_fingerprint = publish_contract(cfg, paths, model_dir)
     except (ContractMismatch, RunExists) as e:
         console.print(f"[red]{e}[/]\nchoose a new RUN id to start fresh")
         return 2
@@ -296,7 +298,7 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
     tail.offset = paths.metrics.stat().st_size if paths.metrics.exists() else 0
     try:
         learner = start_learner(procs, cfg, paths, model_dir)
-        workers = start_workers(procs, cfg, paths, model_dir)
+        workers = start_workers(procs, cfg, paths, model_dir, key_fingerprint)
         evaluator.start()
         reason, rc = _watch(cfg, state, tail, evaluator, learner, workers, procs, interrupts, console,
                             panel, status_line)

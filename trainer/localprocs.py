@@ -108,11 +108,19 @@ def per_worker_cap(cfg: RecipeConfig) -> int:
     return max(1, -(-cfg.algo.groups_per_step // cfg.embedded.workers))
 
 
-def start_workers(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path) -> list[Child]:
+def worker_env(cfg: RecipeConfig, trainer_key_fingerprint: str) -> dict[str, str]:
+    """A local worker's environment: the join card's key fingerprint too, so the worker accepts run.json
+    (and the pointer and patches it signs) only under the key this launcher holds, as a remote joiner does."""
+    return {**child_env(cfg), "DRL_TRAINER_KEY_FINGERPRINT": trainer_key_fingerprint}
+
+
+def start_workers(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path,
+                  trainer_key_fingerprint: str) -> list[Child]:
     out = []
     for i in range(1, cfg.embedded.workers + 1):
         argv = [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
                 "--model", str(model_dir), "--worker-id", f"local-{i}", "--threads", "1", "--log-every", "30",
                 "--max-groups-per-version", str(per_worker_cap(cfg))]
-        out.append(procs.start(f"worker-{i}", argv, child_env(cfg), paths.run_dir / f"worker-{i}.log"))
+        out.append(procs.start(f"worker-{i}", argv, worker_env(cfg, trainer_key_fingerprint),
+                               paths.run_dir / f"worker-{i}.log"))
     return out

@@ -102,6 +102,8 @@ def check_trainer_key(manifest: RunManifest, expected: str) -> None:
     elif got != expected:
         raise ContractMismatch(f"run {manifest.run!r} is signed by key {got}, but DRL_TRAINER_KEY_FINGERPRINT="
                                f"{expected!r} (the join card's): refusing weights signed by another key")
+    else:
+        log.info("run.json's signing key %s is the join card's (DRL_TRAINER_KEY_FINGERPRINT)", got)
 
 
 def read_manifest(store: Store, run: str) -> RunManifest:

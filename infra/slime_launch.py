@@ -242,6 +242,8 @@ def perf_args(cfg: RecipeConfig) -> list[str]:
     tp = cfg.train.tensor_parallel
     args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "1",
             "--context-parallel-size", "1", "--micro-batch-size", str(cfg.train.micro_batch_size)]
+    if cfg.train.max_tokens_per_gpu is not None:  # token-budget micro-batches, as our backends do
+        args += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cfg.train.max_tokens_per_gpu)]
     if tp > 1:
         args.append("--sequence-parallel")
     if cfg.model.dtype == "bfloat16":

@@ -40,6 +40,8 @@ GSM8K_FLAGS = {
     "--kl-loss-coef": "0.001",
     "--kl-loss-type": "low_var_kl",
     "--use-rollout-logprobs": None,
+    "--use-dynamic-batch-size": None,
+    "--max-tokens-per-gpu": "16384",
     "--rollout-batch-size": "8",
     "--n-samples-per-prompt": "8",
     "--global-batch-size": "64",

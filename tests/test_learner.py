@@ -110,19 +110,39 @@ def test_learner_steps_lower_the_loss_on_a_fixed_batch(model_dir):
     assert first["grad_norm"] > 0 and "gate_drop_frac" in first and "clip_high_frac" in first
 
 
+def test_token_budget_micro_batches_are_consecutive_and_bounded():
+    batch = fixed_batch(groups=3)
+    lengths = (batch.prompt_lens + batch.response_lens).tolist()
+    for rows, tokens in ((5, None), (100, 40), (3, 40), (100, 1)):
+        parts = batch.micro_batches(rows, tokens)
+        assert sum(p.rows for p in parts) == batch.rows
+        start = 0
+        for p in parts:
+            got = (p.prompt_lens + p.response_lens).tolist()
+            assert got == lengths[start : start + p.rows]  # consecutive rows, in order
+            assert p.rows <= rows and p.input_ids.shape[1] == max(got)  # trimmed to its longest row
+            assert tokens is None or p.rows == 1 or p.rows * max(got) <= tokens
+            start += p.rows
+    assert [p.rows for p in batch.micro_batches(100, 1)] == [1] * batch.rows  # a row over budget goes alone
+    assert len(batch.micro_batches(100, 40)) > len(batch.micro_batches(100, 10**6)) == 1
+
+
 def test_micro_batch_size_does_not_change_the_step(model_dir):
     batch = fixed_batch(tiny_model(seed=0), groups=2)
     grads = []
-    for mbs in (8, 3):
-        cfg = recipe(micro_batch_size=mbs)
+    for mbs in (8, 3, "tokens"):
+        cfg = recipe(micro_batch_size=mbs if mbs != "tokens" else 1)
+        if mbs == "tokens":
+            cfg.train.max_tokens_per_gpu = 2 * int((batch.prompt_lens + batch.response_lens).max())
         backend = get_backend("hf").load(model_dir, cfg, device="cpu")
         batch.ref_logp = backend.logprobs(batch, reference=True)
         m = backend.train_step(batch, lambda lp, mb, c=cfg: policy_loss(
             lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, c.algo))
         grads.append((m["loss"], m["grad_norm"], backend.state_dict_hf()["model.norm.weight"]))
-    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
-    assert grads[0][1] == pytest.approx(grads[1][1], rel=1e-4)
-    assert torch.allclose(grads[0][2], grads[1][2], atol=1e-6)
+    for other in grads[1:]:
+        assert grads[0][0] == pytest.approx(other[0], rel=1e-5)
+        assert grads[0][1] == pytest.approx(other[1], rel=1e-4)
+        assert torch.allclose(grads[0][2], other[2], atol=1e-6)
 
 
 def test_state_dict_hf_has_the_names_save_pretrained_writes(model_dir, tmp_path):

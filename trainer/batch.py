@@ -51,6 +51,21 @@ class TrainBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return TrainBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in moved.items()})
 
+    def micro_batches(self, rows: int, max_tokens: int | None = None) -> list[TrainBatch]:
+        """Consecutive rows in micro-batches of at most `rows` rows and, when `max_tokens` is given, at most
+        that many padded tokens (rows x their longest sequence; a longer single row still goes alone)."""
+        lengths = (self.prompt_lens + self.response_lens).tolist()
+        out, start, longest = [], 0, 0
+        for i, n in enumerate(lengths):
+            longest = max(longest, int(n))
+            count = i - start + 1
+            if i > start and (count > rows or (max_tokens is not None and count * longest > max_tokens)):
+                out.append(self.select(start, i))
+                start, longest = i, int(n)
+        if lengths:
+            out.append(self.select(start, len(lengths)))
+        return out
+
     def select(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop), trimmed to the longest sequence and response among them (a micro-batch)."""
         t = int((self.prompt_lens[start:stop] + self.response_lens[start:stop]).max())

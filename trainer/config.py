@@ -155,8 +155,12 @@ class TrainConfig(_Model):
 
     backend: Literal["hf", "megatron"] = "hf"
     """Learner backend: transformers (CPU, single GPU) or megatron-core (GPU scale)."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward chunk."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward chunk (at most)."""
+    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    """Padded tokens per forward/backward chunk on one GPU (rows x longest sequence), as slime's
+    `--max-tokens-per-gpu` with `--use-dynamic-batch-size`; when set, micro_batch_size is not used. Larger
+    chunks mean fewer, larger kernel launches (faster) and more activation memory; the update is the same."""
     save_interval: int = 4
     """Checkpoint every this many steps (model, optimizer, RNG, step, consumption ledger)."""
     anchor_interval: int = 10

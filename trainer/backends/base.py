@@ -5,7 +5,8 @@ and one GPU) and `megatron` (megatron-core; GPU scale). A backend:
 - loads from an HF directory (config.json, safetensors) and keeps a frozen reference copy;
 - gives per-token log-probs of the response tokens of a `TrainBatch`, with logits divided by the run's
   temperature, computed in vocabulary chunks so memory stays bounded (`token_logprobs`);
-- runs one optimizer step on a loss the learner supplies (`train_step`), in micro-batches;
+- runs one optimizer step on a loss the learner supplies (`train_step`), in micro-batches
+  (`micro_batches`: rows, or a token budget);
 - hands out its weights under HF names for publishing (`state_dict_hf`);
 - saves and restores its own state (model, optimizer) into a checkpoint directory.
 """
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from ..batch import TrainBatch
 
 if TYPE_CHECKING:
-    from ..config import RecipeConfig
+    from ..config import RecipeConfig, TrainConfig
 
 #: loss_fn(logp [b, R] with grad, micro-batch) -> (loss reduced over the micro-batch's rows, metrics).
 #: The backend weights each micro-batch's loss by its share of the batch's rows, so the gradient of a
@@ -76,6 +77,16 @@ def token_logprobs(
         lses.append(lse)
         picked = picked + tgt
     return picked - torch.logsumexp(torch.stack(lses, dim=0), dim=0)
+
+
+def micro_batches(batch: TrainBatch, train: TrainConfig, *, min_tokens: int = 0) -> list[TrainBatch]:
+    """The recipe's forward/backward chunks: `max_tokens_per_gpu` padded tokens when set (at least
+    `min_tokens`: gradient-free passes keep nothing for backward and afford more), else
+    `micro_batch_size` rows (or as many as `min_tokens` allows, if more)."""
+    if train.max_tokens_per_gpu is not None:
+        return batch.micro_batches(batch.rows, max(train.max_tokens_per_gpu, min_tokens))
+    rows = max(train.micro_batch_size, min_tokens // max(1, int(batch.input_ids.shape[1])))
+    return batch.micro_batches(rows)
 
 
 def combine_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

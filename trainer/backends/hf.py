@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..batch import TrainBatch
-from .base import Backend, LossFn, combine_metrics, token_logprobs
+from .base import Backend, LossFn, combine_metrics, micro_batches, token_logprobs
 from .vocab_parallel import chunk_tokens_for, vocab_parallel_logprobs
 
 if TYPE_CHECKING:
@@ -113,10 +113,8 @@ class HFBackend(Backend):
         out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
         return out.index_put((rows, cols), lp)
 
-    def _micro_batches(self, batch: TrainBatch):
-        step = max(1, self.cfg.train.micro_batch_size)
-        for start in range(0, batch.rows, step):
-            yield batch.select(start, min(start + step, batch.rows))
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        return micro_batches(batch, self.cfg.train)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:

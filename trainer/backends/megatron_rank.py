@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..batch import TrainBatch
-from .base import LossFn, combine_metrics
+from .base import LossFn, combine_metrics, micro_batches
 from .vocab_parallel import chunk_tokens_for, vocab_parallel_logprobs
 
 if TYPE_CHECKING:
@@ -190,10 +190,6 @@ class MegatronRank:
         out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
         return out.index_put((rows, cols), lp)
 
-    def _micro_batches(self, batch: TrainBatch, rows: int | None = None):
-        step = max(1, rows or self.cfg.train.micro_batch_size)
-        for start in range(0, batch.rows, step):
-            yield batch.select(start, min(start + step, batch.rows))
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
@@ -202,9 +198,8 @@ class MegatronRank:
         model = self.reference if reference else self.model
         batch = batch.to(self.device)
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
-        rows = max(self.cfg.train.micro_batch_size, _NOGRAD_TOKENS // max(1, batch.input_ids.shape[1]))
         row = 0
-        for mb in self._micro_batches(batch, rows):
+        for mb in micro_batches(batch, self.cfg.train, min_tokens=_NOGRAD_TOKENS):
             lp = self.response_logp(model, mb)
             out[row : row + mb.rows, : lp.shape[1]] = lp
             row += mb.rows
@@ -225,7 +220,7 @@ class MegatronRank:
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         batch = batch.to(self.device)
         parts = []
-        for mb in self._micro_batches(batch):
+        for mb in micro_batches(batch, self.cfg.train):
             logp = self.response_logp(self.model, mb)
             loss, metrics = loss_fn(logp, mb)
             (loss * (mb.rows / batch.rows)).backward()

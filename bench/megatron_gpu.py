@@ -9,7 +9,8 @@
    converter's mapping), in float32 (relative L2 and max error) and bf16 (max and mean absolute
    difference relative to the logits' spread, i.e. their standard deviation).
 3. The learner step of the quickstart recipe: 64 sequences (8 groups x 8) of 128 prompt + 384 response
-   tokens, micro-batches of 8 (the recipe's; `variant@N` for N), reference log-probs, then policy
+   tokens, in the recipe's micro-batches (train.max_tokens_per_gpu: 16384 tokens, 32 rows here) or N rows
+   each for `variant@N` (8 is the issue's calibration setting), reference log-probs, then policy
    forward + backward + AdamW through each backend's `train_step` with the recipe's objective.
    MFU = 8 x parameters x tokens / time / matmul rate (policy forward 2 + backward 4 + reference
    forward 2, per parameter and token).
@@ -42,8 +43,9 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.megatron_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="parity,wgrad,step", help="comma list of: parity, wgrad, step, tp2 (needs 2 GPUs)")
-    p.add_argument("--variants", default="megatron,megatron-unfused,hf,megatron@16,megatron@32",
-                   help="learner-step backends, each optionally @micro-batch: megatron (sdpa spec, float32 "
+    p.add_argument("--variants", default="megatron,hf,megatron@8,megatron-unfused@8,hf@8",
+                   help="learner-step backends, each with the recipe's micro-batches (train.max_tokens_per_gpu) "
+                   "or @N for N rows each: megatron (sdpa spec, float32 "
                    "weight-gradient accumulation in the GEMM where torch can), megatron-unfused (the same, "
                    "accumulating separately), megatron-local (stock local spec), megatron-compiled "
                    "(experimental: torch.compile per layer), hf")
@@ -51,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--response", type=int, default=384)
-    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the tp2 part")
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (smoke run)")
     p.add_argument("--profile", action="store_true", help="profile one extra megatron step (kernel table beside --out)")
     p.add_argument("--device", default="cuda")
@@ -276,12 +278,18 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
     import torch
 
     from trainer.algo import policy_loss
+    from trainer.backends.base import micro_batches
     from trainer.config import resolve
 
     name, _, mb = variant.partition("@")
-    micro_batch = int(mb) if mb else args.micro_batch
-    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": micro_batch,
-                                              "model.dtype": "bfloat16" if args.device == "cuda" else "float32"})
+    overrides = {"model.dtype": "bfloat16" if args.device == "cuda" else "float32"}
+    if mb:
+        overrides["train.micro_batch_size"] = int(mb)
+    elif args.tiny:
+        overrides["train.max_tokens_per_gpu"] = 4 * (args.prompt + args.response)
+    cfg = resolve("gsm8k", env={}, overrides=overrides)
+    if mb:
+        cfg.train.max_tokens_per_gpu = None  # rows alone
     algo = cfg.algo
     if name.startswith("megatron"):
         from trainer.backends.megatron import MegatronBackend
@@ -317,7 +325,9 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
         _profile_step(backend, batch, fn, Path(args.out).with_name("megatron_profile.txt"), args.device)
     tokens = args.rows * (args.prompt + args.response)
     step = statistics.median(times)
-    res = {"micro_batch": micro_batch, "fused_wgrad": bool(getattr(getattr(backend, "_local", None), "fused_wgrad", False)),
+    chunks = micro_batches(batch, cfg.train)
+    res = {"micro_batches": len(chunks), "rows_per_micro_batch": chunks[0].rows,
+           "max_tokens_per_gpu": cfg.train.max_tokens_per_gpu, "fused_wgrad": bool(getattr(getattr(backend, "_local", None), "fused_wgrad", False)),
            "step_s": step, "ref_forward_s": statistics.median(ref_times), "steps_s": times,
            "tokens": tokens, "tokens_per_s": tokens / step, "mfu": 8 * n_params * tokens / step / (rate * 1e12),
            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}

@@ -28,7 +28,7 @@ def check_gpu() -> dict:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {"ok": False, "error": "nvidia-smi: not found: no NVIDIA driver on this box; rent a box with "
-                "an A100/H100 (40 GB+) and the slimerl/slime image"}
+                "an H100/H200 (80 GB) and the slimerl/slime image"}
     out = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0 or not out.stdout.strip():

@@ -4,6 +4,7 @@ the GPU box (over SSH, when a host is given). Each returns one `Row`; see `infra
 
 from __future__ import annotations
 
+import re
 import shlex
 import stat
 import uuid
@@ -156,10 +157,35 @@ def check_gpu(ctx: Context) -> Row:
     rc, out = ctx.run_box("nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1")
     gpus = [ln.strip() for ln in out.splitlines() if ln.strip()] if rc == 0 else []
     need = ctx.cfg.train.tensor_parallel
+    mib = [float(m.group(1)) for g in gpus if (m := re.search(r",\s*([\d.]+)\s*MiB\s*$", g))]
+    if mib:
+        ctx.facts["gpu_gib"] = min(mib) / 1024  # the smallest GPU bounds the learner
     seen = "; ".join(gpus) if gpus else f"none (nvidia-smi rc {rc}: {out.strip()[:120]})"
     return _row("box.gpu", len(gpus) >= need, seen, f"at least {need} CUDA GPU(s)",
                 "use a GPU box with the NVIDIA driver and the slime image (nvidia-smi must list the GPU); "
                 "in a container, start it with --gpus all")
+
+
+def check_gpu_memory(ctx: Context) -> Row:
+    """The learner's micro-batches fit the box's GPU, by an estimate (infra/learner_memory.py): a warning,
+    since an out-of-memory error would only come after the download, the conversion and the launch."""
+    from infra.learner_memory import learner_peak_gib, tokens_per_micro_batch, tokens_that_fit
+
+    cfg, src = hf_config(ctx)
+    gpu = ctx.facts.get("gpu_gib")
+    train, new_tokens = ctx.cfg.train, ctx.cfg.algo.max_new_tokens
+    est = learner_peak_gib(cfg, train, new_tokens) if cfg is not None else None
+    if gpu is None or est is None:
+        why = "no GPU memory from nvidia-smi" if gpu is None else f"no dense-decoder estimate ({src})"
+        return _row("box.gpu_memory", False, f"not estimated: {why}", "the learner's estimate within the GPU",
+                    "check the GPU with nvidia-smi on the box", warn=True)
+    tokens = tokens_per_micro_batch(train, new_tokens)
+    fit = tokens_that_fit(cfg, train, gpu)
+    return _row("box.gpu_memory", est <= 0.95 * gpu,
+                f"~{est:.0f} GiB per GPU at {tokens} tokens per micro-batch; the GPU has {gpu:.0f} GiB",
+                f"<= {0.95 * gpu:.0f} GiB (95%)",
+                f"set train.max_tokens_per_gpu: {fit} in the recipe (the largest that fits by this estimate), "
+                "or rent a GPU with more memory", warn=True)
 
 
 def check_disk(ctx: Context) -> Row:
@@ -194,4 +220,4 @@ def check_ray_dashboard(ctx: Context) -> Row:
 
 
 __all__ = ["check_credentials", "check_store", "check_bucket", "check_run_id", "check_base_anchor",
-           "check_ssh", "check_gpu", "check_disk", "check_ray_dashboard", "hf_config"]
+           "check_ssh", "check_gpu", "check_gpu_memory", "check_disk", "check_ray_dashboard", "hf_config"]

@@ -64,11 +64,11 @@ def local_box(path_prefix: str | None = None):
     return run
 
 
-def make_gpu_shim(tmp_path) -> str:
+def make_gpu_shim(tmp_path, gpu: str = "NVIDIA H100 80GB HBM3, 81559 MiB") -> str:
     """This machine has no GPU: an nvidia-smi that reports one, as the driver's tool prints it."""
     d = tmp_path / "bin"
     d.mkdir(exist_ok=True)
-    (d / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 81559 MiB'\n")
+    (d / "nvidia-smi").write_text(f"#!/bin/sh\necho '{gpu}'\n")
     (d / "nvidia-smi").chmod(0o755)
     return str(d)
 
@@ -285,6 +285,40 @@ def test_box_disk_too_small(file_store, gpu_shim):
     assert fails(rows) == ["box.disk"], text
 
 
+def test_box_gpu_memory_warns_before_an_out_of_memory_step(file_store, tmp_path):
+    """The recipe's 16384-token micro-batches fit an 80 GB GPU (the other box tests) but not a 40 GB one:
+    a warning naming the largest budget that fits, and that budget passes."""
+    small = local_box(make_gpu_shim(tmp_path, "NVIDIA A100-SXM4-40GB, 40960 MiB"))
+    rows, text = report(make_plan("quickstart", file_store.url, remote_dir=str(tmp_path)), "quickstart",
+                        run_box=small)
+    row = next(r for r in rows if r.check == "box.gpu_memory")
+    assert row.status == "WARN" and fails(rows) == [], text
+    assert "~66 GiB per GPU at 16384 tokens" in row.seen and "40 GiB" in row.seen
+    assert "train.max_tokens_per_gpu: 3072" in row.fix
+    rows, text = report(make_plan("quickstart", file_store.url, remote_dir=str(tmp_path),
+                                  overrides={"train.max_tokens_per_gpu": 3072}), "quickstart", run_box=small)
+    assert next(r for r in rows if r.check == "box.gpu_memory").status == "PASS", text
+
+
+def test_learner_memory_estimate_matches_the_measured_peaks():
+    """The estimate against the megatron backend's peaks on an H200 (bench/results/megatron_gpu.json)."""
+    import json
+
+    from infra.learner_memory import dense_params, learner_peak_gib
+    from infra.slime_launch import KNOWN_HF_CONFIGS
+    from trainer.config import resolve
+
+    measured = json.loads((Path(__file__).parent.parent / "bench/results/megatron_gpu.json").read_text())
+    cfg = KNOWN_HF_CONFIGS["Qwen/Qwen2.5-1.5B-Instruct"]
+    assert dense_params(cfg) == measured["params"]
+    train = resolve("gsm8k", env={}).train
+    for variant in ("megatron", "megatron@8"):
+        step = measured["step"][variant]
+        train.max_tokens_per_gpu = step["rows_per_micro_batch"] * 512
+        assert learner_peak_gib(cfg, train, 384) == pytest.approx(step["peak_mem_gib"], rel=0.03), variant
+    assert dense_params({**cfg, "num_experts": 32}) is None
+
+
 def test_box_ray_dashboard_exposed(file_store, gpu_shim, tmp_path):
     with socket.socket() as s:
         try:
@@ -482,7 +516,7 @@ def test_quickstart_dry_run_piped_into_preflight(moto_server, s3_store, sshd_ser
     rows = {line.split()[1]: line.split()[0] for line in out.stdout.splitlines()
             if line[:4] in ("PASS", "FAIL", "WARN")}
     assert "profile quickstart" in out.stdout and rows["box.ssh"] == "PASS", out.stdout + out.stderr
-    assert {k for k, v in rows.items() if v != "PASS"} <= {"box.gpu", "box.disk"}, out.stdout
+    assert {k for k, v in rows.items() if v != "PASS"} <= {"box.gpu", "box.gpu_memory", "box.disk"}, out.stdout
     assert {"recipe.algo", "recipe.batch", "contract.agree"} <= set(rows)
     # without HOST (and no GPU here) the dry run is the embedded default: nothing to preflight, said plainly
     embedded = subprocess.run(launch, cwd=REPO, env={**env, "DRL_STORE": ""}, capture_output=True, text=True,

@@ -43,11 +43,13 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.megatron_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="parity,wgrad,step", help="comma list of: parity, wgrad, step, tp2 (needs 2 GPUs)")
-    p.add_argument("--variants", default="megatron,hf,megatron@8,megatron-unfused@8,hf@8",
+    p.add_argument("--variants", default="megatron,hf,megatron@8,megatron-graphs@8,megatron-unfused@8,hf@8,"
+                   "megatron-graphs",
                    help="learner-step backends, each with the recipe's micro-batches (train.max_tokens_per_gpu) "
                    "or @N for N rows each: megatron (sdpa spec, float32 "
                    "weight-gradient accumulation in the GEMM where torch can), megatron-unfused (the same, "
-                   "accumulating separately), megatron-local (stock local spec), megatron-compiled "
+                   "accumulating separately), megatron-graphs (train.cuda_graphs on), megatron-local (stock "
+                   "local spec), megatron-compiled "
                    "(experimental: torch.compile per layer), hf")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant (after 2 warm-up steps)")
     p.add_argument("--rows", type=int, default=64)
@@ -274,6 +276,11 @@ def wgrad_accumulation(device: str, tokens: int = 4096, n_in: int = 1536, n_out:
     return out
 
 
+def _graphs_state(backend) -> dict | None:
+    graphs = getattr(getattr(backend, "_local", None), "graphs", None)
+    return None if graphs is None else {"shapes": sorted(graphs.calls), "failed": graphs.failed}
+
+
 def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float) -> dict:
     import torch
 
@@ -297,7 +304,8 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
         backend = MegatronBackend.load(model_dir, cfg, device=args.device,
                                        attention="local" if name == "megatron-local" else "auto",
                                        compile_layers=name == "megatron-compiled",
-                                       fused_wgrad=False if name in ("megatron-unfused", "megatron-local") else None)
+                                       fused_wgrad=False if name in ("megatron-unfused", "megatron-local") else None,
+                                       cuda_graphs=name == "megatron-graphs")
     else:
         from trainer.backends.hf import HFBackend
 
@@ -327,7 +335,7 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
     step = statistics.median(times)
     chunks = micro_batches(batch, cfg.train)
     res = {"micro_batches": len(chunks), "rows_per_micro_batch": chunks[0].rows,
-           "max_tokens_per_gpu": cfg.train.max_tokens_per_gpu, "fused_wgrad": bool(getattr(getattr(backend, "_local", None), "fused_wgrad", False)),
+           "max_tokens_per_gpu": cfg.train.max_tokens_per_gpu, "cuda_graphs": _graphs_state(backend), "fused_wgrad": bool(getattr(getattr(backend, "_local", None), "fused_wgrad", False)),
            "step_s": step, "ref_forward_s": statistics.median(ref_times), "steps_s": times,
            "tokens": tokens, "tokens_per_s": tokens / step, "mfu": 8 * n_params * tokens / step / (rate * 1e12),
            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}

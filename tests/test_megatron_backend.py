@@ -232,3 +232,21 @@ def test_tensor_parallel_2_through_ray_actors(tmp_path, mcore, monkeypatch):
     finally:
         ray.shutdown()
     assert_same(got, run_steps(MegatronBackend.load(tmp_path, recipe("megatron"), device="cpu", attention="sdpa")))
+
+
+def test_padded_decoder_calls_give_the_same_step(tmp_path, mcore):
+    """train.cuda_graphs pads each micro-batch's length up to a multiple of 128 for its graphs; on the CPU
+    the same padded calls run eagerly, and the step must equal the unpadded one."""
+    from trainer.backends.megatron import MegatronBackend
+
+    megatron_cpu.make_tiny_qwen2(tmp_path, vocab=VOCAB, hidden=32, ffn=64)
+    plain = run_steps(MegatronBackend.load(tmp_path, recipe("megatron"), device="cpu", attention="sdpa"))
+    padded = MegatronBackend.load(tmp_path, recipe("megatron"), device="cpu", attention="sdpa", cuda_graphs=True)
+    graphs = padded._local.graphs
+    assert graphs is not None and not graphs.capture
+    got = run_steps(padded)
+    assert graphs.calls and all(length % 128 == 0 for _, length in graphs.calls)  # lengths here are ~12
+    assert_same(got, plain)
+    # the reference and behaviour log-probs (no gradient) never go through them
+    assert MegatronBackend.load(tmp_path, recipe("megatron"), device="cpu", attention="local",
+                                cuda_graphs=True)._local.graphs is None  # megatron's own attention: eager

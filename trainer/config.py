@@ -161,6 +161,10 @@ class TrainConfig(_Model):
     """Padded tokens per forward/backward chunk on one GPU (rows x longest sequence), as slime's
     `--max-tokens-per-gpu` with `--use-dynamic-batch-size`; when set, micro_batch_size is not used. Larger
     chunks mean fewer, larger kernel launches (faster) and more activation memory; the update is the same."""
+    cuda_graphs: bool = False
+    """megatron backend, tensor_parallel 1: replay the training pass's decoder as CUDA graphs, one per
+    micro-batch shape (lengths padded to a multiple of 128). Pays where micro-batches are small (the
+    forward is then launch-bound); costs a few seconds of capture per new shape."""
     save_interval: int = 4
     """Checkpoint every this many steps (model, optimizer, RNG, step, consumption ledger)."""
     anchor_interval: int = 10

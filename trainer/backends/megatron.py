@@ -86,11 +86,12 @@ class MegatronBackend(Backend):
     def load(cls, model_dir: str | Path, cfg: RecipeConfig, *, device: str | None = None,
              attention: str = "auto", load: str | Path | None = None, setup: str | None = None,
              compute_dtype: torch.dtype | None = None, compile_layers: bool = False,
-             fused_wgrad: bool | None = None) -> MegatronBackend:
+             fused_wgrad: bool | None = None, cuda_graphs: bool | None = None) -> MegatronBackend:
         """`device`: "cuda" (default when available) or "cpu" (tests); `load`: a converted torch_dist root;
         `setup`: "module:function" each rank calls before megatron is imported; `compute_dtype`: the
         model's dtype (default: the recipe's model.dtype on CUDA, float32 on CPU); `fused_wgrad`: accumulate
-        weight gradients into the float32 masters inside the GEMM (default: where torch can, probed)."""
+        weight gradients into the float32 masters inside the GEMM (default: where torch can, probed);
+        `cuda_graphs`: the recipe's train.cuda_graphs unless given."""
         dev = device or ("cuda" if torch.cuda.is_available() else None)
         if dev is None:
             raise ValueError("train.backend=megatron needs CUDA GPUs and none is visible; use train.backend=hf "
@@ -99,7 +100,7 @@ class MegatronBackend(Backend):
         if tp < 1:
             raise ValueError(f"train.tensor_parallel={tp} must be at least 1")
         kwargs = {"attention": attention, "load": None if load is None else str(load), "compute_dtype": compute_dtype,
-                  "compile_layers": compile_layers, "fused_wgrad": fused_wgrad}
+                  "compile_layers": compile_layers, "fused_wgrad": fused_wgrad, "cuda_graphs": cuda_graphs}
         if tp == 1:
             _run_setup(setup)
             from .megatron_rank import MegatronRank

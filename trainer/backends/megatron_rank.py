@@ -43,7 +43,7 @@ class MegatronRank:
 
     def __init__(self, model_dir: str | Path, cfg: RecipeConfig, *, device: str | torch.device,
                  attention: str = "auto", load: str | Path | None = None, compute_dtype: torch.dtype | None = None,
-                 compile_layers: bool = False, fused_wgrad: bool | None = None):
+                 compile_layers: bool = False, fused_wgrad: bool | None = None, cuda_graphs: bool | None = None):
         from megatron.core import parallel_state as ps
 
         from infra.convert import check_model_identity, identity_from_hf, load_hf_config
@@ -84,6 +84,7 @@ class MegatronRank:
         self.reference.eval().requires_grad_(False)
         self._setup_optimizer()
         self.fused_wgrad = self._use_main_grads(fused_wgrad)
+        self.graphs = self._decoder_graphs(cfg.train.cuda_graphs if cuda_graphs is None else cuda_graphs)
 
     def vocab_size(self) -> int:
         return self.identity.vocab_size
@@ -135,6 +136,20 @@ class MegatronRank:
                 w.main_grad = master_grad[id(w)]
         return bool(weights)
 
+    def _decoder_graphs(self, wanted: bool) -> Any:
+        """CUDA graphs of the training decoder (trainer/backends/megatron_graphs.py), when asked for and
+        possible: tensor_parallel 1 and our SDPA attention. On the CPU (tests) the same padded calls run
+        eagerly."""
+        from .megatron_graphs import DecoderGraphs
+
+        sites = self._rope_sites.get(id(self.model), [])
+        if not wanted or self.tp_size > 1 or not sites:
+            if wanted:
+                log.info("train.cuda_graphs needs tensor_parallel 1 and the sdpa attention; running eagerly")
+            return None
+        return DecoderGraphs(self.model, sites, lambda t: self._rope_tables(self.model, t, self.dtype),
+                             capture=self.device.type == "cuda")
+
     def _accumulate(self) -> None:
         """Add this micro-batch's bf16 gradients into the float32 master gradients (one multi-tensor
         launch, not one per parameter) and free them."""
@@ -147,11 +162,19 @@ class MegatronRank:
             p.grad = None
 
     # -- forward -------------------------------------------------------------------------------------
-    def _hidden(self, model: Any, ids: torch.Tensor) -> torch.Tensor:
-        """Decoder output [t, b, h] (after the final norm), as GPTModel.forward computes it before the head."""
+    @staticmethod
+    def _rope_tables(model: Any, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = model.rotary_pos_emb(t)  # [t, 1, 1, d] float32
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)  # as megatron's unfused rope casts them
+
+    def _hidden(self, model: Any, ids: torch.Tensor, graphs: Any = None) -> torch.Tensor:
+        """Decoder output [t, b, h] (after the final norm), as GPTModel.forward computes it before the head;
+        through `graphs` (CUDA graphs of the training pass) when one fits this shape."""
         b, t = ids.shape
         pos = torch.arange(t, device=ids.device).unsqueeze(0).expand(b, t)
         emb = model.embedding(input_ids=ids, position_ids=pos)
+        if graphs is not None and (out := graphs(emb)) is not None:
+            return out
         freqs = model.rotary_pos_emb(t)  # [t, 1, 1, d] float32
         mask = None
         if self.attention == "local":  # megatron's unfused attention needs an explicit mask (True = hidden)
@@ -159,7 +182,7 @@ class MegatronRank:
         sites = self._rope_sites.get(id(model), [])
         if not sites:
             return model.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=freqs)
-        rope = (freqs.cos().to(emb.dtype), freqs.sin().to(emb.dtype))  # as megatron's unfused rope casts them
+        rope = self._rope_tables(model, t, emb.dtype)
         for site in sites:
             site.rope = rope
         try:
@@ -177,7 +200,8 @@ class MegatronRank:
         """[b, R] float32 log-probs of the response tokens (0 past each response)."""
         from megatron.core import tensor_parallel
 
-        hidden = self._hidden(model, mb.input_ids)
+        graphs = self.graphs if model is self.model and torch.is_grad_enabled() else None
+        hidden = self._hidden(model, mb.input_ids, graphs)
         rows, cols, pos = mb.response_index()
         targets = mb.input_ids[rows, pos + 1]
         h = hidden[pos, rows]
@@ -220,7 +244,11 @@ class MegatronRank:
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         batch = batch.to(self.device)
         parts = []
-        for mb in micro_batches(batch, self.cfg.train):
+        chunks = micro_batches(batch, self.cfg.train)
+        if self.graphs is not None and self.graphs.prepare([(mb.rows, int(mb.input_ids.shape[1])) for mb in chunks],
+                                                           int(self.hf_cfg["hidden_size"]), self.dtype):
+            self._zero_grads()  # the capture's warm-up passes accumulated into the master gradients
+        for mb in chunks:
             logp = self.response_logp(self.model, mb)
             loss, metrics = loss_fn(logp, mb)
             (loss * (mb.rows / batch.rows)).backward()

@@ -59,6 +59,24 @@ class Task(abc.ABC):
         """Scalar reward of one completion of `problem`."""
 
 
+class LazySplit(Sequence[Problem]):
+    """A split of `size` problems, each made from its index when asked for (read rows or a generator):
+    nothing is built up front, and slices give lists."""
+
+    def __init__(self, split: str, size: int, make: Callable[[int], Problem]):
+        self.split, self.size, self._make = split, size, make
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"index {i} out of range for the {self.split} split of {len(self)} problems")
+        return self._make(i % len(self))
+
+
 class CachedSplitTask(Task):
     """A task whose splits are read once (a local copy or the data set's home) and kept for its life."""
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import Problem, Split, check_split
+from . import LazySplit, Problem, Split, check_split
 from .gsm8k import GSM8KTask
 
 HELDOUT_MODULUS = 8
@@ -135,23 +135,6 @@ def make_problem(spec: SplitSpec, split: str, index: int) -> Problem:
     raise AssertionError(f"no {split} problem found for index {index} in {_MAX_TRIES} tries")
 
 
-class GeneratedSplit(Sequence[Problem]):
-    """A split whose problems are generated on demand (nothing is stored)."""
-
-    def __init__(self, split: str, spec: SplitSpec):
-        self.split, self.spec = split, spec
-
-    def __len__(self) -> int:
-        return self.spec.size
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"index {i} out of range for the {self.split} split of {len(self)} problems")
-        return make_problem(self.spec, self.split, i % len(self))
-
-
 class ArithmeticTask(GSM8KTask):
     """Generated problems in GSM8K format; prompt, extraction and reward are GSM8K's."""
 
@@ -163,4 +146,5 @@ class ArithmeticTask(GSM8KTask):
 
     def dataset(self, split: Split) -> Sequence[Problem]:
         split = check_split(split)
-        return GeneratedSplit(split, self.splits[split])
+        spec = self.splits[split]
+        return LazySplit(split, spec.size, lambda i: make_problem(spec, split, i))

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from . import CachedSplitTask, Problem, Split, hf_datasets, local_split_path
+from . import CachedSplitTask, LazySplit, Problem, Split, hf_datasets, local_split_path
 
 HF_DATASET = "openai/gsm8k"
 HF_CONFIG = "main"
@@ -94,22 +94,6 @@ def prompt_text(question: str) -> str:
     return f"{question.strip()}\n{INSTRUCTION}"
 
 
-class _Rows(Sequence[Problem]):
-    """(question, solution) rows exposed as `Problem`s with ids `gsm8k-<split>-<index>`."""
-
-    def __init__(self, split: str, rows: list[tuple[str, str]]):
-        self.split, self.rows = split, rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        q, sol = self.rows[i]
-        return Problem(id=f"gsm8k-{self.split}-{i % len(self)}", question=q, answer=gold_answer(sol), solution=sol)
-
-
 def load_jsonl(path: str | Path) -> list[tuple[str, str]]:
     rows = []
     with open(path) as f:
@@ -138,7 +122,13 @@ class GSM8KTask(CachedSplitTask):
     name = "gsm8k"
 
     def _load_split(self, split: Split) -> Sequence[Problem]:
-        return _Rows(split, load_gsm8k(split, self.local_dir))
+        rows = load_gsm8k(split, self.local_dir)
+
+        def make(i: int) -> Problem:  # ids `gsm8k-<split>-<index>`
+            q, sol = rows[i]
+            return Problem(id=f"gsm8k-{split}-{i}", question=q, answer=gold_answer(sol), solution=sol)
+
+        return LazySplit(split, len(rows), make)
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return [{"role": "user", "content": prompt_text(problem.question)}]

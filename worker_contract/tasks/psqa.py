@@ -32,7 +32,7 @@ from typing import NamedTuple
 from pydantic import Field
 
 from ..schema import Sample
-from . import CachedSplitTask, Problem, Split, hf_datasets, local_split_path
+from . import CachedSplitTask, LazySplit, Problem, Split, hf_datasets, local_split_path
 
 HF_DATASET = "jmhb/PaperSearchQA"
 HF_CORPUS = "jmhb/pubmed_bioasq_2022"
@@ -232,19 +232,6 @@ def problem_from_row(split: str, index: int, row: dict) -> PsqaProblem:
                        category=row.get("category"))
 
 
-class _Rows(Sequence[PsqaProblem]):
-    def __init__(self, split: str, rows: list[dict]):
-        self.split, self.rows = split, rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        return problem_from_row(self.split, i % len(self), self.rows[i])
-
-
 def load_jsonl(path: str | Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -266,7 +253,8 @@ class PsqaTask(CachedSplitTask):
     name = "psqa"
 
     def _load_split(self, split: Split) -> Sequence[PsqaProblem]:
-        return _Rows(split, load_psqa(split, self.local_dir))
+        rows = load_psqa(split, self.local_dir)
+        return LazySplit(split, len(rows), lambda i: problem_from_row(split, i, rows[i]))
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         question = problem.question.strip()

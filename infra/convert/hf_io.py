@@ -65,6 +65,14 @@ def rope_theta_of(cfg: Mapping[str, Any], source: str = "config.json") -> float:
     return float(theta)
 
 
+def refuse_unsupported(cfg: Mapping[str, Any], checks: list[tuple[bool, str]]) -> None:
+    """Every failed (ok, why) check in one ConvertError, then the rotary base must be readable."""
+    bad = [why for ok, why in checks if not ok]
+    if bad:
+        raise ConvertError(f"config.json (model_type {cfg.get('model_type')}) has unsupported settings: {'; '.join(bad)}")
+    rope_theta_of(cfg)
+
+
 def safetensors_files(hf_dir: str | Path) -> list[Path]:
     """The weight shards: model.safetensors, or every file the index names (each checked to exist)."""
     d = Path(hf_dir)

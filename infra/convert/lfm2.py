@@ -37,7 +37,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .hf_io import ConvertError, rope_theta_of
+from .hf_io import ConvertError, refuse_unsupported, rope_theta_of
 from .qwen2 import interleave_qkv, split_qkv
 from .registry import Architecture, HfTensors
 
@@ -91,10 +91,7 @@ class Lfm2(Architecture):
             k = int(cfg.get("num_experts_per_tok", 4))
             checks.append((cfg.get("norm_topk_prob", True) or k == 1,
                            "norm_topk_prob=false (megatron's sigmoid router always renormalises the top-k)"))
-        bad = [why for ok, why in checks if not ok]
-        if bad:
-            raise ConvertError(f"config.json (model_type {cfg.get('model_type')}) has unsupported settings: {'; '.join(bad)}")
-        rope_theta_of(cfg)
+        refuse_unsupported(cfg, checks)
 
     def transformer_config(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         import torch

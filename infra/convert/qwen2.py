@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .hf_io import ConvertError, rope_theta_of
+from .hf_io import ConvertError, refuse_unsupported, rope_theta_of
 from .registry import Architecture, HfTensors
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -75,10 +75,7 @@ class Qwen2(Architecture):
             (nh % ng == 0, f"num_attention_heads={nh} not a multiple of num_key_value_heads={ng}"),
             (all(t == "full_attention" for t in cfg.get("layer_types") or []), "layer_types other than full_attention"),
         ]
-        bad = [why for ok, why in checks if not ok]
-        if bad:
-            raise ConvertError(f"config.json (model_type qwen2) has unsupported settings: {'; '.join(bad)}")
-        rope_theta_of(cfg)
+        refuse_unsupported(cfg, checks)
 
     def transformer_config(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         import torch

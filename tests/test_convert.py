@@ -182,6 +182,12 @@ def test_clear_errors_for_missing_files_and_bad_config(tmp_path):
     (good / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}))
     with pytest.raises(ConvertError, match="yarn"):
         load_hf_config(good)
+    from infra.convert import get_architecture
+
+    odd = {**cfg, "use_sliding_window": True, "num_key_value_heads": 3}
+    with pytest.raises(ConvertError, match=r"model_type qwen2\) has unsupported settings: use_sliding_window=true.*; "
+                       r"num_attention_heads=4 not a multiple of num_key_value_heads=3"):
+        get_architecture(odd).validate(odd)  # every unsupported setting named at once
     (good / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba9"}))
     with pytest.raises(ConvertError, match="model_type=.mamba9. has no Megatron mapping; known: .*qwen2"):
         plan(good, tmp_path / "o")

@@ -42,7 +42,8 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.megatron_gpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="parity,wgrad,step", help="comma list of: parity, wgrad, step, tp2 (needs 2 GPUs)")
+    p.add_argument("--parts", default="parity,wgrad,step", help="comma list of: parity, wgrad, step, graphs "
+                   "(CUDA graphs vs eager on ragged batches), tp2 (needs 2 GPUs)")
     p.add_argument("--variants", default="megatron,hf,megatron@8,megatron-graphs@8,megatron-unfused@8,hf@8,"
                    "megatron-graphs",
                    help="learner-step backends, each with the recipe's micro-batches (train.max_tokens_per_gpu) "
@@ -218,6 +219,60 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
                       response_lens=torch.full((rows,), response), loss_mask=mask,
                       behavior_logp=-torch.rand(rows, response, generator=g) * 3,
                       advantages=torch.randn(rows, generator=g), rewards=torch.zeros(rows))
+
+
+def ragged_batch(rows: int, max_prompt: int, max_response: int, vocab: int, seed: int = 0):
+    """Rows of random prompt and response lengths, right-padded, as a real step's batch is."""
+    import torch
+
+    from trainer.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randint(max_prompt // 4, max_prompt + 1, (rows,), generator=g)
+    r = torch.randint(max_response // 4, max_response + 1, (rows,), generator=g)
+    width, resp = int((p + r).max()), int(r.max())
+    ids = torch.randint(0, vocab, (rows, width), generator=g)
+    live = torch.arange(width)[None, :] < (p + r)[:, None]
+    mask = (torch.arange(resp)[None, :] < r[:, None]).float()
+    return TrainBatch(input_ids=ids * live, attention_mask=live.long(), prompt_lens=p, response_lens=r,
+                      loss_mask=mask, behavior_logp=-torch.rand(rows, resp, generator=g) * 3 * mask,
+                      advantages=torch.randn(rows, generator=g), rewards=torch.zeros(rows))
+
+
+def graphs_check(model_dir: Path, args) -> dict:
+    """train.cuda_graphs against the eager path on ragged batches (several micro-batch shapes, so several
+    graphs sharing one pool): three steps each from the same weights; losses, gradient norms and the
+    log-probs after the steps must agree to bf16 rounding (padding changes the GEMM shapes)."""
+    import torch
+
+    from trainer.algo import policy_loss
+    from trainer.backends.megatron import MegatronBackend
+    from trainer.config import resolve
+
+    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": args.micro_batch, "model.dtype": "bfloat16"})
+    cfg.train.max_tokens_per_gpu = None
+    runs = {}
+    for graphs in (False, True):
+        be = MegatronBackend.load(model_dir, cfg, device=args.device, cuda_graphs=graphs)
+        metrics = []
+        for step in range(3):
+            batch = ragged_batch(args.rows, args.prompt, args.response, be.vocab_size, seed=step)
+            batch.ref_logp = be.logprobs(batch, reference=True)
+            metrics.append(be.train_step(batch, lambda lp, mb: policy_loss(
+                lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, cfg.algo)))
+        probe = ragged_batch(args.rows, args.prompt, args.response, be.vocab_size, seed=99)
+        state = be._local.graphs
+        runs[graphs] = {"metrics": metrics, "logp": be.logprobs(probe).cpu(), "mask": probe.loss_mask,
+                        "shapes": sorted(state.calls) if state else None, "failed": state.failed if state else None}
+        del be
+        gc.collect()
+        torch.cuda.empty_cache()
+    eager, graphed = runs[False], runs[True]
+    diff = (eager["logp"] - graphed["logp"]).abs()[eager["mask"] > 0]
+    return {"shapes": graphed["shapes"], "failed": graphed["failed"],
+            "loss": [[m["loss"] for m in r["metrics"]] for r in (eager, graphed)],
+            "grad_norm": [[m["grad_norm"] for m in r["metrics"]] for r in (eager, graphed)],
+            "logp_after_max_abs_diff": diff.max().item(), "logp_after_mean_abs_diff": diff.mean().item()}
 
 
 def _profile_step(backend, batch, fn, out: Path, device: str) -> None:
@@ -444,6 +499,16 @@ def run(args, save) -> dict:
         if "wgrad" in args.parts:
             result["wgrad"] = wgrad_accumulation(args.device)
             print("wgrad", json.dumps(result["wgrad"]), flush=True)
+            save(result)
+        if "graphs" in args.parts:
+            try:
+                result["graphs_check"] = graphs_check(model_dir, args)
+            except Exception as e:
+                import traceback
+
+                traceback.print_exc()
+                result["graphs_check"] = {"error": f"{type(e).__name__}: {e}"}
+            print("graphs_check", json.dumps(result["graphs_check"]), flush=True)
             save(result)
         if "step" in args.parts:
             result["step"] = {}

@@ -240,9 +240,10 @@ def ragged_batch(rows: int, max_prompt: int, max_response: int, vocab: int, seed
 
 
 def graphs_check(model_dir: Path, args) -> dict:
-    """train.cuda_graphs against the eager path on ragged batches (several micro-batch shapes, so several
-    graphs sharing one pool): three steps each from the same weights; losses, gradient norms and the
-    log-probs after the steps must agree to bf16 rounding (padding changes the GEMM shapes)."""
+    """train.cuda_graphs on ragged batches (several micro-batch shapes, so several graphs sharing one pool):
+    three steps from the same weights, against the same padded calls run eagerly (which must agree to the
+    bit: a replay that read or wrote the wrong memory would not) and against the unpadded eager path
+    (which differs by bf16 rounding where padding changes a GEMM's shape, and so its reduction)."""
     import torch
 
     from trainer.algo import policy_loss
@@ -252,8 +253,10 @@ def graphs_check(model_dir: Path, args) -> dict:
     cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": args.micro_batch, "model.dtype": "bfloat16"})
     cfg.train.max_tokens_per_gpu = None
     runs = {}
-    for graphs in (False, True):
-        be = MegatronBackend.load(model_dir, cfg, device=args.device, cuda_graphs=graphs)
+    for mode in ("eager", "padded", "graphs"):
+        be = MegatronBackend.load(model_dir, cfg, device=args.device, cuda_graphs=mode != "eager")
+        if mode == "padded":
+            be._local.graphs.capture = False  # the same padded decoder calls, without capturing them
         metrics = []
         for step in range(3):
             batch = ragged_batch(args.rows, args.prompt, args.response, be.vocab_size, seed=step)
@@ -262,17 +265,19 @@ def graphs_check(model_dir: Path, args) -> dict:
                 lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, cfg.algo)))
         probe = ragged_batch(args.rows, args.prompt, args.response, be.vocab_size, seed=99)
         state = be._local.graphs
-        runs[graphs] = {"metrics": metrics, "logp": be.logprobs(probe).cpu(), "mask": probe.loss_mask,
+        runs[mode] = {"metrics": metrics, "logp": be.logprobs(probe).cpu(), "mask": probe.loss_mask,
                         "shapes": sorted(state.calls) if state else None, "failed": state.failed if state else None}
         del be
         gc.collect()
         torch.cuda.empty_cache()
-    eager, graphed = runs[False], runs[True]
-    diff = (eager["logp"] - graphed["logp"]).abs()[eager["mask"] > 0]
-    return {"shapes": graphed["shapes"], "failed": graphed["failed"],
-            "loss": [[m["loss"] for m in r["metrics"]] for r in (eager, graphed)],
-            "grad_norm": [[m["grad_norm"] for m in r["metrics"]] for r in (eager, graphed)],
-            "logp_after_max_abs_diff": diff.max().item(), "logp_after_mean_abs_diff": diff.mean().item()}
+    out = {"shapes": runs["graphs"]["shapes"], "failed": runs["graphs"]["failed"],
+           "loss": {k: [m["loss"] for m in r["metrics"]] for k, r in runs.items()},
+           "grad_norm": {k: [m["grad_norm"] for m in r["metrics"]] for k, r in runs.items()}}
+    for other in ("padded", "eager"):
+        diff = (runs[other]["logp"] - runs["graphs"]["logp"]).abs()[runs["graphs"]["mask"] > 0]
+        out[f"logp_after_vs_{other}"] = {"max_abs": diff.max().item(), "mean_abs": diff.mean().item(),
+                                          "bit_equal": bool(torch.equal(runs[other]["logp"], runs["graphs"]["logp"]))}
+    return out
 
 
 def _profile_step(backend, batch, fn, out: Path, device: str) -> None:

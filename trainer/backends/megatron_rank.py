@@ -131,10 +131,12 @@ class MegatronRank:
             return False
         master_grad = {id(p): m.grad for p, m in zip(self.params, self.masters, strict=True)}
         weights = [m.weight for m in self.model.modules() if is_main_grad_linear(m)]
+        if not weights:  # a layer spec without our linears (megatron's stock spec, LFM2): unfused throughout
+            return False
         for w in [*weights, self._head_weight(self.model)]:
             if id(w) in master_grad:
                 w.main_grad = master_grad[id(w)]
-        return bool(weights)
+        return True
 
     def _decoder_graphs(self, wanted: bool) -> Any:
         """CUDA graphs of the training decoder (trainer/backends/megatron_graphs.py), when asked for and

@@ -188,6 +188,10 @@ def test_clear_errors_for_missing_files_and_bad_config(tmp_path):
     with pytest.raises(ConvertError, match=r"model_type qwen2\) has unsupported settings: use_sliding_window=true.*; "
                        r"num_attention_heads=4 not a multiple of num_key_value_heads=3"):
         get_architecture(odd).validate(odd)  # every unsupported setting named at once
+    src = dict(iter_tensors(safetensors_files(good)))
+    src["lm_head.weight"] = src["model.embed_tokens.weight"] + 1  # a stored "tied" copy that is not the same
+    with pytest.raises(ConvertError, match="tie_word_embeddings=true but lm_head.weight differs"):
+        get_architecture(cfg).hf_to_megatron(src, cfg, cfg["vocab_size"])
     (good / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba9"}))
     with pytest.raises(ConvertError, match="model_type=.mamba9. has no Megatron mapping; known: .*qwen2"):
         plan(good, tmp_path / "o")

@@ -37,7 +37,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .hf_io import ConvertError, refuse_unsupported, rope_theta_of
+from .hf_io import refuse_unsupported, rope_theta_of
 from .qwen2 import interleave_qkv, split_qkv
 from .registry import Architecture, HfTensors
 
@@ -185,11 +185,7 @@ class Lfm2(Architecture):
                     g = f"{f}experts.{e}."
                     out[x + "linear_fc1.weight"] = torch.cat([take(g + "w1.weight"), take(g + "w3.weight")])
                     out[x + "linear_fc2.weight"] = take(g + "w2.weight")
-        if cfg.get("tie_word_embeddings", True):
-            if "lm_head.weight" in src and not torch.equal(take("lm_head.weight"), src["model.embed_tokens.weight"]):
-                raise ConvertError("config.json says tie_word_embeddings=true but lm_head.weight differs from embed_tokens")
-        else:
-            out["output_layer.weight"] = pad_rows(take("lm_head.weight"))
+        out.update(tensors.output_layer(bool(cfg.get("tie_word_embeddings", True))))
         tensors.check_all_used()
         return out
 

@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .hf_io import ConvertError, refuse_unsupported, rope_theta_of
+from .hf_io import refuse_unsupported, rope_theta_of
 from .registry import Architecture, HfTensors
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -130,12 +130,7 @@ class Qwen2(Architecture):
             gate, up = take(h + "mlp.gate_proj.weight"), take(h + "mlp.up_proj.weight")
             out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
         out["decoder.final_layernorm.weight"] = take("model.norm.weight")
-        if tied:
-            if "lm_head.weight" in src:  # some exports store the tied copy; it must be the same matrix
-                if not torch.equal(take("lm_head.weight"), src["model.embed_tokens.weight"]):
-                    raise ConvertError("config.json says tie_word_embeddings=true but lm_head.weight differs from embed_tokens")
-        else:
-            out["output_layer.weight"] = pad_rows(take("lm_head.weight"))
+        out.update(tensors.output_layer(tied))
         tensors.check_all_used()
         return out
 

@@ -75,6 +75,18 @@ class HfTensors:
             raise ConvertError(f"embedding has {t.shape[0]} rows but config.json says vocab_size={vocab}")
         return t if padded == vocab else torch.cat([t, t.new_zeros(padded - vocab, *t.shape[1:])])
 
+    def output_layer(self, tied: bool) -> dict[str, Any]:
+        """Megatron's output layer: none when tied to the embedding (a stored tied copy of lm_head, which
+        some exports keep, must then be the same matrix), else lm_head padded to the vocab size."""
+        import torch
+
+        if not tied:
+            return {"output_layer.weight": self.pad_rows(self.take("lm_head.weight"))}
+        if "lm_head.weight" in self.src and not torch.equal(self.take("lm_head.weight"),
+                                                           self.src["model.embed_tokens.weight"]):
+            raise ConvertError("config.json says tie_word_embeddings=true but lm_head.weight differs from embed_tokens")
+        return {}
+
     def check_all_used(self) -> None:
         extra = sorted(set(self.src) - self.used)
         if extra:

@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_PROBED: dict[str, bool] = {}
+_PROBED: dict[Any, bool] = {}
 
 
 def accumulate_wgrad(main_grad: Any, grad_out: Any, inputs: Any, *, fused: bool | None = None) -> None:
@@ -45,10 +45,9 @@ def fused_wgrad_available(device: Any) -> bool:
     import torch
 
     device = torch.device(device)
-    key = str(device)
-    if key not in _PROBED:
-        _PROBED[key] = device.type == "cuda" and _probe(device)
-    return _PROBED[key]
+    if device not in _PROBED:
+        _PROBED[device] = device.type == "cuda" and _probe(device)
+    return _PROBED[device]
 
 
 def _probe(device: Any) -> bool:

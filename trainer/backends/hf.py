@@ -113,16 +113,13 @@ class HFBackend(Backend):
         out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
         return out.index_put((rows, cols), lp)
 
-    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        return micro_batches(batch, self.cfg.train)
-
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
         model = self.reference if reference else self.model
         batch = batch.to(self.device)
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
         row = 0
-        for mb in self._micro_batches(batch):
+        for mb in micro_batches(batch, self.cfg.train):
             lp = self._response_logp(model, mb)
             out[row : row + mb.rows, : lp.shape[1]] = lp
             row += mb.rows
@@ -132,7 +129,7 @@ class HFBackend(Backend):
         batch = batch.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
-        for mb in self._micro_batches(batch):
+        for mb in micro_batches(batch, self.cfg.train):
             logp = self._response_logp(self.model, mb)
             loss, metrics = loss_fn(logp, mb)
             (loss * (mb.rows / batch.rows)).backward()

@@ -18,13 +18,27 @@ tensor_parallel 1; a capture that fails turns graphs off for the run (the eager 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def fused_rope(sites: Sequence[Any], tables: tuple[torch.Tensor, torch.Tensor]) -> Iterator[None]:
+    """Hand our SDPA attention modules (`sites`) the (cos, sin) tables to apply themselves, for the
+    decoder calls inside; the decoder is then called without `rotary_pos_emb`."""
+    for site in sites:
+        site.rope = tables
+    try:
+        yield
+    finally:
+        for site in sites:
+            site.rope = None
 
 
 class _DecoderCall(torch.nn.Module):
@@ -36,13 +50,8 @@ class _DecoderCall(torch.nn.Module):
         self._sites, self._rope = list(sites), rope
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        for site in self._sites:
-            site.rope = self._rope
-        try:
+        with fused_rope(self._sites, self._rope):
             return self.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None)
-        finally:
-            for site in self._sites:
-                site.rope = None
 
 
 class DecoderGraphs:

@@ -26,6 +26,7 @@ import torch
 
 from ..batch import TrainBatch
 from .base import LossFn, combine_metrics, micro_batches
+from .megatron_graphs import fused_rope
 from .vocab_parallel import chunk_tokens_for, vocab_parallel_logprobs
 
 if TYPE_CHECKING:
@@ -177,21 +178,14 @@ class MegatronRank:
         emb = model.embedding(input_ids=ids, position_ids=pos)
         if graphs is not None and (out := graphs(emb)) is not None:
             return out
-        freqs = model.rotary_pos_emb(t)  # [t, 1, 1, d] float32
+        sites = self._rope_sites.get(id(model), [])
+        if sites:  # our SDPA attention: causal, rope applied inside it
+            with fused_rope(sites, self._rope_tables(model, t, emb.dtype)):
+                return model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=None)
         mask = None
         if self.attention == "local":  # megatron's unfused attention needs an explicit mask (True = hidden)
             mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).triu_(1)[None, None]
-        sites = self._rope_sites.get(id(model), [])
-        if not sites:
-            return model.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=freqs)
-        rope = self._rope_tables(model, t, emb.dtype)
-        for site in sites:
-            site.rope = rope
-        try:
-            return model.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=None)
-        finally:
-            for site in sites:
-                site.rope = None
+        return model.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=model.rotary_pos_emb(t))
 
     def _head_weight(self, model: Any) -> torch.Tensor:
         if model.share_embeddings_and_output_weights:
@@ -215,7 +209,6 @@ class MegatronRank:
                                      vocab_size=self.identity.vocab_size, group=self.tp_group, chunk_tokens=chunk)
         out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
         return out.index_put((rows, cols), lp)
-
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:

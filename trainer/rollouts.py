@@ -185,10 +185,14 @@ class RolloutSource:
                     added += self._ingest(info, prefix, current)
             return added
 
-    def _list(self, prefix: str, start_after: str | None) -> list[ObjectInfo]:
+    def _list_counted(self, prefix: str, start_after: str | None = None) -> list[ObjectInfo]:
+        """One listing, counted in `list_calls`; a StoreError propagates."""
         self.list_calls += 1
+        return list(self.store.list(prefix, start_after=start_after))
+
+    def _list(self, prefix: str, start_after: str | None) -> list[ObjectInfo]:
         try:
-            infos = list(self.store.list(prefix, start_after=start_after))
+            infos = self._list_counted(prefix, start_after)
         except StoreError as e:  # a flaky store delays learning; it does not stop it
             log.warning("listing %s failed, will retry: %s", prefix, e)
             return []
@@ -204,9 +208,8 @@ class RolloutSource:
         low = self.window(current).start
         for version in sorted(v for v in self._listed if v < low):
             prefix = layout.rollout_version_prefix(self.run, version)
-            self.list_calls += 1
             try:
-                infos = list(self.store.list(prefix))
+                infos = self._list_counted(prefix)
             except StoreError as e:
                 log.warning("listing %s one last time failed, will retry: %s", prefix, e)
                 continue

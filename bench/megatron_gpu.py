@@ -35,6 +35,7 @@ ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                   rope_parameters=ROPE, rms_norm_eps=1e-6, tie_word_embeddings=True)
+VARIANTS = ("megatron", "megatron-unfused", "megatron-graphs", "megatron-local", "megatron-compiled", "hf")
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rope_parameters=ROPE, rms_norm_eps=1e-6,
             tie_word_embeddings=True)
@@ -56,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--response", type=int, default=384)
-    p.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the tp2 part")
+    p.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the graphs and tp2 parts")
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (smoke run)")
     p.add_argument("--profile", action="store_true", help="profile one extra megatron step (kernel table beside --out)")
     p.add_argument("--device", default="cuda")
@@ -84,21 +85,41 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def cuda_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Mean milliseconds of `fn()` on the GPU (CUDA events around `reps` calls, after `warmup`)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def matmul_tflops(device: str, n: int = 8192, reps: int = 10) -> float:
     import torch
 
     if device != "cuda":
         return float("nan")
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+    return 2 * n**3 / (cuda_ms(lambda: a @ b, reps) / 1e3) / 1e12
+
+
+def attempt(label: str, fn, *args) -> dict:
+    """fn(*args), or {"error": ...} with the traceback printed: one failing part must not lose the others."""
+    try:
+        out = fn(*args)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        out = {"error": f"{type(e).__name__}: {e}"}
+    print(label, json.dumps(out), flush=True)
+    return out
 
 
 def make_model_dir(shape: dict, device: str, out: Path):
@@ -315,24 +336,9 @@ def wgrad_accumulation(device: str, tokens: int = 4096, n_in: int = 1536, n_out:
     x = torch.randn(tokens, n_in, device="cuda", dtype=torch.bfloat16)
     acc = torch.zeros(n_out, n_in, device="cuda")
 
-    def unfused():
-        acc.add_(g.t() @ x)
-
-    def fused():
-        accumulate_wgrad(acc, g, x, fused=True)
-
-    for name, fn in (("unfused_ms", unfused), ("fused_ms", fused) if out["fused_available"] else (None, None)):
-        if fn is None:
-            continue
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        out[name] = start.elapsed_time(end) / reps
+    out["unfused_ms"] = cuda_ms(lambda: acc.add_(g.t() @ x), reps)
+    if out["fused_available"]:
+        out["fused_ms"] = cuda_ms(lambda: accumulate_wgrad(acc, g, x, fused=True), reps)
     return out
 
 
@@ -349,6 +355,8 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
     from trainer.config import resolve
 
     name, _, mb = variant.partition("@")
+    if name not in VARIANTS:
+        raise ValueError(f"variant {variant!r}: known are {', '.join(VARIANTS)}, each optionally @<rows>")
     overrides = {"model.dtype": "bfloat16" if args.device == "cuda" else "float32"}
     if mb:
         overrides["train.micro_batch_size"] = int(mb)
@@ -395,7 +403,8 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
     step = statistics.median(times)
     chunks = micro_batches(batch, cfg.train)
     res = {"micro_batches": len(chunks), "rows_per_micro_batch": chunks[0].rows,
-           "max_tokens_per_gpu": cfg.train.max_tokens_per_gpu, "cuda_graphs": _graphs_state(backend), "fused_wgrad": bool(getattr(getattr(backend, "_local", None), "fused_wgrad", False)),
+           "max_tokens_per_gpu": cfg.train.max_tokens_per_gpu, "cuda_graphs": _graphs_state(backend),
+           "fused_wgrad": bool(getattr(getattr(backend, "_local", None), "fused_wgrad", False)),
            "step_s": step, "ref_forward_s": statistics.median(ref_times), "steps_s": times,
            "tokens": tokens, "tokens_per_s": tokens / step, "mfu": 8 * n_params * tokens / step / (rate * 1e12),
            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
@@ -487,15 +496,9 @@ def run(args, save) -> dict:
                                       512 if not args.tiny else 32)
             print(json.dumps(result["parity"], indent=1), flush=True)
             save(result)
-            try:
-                result["parity_backend_logprobs"] = backend_parity(model_dir, args.device, 8 if not args.tiny else 2,
-                                                                   args.prompt, args.response)
-            except Exception as e:
-                import traceback
-
-                traceback.print_exc()
-                result["parity_backend_logprobs"] = {"error": f"{type(e).__name__}: {e}"}
-            print("backend log-probs vs HF fp32", json.dumps(result["parity_backend_logprobs"]), flush=True)
+            result["parity_backend_logprobs"] = attempt("backend log-probs vs HF fp32", backend_parity, model_dir,
+                                                        args.device, 8 if not args.tiny else 2, args.prompt,
+                                                        args.response)
             save(result)
         del hf_model
         gc.collect()
@@ -506,36 +509,15 @@ def run(args, save) -> dict:
             print("wgrad", json.dumps(result["wgrad"]), flush=True)
             save(result)
         if "graphs" in args.parts:
-            try:
-                result["graphs_check"] = graphs_check(model_dir, args)
-            except Exception as e:
-                import traceback
-
-                traceback.print_exc()
-                result["graphs_check"] = {"error": f"{type(e).__name__}: {e}"}
-            print("graphs_check", json.dumps(result["graphs_check"]), flush=True)
+            result["graphs_check"] = attempt("graphs_check", graphs_check, model_dir, args)
             save(result)
         if "step" in args.parts:
             result["step"] = {}
             for variant in args.variants.split(","):
-                try:
-                    result["step"][variant] = learner_step(variant, model_dir, args, n_params, rate)
-                except Exception as e:  # report and go on: one failing variant must not lose the others
-                    import traceback
-
-                    traceback.print_exc()
-                    result["step"][variant] = {"error": f"{type(e).__name__}: {e}"}
-                print(variant, json.dumps(result["step"][variant]), flush=True)
+                result["step"][variant] = attempt(variant, learner_step, variant, model_dir, args, n_params, rate)
                 save(result)
         if "tp2" in args.parts:
-            try:
-                result["tp2"] = tp2(model_dir, args, n_params, rate)
-            except Exception as e:
-                import traceback
-
-                traceback.print_exc()
-                result["tp2"] = {"error": f"{type(e).__name__}: {e}"}
-            print("tp2", json.dumps(result["tp2"]), flush=True)
+            result["tp2"] = attempt("tp2", tp2, model_dir, args, n_params, rate)
     return result
 
 

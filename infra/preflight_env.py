@@ -169,7 +169,7 @@ def check_gpu(ctx: Context) -> Row:
 def check_gpu_memory(ctx: Context) -> Row:
     """The learner's micro-batches fit the box's GPU, by an estimate (infra/learner_memory.py): a warning,
     since an out-of-memory error would only come after the download, the conversion and the launch."""
-    from infra.learner_memory import learner_peak_gib, tokens_per_micro_batch, tokens_that_fit
+    from infra.learner_memory import USABLE, learner_peak_gib, tokens_per_micro_batch, tokens_that_fit
 
     cfg, src = hf_config(ctx)
     gpu = ctx.facts.get("gpu_gib")
@@ -181,9 +181,9 @@ def check_gpu_memory(ctx: Context) -> Row:
                     "check the GPU with nvidia-smi on the box", warn=True)
     tokens = tokens_per_micro_batch(train, new_tokens)
     fit = tokens_that_fit(cfg, train, gpu)
-    return _row("box.gpu_memory", est <= 0.95 * gpu,
+    return _row("box.gpu_memory", est <= USABLE * gpu,
                 f"~{est:.0f} GiB per GPU at {tokens} tokens per micro-batch; the GPU has {gpu:.0f} GiB",
-                f"<= {0.95 * gpu:.0f} GiB (95%)",
+                f"<= {USABLE * gpu:.0f} GiB ({USABLE:.0%})",
                 f"set train.max_tokens_per_gpu: {fit} in the recipe (the largest that fits by this estimate), "
                 "or rent a GPU with more memory", warn=True)
 

@@ -57,6 +57,25 @@ def test_join_then_follow_is_bit_exact(store, plane):
     assert set(dense) == set(policy.state())
 
 
+def test_lagging_follower_holds_each_version_exactly_k_behind(store):
+    """follow(behind=k) reaches pointer - k and no further, bit-exact with what was published there; a join
+    on a run younger than the lag holds the oldest anchor."""
+    manifest, key, pub, policy, states = _published(store, n=1)
+    rec = Reconstructor(store, manifest.run, plane="bf16", public_key=manifest.trainer_public_key)
+    assert rec.join(behind=2)[0] == 1  # only v1 exists
+    for pointer in range(2, 9):
+        policy.step()
+        states[pub.publish(policy.state())] = get_plane("bf16").from_hf(policy.state())
+        got = rec.follow(behind=2)
+        assert (got is None) == (pointer <= 3)
+        assert rec.version == max(1, pointer - 2)
+        assert_same_bits(rec.state, states[rec.version])
+    cold = Reconstructor(store, manifest.run, plane="bf16", public_key=manifest.trainer_public_key)
+    version, state = cold.join(behind=3)  # v5: entered at the anchor v4 (interval 3), one patch
+    assert version == 5
+    assert_same_bits(state, states[5])
+
+
 def test_contract_mismatch_is_refused_naming_the_value(file_store):
     manifest, *_ = _published(file_store, n=1)
     with pytest.raises(ContractMismatch, match="DRL_PULSE_PLANE='int8g64'.*set DRL_PULSE_PLANE=bf16"):

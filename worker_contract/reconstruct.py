@@ -3,6 +3,7 @@
     rec = Reconstructor(store, run, plane="int8g64", n_samples=8)
     version, state = rec.join()          # newest anchor at or below the pointer, plus patches up to it
     update = rec.follow()                # (version, state) when the pointer moved, else None
+    update = rec.follow(behind=4)        # the same, but never past pointer - 4 (a worker lagging on purpose)
 
 `state` maps plane tensor names to numpy arrays (no torch); `planes.get_plane(plane).to_dense(state)` gives
 HF-named dense tensors. Every step is checked: the pointer's, manifests' and patches' signatures under the
@@ -58,38 +59,62 @@ class Reconstructor:
         self.digest: str | None = None
 
     # -- public ------------------------------------------------------------------------------------------
-    def join(self) -> tuple[int, dict[str, np.ndarray]]:
-        """Cold join: the newest anchor at or below the pointer, then patches up to the pointer."""
+    def join(self, behind: int = 0) -> tuple[int, dict[str, np.ndarray]]:
+        """Cold join: the newest anchor at or below the pointer, then patches up to the pointer.
+
+        `behind` > 0 stops `behind` versions short of the pointer (a worker that lags on purpose, for
+        staleness experiments); where the run has no version that old yet, it joins at its oldest anchor."""
         pointer = self._pointer()
         if pointer is None:
             raise SyncError(f"run {self.run!r} has published no weights yet (no current.json)")
-        version, state, digest = self._load_anchor(pointer.anchor_version)
-        version, state, digest = self._walk(version, state, digest, pointer.version, progress=True)
+        target, anchor = self._target(pointer, behind)
+        version, state, digest = self._load_anchor(anchor)
+        version, state, digest = self._walk(version, state, digest, max(target, anchor), progress=True)
         self._check_pointer_digest(pointer, version, digest)
         self.version, self.state, self.digest = version, state, digest
         return version, state
 
-    def follow(self) -> tuple[int, dict[str, np.ndarray]] | None:
-        """Apply what was published since the last join/follow; None when the pointer has not moved."""
+    def follow(self, behind: int = 0) -> tuple[int, dict[str, np.ndarray]] | None:
+        """Apply what was published since the last join/follow; None when the pointer has not moved.
+
+        With `behind` > 0 it moves only up to `behind` versions short of the pointer: every version on the way
+        is still checked patch by patch against the signed chain."""
         if self.state is None:
-            return self.join()
+            return self.join(behind)
         pointer = self._pointer()
-        if pointer is None or pointer.version <= self.version:
+        if pointer is None:
+            return None
+        target, anchor = self._target(pointer, behind)
+        if target <= self.version:
             return None
         try:
-            version, state, digest = self._walk(self.version, self.state, self.digest, pointer.version)
+            version, state, digest = self._walk(self.version, self.state, self.digest, target)
         except SyncError:
-            if pointer.anchor_version <= self.version:
+            if anchor <= self.version:
                 raise
             # something on the way does not verify (anyone with bucket write access can squat a version the
             # trainer then skipped); the signed pointer names a newer anchor: enter there, as a joiner would
-            version, state, digest = self._load_anchor(pointer.anchor_version)
-            version, state, digest = self._walk(version, state, digest, pointer.version)
+            version, state, digest = self._load_anchor(anchor)
+            version, state, digest = self._walk(version, state, digest, target)
         self._check_pointer_digest(pointer, version, digest)
         self.version, self.state, self.digest = version, state, digest
         return version, state
 
     # -- steps -------------------------------------------------------------------------------------------
+    def _target(self, pointer, behind: int) -> tuple[int, int]:
+        """(version to reach, anchor to enter at) for a follower `behind` versions short of the pointer."""
+        if behind < 0:
+            raise ValueError(f"behind={behind} must be at least 0")
+        if behind == 0:
+            return pointer.version, pointer.anchor_version
+        target = pointer.version - behind
+        anchors = anchor_versions(self.store, self.run)
+        below = [a for a in anchors if a <= target]
+        if below:
+            return target, below[-1]
+        oldest = anchors[0] if anchors else pointer.anchor_version
+        return max(target, oldest), oldest  # the run is younger than the lag: its oldest weights
+
     def _pointer(self):
         try:
             return read_pointer(self.store, self.run, self.public_key)[0]
@@ -137,6 +162,8 @@ class Reconstructor:
         return version, state, digest
 
     def _check_pointer_digest(self, pointer, version: int, digest: str) -> None:
+        if version < pointer.version:
+            return  # a lagging follower: the chain's patch digests were checked on the way
         if version != pointer.version or digest != pointer.result_digest:
             raise SyncError(f"reconstructed v{version} has digest {digest}, the pointer names v{pointer.version} "
                             f"with {pointer.result_digest}")

@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-groups-per-version", type=int, default=None,
                    help="pause after this many groups at one version until a newer one is published")
     p.add_argument("--seed", type=int, default=None, help="seed for prompts and sampling")
+    p.add_argument("--lag-versions", type=int, default=None,
+                   help="sample with the weights this many versions behind the pointer (staleness experiments)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the run's first weights")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines")
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {k: v for k, v in dict(
         store=args.store, run=args.run, model_dir=args.model, worker_id=args.worker_id, max_groups=args.groups,
         seed=args.seed, threads=args.threads, max_groups_per_version=args.max_groups_per_version,
-        wait_timeout_s=args.wait, log_every_s=args.log_every,
+        wait_timeout_s=args.wait, log_every_s=args.log_every, lag_versions=args.lag_versions,
     ).items() if v is not None}
     try:
         Worker(WorkerSettings(**settings)).run(stop)

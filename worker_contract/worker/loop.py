@@ -65,6 +65,9 @@ class WorkerSettings(BaseModel):
     """Give up if the run publishes no weights within this long."""
     log_every_s: float = 10.0
     """Progress line cadence."""
+    lag_versions: int = Field(0, ge=0)
+    """Sample with the weights this many versions behind the pointer (0 = follow it): a worker that lags on
+    purpose, so staleness experiments get groups exactly this many versions old."""
 
 
 @dataclass
@@ -188,7 +191,7 @@ class Worker:
 
         def join():
             try:
-                return self.rec.join()
+                return self.rec.join(self.s.lag_versions)
             except SyncError as e:
                 if "no weights yet" in str(e):
                     raise NotFound(str(e)) from None
@@ -222,13 +225,7 @@ class Worker:
         train = self.task.dataset("train")
         last_log = time.monotonic()
         while not stop.is_set() and (self.s.max_groups <= 0 or self.stats.groups < self.s.max_groups):
-            try:
-                update = self.rec.follow()  # between groups only: a group never mixes versions
-            except (SyncError, StoreError) as e:  # forged or damaged objects, a flaky store
-                log.warning("not following the pointer, staying on v%d: %s", self.version, e)
-                update = None
-            if update is not None:
-                self._swap(*update)
+            self.sync()  # between groups only: a group never mixes versions
             if self._ahead():
                 stop.wait(min(self.s.poll_interval_s, 0.5))
                 continue
@@ -246,27 +243,46 @@ class Worker:
                  self.stats.groups, self.version)
         return self.stats
 
+    def sync(self) -> int:
+        """Follow the pointer (`lag_versions` behind it); returns the version now held. A forged or damaged
+        object or a flaky store leaves the worker on the version it holds."""
+        try:
+            update = self.rec.follow(self.s.lag_versions)
+        except (SyncError, StoreError) as e:
+            log.warning("not following the pointer, staying on v%d: %s", self.version, e)
+            update = None
+        if update is not None:
+            self._swap(*update)
+        return self.version
+
     def _ahead(self) -> bool:
         cap = self.s.max_groups_per_version
         return cap > 0 and self._per_version.get(self.version, 0) >= cap
 
     def sample_group(self, problem: Problem) -> RolloutRecord:
+        return self.sample_groups([problem])[0]
+
+    def sample_groups(self, problems: list[Problem]) -> list[RolloutRecord]:
+        """One group per problem, all sampled in one batch (a GPU worker's rows share each forward)."""
         m = self.manifest
-        prompt = self.policy.prompt_ids(self.task.messages(problem))
-        outs = self.policy.sample(prompt, self.n_samples, temperature=m.temperature, top_p=m.top_p,
-                                  max_new_tokens=m.max_new_tokens)
-        samples = []
-        for o in outs:
-            text = self.policy.decode(o.token_ids)
-            samples.append(Sample(response_ids=o.token_ids, behavior_logprobs=o.logprobs,
-                                  loss_mask=[1] * len(o.token_ids), reward=self.task.reward(text, problem),
-                                  finish_reason=o.finish_reason))
-        return RolloutRecord(
-            run=self.s.run, worker_id=self.s.worker_id, group_id=self._group_id(), policy_version=self.version,
-            plane=self.plane, task=m.task, prompt_id=problem.id, prompt_ids=prompt,
-            sampling=SamplingParams(temperature=m.temperature, top_p=m.top_p, max_new_tokens=m.max_new_tokens),
-            samples=samples, created_at=time.time(),
-        )
+        prompts = [self.policy.prompt_ids(self.task.messages(p)) for p in problems]
+        outs = self.policy.sample_many(prompts, self.n_samples, temperature=m.temperature, top_p=m.top_p,
+                                       max_new_tokens=m.max_new_tokens)
+        records = []
+        for problem, prompt, group in zip(problems, prompts, outs, strict=True):
+            samples = []
+            for o in group:
+                text = self.policy.decode(o.token_ids)
+                samples.append(Sample(response_ids=o.token_ids, behavior_logprobs=o.logprobs,
+                                      loss_mask=[1] * len(o.token_ids), reward=self.task.reward(text, problem),
+                                      finish_reason=o.finish_reason))
+            records.append(RolloutRecord(
+                run=self.s.run, worker_id=self.s.worker_id, group_id=self._group_id(),
+                policy_version=self.version, plane=self.plane, task=m.task, prompt_id=problem.id,
+                prompt_ids=prompt, samples=samples, created_at=time.time(),
+                sampling=SamplingParams(temperature=m.temperature, top_p=m.top_p, max_new_tokens=m.max_new_tokens),
+            ))
+        return records
 
     def _group_id(self) -> str:
         return f"g{time.time_ns() // 1_000_000:013d}-{self._rng.getrandbits(32):08x}"

@@ -63,5 +63,13 @@ class PolicyModel:
                       max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
                       generator=self.generator)
 
+    def sample_many(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
+                    max_new_tokens: int) -> list[list[Completion]]:
+        """`n` completions of each prompt, all rows in one batch; one list per prompt."""
+        flat = sample(self.model, [p for p in prompts for _ in range(n)], temperature=temperature, top_p=top_p,
+                      max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                      generator=self.generator)
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -38,11 +38,11 @@ setup: $(STAMP)  ## create .venv and install the project with its dev extras
 
 gsm8k: setup  ## run the GSM8K job: embedded default on this machine, or HOST=user@box for a GPU box
 	@test -n "$(RUN)" || { echo "usage: make gsm8k RUN=<run-id> [HOST=user@box] [MODEL=/path/to/hf-model]" >&2; exit 2; }
-	$(PY) -m trainer.launch --recipe gsm8k --run $(RUN) $(LAUNCH_FLAGS)
+	$(PY) -m entrypoints.launch --recipe gsm8k --run $(RUN) $(LAUNCH_FLAGS)
 
 psqa: setup  ## run the PaperSearchQA fleet reference on HOST=user@box
 	@test -n "$(RUN)" || { echo "usage: make psqa RUN=<run-id> HOST=user@box" >&2; exit 2; }
-	$(PY) -m trainer.launch --recipe psqa --run $(RUN) $(LAUNCH_FLAGS)
+	$(PY) -m entrypoints.launch --recipe psqa --run $(RUN) $(LAUNCH_FLAGS)
 
 test: setup  ## install what the tests need and run them (nox -s tests)
 	$(VENV)/bin/nox -s tests

@@ -80,8 +80,8 @@ def run(args) -> dict:
     import torch
     from transformers import Lfm2MoeForCausalLM
 
-    from infra.convert.model import build_model, load_full_state
-    from infra.convert.registry import get_architecture
+    from trainer.models.model import build_model, load_full_state
+    from trainer.models.registry import get_architecture
 
     dtype = getattr(torch, args.dtype)
     cfg = hf_config(args)

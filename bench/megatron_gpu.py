@@ -156,8 +156,8 @@ def _capture(store: list):
 def parity(hf_model, model_dir: Path, device: str, batch: int, seq: int) -> dict:
     import torch
 
-    from infra.convert import get_architecture, load_hf_config
-    from infra.convert.model import build_model, load_full_state
+    from trainer.models import get_architecture, load_hf_config
+    from trainer.models.model import build_model, load_full_state
 
     cfg = load_hf_config(model_dir)
     arch = get_architecture(cfg)
@@ -327,7 +327,7 @@ def wgrad_accumulation(device: str, tokens: int = 4096, n_in: int = 1536, n_out:
     a bf16 GEMM then a separate float32 add (CUDA events, mean of `reps`)."""
     import torch
 
-    from infra.convert.fused_linear import accumulate_wgrad, fused_wgrad_available
+    from trainer.models.fused_linear import accumulate_wgrad, fused_wgrad_available
 
     out = {"fused_available": fused_wgrad_available(device), "shape": [tokens, n_in, n_out]}
     if device != "cuda":

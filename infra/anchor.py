@@ -19,7 +19,7 @@ from .slime_launch import BoxPaths
 
 
 def run_manifest(cfg: RecipeConfig, identity: Any, public_key: str) -> RunManifest:
-    """run.json from the recipe and the HF model's identity (infra.convert.ModelIdentity)."""
+    """run.json from the recipe and the HF model's identity (trainer.models.ModelIdentity)."""
     a = cfg.algo
     return RunManifest(
         run=cfg.run, n_samples=cfg.contract.n_samples, plane=cfg.contract.plane, kv_mode=cfg.contract.kv_mode,
@@ -45,8 +45,8 @@ def open_run_store(cfg: RecipeConfig, paths: BoxPaths, env: Mapping[str, str] | 
 def publish_base_anchor(cfg: RecipeConfig, paths: BoxPaths, env: Mapping[str, str] | None = None,
                         progress: bool = True) -> str:
     """Create (or identically resume) run.json and publish the HF base as the first anchor."""
-    from infra.convert import check_model_identity, identity_from_hf
-    from infra.convert.hf_io import iter_tensors, safetensors_files
+    from trainer.models import check_model_identity, identity_from_hf
+    from trainer.models.hf_io import iter_tensors, safetensors_files
     from trainer.publisher import Publisher
     from worker_contract.manifest import create_or_resume
     from worker_contract.signing import fingerprint, load_or_create_private_key, public_key_b64

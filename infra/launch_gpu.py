@@ -200,8 +200,8 @@ def step_download_model(cfg: RecipeConfig, paths: BoxPaths) -> str:
 
 
 def step_convert_model(cfg: RecipeConfig, paths: BoxPaths) -> str:
-    from infra.convert import check_model_identity, identity_from_hf, read_identity
     from infra.convert_tasks import convert_command
+    from trainer.models import check_model_identity, identity_from_hf, read_identity
 
     hf_dir, out = paths.hf_dir(cfg.model.hf_id), paths.torch_dist_dir(cfg.model.hf_id)
     hf = identity_from_hf(hf_dir)

@@ -267,7 +267,7 @@ def check_batch(ctx: Context) -> Row:
 def hf_config(ctx: Context) -> tuple[dict | None, str]:
     """The HF config.json to check against, and where it came from."""
     if "hf_config" not in ctx.facts:
-        from infra.convert.hf_io import load_hf_config
+        from trainer.models.hf_io import load_hf_config
 
         cfg, src = None, "no HF config here (pass --hf-dir, or the box checks it at launch)"
         if ctx.hf_dir is not None and (ctx.hf_dir / "config.json").is_file():
@@ -279,7 +279,7 @@ def hf_config(ctx: Context) -> tuple[dict | None, str]:
 
 
 def check_rotary(ctx: Context) -> Row:
-    from infra.convert.hf_io import rope_theta_of
+    from trainer.models.hf_io import rope_theta_of
 
     cfg, src = hf_config(ctx)
     seen = ctx.flag("--rotary-base")
@@ -310,7 +310,7 @@ def check_vocab_tokenizer(ctx: Context) -> Row:
     if ctx.flag("--vocab-size") is not None and not _num_eq(ctx.flag("--vocab-size"), vocab):
         problems.append(f"--vocab-size {ctx.flag('--vocab-size')} vs HF {vocab}")
     if ctx.hf_dir is not None and (ctx.hf_dir / "tokenizer.json").is_file() and ctx.manifest is not None:
-        from infra.convert.identity import IdentityMismatch, check_model_identity, identity_from_hf
+        from trainer.models.identity import IdentityMismatch, check_model_identity, identity_from_hf
 
         try:
             check_model_identity(identity_from_hf(ctx.hf_dir), manifest={

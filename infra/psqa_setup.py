@@ -1,6 +1,6 @@
 """PaperSearchQA fleet: the decoupled trainer setup steps the GPU-box launch runs for the psqa recipe.
 
-    install_lfm2_plugin  check that slime's Python imports our LFM2 modules (infra.convert.lfm2_*; the tree is
+    install_lfm2_plugin  check that slime's Python imports our LFM2 modules (trainer.models.lfm2_*; the tree is
                          on the job's PYTHONPATH) and that the --spec hook builds the model's layer spec
     base_model           pull the LFM2.5-8B-A1B HF directory and its converted torch_dist from `bases/lfm25/`
                          in the bucket (digests checked); when the base is absent: download from the Hub,
@@ -151,7 +151,7 @@ def step_install_lfm2_plugin(cfg, paths) -> str:
     import sys
 
     hf_dir = paths.hf_dir(cfg.model.hf_id)
-    code = ("import json,sys; from infra.convert import lfm2_layers, lfm2_slime; "
+    code = ("import json,sys; from trainer.models import lfm2_layers, lfm2_slime; "
             f"spec = lfm2_slime.lfm2_spec(type('A', (), {{'hf_checkpoint': {hf_dir!r}}})()); "
             "print(len(spec.layer_specs))")
     env = {**os.environ, "PYTHONPATH": f"{cfg.launch.megatron_dir}:{paths.remote_dir}"}

@@ -169,7 +169,7 @@ def _qwen2_like(cfg: RecipeConfig, c: Mapping[str, Any]) -> list[str]:
 
 
 def _lfm2_moe(cfg: RecipeConfig, c: Mapping[str, Any]) -> list[str]:
-    from .convert.lfm2_slime import model_flags
+    from trainer.models.lfm2_slime import model_flags
 
     return model_flags(c, rotary_base(cfg, c))
 

@@ -15,18 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.convert import (
+from infra.convert import plan
+from tests import megatron_cpu
+from trainer.models import (
     ConvertError,
     IdentityMismatch,
     check_model_identity,
     get_architecture,
     identity_from_hf,
     load_hf_config,
-    plan,
     read_identity,
 )
-from infra.convert.hf_io import iter_tensors, safetensors_files
-from tests import megatron_cpu
+from trainer.models.hf_io import iter_tensors, safetensors_files
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def hf_state(d: Path) -> dict[str, torch.Tensor]:
 
 
 def mg_model(cfg, attention="local", dtype=torch.float32):
-    from infra.convert.model import build_model
+    from trainer.models.model import build_model
 
     return build_model(cfg, dtype=dtype, attention=attention, fused=False, device="cpu").eval()
 
@@ -59,7 +59,7 @@ def mg_logits(model, ids):
 # -- parity and round trips (in process) -------------------------------------------------------------------
 @pytest.mark.parametrize("tied", [True, False])
 def test_logits_parity_and_round_trip(tmp_path, mcore, tied):
-    from infra.convert.model import full_state, load_full_state
+    from trainer.models.model import full_state, load_full_state
 
     hf_model = megatron_cpu.make_tiny_qwen2(tmp_path, tied=tied)
     cfg = load_hf_config(tmp_path)
@@ -83,7 +83,7 @@ def test_logits_parity_and_round_trip(tmp_path, mcore, tied):
 
 
 def test_round_trip_bf16_and_vocab_padding(tmp_path, mcore):
-    from infra.convert.model import full_state, load_full_state
+    from trainer.models.model import full_state, load_full_state
 
     megatron_cpu.make_tiny_qwen2(tmp_path, tied=False, dtype=torch.bfloat16)
     cfg = load_hf_config(tmp_path)
@@ -94,7 +94,7 @@ def test_round_trip_bf16_and_vocab_padding(tmp_path, mcore):
     model = mg_model(cfg, dtype=torch.bfloat16)
     with pytest.raises(ConvertError, match="shape"):
         load_full_state(model, mg)  # a 128-row model cannot take the padded tensors
-    from infra.convert.model import build_model
+    from trainer.models.model import build_model
 
     padded = build_model(cfg, padded_vocab_size=160, dtype=torch.bfloat16, attention="local", fused=False, device="cpu")
     load_full_state(padded, mg)
@@ -103,7 +103,7 @@ def test_round_trip_bf16_and_vocab_padding(tmp_path, mcore):
 
 
 def test_qkv_interleave_is_per_group():
-    from infra.convert.qwen2 import interleave_qkv, split_qkv
+    from trainer.models.qwen2 import interleave_qkv, split_qkv
 
     nh, ng, d = 4, 2, 1
     q = torch.tensor([[0.0], [1.0], [2.0], [3.0]])  # heads 0,1 -> group 0; 2,3 -> group 1
@@ -115,7 +115,7 @@ def test_qkv_interleave_is_per_group():
 
 def test_rotary_mismatch_refused_and_changes_logits(tmp_path, mcore):
     """10000 vs 1000000: refused by the gate, and (shown here) a different model if it were not."""
-    from infra.convert.model import load_full_state
+    from trainer.models.model import load_full_state
 
     hf_model = megatron_cpu.make_tiny_qwen2(tmp_path, rope_theta=1e6)
     ident = identity_from_hf(tmp_path)
@@ -182,7 +182,7 @@ def test_clear_errors_for_missing_files_and_bad_config(tmp_path):
     (good / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}))
     with pytest.raises(ConvertError, match="yarn"):
         load_hf_config(good)
-    from infra.convert import get_architecture
+    from trainer.models import get_architecture
 
     odd = {**cfg, "use_sliding_window": True, "num_key_value_heads": 3}
     with pytest.raises(ConvertError, match=r"model_type qwen2\) has unsupported settings: use_sliding_window=true.*; "
@@ -217,8 +217,9 @@ def _run_convert(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_convert_to_torch_dist_and_back(tmp_path, mcore):
-    from infra.convert import export_hf, torch_dist
-    from infra.convert.model import build_model, full_state
+    from infra.convert import export_hf
+    from trainer.models import torch_dist
+    from trainer.models.model import build_model, full_state
 
     hf_dir, out = tmp_path / "hf", tmp_path / "mg"
     megatron_cpu.make_tiny_qwen2(hf_dir, tied=True, dtype=torch.bfloat16)

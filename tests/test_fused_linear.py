@@ -1,4 +1,4 @@
-"""Linears that add weight gradients into a float32 `main_grad` (infra/convert/fused_linear.py), on the CPU.
+"""Linears that add weight gradients into a float32 `main_grad` (trainer/models/fused_linear.py), on the CPU.
 
 Megatron's own linears are the reference: same outputs, same input gradients, and the weight gradients
 that autograd would have produced, found in `main_grad` instead (summed over micro-batches); under
@@ -33,7 +33,7 @@ def _pair(dtype: torch.dtype, *, ours: bool, rank: int = 0, size: int = 1):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
 
-    from infra.convert.fused_linear import linear_classes
+    from trainer.models.fused_linear import linear_classes
 
     column, row = linear_classes() if ours else (ColumnParallelLinear, RowParallelLinear)
     cfg = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, params_dtype=dtype,
@@ -110,7 +110,7 @@ def test_tensor_parallel_2_all_reduces_the_input_gradient(tmp_path, mcore):
 
 
 def test_probe_is_off_on_the_cpu_and_accumulation_is_exact_there():
-    from infra.convert.fused_linear import accumulate_wgrad, fused_wgrad_available
+    from trainer.models.fused_linear import accumulate_wgrad, fused_wgrad_available
 
     assert not fused_wgrad_available("cpu")
     g = torch.randn(7, 4).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""`python -m trainer.launch` (what `make gsm8k` runs): where a job goes, and a dry run that shows the resolved
+"""`python -m entrypoints.launch` (what `make gsm8k` runs): where a job goes, and a dry run that shows the resolved
 configuration and what would run, changes nothing and prints no secret."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.launch import choose_mode
+from entrypoints.launch import choose_mode
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET = "launch-test-secret-value-0123456789"
@@ -38,7 +38,7 @@ def test_choose_mode(host, env, gpu, mode):
 def _launch(*args, env=None, cwd=REPO):
     full = {k: v for k, v in os.environ.items() if not k.startswith(("DRL_", "R2_"))}
     full.update({"PYTHONPATH": str(REPO), "DRL_NO_GPU": "1", **(env or {})})
-    return subprocess.run([sys.executable, "-m", "trainer.launch", *args], env=full, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "entrypoints.launch", *args], env=full, cwd=cwd,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -118,6 +118,18 @@ def test_help_is_instant_and_lists_the_flags():
     assert p.returncode == 0
     for flag in ("--recipe", "--run", "--host", "--model", "--ssh-key", "--remote-dir"):
         assert flag in p.stdout
-    probe = subprocess.run([sys.executable, "-c", "import sys, trainer.launch; print('torch' in sys.modules)"],
+    probe = subprocess.run([sys.executable, "-c", "import sys, entrypoints.launch; print('torch' in sys.modules)"],
                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     assert probe.stdout.strip() == "False"
+
+
+def test_old_module_path_runs_the_same_launcher():
+    """`python -m trainer.launch` (older docs, outside scripts) re-executes entrypoints.launch unchanged."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("DRL_", "R2_"))}
+    full.update({"PYTHONPATH": str(REPO), "DRL_NO_GPU": "1", "DRL_DRY_RUN": "1"})
+    old = subprocess.run([sys.executable, "-m", "trainer.launch", "--recipe", "gsm9k", "--run", "x1"], env=full,
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert old.returncode == 2 and "unknown recipe 'gsm9k'" in old.stderr
+    assert "python -m entrypoints.launch" in subprocess.run(
+        [sys.executable, "-m", "trainer.launch", "--help"], env=full, cwd=REPO, capture_output=True, text=True,
+        timeout=120).stdout

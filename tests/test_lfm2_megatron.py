@@ -63,8 +63,8 @@ def _disk_state(model, tmp_path):
 
 
 def _megatron(cfg, state, attention="sdpa"):
-    from infra.convert.model import build_model, load_full_state
-    from infra.convert.registry import get_architecture
+    from trainer.models.model import build_model, load_full_state
+    from trainer.models.registry import get_architecture
 
     model = build_model(cfg, dtype=torch.float32, attention=attention, fused=False, device="cpu")
     load_full_state(model, get_architecture(cfg).hf_to_megatron(state, cfg, cfg["vocab_size"]))
@@ -112,8 +112,8 @@ def test_gradients_flow_but_expert_bias_is_frozen(dist, tmp_path):
 
 
 def test_name_round_trip_is_exact(dist, tmp_path):
-    from infra.convert.model import full_state
-    from infra.convert.registry import get_architecture
+    from trainer.models.model import full_state
+    from trainer.models.registry import get_architecture
 
     state, cfg = _disk_state(_tiny_hf(), tmp_path)
     arch = get_architecture(cfg)
@@ -131,8 +131,8 @@ def test_name_round_trip_is_exact(dist, tmp_path):
 
 
 def test_unsupported_configs_are_refused(tmp_path):
-    from infra.convert.hf_io import ConvertError
-    from infra.convert.registry import get_architecture
+    from trainer.models.hf_io import ConvertError
+    from trainer.models.registry import get_architecture
 
     _, cfg = _disk_state(_tiny_hf(), tmp_path)
     arch = get_architecture(cfg)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infra.convert import IdentityMismatch
 from tests import megatron_cpu
 from trainer.algo import policy_loss
 from trainer.config import AlgoConfig, ModelConfig, RecipeConfig, TrainConfig
+from trainer.models import IdentityMismatch
 
 VOCAB = 64
 
@@ -170,7 +170,7 @@ def test_float32_main_grads_accumulate_inside_the_linears(tmp_path, mcore):
     plain, fused = load(False), load(True)
     assert not plain._local.fused_wgrad and fused._local.fused_wgrad  # CPU: off unless asked for
     rank = fused._local
-    from infra.convert.fused_linear import is_main_grad_linear
+    from trainer.models.fused_linear import is_main_grad_linear
 
     linears = [m.weight for m in rank.model.modules() if is_main_grad_linear(m)]
     assert len(linears) == 4 * 2  # qkv, proj, fc1, fc2 per layer

@@ -489,7 +489,7 @@ def test_fleet_dry_run_piped_into_preflight(moto_server, s3_store, sshd_server, 
     example = REPO / "runs" / "psqa-decoupled" / "launch_fleet.env.example"
     key, box = str(sshd_server.client_key), tmp_path / "box"
     env = {**moto_server.env(), "PATH": os.environ["PATH"], "HOME": str(tmp_path), "DRL_STORE": s3_store.url}
-    script = (f"set -a; . {example}; set +a; DRL_DRY_RUN=1 {sys.executable} -m trainer.launch --recipe psqa "
+    script = (f"set -a; . {example}; set +a; DRL_DRY_RUN=1 {sys.executable} -m entrypoints.launch --recipe psqa "
               f'--run "$DRL_RUN" --host {sshd_server.host} --ssh-key {key} --remote-dir {box} '
               f"| {sys.executable} -m infra.preflight --ssh-key {key}")
     out = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -507,7 +507,7 @@ def test_quickstart_dry_run_piped_into_preflight(moto_server, s3_store, sshd_ser
     key = str(sshd_server.client_key)
     env = {**moto_server.env(), "PATH": os.environ["PATH"], "HOME": str(tmp_path), "DRL_STORE": s3_store.url,
            "DRL_RUN": "qs-pf-1", "DRL_PULSE_PLANE": "bf16", "DRL_DRY_RUN": "1"}
-    launch = [sys.executable, "-m", "trainer.launch", "--recipe", "gsm8k", "--run", "qs-pf-1"]
+    launch = [sys.executable, "-m", "entrypoints.launch", "--recipe", "gsm8k", "--run", "qs-pf-1"]
     dry = subprocess.run([*launch, "--host", sshd_server.host, "--ssh-key", key, "--remote-dir", str(tmp_path / "b")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr

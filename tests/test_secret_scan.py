@@ -122,11 +122,11 @@ def test_no_credential_value_in_any_command_output_or_file(scan, moto_server):
     scan, bucket = scan
     py, inv = sys.executable, str(Path(sys.executable).parent / "invoke")
     dry = {"DRL_DRY_RUN": "1"}
-    embedded = scan.run("dry run (embedded)", [py, "-m", "trainer.launch", "--recipe", "gsm8k", "--run", RUN], env=dry)
+    embedded = scan.run("dry run (embedded)", [py, "-m", "entrypoints.launch", "--recipe", "gsm8k", "--run", RUN], env=dry)
     assert "DRL_DRY_RUN=1" in embedded.stdout and "R2_SECRET_ACCESS_KEY=**********" in embedded.stdout
-    remote = scan.run("dry run (remote)", [py, "-m", "trainer.launch", "--recipe", "gsm8k", "--run", RUN,
+    remote = scan.run("dry run (remote)", [py, "-m", "entrypoints.launch", "--recipe", "gsm8k", "--run", RUN,
                                            "--host", "trainer@127.0.0.1"], env=dry)
-    scan.run("dry run (fleet)", [py, "-m", "trainer.launch", "--recipe", "psqa", "--run", RUN,
+    scan.run("dry run (fleet)", [py, "-m", "entrypoints.launch", "--recipe", "psqa", "--run", RUN,
                                  "--host", "trainer@127.0.0.1"], env=dry)
     scan.run("preflight", [py, "-m", "infra.preflight", "--profile", "quickstart"], stdin=remote.stdout, ok=(0, 1))
     scan.run("invoke preflight", [inv, "preflight", "--recipe", "gsm8k", "--run", RUN], ok=(0, 1))

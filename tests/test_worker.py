@@ -49,8 +49,8 @@ def _publish_run(store, model_dir, *, n_samples=N, max_new_tokens=12):
     from transformers import AutoModelForCausalLM
 
     from infra.anchor import run_manifest
-    from infra.convert.identity import identity_from_hf
     from trainer.config import resolve
+    from trainer.models.identity import identity_from_hf
     from trainer.publisher import Publisher
 
     cfg = resolve("gsm8k", env={}, overrides={"run": RUN, "task": "arithmetic", "contract.n_samples": n_samples,
@@ -189,7 +189,7 @@ def test_worker_refuses_a_multi_turn_task(tmp_path, tiny_model_dir):
 
 
 def test_worker_identity_digests_agree_with_the_trainers(tiny_model_dir):
-    from infra.convert.identity import identity_from_hf
+    from trainer.models.identity import identity_from_hf
     from worker_contract.worker.identity import local_identity
 
     assert local_identity(tiny_model_dir) == identity_from_hf(tiny_model_dir).manifest_values()

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["learner"]:
         return learner_main(argv[1:])
     print("usage: python -m trainer.embedded learner --recipe-json R --model-dir D --run-dir R\n"
-          "(the embedded run itself starts with `make gsm8k RUN=<id>` / python -m trainer.launch)", file=sys.stderr)
+          "(the embedded run itself starts with `make gsm8k RUN=<id>` / python -m entrypoints.launch)", file=sys.stderr)
     return 2
 
 
@@ -199,7 +199,7 @@ def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
     """run.json (created, or resumed with an identical contract) and the run's signing key; returns the
     store, the manifest and the fingerprint of the key this launcher holds (the workers' join card value)."""
     from infra.anchor import run_manifest
-    from infra.convert.identity import identity_from_hf
+    from trainer.models.identity import identity_from_hf
     from worker_contract.manifest import create_or_resume
     from worker_contract.signing import fingerprint, load_or_create_private_key, public_key_b64
     from worker_contract.store import open_store

@@ -39,15 +39,8 @@ def recipe_rotary_base(recipe: str | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from infra.convert import (
-        ConvertError,
-        IdentityMismatch,
-        check_model_identity,
-        convert,
-        export_hf,
-        identity_from_hf,
-        plan,
-    )
+    from infra.convert import convert, export_hf, plan
+    from trainer.models import ConvertError, IdentityMismatch, check_model_identity, identity_from_hf
 
     try:
         rb = recipe_rotary_base(args.recipe)

@@ -12,10 +12,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from . import torch_dist
-from .hf_io import ConvertError, iter_tensors, load_hf_config, safetensors_files, save_hf_state
-from .identity import IDENTITY_FILE, ModelIdentity, check_model_identity, identity_from_hf, read_identity
-from .registry import get_architecture
+from trainer.models import torch_dist
+from trainer.models.hf_io import ConvertError, iter_tensors, load_hf_config, safetensors_files, save_hf_state
+from trainer.models.identity import (
+    IDENTITY_FILE,
+    ModelIdentity,
+    check_model_identity,
+    identity_from_hf,
+    read_identity,
+)
+from trainer.models.registry import get_architecture
 
 _DTYPES = {"bfloat16", "float16", "float32"}
 #: tokenizer and generation files copied verbatim when exporting back to HF
@@ -86,7 +92,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, rotary_base: float | Non
         mg = arch.hf_to_megatron(hf, cfg, identity.padded_vocab_size)
         del hf
         bar.update(step, total=1, completed=1)
-        from .model import build_model, full_state, load_full_state
+        from trainer.models.model import build_model, full_state, load_full_state
 
         with torch_dist.single_process_group():
             step = bar.add_task("building GPTModel and saving torch_dist", total=None)
@@ -122,7 +128,7 @@ def export_hf(ckpt_root: str | Path, out_dir: str | Path, *, hf_source: str | Pa
     recorded = read_identity(ckpt_root)
     check_model_identity(identity_from_hf(hf_source, padded_vocab_size=recorded.padded_vocab_size), checkpoint=recorded)
     arch = get_architecture(cfg)
-    from .model import build_model, full_state
+    from trainer.models.model import build_model, full_state
 
     with _progress(progress) as bar, torch_dist.single_process_group():
         step = bar.add_task("loading torch_dist", total=None)

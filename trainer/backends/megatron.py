@@ -1,6 +1,6 @@
 """The megatron-core backend: GPU scale, tensor parallelism across the GPUs of one host.
 
-The model is megatron-core's GPTModel built from the HF config (infra/convert/model.py: our local layer
+The model is megatron-core's GPTModel built from the HF config (trainer/models/model.py: our local layer
 spec with torch SDPA as core attention, or Transformer Engine's spec when it is installed), loaded from
 the HF safetensors through the same name mapping the converter uses, or from a converted torch_dist
 checkpoint (`load=`). Log-probs are computed vocabulary-parallel (trainer/backends/vocab_parallel.py):

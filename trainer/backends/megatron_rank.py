@@ -3,7 +3,7 @@
 Precision: the model computes in the recipe's dtype (bf16 on GPU) while the optimizer updates float32
 master copies, into which each micro-batch's gradients are accumulated. The linear layers and the output
 layer add their weight gradients into the float32 buffers inside the weight-gradient GEMM
-(`infra/convert/fused_linear.py`, where torch supports it: `weight.main_grad` points at the master's
+(`trainer/models/fused_linear.py`, where torch supports it: `weight.main_grad` points at the master's
 gradient); the remaining parameters' bf16 gradients (embedding, norms, biases) are added with one
 multi-tensor launch after each micro-batch's backward. An lr-1e-6 Adam update is below half a bf16 ulp for
 most weights, so bf16-only weights would not learn; this is megatron's own mixed-precision scheme.
@@ -47,9 +47,9 @@ class MegatronRank:
                  compile_layers: bool = False, fused_wgrad: bool | None = None, cuda_graphs: bool | None = None):
         from megatron.core import parallel_state as ps
 
-        from infra.convert import check_model_identity, identity_from_hf, load_hf_config
-        from infra.convert.model import build_model
-        from infra.convert.registry import get_architecture
+        from trainer.models import check_model_identity, identity_from_hf, load_hf_config
+        from trainer.models.model import build_model
+        from trainer.models.registry import get_architecture
 
         self.cfg = cfg
         self.device = torch.device(device)
@@ -64,7 +64,7 @@ class MegatronRank:
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.tp_group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
         if attention == "auto":
-            from infra.convert.model import have_te
+            from trainer.models.model import have_te
 
             attention = "te" if have_te() else "sdpa"
         self.attention = attention
@@ -92,9 +92,9 @@ class MegatronRank:
 
     # -- weights -------------------------------------------------------------------------------------
     def _load_weights(self, model_dir: str | Path, load: str | Path | None) -> None:
-        from infra.convert import check_model_identity, read_identity, torch_dist
-        from infra.convert.hf_io import iter_tensors, safetensors_files
-        from infra.convert.model import load_full_state
+        from trainer.models import check_model_identity, read_identity, torch_dist
+        from trainer.models.hf_io import iter_tensors, safetensors_files
+        from trainer.models.model import load_full_state
 
         if load is not None:  # a converted torch_dist checkpoint: identity recorded beside it must agree
             check_model_identity(self.identity, checkpoint=read_identity(load))
@@ -126,7 +126,7 @@ class MegatronRank:
     def _use_main_grads(self, fused: bool | None) -> bool:
         """Point the linear and output-layer weights' `main_grad` at their float32 master gradients, so their
         backward accumulates there (`fused`: None = where the GEMM can add in float32, probed once)."""
-        from infra.convert.fused_linear import fused_wgrad_available, is_main_grad_linear
+        from trainer.models.fused_linear import fused_wgrad_available, is_main_grad_linear
 
         if self.masters is self.params or not (fused_wgrad_available(self.device) if fused is None else fused):
             return False
@@ -275,7 +275,7 @@ class MegatronRank:
 
     # -- publishing and checkpoints ----------------------------------------------------------------------
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
-        from infra.convert.model import full_state
+        from trainer.models.model import full_state
 
         full = full_state(self.model)  # collective over the TP group
         hf = self.arch.megatron_to_hf(full, self.hf_cfg)

@@ -131,7 +131,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from infra.convert.fused_linear import accumulate_wgrad
+        from trainer.models.fused_linear import accumulate_wgrad
 
         hidden, weight, local, inside, lse = ctx.saved_tensors
         inv_t, valid, chunk = ctx.inv_t, ctx.valid, ctx.chunk

@@ -60,15 +60,15 @@ def _slime_hf_state(args: Any, model: list) -> dict[str, Any]:
 
 
 def _our_spec(args: Any) -> bool:
-    """True when slime built the model from one of our layer specs (`--spec infra.convert...`)."""
+    """True when slime built the model from one of our layer specs (`--spec trainer.models...`)."""
     spec = getattr(args, "spec", None) or []
-    return bool(spec) and str(spec[0]).startswith("infra.convert.")
+    return bool(spec) and str(spec[0]).startswith("trainer.models.")
 
 
 def _our_arch_hf_state(args: Any, model: list, named_params_and_buffers, all_gather_param) -> dict[str, Any]:
-    """Full Megatron tensors under our converter's names -> HF names (infra.convert registry), the exact
+    """Full Megatron tensors under our converter's names -> HF names (trainer.models registry), the exact
     inverse of the conversion that built the checkpoint slime loaded."""
-    from infra.convert import get_architecture, load_hf_config
+    from trainer.models import get_architecture, load_hf_config
 
     cfg = load_hf_config(args.hf_checkpoint)
     mg: dict[str, Any] = {}

@@ -1,5 +1,5 @@
 """LFM2-MoE inside slime: the Megatron flags of the model and the layer-spec hook slime's model provider
-calls (`--spec infra.convert.lfm2_slime lfm2_spec`), so slime builds exactly the model our converter wrote.
+calls (`--spec trainer.models.lfm2_slime lfm2_spec`), so slime builds exactly the model our converter wrote.
 
 The spec hook reads the HF config.json from `--hf-checkpoint`; the flags come from the same file.
 """
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SPEC = ["infra.convert.lfm2_slime", "lfm2_spec"]
+SPEC = ["trainer.models.lfm2_slime", "lfm2_spec"]
 
 
 def _num(x: float) -> str:
@@ -19,7 +19,7 @@ def _num(x: float) -> str:
 
 
 def model_flags(c: Mapping[str, Any], rotary: float) -> list[str]:
-    """Megatron flags of an lfm2_moe config.json (the TransformerConfig infra.convert.lfm2 builds)."""
+    """Megatron flags of an lfm2_moe config.json (the TransformerConfig trainer.models.lfm2 builds)."""
     from .lfm2 import Lfm2, dense_ffn
 
     Lfm2().validate(c)

@@ -113,6 +113,6 @@ def get_architecture(cfg_or_type: Mapping[str, Any] | str) -> Architecture:
     if mt not in ARCHITECTURES:
         raise ConvertError(
             f"model_type={mt!r} has no Megatron mapping; known: {', '.join(sorted(ARCHITECTURES))} "
-            "(add one in infra/convert/registry.py)"
+            "(add one in trainer/models/registry.py)"
         )
     return ARCHITECTURES[mt]

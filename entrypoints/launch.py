@@ -1,0 +1,148 @@
+"""`python -m entrypoints.launch --recipe gsm8k --run RUN [--host H] [--model PATH] [--ssh-key K] [--remote-dir D]`
+
+What `make gsm8k RUN=<id>` runs. It resolves the recipe (trainer.config.resolve), then picks where the job
+runs, in this order:
+    --host given                                   -> infra.remote.launch_remote (the GPU box over SSH)
+    a CUDA GPU here and R2 credentials or DRL_STORE -> infra.launch_gpu.launch_on_this_box
+    otherwise                                      -> the embedded default (trainer.embedded)
+DRL_DRY_RUN=1 prints the fully resolved configuration and exactly what would run (secrets redacted) and
+changes nothing. An unknown recipe or a bad run id is refused with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+Mode = Literal["remote", "gpu", "embedded"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m entrypoints.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", required=True, help="recipe name (runs/): gsm8k, psqa")
+    ap.add_argument("--run", required=True, help="run id (DRL_RUN): the bucket prefix")
+    ap.add_argument("--host", default=None, help="user@gpu-box: launch the real trainer there over SSH")
+    ap.add_argument("--model", default=None, help="a local HF model directory to train instead of the default")
+    ap.add_argument("--ssh-key", default=None, help="SSH private key for --host")
+    ap.add_argument("--remote-dir", default=None, help="where the tree goes on --host (default /root/dRL)")
+    return ap.parse_args(argv)
+
+
+def has_cuda() -> bool:
+    """A CUDA GPU torch can use (DRL_NO_GPU=1 pretends there is none)."""
+    if os.environ.get("DRL_NO_GPU", "") not in ("", "0"):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def choose_mode(*, host: str | None, env: Mapping[str, str], gpu: bool) -> tuple[Mode, str]:
+    """Where the job runs and why (a pure function of its inputs, so the decision is testable)."""
+    if host:
+        return "remote", f"HOST={host}: the real trainer on that GPU box over SSH"
+    has_r2 = all(env.get(v, "").strip() for v in ("R2_ACCOUNT_ID", "R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY",
+                                                   "R2_BUCKET"))
+    has_store = bool(env.get("DRL_STORE", "").strip())
+    if gpu and (has_r2 or has_store):
+        return "gpu", "a CUDA GPU and " + ("R2 credentials" if has_r2 else "DRL_STORE") + ": the real trainer here"
+    why = "no HOST, " + ("a CUDA GPU but no R2 credentials or DRL_STORE" if gpu else "no CUDA GPU")
+    return "embedded", f"{why}: the embedded default on this machine"
+
+
+def _dump(cfg) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=None, width=110)
+
+
+def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[str], None]) -> None:
+    """The resolved config, the contract environment (secrets redacted) and what would run."""
+    from worker_contract.env import R2_VARS, REDACTED, SECRET_VARS
+
+    if mode == "embedded":
+        from trainer.embedded import STOA_DIR, EmbeddedPaths, embedded_cfg
+
+        paths = EmbeddedPaths(STOA_DIR, cfg.run)
+        cfg = embedded_cfg(cfg, paths)
+    out(f"# DRL_DRY_RUN=1: nothing is changed\n# mode: {mode} ({why})\n# resolved configuration:")
+    out(_dump(cfg))
+    out("# environment:")
+    shown = [(v, env[v]) for v in ("DRL_RUN", "DRL_STORE", "DRL_N_SAMPLES", "DRL_PULSE_PLANE", *R2_VARS)
+             if env.get(v, "")]
+    for var, value in shown:
+        out(f"{var}={REDACTED if var in SECRET_VARS else value}")
+    if not shown:
+        out("(no DRL_* contract or R2_* variables set)")
+    if mode == "embedded":
+        from trainer.embedded import plan_lines
+
+        out("# will run:")
+        for line in plan_lines(cfg, paths):
+            out(line)
+
+
+def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
+           out: Callable[[str], None] = print) -> int:
+    args = parse_args(argv)
+    from trainer.config import REPO_ROOT, recipe_path, resolve
+    from worker_contract import layout
+    from worker_contract.env import EnvError, load_env
+
+    try:
+        recipe_path(args.recipe)
+        layout.check_run_id(args.run)
+        env = load_env(env, repo_root=REPO_ROOT)
+    except (ValueError, EnvError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    mode, why = choose_mode(host=args.host, env=env, gpu=has_cuda())
+    overrides = {"run": args.run, "model.path": os.path.abspath(args.model) if args.model else None}
+    if args.remote_dir:
+        overrides["launch.remote_dir"] = args.remote_dir
+    try:
+        if mode == "embedded" and args.recipe != "gsm8k":
+            raise ValueError(f"the {args.recipe} recipe has no embedded run: give HOST=user@box (a GPU box), or "
+                             "run it on a GPU box with R2 credentials")
+        if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise ValueError(f"MODEL={args.model!r} is not an HF model directory (no config.json there)")
+        cfg = resolve(args.recipe, env, overrides, embedded=mode == "embedded")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dry = env.get("DRL_DRY_RUN", "").strip().lower() in ("1", "true", "yes", "on")
+    if mode == "remote":
+        from infra.remote import launch_remote
+
+        if dry:
+            dry_run(cfg, mode, why, env, out)
+        return launch_remote(cfg, host=args.host, ssh_key=args.ssh_key, remote_dir=args.remote_dir, dry_run=dry,
+                             out=out)
+    if mode == "gpu":
+        from infra.launch_gpu import launch_on_this_box
+
+        if dry:
+            dry_run(cfg, mode, why, env, out)
+        return launch_on_this_box(cfg, dry_run=dry, out=out)
+    if dry:
+        dry_run(cfg, mode, why, env, out)
+        return 0
+    from trainer.embedded import run_embedded
+
+    return run_embedded(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return launch(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

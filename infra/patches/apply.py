@@ -5,13 +5,16 @@
 
 For each patch, in name order:
   * already applied (`git apply --check --reverse` passes): skipped;
+  * not needed: the tree already does what the patch is for (its probe in infra/patches/probes.py holds on
+    slime's code, e.g. a slime that has upstream's own fix): skipped;
   * applies as is (`git apply --check`): applied;
   * the tree is a git checkout and a three-way merge is clean (`git apply --3way --check` reports no
     conflict): applied with `--3way`;
   * otherwise the whole set is refused before anything changes, naming the patch, the slime commit it fits
     and the tree's commit.
 After applying, every patch must be found in the tree (the reverse check, or after a three-way merge every
-line it adds in place), or the run stops. Each patch file starts with a
+line it adds in place), every patched Python file must compile, and every probe must hold (the hook is
+called, the value is passed on: not only the text applied), or the run stops. Each patch file starts with a
 header (STYLE rule 12): `Upstream:`, `Fits:`, `Need:`, `Can go:`; a patch without one is refused.
 """
 
@@ -25,12 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from . import probes
+
 PATCH_DIR = Path(__file__).resolve().parent
 HEADER_FIELDS = ("Upstream:", "Fits:", "Need:", "Can go:")
 #: a file every slime tree has; a tree without it is not slime
 SLIME_MARKER = "slime/utils/arguments.py"
 
-State = Literal["applied", "applies", "applies-3way", "conflict"]
+State = Literal["applied", "upstream", "applies", "applies-3way", "conflict"]
+#: what each state means in a log line or the preflight's box.slime row
+STATE_WORDS = {"applied": "already applied", "upstream": "not needed (slime already does it)",
+               "applies": "to apply", "applies-3way": "to apply (3-way)", "conflict": "does not fit"}
 
 
 class PatchRefused(RuntimeError):
@@ -45,6 +53,11 @@ class Patch:
     @property
     def name(self) -> str:
         return self.path.name
+
+    def probe(self, tree: Path) -> tuple[bool, str] | None:
+        """The patch's probe on `tree` (infra/patches/probes.py), None for a patch without one."""
+        fn = probes.PROBES.get(self.name)
+        return None if fn is None else fn(tree)
 
 
 def _header(path: Path) -> dict[str, str]:
@@ -128,6 +141,9 @@ def patch_state(tree: Path, patch: Patch) -> tuple[State, str]:
         return "applied", ""
     if _holds_additions(tree, patch):
         return "applied", ""
+    probe = patch.probe(tree)
+    if probe is not None and probe[0]:
+        return "upstream", probe[1]
     plain = _git(tree, "apply", "--check", str(patch.path))
     if plain.returncode == 0:
         return "applies", ""
@@ -156,14 +172,17 @@ def apply_patches(tree: str | Path, *, dry_run: bool = False, patches: list[Patc
         lines = [f"refusing to patch {tree} ({tree_commit(tree)}); nothing was changed:"]
         for p, msg in refused:
             lines.append(f"  {p.name} does not fit this tree. It fits {p.header['Upstream']} at {p.header['Fits']}")
+            probe = p.probe(tree)
+            if probe is not None:
+                lines.append(f"    needed here: {probe[1]}; it can go {p.header['Can go']}")
             lines += [f"    git: {m}" for m in msg.splitlines()[:6]]
-        lines.append("Fix: use a slime commit the patch fits (cd <slime> && git checkout <commit>), "
-                     "or an image whose /root/slime is one.")
+        lines.append("Fix: use a slime commit the patch fits, or one where it is not needed "
+                     "(cd <slime> && git checkout <commit>), or an image whose /root/slime is one.")
         raise PatchRefused("\n".join(lines))
     for p in patches:
         st = states[p.name][0]
-        if st == "applied":
-            log(f"patch {p.name}: already applied")
+        if st in ("applied", "upstream"):
+            log(f"patch {p.name}: {STATE_WORDS[st]}" + (f": {states[p.name][1]}" if st == "upstream" else ""))
             continue
         if dry_run:
             log(f"patch {p.name}: would apply ({st}) [dry run]")
@@ -177,12 +196,40 @@ def apply_patches(tree: str | Path, *, dry_run: bool = False, patches: list[Patc
     return {name: st for name, (st, _) in states.items()}
 
 
+def _patched_files(patch: Patch) -> list[str]:
+    return [line[len("+++ b/"):] for line in patch.path.read_text().splitlines() if line.startswith("+++ b/")]
+
+
 def verify_applied(tree: str | Path, patches: list[Patch] | None = None) -> None:
-    """Raise unless every patch is in the tree (reverse check, or every added line in place)."""
+    """Raise unless every patch is in the tree (or not needed there), each patched Python file compiles,
+    and each patch's probe holds: the behaviour is there, not only the text."""
     tree = Path(tree)
     for p in load_patches() if patches is None else patches:
-        if patch_state(tree, p)[0] != "applied":
+        state = patch_state(tree, p)[0]
+        if state not in ("applied", "upstream"):
             raise PatchRefused(f"patch {p.name} is not applied to {tree} after applying it; inspect the tree")
+        for rel in _patched_files(p) if state == "applied" else []:
+            if rel.endswith(".py") and (tree / rel).is_file():
+                try:
+                    compile((tree / rel).read_text(), str(tree / rel), "exec")
+                except SyntaxError as e:
+                    raise PatchRefused(f"patch {p.name}: {rel} does not compile after patching ({e}); "
+                                       "inspect the tree") from None
+        probe = p.probe(tree)
+        if probe is not None and not probe[0]:
+            raise PatchRefused(f"patch {p.name} applied to {tree} but its check fails: {probe[1]}; "
+                               "inspect the tree (a local edit may have moved the call)")
+
+
+#: what a state before the patch step became after it
+DONE_WORDS = {**STATE_WORDS, "applies": "applied", "applies-3way": "applied (3-way)"}
+
+
+def summary(states: dict[str, State], *, done: bool = True) -> str:
+    """One line for the launch log and the preflight: each patch and what the patch step did (`done`) or
+    would do with the states found before it."""
+    words = DONE_WORDS if done else STATE_WORDS
+    return "; ".join(f"{name.removesuffix('.patch')}: {words[st]}" for name, st in states.items())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ import pytest
 import zstandard
 from soakstats import record, soak_trials
 
-from trainer.rollouts import DROP_REASONS, MAX_TRACKED_WORKERS, RolloutSource
+from trainer.rollouts import DROP_REASONS, MAX_TRACKED_WORKERS, BatchRules, RecordRules, RolloutSource
 from worker_contract import layout
 from worker_contract.schema import MAX_DECOMPRESSED_BYTES, MAX_RECORD_BYTES
 from worker_contract.store.file import FileStore
@@ -431,8 +431,9 @@ def fuzz(tmp_path: Path, total: int, seed: int) -> dict:
     built_s = time.monotonic() - t0
     del items
     gc.collect()
-    src = RolloutSource(store, run=RUN, n_samples=N, plane="bf16", vocab_size=VOCAB, temperature=1.0, top_p=1.0,
-                        max_new_tokens=MAX_NEW, staleness=STALENESS, reuse_cap=2, groups_per_step=4)
+    rules = RecordRules(run=RUN, n_samples=N, plane="bf16", vocab_size=VOCAB, temperature=1.0, top_p=1.0,
+                        max_new_tokens=MAX_NEW, staleness=STALENESS)
+    src = RolloutSource(store, rules, BatchRules(groups_per_step=4, reuse_cap=2))
     if not _reset_peak():
         pytest.skip("this kernel cannot reset the peak-RSS mark (/proc/self/clear_refs)")
     base = _rss_mb()

@@ -10,7 +10,7 @@ import time
 import pytest
 import zstandard
 
-from trainer.rollouts import DROP_REASONS, RolloutSource
+from trainer.rollouts import DROP_REASONS, BatchRules, RecordRules, RolloutSource
 from worker_contract import layout
 from worker_contract.schema import RolloutRecord, encode_record
 from worker_contract.store.file import FileStore
@@ -58,11 +58,12 @@ def put_record(store, d: dict, *, key_version=None, key_worker=None, key_group=N
     return key
 
 
-def source(store, **kw) -> RolloutSource:
-    args = dict(run=RUN, n_samples=N, plane="bf16", vocab_size=VOCAB, temperature=1.0, top_p=1.0,
-                max_new_tokens=16, staleness=3, reuse_cap=2, groups_per_step=3)
-    args.update(kw)
-    return RolloutSource(store, **args)
+def source(store, *, reuse_cap=2, groups_per_step=3, sweep_every=10, **kw) -> RolloutSource:
+    rules = dict(run=RUN, n_samples=N, plane="bf16", vocab_size=VOCAB, temperature=1.0, top_p=1.0,
+                 max_new_tokens=16, staleness=3)
+    rules.update(kw)
+    return RolloutSource(store, RecordRules(**rules), BatchRules(groups_per_step=groups_per_step,
+                                                                 reuse_cap=reuse_cap), sweep_every=sweep_every)
 
 
 def _sample_edit(field, value, i=0):

@@ -1,5 +1,5 @@
 """Shared fixtures: a real S3 server on loopback (moto's ThreadedMotoServer), stores on both backends, and
-the fault-injecting proxy (tests/faultproxy.py). Network never leaves 127.0.0.1.
+the fault-injecting proxy (bench/faultproxy.py). Network never leaves 127.0.0.1.
 
     moto_server   session-wide S3 server with the bucket `stoa-test`; `.env()` gives a store environment,
                   `.new_bucket()` a fresh empty bucket
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/faultproxy.py is importable as faultproxy
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' helpers (invariants, ...) import by name
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/ (the fault proxy) from any working dir
 
 #: credentials moto accepts (it does not check them); distinct enough to look for in output
 TEST_ACCESS_KEY = "AKIASTOATESTACCESS01"
@@ -124,7 +125,7 @@ def store(request):
 
 @pytest.fixture
 def fault_proxy(moto_server):
-    from faultproxy import FaultProxy
+    from bench.faultproxy import FaultProxy
 
     with FaultProxy(moto_server.endpoint, seed=1234) as proxy:
         yield proxy

@@ -15,11 +15,11 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from faultproxy import KINDS, FaultProxy
 from invariants import BucketWatcher, verify_all
 from learner_fixtures import make_record, manifest, recipe, save_tiny_model
 from soakstats import record, soak_trials
 
+from bench.faultproxy import KINDS, FaultProxy
 from trainer.algo import policy_loss
 from trainer.backends import get_backend
 from trainer.batch import collate

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from faultproxy import FaultProxy
 from soakstats import record, soak_trials
 from test_worker import RUN as WRUN
 from test_worker import (
@@ -28,6 +27,7 @@ from test_worker import (
     tiny_model_dir,  # noqa: F401  (fixture: a tiny model with a tokenizer)
 )
 
+from bench.faultproxy import FaultProxy
 from trainer.config import AlgoConfig
 from trainer.rollouts import RolloutSource
 from worker_contract import layout

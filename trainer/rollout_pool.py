@@ -78,6 +78,9 @@ class Tally:
         self.accepted = 0
         self._workers: dict[str, _WorkerStats] = {}
         self._lock = threading.RLock()
+        #: called as on_drop(key, reason) for every drop, when set: who needs to know which record went
+        #: (an audit of a run's accounting, bench/fleet) keeps that list itself, the tally stays bounded
+        self.on_drop: Callable[[str, str], None] | None = None
 
     def worker(self, worker: str) -> _WorkerStats:
         with self._lock:
@@ -85,11 +88,13 @@ class Tally:
                 worker = OTHER_WORKER
             return self._workers.setdefault(worker, _WorkerStats())
 
-    def drop(self, reason: str, worker: str) -> None:
+    def drop(self, reason: str, worker: str, key: str) -> None:
         assert reason in DROP_REASONS, reason
         with self._lock:
             self.drops[reason] += 1
             self.worker(worker).drops[reason] += 1
+            if self.on_drop is not None:
+                self.on_drop(key, reason)
 
     def accept(self, worker: str) -> None:
         with self._lock:
@@ -170,7 +175,7 @@ class GroupPool:
                 if entry.version < low:
                     del self._entries[key]
                     if entry.uses == 0:
-                        self.tally.drop("stale", entry.worker)
+                        self.tally.drop("stale", entry.worker, key)
             for key in [k for k in self._ledger if _key_version(k) < low]:
                 del self._ledger[key]
             for ident, key in list(self._ids.items()):

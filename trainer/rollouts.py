@@ -131,9 +131,9 @@ class RolloutSource:
             for info in infos:
                 if info.key not in seen:
                     try:
-                        self.tally.drop("stale", layout.parse_rollout_key(info.key).worker_id)
+                        self.tally.drop("stale", layout.parse_rollout_key(info.key).worker_id, info.key)
                     except ValueError:
-                        self.tally.drop("bad_key", OTHER_WORKER)
+                        self.tally.drop("bad_key", OTHER_WORKER, info.key)
             self._last_seen.pop(prefix, None)
             self._listed.discard(version)
 
@@ -146,18 +146,18 @@ class RolloutSource:
             parsed = layout.parse_rollout_key(info.key)
         except ValueError:
             seen.add(info.key)
-            self.tally.drop("bad_key", OTHER_WORKER)
+            self.tally.drop("bad_key", OTHER_WORKER, info.key)
             return 0
         worker = parsed.worker_id
         if info.size > self.rules.max_record_bytes:
             seen.add(info.key)
-            self.tally.drop("oversized", worker)
+            self.tally.drop("oversized", worker, info.key)
             return 0
         try:
             blob = self.store.get(info.key)
         except NotFound:
             seen.add(info.key)
-            self.tally.drop("vanished", worker)
+            self.tally.drop("vanished", worker, info.key)
             return 0
         except StoreError as e:  # not marked seen: the next sweep retries it
             log.warning("reading %s failed, will retry: %s", info.key, e)
@@ -166,11 +166,11 @@ class RolloutSource:
         try:
             record = decode_record(blob)
         except RecordError as e:
-            self.tally.drop(e.reason if e.reason in DROP_REASONS else "malformed", worker)
+            self.tally.drop(e.reason if e.reason in DROP_REASONS else "malformed", worker, info.key)
             return 0
         reason = self.rules.check(record, parsed, current) or self._pool.admit(info.key, record, worker)
         if reason is not None:
-            self.tally.drop(reason, worker)
+            self.tally.drop(reason, worker, info.key)
             return 0
         return 1
 

@@ -31,6 +31,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lag-versions", type=int, default=None,
                    help="sample with the weights this many versions behind the pointer (staleness experiments)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--backend", choices=("torch", "mlx"), default=os.environ.get("DRL_WORKER_BACKEND") or "torch",
+                   help="torch + transformers (the reference), or mlx + mlx-lm (Apple silicon; Linux through "
+                        "mlx[cpu]) (default: $DRL_WORKER_BACKEND, else torch)")
+    p.add_argument("--mlx-dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                   help="MLX compute dtype (default auto: bfloat16 on a Mac's GPU, float32 on a CPU)")
     p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the run's first weights")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines")
     args = p.parse_args(argv)
@@ -59,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         store=args.store, run=args.run, model_dir=args.model, worker_id=args.worker_id, max_groups=args.groups,
         seed=args.seed, threads=args.threads, max_groups_per_version=args.max_groups_per_version,
         wait_timeout_s=args.wait, log_every_s=args.log_every, lag_versions=args.lag_versions,
+        backend=args.backend, mlx_dtype=args.mlx_dtype,
     ).items() if v is not None}
     try:
         Worker(WorkerSettings(**settings)).run(stop)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +36,9 @@ log = logging.getLogger("worker")
 
 #: tasks whose group is one prompt and one sampled turn per sample (psqa needs search-tool episodes)
 SINGLE_TURN_TASKS = frozenset({"gsm8k", "arithmetic"})
+#: DRL_KV_MODE values each backend implements; None = the backend does not check the mode. For the MLX
+#: worker, paged_prefix is one prompt prefill shared by the group's n samples (worker/mlx_sampling.py)
+KV_MODES: dict[str, frozenset[str] | None] = {"torch": None, "mlx": frozenset({"paged_prefix"})}
 
 
 class WorkerSettings(BaseModel):
@@ -55,7 +59,11 @@ class WorkerSettings(BaseModel):
     seed: int | None = None
     """Seed for prompt choice and sampling (None = fresh randomness)."""
     threads: int | None = None
-    """torch CPU threads (None = torch's default)."""
+    """torch CPU threads (None = torch's default; the torch backend only)."""
+    backend: Literal["torch", "mlx"] = "torch"
+    """The policy's framework: torch + transformers (the reference), or MLX + mlx-lm (Macs)."""
+    mlx_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """MLX compute dtype (worker/mlx_model.py): auto = bfloat16 on a Metal GPU, float32 on a CPU."""
     max_groups_per_version: int = 0
     """Pause after this many groups at one version until a newer one is published (0 = never pause): a
     worker sharing a machine with the learner should not burn CPU on groups that would only go stale."""
@@ -74,6 +82,10 @@ class WorkerSettings(BaseModel):
 class WorkerStats:
     groups: int = 0
     samples: int = 0
+    tokens: int = 0
+    """Response tokens sampled."""
+    sampling_s: float = 0.0
+    """Seconds spent sampling (prefill and decode), for the status line's tokens per second."""
     versions_seen: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
 
@@ -93,6 +105,20 @@ def check_contract(manifest: RunManifest, n_samples: int, plane: str) -> None:
         raise ContractMismatch(f"DRL_N_SAMPLES={n_samples} but run {manifest.run!r} requires n_samples="
                                f"{manifest.n_samples}: set DRL_N_SAMPLES={manifest.n_samples} (every group of "
                                "another size is dropped)")
+
+
+def check_kv_mode(manifest: RunManifest, declared: str | None, backend: str) -> None:
+    """Fail closed on a KV-cache mode this backend does not implement, or one that differs from the run's."""
+    supported = KV_MODES[backend]
+    if declared is not None and manifest.kv_mode is not None and declared != manifest.kv_mode:
+        raise ContractMismatch(f"DRL_KV_MODE={declared!r} but run {manifest.run!r} requires kv_mode="
+                               f"{manifest.kv_mode!r}: set DRL_KV_MODE={manifest.kv_mode}")
+    if supported is None:
+        return
+    for mode, whose in ((manifest.kv_mode, f"run {manifest.run!r} requires"), (declared, "DRL_KV_MODE asks for")):
+        if mode is not None and mode not in supported:
+            raise ContractMismatch(f"{whose} kv_mode={mode!r}; the {backend} worker implements "
+                                   f"{', '.join(sorted(supported))} (one prompt prefill shared by the group)")
 
 
 def check_trainer_key(manifest: RunManifest, expected: str) -> None:
@@ -172,6 +198,7 @@ class Worker:
         if manifest is None:
             return False
         check_contract(manifest, self.n_samples, self.plane)
+        check_kv_mode(manifest, parse_env(self.env).kv_mode, self.s.backend)
         check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
         if manifest.task not in SINGLE_TURN_TASKS:
             raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}, which needs multi-turn "
@@ -184,7 +211,6 @@ class Worker:
 
         check_identity(model_dir, manifest)
         from ..reconstruct import Reconstructor
-        from .model import PolicyModel
 
         self.rec = Reconstructor(self.store, self.s.run, plane=self.plane, n_samples=self.n_samples,
                                  public_key=manifest.trainer_public_key)  # the key checked above, kept
@@ -200,17 +226,39 @@ class Worker:
         joined = self._wait_for("its first weights", join, stop)
         if joined is None:
             return False
-        self.policy = PolicyModel(model_dir, threads=self.s.threads, seed=self._rng.getrandbits(63))
+        self.policy = self._make_policy(model_dir, manifest)
         self._swap(*joined)
-        log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d)",
-                 self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples, self.plane,
-                 manifest.temperature, manifest.max_new_tokens)
+        log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d, "
+                 "backend %s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
+                 self.plane, manifest.temperature, manifest.max_new_tokens, self._backend_name())
         return True
 
-    def _swap(self, version: int, state) -> None:
-        from ..planes import get_plane
+    def _make_policy(self, model_dir: Path, manifest: RunManifest):
+        seed = self._rng.getrandbits(63)
+        if self.s.backend == "mlx":
+            try:
+                from .mlx_model import MlxPolicy, rope_bases
+            except ImportError as e:
+                raise ContractMismatch(f"the MLX worker needs mlx and mlx-lm ({e}): pip install "
+                                       "'stoa-trainer[mlx]'") from None
+            try:
+                policy = MlxPolicy(model_dir, plane=self.plane, seed=seed, dtype=self.s.mlx_dtype)
+            except ValueError as e:  # an architecture or RoPE variant the MLX worker does not run
+                raise ContractMismatch(f"run {manifest.run!r}: {e}") from None
+            bases = rope_bases(policy.model)
+            if manifest.rope_theta is not None and bases != {float(manifest.rope_theta)}:
+                raise ContractMismatch(f"the MLX model built from {model_dir} uses RoPE base(s) {sorted(bases)}, "
+                                       f"run.json has rope_theta={manifest.rope_theta}")
+            return policy
+        from .model import PolicyModel
 
-        self.policy.load(get_plane(self.plane).to_dense(state))
+        return PolicyModel(model_dir, threads=self.s.threads, seed=seed)
+
+    def _backend_name(self) -> str:
+        return f"mlx {self.policy.dtype}" if self.s.backend == "mlx" else "torch"
+
+    def _swap(self, version: int, state) -> None:
+        self.policy.load_plane(self.plane, state)  # between groups only: sync() runs before a group starts
         self.version = version
         self.stats.versions_seen.append(version)
 
@@ -266,8 +314,11 @@ class Worker:
         """One group per problem, all sampled in one batch (a GPU worker's rows share each forward)."""
         m = self.manifest
         prompts = [self.policy.prompt_ids(self.task.messages(p)) for p in problems]
+        t0 = time.monotonic()
         outs = self.policy.sample_many(prompts, self.n_samples, temperature=m.temperature, top_p=m.top_p,
                                        max_new_tokens=m.max_new_tokens)
+        self.stats.sampling_s += time.monotonic() - t0
+        self.stats.tokens += sum(len(o.token_ids) for group in outs for o in group)
         records = []
         for problem, prompt, group in zip(problems, prompts, outs, strict=True):
             samples = []
@@ -300,6 +351,6 @@ class Worker:
 
     def _log_progress(self, key: str) -> None:
         recent = self.stats.rewards[-10 * self.n_samples:]
-        log.info("worker %s: v%d, %d groups, mean reward %.3f over the last %d samples; last %s",
+        log.info("worker %s: v%d, %d groups, mean reward %.3f over the last %d samples, %.1f tokens/s; last %s",
                  self.s.worker_id, self.version, self.stats.groups, sum(recent) / max(1, len(recent)),
-                 len(recent), key)
+                 len(recent), self.stats.tokens / max(self.stats.sampling_s, 1e-9), key)

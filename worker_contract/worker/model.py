@@ -14,27 +14,32 @@ import numpy as np
 import torch
 
 from ..tensors import to_torch
+from .chat import ChatTokenizer
 from .sampling import Completion, sample
 
 
 class PolicyModel:
     def __init__(self, model_dir: str | Path, *, threads: int | None = None, seed: int = 0,
                  device: str | None = None):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.chat = ChatTokenizer(model_dir)
+        self.tokenizer, self.eos_ids, self.pad_id = self.chat.tokenizer, self.chat.eos_ids, self.chat.pad_id
         config = AutoConfig.from_pretrained(str(model_dir))
         self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        eos = config.eos_token_id if config.eos_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None})
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    def load_plane(self, plane: str, state: Mapping[str, np.ndarray]) -> None:
+        """A full state in the run's plane: dequantized to HF-named dense tensors first (int8g64)."""
+        from ..planes import get_plane
+
+        self.load(get_plane(plane).to_dense(state))
 
     @torch.no_grad()
     def load(self, state: Mapping[str, np.ndarray]) -> None:
@@ -54,8 +59,7 @@ class PolicyModel:
             params[name].copy_(t.to(params[name].dtype))
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.chat.prompt_ids(messages)
 
     def sample(self, prompt: list[int], n: int, *, temperature: float, top_p: float,
                max_new_tokens: int) -> list[Completion]:
@@ -72,4 +76,4 @@ class PolicyModel:
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.chat.decode(token_ids)

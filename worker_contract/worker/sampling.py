@@ -11,19 +11,9 @@ Prompts may differ in length: they are left-padded, with position ids counted fr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    """Sampled ids, EOS included when the model stopped."""
-    logprobs: list[float]
-    """Behaviour log-prob of each sampled id."""
-    finish_reason: str
-    """'stop' (EOS) or 'length' (budget hit)."""
+from .completion import Completion
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool,

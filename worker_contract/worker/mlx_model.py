@@ -1,0 +1,153 @@
+"""The MLX worker's policy: an mlx-lm model built from the run's config, weights only ever from the bucket.
+
+    policy = MlxPolicy(model_dir, plane="int8g64", seed=7)
+    policy.load_plane("int8g64", state)      # the reconstructor's plane tensors, as they are
+    policy.sample(prompt_ids, 8, temperature=1.0, top_p=1.0, max_new_tokens=320)
+
+The local directory supplies config.json and the tokenizer (checked against run.json by the loop); its
+weights, if any, are never read. The plane is loaded natively: bf16 tensors become bf16 MLX arrays, and
+int8g64's codes, scales and biases become the model's `QuantizedLinear` / `QuantizedEmbedding` /
+`QuantizedSwitchLinear` parameters as they are (the plane is `mlx.core.quantize`'s own output, so
+nothing is re-quantized). Which modules are quantized follows the plane (those it gives `.scales`), the
+rule mlx-lm's own loader uses.
+
+Compute dtype: `bfloat16` keeps every weight as published (mlx-lm's default on a Mac's GPU); `float32`
+upcasts the non-quantized weights (exact) so activations run in float32, which is what MLX's CPU kernels
+do fast and what the learner recomputes in; scales and biases stay as published in both. `auto` picks
+bfloat16 on a Metal GPU, float32 on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .chat import ChatTokenizer
+from .completion import Completion
+from .mlx_weights import mlx_model_name, quantized_modules, to_mlx
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _mlx_config(cfg: dict) -> dict:
+    """config.json as mlx-lm's ModelArgs read it. transformers 5 writes rope_theta inside
+    `rope_parameters`, which mlx-lm's qwen2 does not read (it would silently use its 1e6 default)."""
+    cfg = dict(cfg)
+    params = cfg.get("rope_parameters") or {}
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        if params.get("rope_type", "default") != "default":
+            raise ValueError(f"the MLX worker supports default RoPE only; config.json has rope_type "
+                             f"{params.get('rope_type')!r}")
+        cfg["rope_theta"] = params["rope_theta"]
+    return cfg
+
+
+def build_model(model_dir: str | Path):
+    """An mlx-lm model of the config in model_dir, parameters not yet loaded (lazy: nothing allocated)."""
+    from mlx_lm.utils import _get_classes  # mlx-lm's own class lookup; it has no public "from config" call
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = (cfg.get("architectures") or [f"{cfg.get('model_type', '?')}ForCausalLM"])[0]
+    mlx_model_name(arch)  # refuse an architecture we have no weight mapping for
+    cfg = _mlx_config(cfg)
+    model_cls, args_cls = _get_classes(cfg)
+    model = model_cls(args_cls.from_dict(cfg))
+    model.eval()
+    return model, arch, cfg
+
+
+def rope_bases(model) -> set[float]:
+    """The RoPE bases the built model uses (checked against run.json's rope_theta)."""
+    return {float(m.base) for _, m in model.named_modules() if "RoPE" in type(m).__name__ and hasattr(m, "base")}
+
+
+def resolve_dtype(dtype: str) -> str:
+    import mlx.core as mx
+
+    if dtype not in DTYPES:
+        raise ValueError(f"MLX compute dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype == "auto":
+        return "bfloat16" if mx.default_device() == mx.gpu else "float32"
+    return dtype
+
+
+def flat_parameters(model) -> dict:
+    from mlx.utils import tree_flatten
+
+    return dict(tree_flatten(model.parameters()))
+
+
+class MlxPolicy:
+    def __init__(self, model_dir: str | Path, *, plane: str, seed: int = 0, dtype: str = "auto"):
+        import mlx.core as mx
+
+        self.chat = ChatTokenizer(model_dir)
+        self.tokenizer, self.eos_ids, self.pad_id = self.chat.tokenizer, self.chat.eos_ids, self.chat.pad_id
+        self.model, self.architecture, self.config = build_model(model_dir)
+        self.plane = plane
+        self.dtype = resolve_dtype(dtype)
+        self.key = mx.random.key(seed % (2**63))
+        self._quantized: set[str] | None = None
+
+    def load_plane(self, plane: str, state: Mapping[str, np.ndarray]) -> None:
+        """Replace every parameter with the published one (between groups only: the loop calls this after a
+        group is uploaded). A missing, unknown or misshapen tensor is an error, and the model keeps its
+        previous weights."""
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        if plane != self.plane:
+            raise ValueError(f"this policy was built for plane {self.plane!r}, not {plane!r}")
+        mapped = to_mlx(self.architecture, state)
+        quantized = quantized_modules(mapped)
+        if self._quantized is None:  # first load: give the model the plane's quantized structure
+            if quantized:
+                nn.quantize(self.model, group_size=64, bits=8, class_predicate=lambda p, _m: p in quantized)
+            self._quantized = quantized
+        elif quantized != self._quantized:
+            raise ValueError("published weights changed which modules are quantized: "
+                             f"{sorted(quantized ^ self._quantized)[:5]}")
+        held = flat_parameters(self.model)
+        missing, unknown = sorted(set(held) - set(mapped)), sorted(set(mapped) - set(held))
+        if missing or unknown:
+            raise ValueError(f"published weights do not fit the MLX model: missing {missing[:5]}, "
+                             f"unknown {unknown[:5]}")
+        arrays = []
+        for name, a in mapped.items():
+            if tuple(a.shape) != tuple(held[name].shape):
+                raise ValueError(f"{name}: published shape {tuple(a.shape)}, MLX model shape {tuple(held[name].shape)}")
+            x = mx.array(a)
+            if self.dtype == "float32" and x.dtype == mx.bfloat16 and not self._is_quant_param(name):
+                x = x.astype(mx.float32)  # exact: every bf16 value is a float32 value
+            arrays.append((name, x))
+        self.model.load_weights(arrays, strict=True)
+        mx.eval(self.model.parameters())
+
+    def _is_quant_param(self, name: str) -> bool:
+        mod, _, leaf = name.rpartition(".")
+        return mod in (self._quantized or ()) and leaf in ("scales", "biases")
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.chat.prompt_ids(messages)
+
+    def sample(self, prompt: list[int], n: int, *, temperature: float, top_p: float,
+               max_new_tokens: int) -> list[Completion]:
+        import mlx.core as mx
+
+        from .mlx_sampling import sample_group
+
+        self.key, key = mx.random.split(self.key)
+        return sample_group(self.model, prompt, n, temperature=temperature, top_p=top_p,
+                            max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, key=key)
+
+    def sample_many(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
+                    max_new_tokens: int) -> list[list[Completion]]:
+        """`n` completions of each prompt, one shared prefill per prompt."""
+        return [self.sample(p, n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+                for p in prompts]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.chat.decode(token_ids)

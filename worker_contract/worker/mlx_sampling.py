@@ -1,0 +1,107 @@
+"""The MLX worker's sampler: one prompt prefill shared by the group, honest behaviour log-probs.
+
+Why not mlx-lm's `generate` / `stream_generate`: the log-probs they report are the model's raw
+log-softmax, taken before their sampler applies temperature and top-p, so they are not the probabilities
+of the distribution the token was drawn from. Here each step's logits are turned into that distribution
+once (log-softmax of logits / temperature, in float32; with top_p < 1, restricted to the smallest prefix
+of tokens whose mass reaches top_p and renormalised), the token is drawn from it, and its log-prob under
+it is recorded: one forward, one distribution, both uses. With top_p = 1 (every shipped recipe) this is
+exactly the temperature-scaled log-softmax the learner recomputes.
+
+KV cache (`DRL_KV_MODE=paged_prefix` for this worker): the group's prompt is prefilled once, with batch 1;
+its cache (attention keys and values; LFM2's conv state) is then repeated into n rows, one per sample,
+and the n samples decode together. A row that ends (EOS) leaves the batch.
+"""
+
+from __future__ import annotations
+
+from .completion import Completion
+
+#: prompt tokens per prefill call (bounds the prefill's activation memory on long prompts)
+PREFILL_CHUNK = 512
+
+
+def nucleus_logprobs(logits, temperature: float, top_p: float):
+    """Log-probs [rows, vocab] of the distribution sampled from: softmax(logits / T), cut to top_p."""
+    import mlx.core as mx
+
+    logp = logits.astype(mx.float32) / temperature
+    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+    if top_p >= 1.0:
+        return logp
+    order = mx.argsort(-logp, axis=-1)
+    sorted_p = mx.exp(mx.take_along_axis(logp, order, axis=-1))
+    drop_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) >= top_p  # the top token always survives
+    drop = mx.take_along_axis(drop_sorted, mx.argsort(order, axis=-1), axis=-1)
+    logp = mx.where(drop, -mx.inf, logp)
+    return logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+
+
+def _expand(cache, n: int) -> None:
+    """Repeat a batch-1 layer cache into n identical rows."""
+    import mlx.core as mx
+
+    if hasattr(cache, "keys") and hasattr(cache, "offset") and cache.keys is not None:  # KVCache
+        cache.keys = mx.repeat(cache.keys[..., : cache.offset, :], n, axis=0)
+        cache.values = mx.repeat(cache.values[..., : cache.offset, :], n, axis=0)
+    elif hasattr(cache, "cache") and isinstance(cache.cache, list):  # ArraysCache (LFM2's conv state)
+        if getattr(cache, "lengths", None) is not None or getattr(cache, "left_padding", None) is not None:
+            raise ValueError("a padded ArraysCache cannot be shared across a group")
+        cache.cache = [None if a is None else mx.repeat(a, n, axis=0) for a in cache.cache]
+    else:
+        raise ValueError(f"the MLX worker cannot share a {type(cache).__name__} across a group")
+
+
+def _keep(cache, rows) -> None:
+    """Keep only the given batch rows of a layer cache (rows: an mx index array)."""
+    if hasattr(cache, "keys") and hasattr(cache, "offset") and cache.keys is not None:
+        cache.keys, cache.values = cache.keys[rows], cache.values[rows]
+    elif hasattr(cache, "cache") and isinstance(cache.cache, list):
+        cache.cache = [None if a is None else a[rows] for a in cache.cache]
+
+
+def sample_group(model, prompt: list[int], n: int, *, temperature: float, top_p: float, max_new_tokens: int,
+                 eos_ids: list[int], key) -> list[Completion]:
+    """n completions of one prompt from one shared prefill; each token's log-prob from its own forward."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    assert prompt and n > 0 and max_new_tokens > 0
+    cache = make_prompt_cache(model)
+    ids = mx.array(prompt, dtype=mx.int32)[None]
+    for start in range(0, len(prompt), PREFILL_CHUNK):
+        logits = model(ids[:, start:start + PREFILL_CHUNK], cache=cache)[:, -1, :]
+    mx.eval(logits, [c.state for c in cache])
+    for c in cache:
+        _expand(c, n)
+    logits = mx.repeat(logits, n, axis=0)
+    eos = set(eos_ids)
+    toks: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list[float]] = [[] for _ in range(n)]
+    finish = ["length"] * n
+    active = list(range(n))  # sample index of each batch row
+    for step in range(max_new_tokens):
+        key, sub = mx.random.split(key)
+        logp = nucleus_logprobs(logits, temperature, top_p)
+        tok = mx.random.categorical(logp, axis=-1, key=sub)
+        lp = mx.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+        mx.eval(tok, lp)
+        keep = []
+        for row, (t, v) in enumerate(zip(tok.tolist(), lp.tolist(), strict=True)):
+            i = active[row]
+            toks[i].append(t)
+            lps[i].append(v)
+            if t in eos:
+                finish[i] = "stop"
+            else:
+                keep.append(row)
+        if not keep or step == max_new_tokens - 1:
+            break
+        if len(keep) < len(active):
+            rows = mx.array(keep, dtype=mx.int32)
+            for c in cache:
+                _keep(c, rows)
+            tok = tok[rows]
+            active = [active[r] for r in keep]
+        logits = model(tok[:, None].astype(mx.int32), cache=cache)[:, -1, :]
+    return [Completion(toks[i], lps[i], finish[i]) for i in range(n)]

@@ -125,7 +125,7 @@ def supervise(model, tokenizer, task: Task, cfg: EmbeddedBaseConfig,
     for step in range(cfg.sft_steps):
         batch = [train[(step * cfg.sft_batch_size + j) % len(train)] for j in range(cfg.sft_batch_size)]
         directs = [rng.random() < cfg.sft_direct_fraction for _ in batch]
-        ids, labels, attn = _sft_batch(tokenizer, task, batch, directs)
+        ids, labels, attn = (t.to(model.device) for t in _sft_batch(tokenizer, task, batch, directs))
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -167,8 +167,10 @@ def config_digest(cfg: EmbeddedBaseConfig, task: Task) -> str:
 
 def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new_tokens: int,
                 eval_problems: int = 200, log: Callable[[str], None] = print,
-                on_sft_step: Callable[[int, float], None] | None = None) -> BaseReport:
-    """The cached base for `cfg`, building it first if needed (atomic: a half-built base is never used)."""
+                on_sft_step: Callable[[int, float], None] | None = None, device: str | None = None) -> BaseReport:
+    """The cached base for `cfg`, building it first if needed (atomic: a half-built base is never used).
+
+    `device`: where to supervise it (default the CPU; "cuda" for the larger bases benchmarks build)."""
     digest = config_digest(cfg, task)
     out = Path(cache_dir) / f"base-{digest}"
     if (out / "base.json").exists():
@@ -182,7 +184,7 @@ def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new
     train = task.dataset("train")
     corpus = [_render(task, train[i]) for i in range(cfg.tokenizer_corpus)]
     tokenizer = build_tokenizer(corpus, cfg.vocab_size)
-    model = build_model(tokenizer, cfg)
+    model = build_model(tokenizer, cfg).to(device or "cpu")
     params = sum(p.numel() for p in model.parameters())
     log(f"building the base model: Qwen2 {cfg.num_layers}x{cfg.hidden_size}, {params / 1e6:.2f} M parameters, "
         f"vocab {len(tokenizer)}; {cfg.sft_steps} supervised steps")

@@ -121,6 +121,11 @@ class GateConfig(_Model):
 class AlgoConfig(_Model):
     """The learner's objective and data gates (DESIGN section 6)."""
 
+    objective: Literal["recipe", "ppo", "no_is"] = "recipe"
+    """The policy-gradient term. `recipe`: the DPPO gate and dual-clip PPO on the ratio to the behaviour
+    policy; `ppo`: plain PPO clipping on that ratio, no gate, no dual clip; `no_is`: no importance correction
+    (the gradient -A grad log pi, as if every group were on-policy). The last two exist to measure the
+    recipe against (bench/staleness.py); advantages, reducer and KL term are the same for all three."""
     groups_per_step: int = 8
     """Prompt groups per learner step."""
     staleness: int = 3

@@ -1,0 +1,456 @@
+"""`python -m bench.staleness`: does the objective keep learning when every group is k versions old?
+
+Held-out accuracy after a fixed number of learner steps, for forced staleness k (default 0, 1, 2, 4, 8,
+16) and three objectives (`algo.objective`): `recipe` (DPPO gate + dual-clip PPO + Dr.GRPO, as shipped),
+`ppo` (plain PPO clipping on the ratio to the behaviour policy, no gate) and `no_is` (no importance
+correction). Each cell (objective, k, seed) is a lock-step run in its own file bucket, made of the real
+pieces: the publisher (anchor, signed PULSE patches), one reference worker that follows the pointer k
+versions behind (`WorkerSettings.lag_versions`), the rollout source (validation, staleness window, reuse
+ledger), the learner's backend and its objective. Lock-step (the worker samples a batch at the version it
+holds, then the learner takes one step and publishes) makes the lag exact: the run first publishes the
+base k+1 times, so the learner at version v trains only on groups of version v - k, from its first step
+on (the first k steps' groups come from the base), and every cell asserts that from the records it used.
+Held-out accuracy is greedy decoding on the task's test split with the published weights read back
+through the verifying reconstructor, as a worker holds them.
+
+    python -m bench.staleness --preset gpu --jobs 8            # the sweep on one GPU, 8 cells at a time
+    python -m bench.staleness --preset cpu --lags 0,4,16 --seeds 3
+    python -m bench.staleness --preset gpu --objectives recipe --lags 8,16   # part of a sweep: same --out
+
+Results go to bench/results/staleness_<preset>.json after every cell (a rerun skips cells already
+there, so a sweep can be split over calls), the figure to docs/staleness_<preset>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from trainer.config import AlgoConfig, EmbeddedBaseConfig, RecipeConfig, resolve
+
+from .common import RESULTS, machine_info
+
+REPO = Path(__file__).resolve().parent.parent
+OBJECTIVES: tuple[str, ...] = tuple(AlgoConfig.model_fields["objective"].annotation.__args__)
+DEFAULT_LAGS = (0, 1, 2, 4, 8, 16)
+
+
+class Preset(BaseModel):
+    """How large a sweep's cells are: the base built on the spot, the recipe's values, the budget."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base: EmbeddedBaseConfig | None = None
+    """The base model to build (None = the recipe's embedded base)."""
+    recipe: dict[str, Any] = {}
+    """Dotted recipe values on top of the GSM8K recipe's embedded ones."""
+    steps: int
+    """Learner steps per cell."""
+    eval_every: int
+    """Held-out evaluation every this many steps (0 = only at the start and the end)."""
+    eval_problems: int
+    """Held-out problems per evaluation."""
+    device: str = "cpu"
+    """Where the learner, the worker and the evaluation run."""
+    threads: int = 1
+    """torch CPU threads per cell process."""
+
+
+PRESETS: dict[str, Preset] = {
+    # the CPU test: machinery only (an untrained 2-layer model; accuracy means nothing)
+    "smoke": Preset(
+        base=EmbeddedBaseConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                                vocab_size=300, tokenizer_corpus=200, sft_steps=2, sft_batch_size=4),
+        recipe={"algo.groups_per_step": 2, "contract.n_samples": 4, "algo.max_new_tokens": 8,
+                "train.micro_batch_size": 8, "train.anchor_interval": 4},
+        steps=3, eval_every=0, eval_problems=4),
+    # the embedded run's own base and recipe on the CPU (0.85 M parameters: it plateaus within ~20 steps)
+    "cpu": Preset(steps=40, eval_every=10, eval_problems=200),
+    # a base large enough that staleness shows, built and supervised on the GPU (about 24 M parameters)
+    "gpu": Preset(
+        base=EmbeddedBaseConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
+                                vocab_size=512, sft_steps=400, sft_batch_size=64, sft_lr=1e-3),
+        recipe={"algo.lr": 1e-5, "train.micro_batch_size": 64, "model.dtype": "bfloat16"},
+        steps=60, eval_every=20, eval_problems=400, device="cuda", threads=1),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    objective: str
+    lag: int
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.objective}-k{self.lag}-s{self.seed}"
+
+
+def cell_recipe(cell: Cell, preset: Preset, base_dir: str | Path, sets: dict[str, Any] | None = None) -> RecipeConfig:
+    """The recipe one cell trains with: the GSM8K embedded recipe, the preset's values, then the cell's
+    objective, a staleness bound that admits the forced lag (max(k, the recipe's)), each group used once (so
+    its age is exactly k) and the cell's seed. `sets` (dotted values) wins over the preset's."""
+    overrides = {**preset.recipe, **(sets or {}), "model.path": None}
+    cfg = resolve("gsm8k", env={}, overrides=overrides, embedded=True)
+    algo = cfg.algo.model_copy(update={"objective": cell.objective, "staleness": max(cell.lag, cfg.algo.staleness),
+                                       "reuse_cap": 1})
+    train = cfg.train.model_copy(update={"num_steps": preset.steps, "seed": cell.seed})
+    model = cfg.model.model_copy(update={"path": str(base_dir), "hf_id": None})
+    return cfg.model_copy(update={"run": cell.name, "store": None, "algo": algo, "train": train, "model": model})
+
+
+def learner_step(backend, batch, algo: AlgoConfig) -> dict[str, float]:
+    """The learner's step on one batch: reference log-probs, the objective, one optimizer step."""
+    from trainer.algo import policy_loss
+    from trainer.batch import collate
+
+    tb = collate([g.record for g in batch.groups])
+    tb.ref_logp = backend.logprobs(tb, reference=True)
+    return backend.train_step(tb, lambda lp, mb: policy_loss(
+        lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo))
+
+
+class _Heldout:
+    """Greedy accuracy of the newest published version, read back through a verifying reconstructor."""
+
+    def __init__(self, store, cfg: RecipeConfig, base_dir: str, problems: int, device: str, threads: int):
+        from worker_contract.reconstruct import Reconstructor
+        from worker_contract.tasks import get_task
+        from worker_contract.worker.model import PolicyModel
+
+        self.rec = Reconstructor(store, cfg.run, plane=cfg.contract.plane)
+        self.policy = PolicyModel(base_dir, threads=threads, device=device)
+        self.task = get_task(cfg.task)
+        self.problems = list(self.task.dataset("test")[:problems])
+        self.max_new_tokens, self.plane = cfg.algo.max_new_tokens, cfg.contract.plane
+
+    def __call__(self) -> tuple[int, float]:
+        from trainer.basemodel import evaluate
+        from worker_contract.planes import get_plane
+
+        self.rec.follow()
+        self.policy.load(get_plane(self.plane).to_dense(self.rec.state))
+        acc = evaluate(self.policy.model, self.policy.tokenizer, self.task, self.problems,
+                       max_new_tokens=self.max_new_tokens)
+        return self.rec.version, acc
+
+
+def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[str, Any] | None = None) -> dict:
+    """One lock-step run; returns what it measured, with every used group's version (the lag evidence)."""
+    import torch
+
+    try:
+        from trainer.run_init import run_manifest
+    except ImportError:  # before run.json's builder moved out of infra/anchor.py
+        from infra.anchor import run_manifest
+    from transformers.utils import logging as hf_logging
+
+    from trainer.backends import get_backend
+    from trainer.models.identity import identity_from_hf
+    from trainer.publisher import Publisher
+    from trainer.rollouts import RolloutSource
+    from worker_contract.manifest import create_or_resume
+    from worker_contract.signing import fingerprint, generate_private_key, public_key_b64
+    from worker_contract.store import open_store
+    from worker_contract.tasks import get_task
+    from worker_contract.worker.loop import Worker, WorkerSettings
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would drown the progress lines
+    t0 = time.monotonic()
+    torch.set_num_threads(preset.threads)
+    torch.manual_seed(cell.seed)
+    cfg = cell_recipe(cell, preset, base_dir, sets)
+    root = Path(work) / cell.name
+    shutil.rmtree(root, ignore_errors=True)  # a cell's own scratch bucket, from an interrupted attempt
+    url = f"file://{(root / 'bucket').resolve()}"
+    store = open_store(url)
+    key = generate_private_key()
+    manifest = create_or_resume(store, run_manifest(cfg, identity_from_hf(base_dir), public_key_b64(key)),
+                                resume=False)
+    backend = get_backend(cfg.train.backend).load(base_dir, cfg, device=preset.device)
+    publisher = Publisher(store, manifest, key, anchor_interval=cfg.train.anchor_interval, progress=False)
+    base_state = backend.state_dict_hf()
+    version = publisher.publish_anchor(base_state)
+    for _ in range(cell.lag):  # versions 1..k+1 hold the base: groups are k versions old from step 1 on
+        version = publisher.publish(base_state)
+    env = {"DRL_N_SAMPLES": str(cfg.contract.n_samples), "DRL_PULSE_PLANE": cfg.contract.plane,
+           "DRL_TRAINER_KEY_FINGERPRINT": fingerprint(public_key_b64(key))}
+    worker = Worker(WorkerSettings(store=url, run=cfg.run, model_dir=str(base_dir), worker_id=f"lag{cell.lag}",
+                                   seed=cell.seed, threads=preset.threads, lag_versions=cell.lag), env=env)
+    if not worker.setup(threading.Event()):
+        raise RuntimeError(f"{cell.name}: the worker did not join")
+    source = RolloutSource.from_manifest(store, manifest, cfg.algo)
+    heldout = _Heldout(store, cfg, str(base_dir), preset.eval_problems, preset.device, preset.threads)
+    train = get_task(cfg.task).dataset("train")
+    rng = random.Random(f"staleness-prompts:{cell.seed}")  # the same prompts for every cell of a seed
+    _, base_acc = heldout()
+    curve: list[list[float]] = [[0, base_acc]]
+    steps: list[dict] = []
+    for step in range(1, preset.steps + 1):
+        held = worker.sync()
+        problems = [train[rng.randrange(len(train))] for _ in range(cfg.algo.groups_per_step)]
+        for record in worker.sample_groups(problems):
+            worker.upload(record)
+        batch = source.next_batch(version)
+        if batch is None or len(batch.groups) != cfg.algo.groups_per_step:
+            raise RuntimeError(f"{cell.name} step {step}: the source assembled no full batch "
+                               f"(drops {dict(source.drops)})")
+        m = learner_step(backend, batch, cfg.algo)
+        steps.append({
+            "step": step, "learner_version": version, "worker_version": held,
+            "group_versions": [g.record.policy_version for g in batch.groups],
+            "uses": [g.use for g in batch.groups],
+            "reward": batch.metrics["rollout/raw_reward"],
+            **{k: round(float(m[k]), 6) for k in ("gate_drop_frac", "clip_low_frac", "clip_high_frac",
+                                                   "clip_dual_frac", "ratio_max", "ratio_min", "kl_mean")
+               if k in m},
+        })
+        version = publisher.publish(backend.state_dict_hf())
+        if step == preset.steps or (preset.eval_every and step % preset.eval_every == 0):
+            evaluated, acc = heldout()
+            assert evaluated == version, (evaluated, version)
+            curve.append([step, acc])
+    lags = sorted({s["learner_version"] - v for s in steps for v in s["group_versions"]})
+    rewards = [s["reward"] for s in steps]
+    tail = rewards[-max(1, len(rewards) // 4):]
+    shutil.rmtree(root, ignore_errors=True)
+    return {
+        "cell": cell.name, "objective": cell.objective, "lag": cell.lag, "seed": cell.seed,
+        "steps": preset.steps, "base_accuracy": base_acc, "final_accuracy": curve[-1][1], "curve": curve,
+        "lags_seen": lags, "train_reward_last_quarter": sum(tail) / len(tail),
+        "gate_drop_frac_mean": _mean(s.get("gate_drop_frac") for s in steps),
+        "ratio_max": max((s.get("ratio_max", 0.0) for s in steps), default=0.0),
+        "drops": dict(source.drops), "wall_s": round(time.monotonic() - t0, 1), "per_step": steps,
+        "staleness_bound": cfg.algo.staleness, "reuse_cap": cfg.algo.reuse_cap, "lr": cfg.algo.lr,
+    }
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def summarize(cells: list[dict]) -> dict:
+    """Per objective and lag: mean, sample std, min, max and n of the final accuracy, and the mean's change
+    against the same objective at lag 0."""
+    out: dict[str, dict[str, dict]] = {}
+    for c in cells:
+        out.setdefault(c["objective"], {}).setdefault(str(c["lag"]), {"finals": []})["finals"].append(
+            c["final_accuracy"])
+    for rows in out.values():
+        for row in rows.values():
+            f = row.pop("finals")
+            row.update(mean=statistics.fmean(f), std=statistics.stdev(f) if len(f) > 1 else 0.0,
+                       min=min(f), max=max(f), n=len(f))
+        ref = rows.get("0")
+        for row in rows.values():
+            row["vs_lag0"] = row["mean"] - ref["mean"] if ref else None
+    return out
+
+
+def plot(summary: dict, cells: list[dict], path: Path, title: str) -> Path:
+    """Final accuracy against forced lag: mean and std per objective, every seed as a dot, the base dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lags = sorted({int(k) for rows in summary.values() for k in rows})
+    pos = {k: i for i, k in enumerate(lags)}
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for j, obj in enumerate(o for o in OBJECTIVES if o in summary):
+        rows = summary[obj]
+        ks = sorted(int(k) for k in rows)
+        xs = [pos[k] + (j - 1) * 0.08 for k in ks]
+        means = [100 * rows[str(k)]["mean"] for k in ks]
+        stds = [100 * rows[str(k)]["std"] for k in ks]
+        line = ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=obj)
+        dots = [(pos[c["lag"]] + (j - 1) * 0.08, 100 * c["final_accuracy"]) for c in cells if c["objective"] == obj]
+        ax.scatter(*zip(*dots, strict=True), s=8, alpha=0.4, color=line[0].get_color())
+    base = statistics.fmean(c["base_accuracy"] for c in cells)
+    ax.axhline(100 * base, ls="--", lw=1, color="grey", label="base")
+    ax.set_xticks(range(len(lags)), [str(k) for k in lags])
+    ax.set_xlabel("forced staleness k (versions behind the learner)")
+    ax.set_ylabel("held-out accuracy after the run (%)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def build_base(preset: Preset, work: Path, log=print) -> tuple[str, dict]:
+    """The preset's base (built once, cached under `work`/cache), and what building it measured."""
+    from trainer.basemodel import ensure_base
+    from worker_contract.tasks import get_task
+
+    cfg = resolve("gsm8k", env={}, overrides=preset.recipe, embedded=True)
+    base_cfg = preset.base or cfg.embedded.base
+    report = ensure_base(base_cfg, get_task(cfg.task), work / "cache", max_new_tokens=cfg.algo.max_new_tokens,
+                         eval_problems=preset.eval_problems, log=log, device=preset.device)
+    return report.path, report.model_dump()
+
+
+def _parse_ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(_usage(f"--{what} takes comma-separated integers, got {text!r}")) from None
+    if not vals or any(v < 0 for v in vals):
+        raise SystemExit(_usage(f"--{what} needs at least one integer >= 0, got {text!r}"))
+    return vals
+
+
+def _usage(msg: str) -> int:
+    print(f"bench.staleness: {msg}", file=sys.stderr)
+    return 2
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(_usage(f"--set takes dotted.key=value, got {item!r}"))
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def _write(path: Path, doc: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)  # a crash never leaves a torn results file
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.staleness", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="cpu", help=f"cell size: {', '.join(PRESETS)} (default cpu)")
+    ap.add_argument("--objectives", default=",".join(OBJECTIVES), help="comma-separated algo.objective values")
+    ap.add_argument("--lags", default=",".join(map(str, DEFAULT_LAGS)), help="forced staleness values k")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per cell (0..N-1; default 3)")
+    ap.add_argument("--steps", type=int, default=None, help="learner steps per cell (default: the preset's)")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run at once, one process each (default 1)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe value for every cell, e.g. algo.lr=2e-5 (repeatable)")
+    ap.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/staleness_<preset>.json)")
+    ap.add_argument("--figure", type=Path, default=None, help="PNG (default docs/staleness_<preset>.png)")
+    ap.add_argument("--work", type=Path, default=REPO / ".stoa" / "staleness", help="scratch buckets and base cache")
+    ap.add_argument("--fresh", action="store_true", help="start the results file over instead of adding to it")
+    args = ap.parse_args(argv)
+    if args.preset not in PRESETS:
+        return _usage(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
+    objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
+    unknown = [o for o in objectives if o not in OBJECTIVES]
+    if unknown or not objectives:
+        return _usage(f"unknown objective(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(OBJECTIVES)}")
+    if args.seeds < 1 or args.jobs < 1 or (args.steps is not None and args.steps < 1):
+        return _usage("--seeds, --jobs and --steps must be at least 1")
+    lags = _parse_ints(args.lags, "lags")
+    sets = _parse_sets(args.set)
+    preset = PRESETS[args.preset]
+    if args.steps:
+        preset = preset.model_copy(update={"steps": args.steps})
+    if preset.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return _usage(f"preset {args.preset!r} needs a CUDA GPU; this machine has none (use --preset cpu)")
+    out = args.out or RESULTS / f"staleness_{args.preset}.json"
+    figure = args.figure or REPO / "docs" / f"staleness_{args.preset}.png"
+    try:
+        cfg0 = cell_recipe(Cell(objectives[0], 0, 0), preset, "base", sets)
+    except ValueError as e:
+        return _usage(str(e).splitlines()[-1])
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    print(f"building (or reusing) the {args.preset} base under {work}/cache ...", flush=True)
+    base_dir, base_report = build_base(preset, work)
+    print(f"base {base_dir}: {base_report['params'] / 1e6:.2f} M parameters, held-out "
+          f"{100 * base_report['heldout_accuracy']:.1f}% ({base_report['sft_seconds']:.0f} s to build)", flush=True)
+    settings = {"preset": args.preset, "steps": preset.steps, "sets": sets, "base": base_report["config_digest"],
+                "groups_per_step": cfg0.algo.groups_per_step, "n_samples": cfg0.contract.n_samples,
+                "eval_problems": preset.eval_problems, "lr": cfg0.algo.lr, "backend": cfg0.train.backend}
+    doc = {"benchmark": "staleness", "settings": settings, "cells": []}
+    if out.exists() and not args.fresh:
+        old = json.loads(out.read_text())
+        if old.get("settings") != settings:
+            return _usage(f"{out} holds a sweep with other settings ({old.get('settings')}); pass --fresh to "
+                          "start it over or --out for another file")
+        doc = old
+    done = {c["cell"] for c in doc["cells"]}
+    todo = [c for c in (Cell(o, k, s) for o in objectives for k in lags for s in range(args.seeds))
+            if c.name not in done]
+    print(f"{len(todo)} cells to run ({len(done)} already in {out}), {args.jobs} at a time, "
+          f"{preset.steps} steps each", flush=True)
+    doc.update(machine=machine_info(), base_model=base_report,
+               command="python -m bench.staleness " + " ".join(sys.argv[1:] if argv is None else argv))
+    failures = 0
+
+    def record(result: dict) -> None:
+        doc["cells"] = [c for c in doc["cells"] if c["cell"] != result["cell"]] + [result]
+        doc["cells"].sort(key=lambda c: (OBJECTIVES.index(c["objective"]), c["lag"], c["seed"]))
+        doc["summary"] = summarize(doc["cells"])
+        _write(out, doc)
+        n = len(doc["cells"])
+        print(f"[{n}] {result['cell']}: held-out {100 * result['base_accuracy']:.1f}% -> "
+              f"{100 * result['final_accuracy']:.1f}% after {result['steps']} steps, lags {result['lags_seen']}, "
+              f"{result['wall_s']:.0f} s", flush=True)
+
+    if args.jobs == 1:
+        for cell in todo:
+            record(run_cell(cell, preset, base_dir, str(work), sets))
+    else:
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(run_cell, cell, preset, base_dir, str(work), sets): cell for cell in todo}
+            for fut in as_completed(futures):
+                try:
+                    record(fut.result())
+                except Exception as e:  # one broken cell is reported; the others still land in the file
+                    failures += 1
+                    print(f"cell {futures[fut].name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    doc["wall_s_last_call"] = round(time.monotonic() - t0, 1)
+    if doc["cells"]:
+        doc["summary"] = summarize(doc["cells"])
+        _write(out, doc)
+        title = (f"{args.preset}: {base_report['params'] / 1e6:.1f} M-parameter base, {preset.steps} learner steps of "
+                 f"{cfg0.algo.groups_per_step}x{cfg0.contract.n_samples}, {len({c['seed'] for c in doc['cells']})} "
+                 "seeds (mean, std; dots = seeds)")
+        plot(doc["summary"], doc["cells"], figure, title)
+        print_table(doc["summary"])
+        print(f"results {out}; figure {figure}", flush=True)
+    return 1 if failures else 0
+
+
+def print_table(summary: dict) -> None:
+    lags = sorted({int(k) for rows in summary.values() for k in rows})
+    print("objective  " + "".join(f"{'k=' + str(k):>16}" for k in lags))
+    for obj in (o for o in OBJECTIVES if o in summary):
+        cells = []
+        for k in lags:
+            row = summary[obj].get(str(k))
+            cells.append(f"{100 * row['mean']:7.1f} ±{100 * row['std']:4.1f} n{row['n']}" if row else " " * 16)
+        print(f"{obj:<10} " + "".join(f"{c:>16}" for c in cells))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

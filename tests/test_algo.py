@@ -14,6 +14,7 @@ from trainer.algo import (
     dual_clip_loss,
     k3_kl,
     policy_loss,
+    sequence_mean_reduce,
 )
 from trainer.config import AlgoConfig, GateConfig
 
@@ -153,6 +154,13 @@ def test_drgrpo_reduce_divides_by_rows_times_max_len():
         drgrpo_reduce(values, mask.reshape(2, 3), 0)
 
 
+def test_sequence_mean_reduce_keeps_the_trained_token_count_as_denominator():
+    values = t(1.0, 2.0, 3.0, 4.0, 5.0, 6.0).reshape(2, 3)
+    mask = t(1, 1, 0, 0, 0, 0).reshape(2, 3)  # row 1 trains nothing: it adds 0, but still counts as a row
+    keep = t(1, 0, 0, 0, 0, 0).reshape(2, 3)  # (0,1) gated: it leaves the sum, not the denominator
+    assert sequence_mean_reduce(values, keep, mask).item() == pytest.approx((1 / 2 + 0) / 2)
+
+
 # -- composed loss -------------------------------------------------------------------------------------
 def _cfg(**kw) -> AlgoConfig:
     base = dict(max_new_tokens=4, kl_coef=0.5, eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0,
@@ -170,10 +178,11 @@ def test_policy_loss_composes_gate_dual_clip_kl_and_reducer():
     mask = t(1, 1, 0, 1, 1, 0).reshape(2, 3)
     adv = t(1.0, -1.0)
     loss, m = policy_loss(logp, blp, ref, adv, mask, _cfg())
-    # policy: kept tokens are (0,0): -1*1 = -1 and (1,1): -min(-1.2, -1.2) = 1.2 -> sum 0.2
-    # kl: only (1,1) differs: d = log(.3/.6), k3 = .5 + .6931 - 1 = .19315
+    # policy: kept tokens are (0,0): -1*1 = -1 and (1,1): -min(-1.2, -1.2) = 1.2 -> sum 0.2, over rows x max_len
+    # kl: only (1,1) differs: d = log(.3/.6), k3 = .5 + .6931 - 1 = .19315; row 1 trains 2 tokens, so its
+    # per-sequence mean is k3 / 2 (the gated (1,0) counts in the denominator), and the mean over 2 rows halves it
     d = L(0.5)
-    expected = 0.2 / (2 * 4) + 0.5 * (math.exp(d) - d - 1) / (2 * 4)
+    expected = 0.2 / (2 * 4) + 0.5 * (math.exp(d) - d - 1) / 2 / 2
     assert loss.item() == pytest.approx(expected)
     assert m["gate_drop_frac"] == pytest.approx(2 / 4)
     assert m["ratio_max"] == pytest.approx(1.6) and m["ratio_min"] == pytest.approx(0.5)

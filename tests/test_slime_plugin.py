@@ -90,6 +90,13 @@ def plugin(box, monkeypatch, tmp_path):
 
 
 def put_group(box, group: str, *, version: int = 1, n: int = N, plane: str = "bf16", seed: int = 0) -> str:
+    rec = _record(box, group, version=version, n=n, plane=plane, seed=seed)
+    key = layout.rollout_key(RUN, version, "w1", group)
+    box["store"].put_if_absent(key, encode_record(rec))
+    return key
+
+
+def _record(box, group: str, *, version: int = 1, n: int = N, plane: str = "bf16", seed: int = 0) -> RolloutRecord:
     rng = random.Random(f"{group}-{seed}")
     vocab = len(box["tok"])
     prompt = [rng.randrange(3, vocab) for _ in range(5)]
@@ -106,9 +113,7 @@ def put_group(box, group: str, *, version: int = 1, n: int = N, plane: str = "bf
                         task="arithmetic", prompt_id=f"p-{group}", prompt_ids=prompt,
                         sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW),
                         samples=samples, created_at=time.time())
-    key = layout.rollout_key(RUN, version, "w1", group)
-    box["store"].put_if_absent(key, encode_record(rec))
-    return key
+    return rec
 
 
 def slime_args(**over):
@@ -249,24 +254,100 @@ def test_dppo_gate_equals_the_learners_gate(box, plugin):
     assert torch.all(flat.grad[~keep] == 0) and torch.any(flat.grad[keep] != 0)
 
 
-def test_composed_slime_loss_equals_the_learners_policy_loss(box, plugin):
-    """slime's dual-clip + our gate + our reducer, scaled as slime scales, is algo.policy_loss's pg term."""
-    a = box["cfg"].algo.model_copy(update={"kl_coef": 0.0})
-    lengths, logp, mu, adv, masks = _slime_like_batch(seed=3, rows=5)
-    flat = torch.cat(logp)
-    pg = algo.dual_clip_loss(algo.ratio_from_logp(flat, torch.cat(mu)), torch.cat(adv), a.eps_clip, a.eps_clip_high,
-                             a.eps_clip_c)
-    gated, new_masks, _ = objective.dppo_gate(slime_args(), pg_loss=pg, train_log_probs=logp, rollout_log_probs=mu,
-                                              loss_masks=masks)
-    reducer = objective.drgrpo_reducer(lengths, lengths, new_masks, False)
-    global_batch = len(lengths)  # one micro-batch, one DP rank: slime multiplies by 1 / global batch
-    slime_loss = reducer(gated) / global_batch
+# -- the two engines optimise one objective ---------------------------------------------------------------
+def _slime_policy_loss(args, mb: list[int], logp, mu, ref, adv, masks, mask_sums):
+    """slime's `policy_loss_function` for the flags the slime engine passes (research/slime.md section 3,
+    slime 624b824a `backends/megatron_utils/loss.py`), on one micro-batch of samples `mb`: the ratio to
+    the rollout log-probs (--use-rollout-logprobs), dual-clip PPO (`ppo_utils.compute_policy_loss`), our
+    TIS hook (--get-mismatch-metrics --custom-tis-function-path), `sum_of_sample_mean` rebuilt with the
+    hook's masks over `rollout_mask_sums`, our pg reducer, the k3 KL (--kl-loss-type low_var_kl,
+    `compute_approx_kl`: float32, clamped to [-10, 10]) reduced by that `sum_of_sample_mean`."""
+    lp = torch.cat([logp[i] for i in mb])
+    old = torch.cat([mu[i] for i in mb])
+    a = torch.cat([adv[i] for i in mb])
+    ppo_kl = old - lp
+    ratio = (-ppo_kl).exp()
+    pg1, pg2 = -ratio * a, -ratio.clamp(1 - args.eps_clip, 1 + args.eps_clip_high) * a
+    clip1 = torch.maximum(pg1, pg2)
+    pg = torch.where(a < 0, torch.minimum(-args.eps_clip_c * a, clip1), clip1)
+    lengths = [int(logp[i].numel()) for i in mb]
+    pg, new_masks, _ = objective.dppo_gate(args, pg_loss=pg, train_log_probs=[logp[i].detach() for i in mb],
+                                           rollout_log_probs=[mu[i] for i in mb], loss_masks=[masks[i] for i in mb],
+                                           total_lengths=lengths, response_lengths=lengths)
 
-    width = max(lengths)
-    pad = lambda xs: torch.stack([torch.nn.functional.pad(x, (0, width - x.numel())) for x in xs])  # noqa: E731
-    seq_adv = torch.tensor([float(x[0]) for x in adv], dtype=torch.float64)
-    ours, _ = algo.policy_loss(pad(logp), pad(mu), None, seq_adv, pad(masks), a)
-    assert float(slime_loss) == pytest.approx(float(ours), rel=1e-12, abs=1e-15)
+    def sum_of_sample_mean(x):
+        return sum((xi * m).sum() / max(float(d), 1.0)
+                   for xi, m, d in zip(x.split(lengths), new_masks, [mask_sums[i] for i in mb], strict=True))
+
+    pg_loss = objective.drgrpo_reducer(lengths, lengths, new_masks, False)(pg)
+    log_ratio = -(lp.float() - torch.cat([ref[i] for i in mb]).float())
+    kl = (log_ratio.exp() - 1 - log_ratio).clamp(-10, 10)
+    return pg_loss + args.kl_loss_coef * sum_of_sample_mean(kl)
+
+
+def test_engines_agree_on_loss_and_gradient(box, plugin):
+    """One batch of worker records through both engines: the native step (collate, `step.loss_fn` on the
+    backend's micro-batches, each weighted by its share of rows) and the slime hooks (the rollout function's
+    Samples, the reward hook's advantages, slime's loss arithmetic on other micro-batches, scaled by
+    num_microbatches / global_batch_size and divided by num_microbatches as Megatron does). The policy is
+    a free log-prob per response token, so the gradient compared is d loss / d logp, token by token."""
+    from trainer import step
+    from trainer.batch import collate
+    from trainer.rollouts import Group
+    from trainer.slime_plugin.rollout import group_to_samples
+
+    ctx = plugin_context.context()
+    ctx.cfg = ctx.cfg.model_copy(update={"algo": ctx.cfg.algo.model_copy(update={"kl_coef": 0.5})})
+    a = ctx.cfg.algo
+    records = [_record(box, f"agree-{i}", seed=i) for i in range(3)]
+    rng = torch.Generator().manual_seed(7)
+    tb = collate(records)
+    rows, width = tb.rows, tb.max_response
+    noise = (torch.rand((rows, width), generator=rng) - 0.5) * 2.4
+    target = (tb.behavior_logp + noise).clamp(max=-1e-3)  # the current policy's log-probs
+    ref_all = (tb.behavior_logp + (torch.rand((rows, width), generator=rng) - 0.5)).clamp(max=-1e-3)
+    tb.ref_logp = ref_all
+
+    # native: the backend's micro-batches of 3 rows, each loss weighted by mb.rows / rows
+    theta = (target - tb.behavior_logp).clone().requires_grad_(True)
+    loss_of = step.loss_fn(a)
+    native = 0.0
+    for start in range(0, rows, 3):
+        mb = tb.select(start, min(start + 3, rows))
+        logp = mb.behavior_logp + theta[start:start + mb.rows, :mb.max_response]
+        loss, metrics = loss_of(logp, mb)
+        part = loss * (mb.rows / rows)
+        part.backward()
+        native += float(part.detach())
+    native_grad = theta.grad.clone()
+    assert 0 < metrics["gate_drop_frac"] and metrics["kl_loss"] > 0  # the batch exercises gate and KL
+
+    # slime: the same records as the rollout function's Samples, advantages from the reward hook
+    samples = [s for gi, r in enumerate(records)
+               for s in group_to_samples(Group(f"k{gi}", r, 1, 0), group_index=gi, first_index=gi * N,
+                                         Sample=SlimeSample)]
+    _, adv_flat = objective.drgrpo_rewards(slime_args(), samples)
+    lens = [s.response_length for s in samples]
+    theta_s = (target - tb.behavior_logp).clone().requires_grad_(True)
+    mu = [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
+    logp_s = [mu[i] + theta_s[i, :n] for i, n in enumerate(lens)]
+    ref = [ref_all[i, :n] for i, n in enumerate(lens)]
+    adv = [torch.full((n,), adv_flat[i]) for i, n in enumerate(lens)]
+    masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+    mask_sums = [sum(s.loss_mask) for s in samples]  # rollout_mask_sums: each sample is its own rollout
+    args = slime_args(eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
+                      kl_loss_coef=a.kl_coef)
+    micro = [[0, 1, 2, 3, 4], [5], [6, 7, 8, 9, 10, 11]]
+    global_batch, num_mb = len(samples), len(micro)
+    theirs = 0.0
+    for mb in micro:
+        loss = _slime_policy_loss(args, mb, logp_s, mu, ref, adv, masks, mask_sums)
+        part = loss * num_mb / global_batch / num_mb
+        part.backward()
+        theirs += float(part.detach())
+    assert theirs == pytest.approx(native, rel=1e-5)
+    torch.testing.assert_close(theta_s.grad, native_grad, rtol=1e-5, atol=1e-8)
+    assert torch.count_nonzero(native_grad) > 0
 
 
 def test_drgrpo_reducer_constant_denominator(box, plugin):

@@ -3,12 +3,24 @@
 Per token: dual-clip PPO on the ratio to the behaviour log-probs the worker recorded, gated by the
 asymmetric DPPO mask (a token loses its gradient only once it has moved past the divergence threshold in
 the direction its advantage pushes), plus `kl_coef` times the k3 estimate of KL to the frozen reference.
-Advantages are Dr.GRPO (reward minus group mean); the reducer sums masked token losses and divides by a
-constant (rows x max_len). The names below are fixed: outside checks call them.
+Advantages are Dr.GRPO (reward minus group mean).
+
+Two reducers, the ones slime applies for the flags the slime engine passes (research/slime.md section 3),
+so both engines optimise the same number (tests/test_engines_agree.py):
+- the policy term: Dr.GRPO, the masked token losses summed and divided by a constant (rows x max_len);
+- the KL term: a per-sequence token mean over the tokens the gate keeps, divided by the sequence's
+  trained tokens (its loss mask), then the mean over sequences: slime's `sum_of_sample_mean` rebuilt with
+  the gate's masks over the per-rollout mask totals, one rollout per sample (docs/contract.md).
+
+`policy_loss` is the one objective both engines run: the native learner calls it (trainer/step.py), the
+slime engine composes it from slime's own dual-clip and k3 KL plus our hooks (trainer/slime_plugin/
+objective.py). A variant of the objective changes it here, once. The names below are fixed: outside checks
+call them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +44,18 @@ def drgrpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be shaped [groups, n], got {tuple(rewards.shape)}")
     return rewards - rewards.mean(dim=-1, keepdim=True)
+
+
+def group_advantages(rewards: Sequence[float], n: int) -> list[float]:
+    """Dr.GRPO advantages of a flat, group-contiguous list of rewards (groups of `n`), as floats.
+
+    The one place both engines turn rewards into advantages: the native batch (trainer/batch.py) and
+    slime's reward post-process hook (trainer/slime_plugin/objective.py).
+    """
+    if n < 1 or len(rewards) % n:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {n}")
+    adv = drgrpo_advantages(torch.tensor([float(r) for r in rewards], dtype=torch.float64).view(-1, n))
+    return [float(a) for a in adv.flatten()]
 
 
 def _binary_kl(p_mu: torch.Tensor, logp_mu: torch.Tensor, p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -116,6 +140,18 @@ def drgrpo_reduce(values: torch.Tensor, mask: torch.Tensor, max_len: int) -> tor
     return (values * mask.to(values.dtype)).sum() / (rows * max_len)
 
 
+def sequence_mean_reduce(values: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean over rows of sum(keep * values) / max(sum(mask), 1) per row.
+
+    `keep` selects the tokens that contribute (the gate's survivors within the loss mask); `mask` counts
+    the row's trained tokens for the denominator, so a gated token lowers the row's mean instead of
+    re-weighting the others (slime's rejection masks do the same).
+    """
+    keep = keep.to(values.dtype)
+    per_row = (values * keep).sum(dim=-1) / mask.to(values.dtype).sum(dim=-1).clamp(min=1.0)
+    return per_row.sum() / values.shape[0]
+
+
 def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
     sel = x.detach()[mask]
     if sel.numel() == 0:
@@ -131,10 +167,11 @@ def policy_loss(
     mask: torch.Tensor,
     cfg: AlgoConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The recipe's loss for one (micro-)batch and its metrics.
+    """The recipe's loss for one (micro-)batch and its metrics: the objective of both engines.
 
     logp, behavior_logp, ref_logp and mask are `[B, R]` over response positions; advantages are `[B]`
-    (per sequence) or `[B, R]`. Returns (scalar loss, metrics); fractions are over mask tokens.
+    (per sequence) or `[B, R]`. Returns (scalar loss, metrics); fractions are over mask tokens. Both terms
+    are means over the rows, so a backend weights each micro-batch by its share of the rows.
     """
     adv = advantages if advantages.dim() == logp.dim() else advantages.unsqueeze(-1)
     adv = adv.to(logp.dtype).expand_as(logp)
@@ -147,7 +184,7 @@ def policy_loss(
     pg_loss = drgrpo_reduce(pg * keep_f, mask, cfg.max_new_tokens)
     if ref_logp is not None and cfg.kl_coef != 0:
         kl = k3_kl(logp, ref_logp)
-        kl_loss = drgrpo_reduce(kl, mask, cfg.max_new_tokens)
+        kl_loss = sequence_mean_reduce(kl, keep_f * mask.to(logp.dtype), mask)
     else:
         kl = torch.zeros_like(logp)
         kl_loss = logp.new_zeros(())

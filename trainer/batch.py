@@ -15,7 +15,7 @@ import torch
 
 from worker_contract.schema import RolloutRecord
 
-from .algo import drgrpo_advantages
+from .algo import group_advantages
 
 
 @dataclass
@@ -102,8 +102,9 @@ def collate(records: Sequence[RolloutRecord], pad_id: int = 0) -> TrainBatch:
         raise ValueError("every group of a batch must have the same size (DRL_N_SAMPLES)")
     if any(not r.prompt_ids for r in records):
         raise ValueError("a prompt group with an empty prompt cannot be trained on (nothing predicts token 0)")
-    rewards = torch.tensor([[s.reward for s in r.samples] for r in records], dtype=torch.float32)
-    adv = drgrpo_advantages(rewards).reshape(-1)
+    flat = [s.reward for r in records for s in r.samples]
+    rewards = torch.tensor(flat, dtype=torch.float32)
+    adv = torch.tensor(group_advantages(flat, n), dtype=torch.float32)
     rows = [(r.prompt_ids, s) for r in records for s in r.samples]
     b = len(rows)
     t = max(len(p) + len(s.response_ids) for p, s in rows)
@@ -124,5 +125,5 @@ def collate(records: Sequence[RolloutRecord], pad_id: int = 0) -> TrainBatch:
         input_ids=input_ids, attention_mask=attn,
         prompt_lens=torch.tensor([len(p) for p, _ in rows], dtype=torch.long),
         response_lens=torch.tensor([len(s.response_ids) for _, s in rows], dtype=torch.long),
-        loss_mask=loss_mask, behavior_logp=blp, advantages=adv, rewards=rewards.reshape(-1),
+        loss_mask=loss_mask, behavior_logp=blp, advantages=adv, rewards=rewards,
     )

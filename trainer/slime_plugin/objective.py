@@ -5,7 +5,7 @@ on the ratio to the behaviour log-probs (`--use-rollout-logprobs`) and the low_v
 reference (`--use-kl-loss`). We plug in the rest (research/slime.md sections 1.3 and 3):
 
 * `drgrpo_rewards` (`--custom-reward-post-process-path`): Dr.GRPO advantages, reward minus group mean,
-  with `algo.drgrpo_advantages`; called on the rollout side with the flat list of samples.
+  with `algo.group_advantages` (as the native batch); called on the rollout side with the flat list of samples.
 * `dppo_gate` (`--custom-tis-function-path`, active with `--get-mismatch-metrics`): the asymmetric DPPO
   mask with `algo.dppo_keep_mask`. slime hands a TIS function the per-token policy loss, the trainer's
   log-probs recomputed before the update (the current policy: one optimizer step per rollout) and the
@@ -16,8 +16,10 @@ reference (`--use-kl-loss`). We plug in the rest (research/slime.md sections 1.3
   constant max length. slime then scales each micro-batch by 1/global_batch_size (per-sample loss mode,
   i.e. without --calculate-per-token-loss), so the step's loss is sum(m*l) / (B * L_max), the Dr.GRPO form.
 
-Known difference from the in-repo learner: slime reduces the KL term with its own per-rollout token mean,
-not with the Dr.GRPO reducer (there is no hook for it); at coefficient 0.001 the effect is small.
+The KL term is slime's own: k3 (`low_var_kl`) reduced by `sum_of_sample_mean`, which slime rebuilds with
+the masks our gate returns over the per-sample mask totals, so it is the per-sequence mean over the tokens
+the gate keeps. `algo.policy_loss` reduces it the same way, so both engines optimise one objective
+(tests/test_engines_agree.py checks loss and gradient).
 """
 
 from __future__ import annotations
@@ -33,17 +35,14 @@ def _ctx_algo():
 
 def drgrpo_rewards(args: Any, samples: list) -> tuple[list[float], list[float]]:
     """(raw rewards, Dr.GRPO advantages) for the flat, group-contiguous list of samples."""
-    import torch
-
-    from trainer.algo import drgrpo_advantages
+    from trainer.algo import group_advantages
 
     n = int(getattr(args, "n_samples_per_prompt", 0) or 0)
     if n < 1 or len(samples) % n:
         raise ValueError(f"{len(samples)} samples do not split into groups of --n-samples-per-prompt {n}; the "
                          "rollout function returns whole, contiguous groups")
     raw = [float(s.reward if not isinstance(s.reward, dict) else s.reward[args.reward_key]) for s in samples]
-    adv = drgrpo_advantages(torch.tensor(raw, dtype=torch.float64).view(-1, n))
-    return raw, [float(a) for a in adv.flatten()]
+    return raw, group_advantages(raw, n)
 
 
 def dppo_gate(args: Any, *, pg_loss, train_log_probs: list, rollout_log_probs: list, loss_masks: list,

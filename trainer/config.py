@@ -158,8 +158,16 @@ class AlgoConfig(_Model):
 class TrainConfig(_Model):
     """Learner mechanics."""
 
+    engine: Literal["native", "slime"] = "native"
+    """Which learner a GPU box runs: `native`, our Ray learner (trainer/learner.py) with `backend`, on any
+    CUDA box with torch, megatron-core and Ray; or `slime`, slime's train.py with our plugin (the slime
+    image). The embedded run on a machine without a GPU is always native. `ENGINE=` on the make line."""
     backend: Literal["hf", "megatron"] = "hf"
     """Learner backend: transformers (CPU, single GPU) or megatron-core (GPU scale)."""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """hf backend: the dtype of the forward (the weights stay float32). `auto`: model.dtype on CUDA,
+    float32 on CPU. The embedded run's small model takes float32 on a GPU too: in bf16 it is measurably
+    another model than the float32 one its CPU workers sample (docs/embedded.md)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward chunk (at most)."""
     max_tokens_per_gpu: int | None = Field(None, ge=1)

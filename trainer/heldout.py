@@ -32,8 +32,9 @@ def append_row(path: Path, row: dict) -> None:
 
 class HeldoutEvaluator:
     def __init__(self, store: Store, run: str, plane: str, model_dir: str | Path, task, *, problems: int,
-                 max_new_tokens: int, temperature: float | None, metrics_path: Path):
+                 max_new_tokens: int, temperature: float | None, metrics_path: Path, threads: int = 1):
         self.store, self.run, self.plane, self.model_dir = store, run, plane, Path(model_dir)
+        self.threads = threads  # CPU threads: it scores in float32 on the CPU, as the local workers sample
         self.task = task
         self.problems = list(task.dataset("test")[:problems])
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
@@ -111,7 +112,7 @@ class HeldoutEvaluator:
                 return None, None  # nothing published yet: try again on the next request
             self._rec = rec
             if self._policy is None:
-                self._policy = PolicyModel(self.model_dir, threads=1)
+                self._policy = PolicyModel(self.model_dir, threads=self.threads, device="cpu")  # float32, as the workers
         else:
             self._rec.follow()
         return self._rec.version, self._rec.state

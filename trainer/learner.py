@@ -145,6 +145,7 @@ class LearnerActor:
         self.publish_failures = 0
         self.audit = WorkerAudit()  # behaviour log-probs vs our recomputation, per worker (trainer/audit.py)
         self._published_step: int | None = None  # the step whose weights the newest visible version holds
+        self._waited = self._handoff_s = 0.0  # learner/wait_s, learner/handoff_s (train_one)
 
     # -- start -------------------------------------------------------------------------------------
     def setup(self) -> dict:
@@ -184,7 +185,9 @@ class LearnerActor:
         from .batch import collate
 
         self._collect(block=False)
+        t_wait = time.monotonic()
         batch = ray.get(self.source.next_batch.remote(self.current, timeout_s))
+        self._waited += time.monotonic() - t_wait
         if batch is None:
             return None
         t0 = time.monotonic()
@@ -196,6 +199,7 @@ class LearnerActor:
         train = self.backend.train_step(tb, lambda lp, mb: policy_loss(
             lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo))
         self.step += 1
+        t_handoff = time.monotonic()
         state = self.backend.state_dict_hf()
         snap = ray.get(self.source.snapshot.remote())
         metrics: dict[str, Any] = {f"train/{k}": v for k, v in train.items()}
@@ -206,9 +210,14 @@ class LearnerActor:
         metrics.update({f"publish/{k}": v for k, v in self.last_publish.items()
                         if isinstance(v, int | float) and not isinstance(v, bool)})
         metrics["publish/failures"] = self.publish_failures
+        # time waited for this batch, and the previous step's hand-off of its weights to the publisher
+        # (state copy and submit): the loop's busy share and publish blocking (bench/gpu_loop.py)
+        metrics.update({"learner/wait_s": self._waited, "learner/handoff_s": self._handoff_s})
+        self._waited = 0.0
         metrics.update(step=self.step, version=self.current, batch_version=batch.current_version)
         self._groups_unsent += len(batch.groups)
         self._submit(state, metrics, snap)
+        self._handoff_s = time.monotonic() - t_handoff
         # which groups this step used (and how often): lets an audit rebuild the lineage's consumption
         return {**metrics, "rollout/groups": [[g.key, g.use] for g in batch.groups]}
 

@@ -2,8 +2,9 @@
 
 The policy keeps float32 master weights (an lr-1e-6 Adam update is below half a bf16 ulp for most
 weights, so bf16 master weights would not learn); on CUDA the forward runs under bf16 autocast when the
-recipe's dtype is bfloat16. Published weights are cast to the recipe's dtype. The reference policy is a
-frozen copy of the loaded weights in the compute dtype. Logits are divided by the sampling temperature
+recipe's dtype is bfloat16, unless `train.compute_dtype` says float32 (tiny models). Published weights
+are cast to the recipe's dtype. The reference policy is a frozen copy of the loaded weights in the compute
+dtype. Logits are divided by the sampling temperature
 and reduced over the vocabulary in chunks (`token_logprobs`, float32); with a bf16 compute dtype (CUDA)
 the output layer takes bf16 operands and gives float32 logits, chunked over tokens (`vocab_parallel`).
 """
@@ -48,7 +49,10 @@ class HFBackend(Backend):
         self.device = _pick_device(device)
         self.publish_dtype = _DTYPES[cfg.model.dtype]
         on_cuda = self.device.type == "cuda"
-        # bf16 compute by default only on CUDA; CPU autocast to bf16 is slow and the CPU path serves tiny models
+        # train.compute_dtype `auto`: bf16 only on CUDA; CPU autocast to bf16 is slow and the CPU path
+        # serves tiny models, which need float32 on a GPU too (the recipe's embedded section says so)
+        if compute_dtype is None and cfg.train.compute_dtype != "auto":
+            compute_dtype = _DTYPES[cfg.train.compute_dtype]
         self.compute_dtype = compute_dtype or (self.publish_dtype if on_cuda else torch.float32)
         self.model = model.to(device=self.device, dtype=torch.float32)
         self.model.eval()  # no dropout: the learner's log-probs must match the sampler's

@@ -36,7 +36,7 @@ from .slime_launch import (
     launch_command,
     rotary_base,
 )
-from .steps import StepFailed, run_steps
+from .steps import StepFailed, run_command, run_steps
 
 REMOTE_STEPS = [
     LaunchStep(name="connect", where="local", summary="open the SSH connection (Fabric; key-only if SSH_KEY)"),
@@ -155,15 +155,6 @@ def resolve_store(cfg: RecipeConfig, env: Mapping[str, str]) -> str:
 
 
 # -- the steps ------------------------------------------------------------------------------------------
-def _run(step: str, argv: list[str], env: Mapping[str, str] | None = None) -> str:
-    res = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ if env is None else env),
-                         check=False)
-    if res.returncode != 0:
-        raise StepFailed(f"{step}: `{' '.join(argv[:4])} ...` exited {res.returncode}:\n"
-                         f"{(res.stderr or res.stdout).strip()[-3000:]}")
-    return res.stdout
-
-
 def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
     from . import box_check
 
@@ -210,7 +201,7 @@ def step_convert_model(cfg: RecipeConfig, paths: BoxPaths) -> str:
         check_model_identity(hf, checkpoint=read_identity(out))
         return f"already converted at {out} (identity checked)"
     cmd = convert_command(hf_dir, out, rotary_base=hf.rope_theta, dtype=cfg.model.dtype, overwrite=True)
-    _run("convert_model", cmd, {**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    run_command("convert_model", cmd, {**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     return f"{out} (rotary base {hf.rope_theta:g})"
 
 
@@ -234,7 +225,7 @@ def step_publish_anchor(cfg: RecipeConfig, paths: BoxPaths) -> str:
 def step_start_ray(cfg: RecipeConfig, paths: BoxPaths) -> str:
     if subprocess.run(["ray", "status"], capture_output=True, check=False).returncode == 0:
         return "Ray is already up"
-    _run("start_ray", ["ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
+    run_command("start_ray", ["ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
                        "--dashboard-port", "8265", "--num-gpus", str(cfg.train.tensor_parallel),
                        "--disable-usage-stats"])
     marker = Path(paths.remote_dir) / ".stoa" / "ray.started"

@@ -165,7 +165,7 @@ def step_install_lfm2_plugin(cfg, paths) -> str:
 
 def step_base_model(cfg, paths, store) -> str:
     from .convert_tasks import convert_command
-    from .launch_gpu import _run
+    from .steps import run_command
 
     def fetch(hf_dir: Path) -> str | None:
         from huggingface_hub import HfApi, snapshot_download
@@ -180,7 +180,7 @@ def step_base_model(cfg, paths, store) -> str:
         from trainer.config import REPO_ROOT
 
         cmd = convert_command(str(hf_dir), str(td_dir), dtype="bfloat16", overwrite=True)
-        _run("base_model", cmd, {**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        run_command("base_model", cmd, {**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
     import transformers
 

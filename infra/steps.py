@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import subprocess
+from collections.abc import Callable, Mapping
 
 
 class StepFailed(RuntimeError):
@@ -24,3 +26,13 @@ def run_steps(steps: list[tuple[str, Callable[[], str]]], out: Callable[[str], N
             return 1
         out(f"[{i}/{len(steps)}] {name}: {result}")
     return 0
+
+
+def run_command(step: str, argv: list[str], env: Mapping[str, str] | None = None) -> str:
+    """Run one command of a step; its stdout, or StepFailed naming the step with the command's error tail."""
+    res = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ if env is None else env),
+                         check=False)
+    if res.returncode != 0:
+        raise StepFailed(f"{step}: `{' '.join(argv[:4])} ...` exited {res.returncode}:\n"
+                         f"{(res.stderr or res.stdout).strip()[-3000:]}")
+    return res.stdout

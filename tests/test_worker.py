@@ -48,10 +48,10 @@ def tiny_model_dir(tmp_path_factory):
 def _publish_run(store, model_dir, *, n_samples=N, max_new_tokens=12):
     from transformers import AutoModelForCausalLM
 
-    from infra.anchor import run_manifest
     from trainer.config import resolve
     from trainer.models.identity import identity_from_hf
     from trainer.publisher import Publisher
+    from trainer.run_init import run_manifest
 
     cfg = resolve("gsm8k", env={}, overrides={"run": RUN, "task": "arithmetic", "contract.n_samples": n_samples,
                                               "algo.max_new_tokens": max_new_tokens, "model.path": str(model_dir),

@@ -198,17 +198,13 @@ def prepare_model(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> tuple[Rec
 def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
     """run.json (created, or resumed with an identical contract) and the run's signing key; returns the
     store, the manifest and the fingerprint of the key this launcher holds (the workers' join card value)."""
-    from infra.anchor import run_manifest
-    from trainer.models.identity import identity_from_hf
-    from worker_contract.manifest import create_or_resume
-    from worker_contract.signing import fingerprint, load_or_create_private_key, public_key_b64
     from worker_contract.store import open_store
 
-    key = load_or_create_private_key(paths.key_file)
+    from .run_init import create_run
+
     store = open_store(cfg.store)
-    manifest = create_or_resume(store, run_manifest(cfg, identity_from_hf(model_dir), public_key_b64(key)),
-                                resume=True)
-    return store, manifest, fingerprint(public_key_b64(key))
+    start = create_run(cfg, store, model_dir, paths.key_file, publish_base=False)  # the learner publishes v1
+    return store, start.manifest, start.fingerprint
 
 
 def _steps_done(paths: EmbeddedPaths) -> int:
@@ -271,6 +267,7 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
 
     from .embedded_view import MetricsTail, RunState, panel, status_line, summary
     from .heldout import HeldoutEvaluator
+    from .models import IdentityMismatch
     from .plots import plot_run
 
     done = _steps_done(paths)
@@ -281,7 +278,7 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
     cfg, model_dir = prepare_model(cfg, paths, console)
     try:
         store, manifest, key_fingerprint = publish_contract(cfg, paths, model_dir)
-    except (ContractMismatch, RunExists) as e:
+    except (ContractMismatch, RunExists, IdentityMismatch) as e:
         console.print(f"[red]{e}[/]\nchoose a new RUN id to start fresh")
         return 2
     procs = Processes()

@@ -52,6 +52,20 @@ def np_dtype(name: str) -> np.dtype:
         raise ValueError(f"dtype={name!r} is not supported; known: {', '.join(sorted(_NP_DTYPES))}") from None
 
 
+def round_to(x32: np.ndarray, dtype_name: str) -> np.ndarray:
+    """float32 -> the storage dtype, round-to-nearest-even (NaN stays NaN)."""
+    if dtype_name == "float32":
+        return x32.astype(np.float32, copy=False)
+    if dtype_name == "float16":
+        return x32.astype(np.float16)
+    u = np.ascontiguousarray(x32, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x32)
+    if nan.any():  # keep NaN a (quiet) NaN instead of letting the carry turn it into an infinity
+        rounded[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return rounded.view(np_dtype("bfloat16"))
+
+
 def dtype_name(arr: np.ndarray) -> str:
     name = arr.dtype.name
     np_dtype(name)  # refuse what we cannot carry

@@ -64,7 +64,7 @@ class MegatronRank:
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.tp_group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
         if attention == "auto":
-            from trainer.models.model import have_te
+            from trainer.models.layer_specs import have_te
 
             attention = "te" if have_te() else "sdpa"
         self.attention = attention
@@ -274,12 +274,15 @@ class MegatronRank:
             torch._foreach_zero_([m.grad for m in self.masters])
 
     # -- publishing and checkpoints ----------------------------------------------------------------------
-    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+    def state_dict_hf(self, on_device: bool = False) -> dict[str, torch.Tensor]:
+        """HF-named full tensors in the run's dtype: host copies, or with `on_device` copies on this rank's
+        device (the publisher's snapshot)."""
         from trainer.models.model import full_state
 
         full = full_state(self.model)  # collective over the TP group
         hf = self.arch.megatron_to_hf(full, self.hf_cfg)
-        return {k: v.to(device="cpu", dtype=self.publish_dtype).contiguous().clone() for k, v in hf.items()}
+        device = self.device if on_device else torch.device("cpu")
+        return {k: v.to(device=device, dtype=self.publish_dtype).contiguous().clone() for k, v in hf.items()}
 
     def save_checkpoint(self, path: Path) -> None:
         torch.save({"tp_size": self.tp_size, "masters": [m.detach() for m in self.masters],

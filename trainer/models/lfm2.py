@@ -37,9 +37,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .arch import Architecture, HfTensors
 from .hf_io import refuse_unsupported, rope_theta_of
 from .qwen2 import interleave_qkv, split_qkv
-from .registry import Architecture, HfTensors
 
 _IGNORED = re.compile(r"(^|\.)(pos_emb|rotary_emb)\.(original_)?inv_freq$")
 
@@ -130,12 +130,12 @@ class Lfm2(Architecture):
     def layer_spec(self, cfg: Mapping[str, Any], attention: str = "auto") -> Any:
         """Per-layer block spec. Attention runs through torch SDPA (or megatron's unfused local attention
         with attention='local'); the Transformer Engine spec is not used for LFM2's mixed layers."""
+        from .layer_specs import sdpa_attention_class
         from .lfm2_layers import block_spec
-        from .model import _sdpa_attention_class
 
         if attention not in ("auto", "te", "sdpa", "local"):
             raise ValueError(f"attention={attention!r}; choose one of auto, sdpa, local")
-        core = None if attention == "local" else _sdpa_attention_class()
+        core = None if attention == "local" else sdpa_attention_class()
         experts = int(cfg["num_experts"]) if _moe(cfg) else None
         dense = int(cfg.get("num_dense_layers", 2)) if _moe(cfg) else int(cfg["num_hidden_layers"])
         return block_spec(layer_types(cfg), dense, experts, int(cfg.get("conv_L_cache", 3)), core_attention=core)

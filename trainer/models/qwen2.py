@@ -22,8 +22,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .arch import Architecture, HfTensors
 from .hf_io import refuse_unsupported, rope_theta_of
-from .registry import Architecture, HfTensors
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 #: HF buffers that carry no weights

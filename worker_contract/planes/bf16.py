@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..tensors import is_torch, to_numpy
+from ..tensors import is_torch, round_to, to_numpy
 
 NAME = "bf16"
 
@@ -27,8 +27,6 @@ def to_bf16(x: Any) -> np.ndarray:
     arr = np.asarray(x)
     if arr.dtype.name == "bfloat16" or arr.dtype.kind not in "fV":
         return arr
-    from .int8g64 import round_to
-
     return round_to(arr.astype(np.float32), "bfloat16").reshape(arr.shape)
 
 

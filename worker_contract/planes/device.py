@@ -5,7 +5,7 @@ must be made there too: only the patch's compact streams then cross to the host.
 bit for bit what its numpy twin gives (tests/test_planes.py checks it on the CPU against the numpy plane,
 which mlx checks in turn):
 
-- bf16: every floating tensor cast to bfloat16 (round to nearest even, as numpy's `round_to`);
+- bf16: every floating tensor cast to bfloat16 (round to nearest even, as tensors.round_to);
 - int8g64: `quantize_torch` follows `int8g64.quantize_np` operation by operation in float32. Divisions
   are tensor by tensor on purpose: torch turns a division by a Python scalar into a multiplication by its
   reciprocal on CUDA, which rounds differently.

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..tensors import is_torch, np_dtype, to_numpy, to_torch
+from ..tensors import is_torch, round_to, to_numpy, to_torch
 from .bf16 import to_bf16
 
 NAME = "int8g64"
@@ -32,20 +32,6 @@ BITS = 8
 _LEVELS = np.float32(2**BITS - 1)
 _EPS = np.float32(1e-7)
 _FLOATS = ("bfloat16", "float16", "float32")
-
-
-def round_to(x32: np.ndarray, dtype_name: str) -> np.ndarray:
-    """float32 -> the storage dtype, round-to-nearest-even (NaN stays NaN)."""
-    if dtype_name == "float32":
-        return x32.astype(np.float32, copy=False)
-    if dtype_name == "float16":
-        return x32.astype(np.float16)
-    u = np.ascontiguousarray(x32, dtype=np.float32).view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(x32)
-    if nan.any():  # keep NaN a (quiet) NaN instead of letting the carry turn it into an infinity
-        rounded[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
-    return rounded.view(np_dtype("bfloat16"))
 
 
 def quantize_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

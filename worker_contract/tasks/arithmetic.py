@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import LazySplit, Problem, Split, check_split
+from .base import LazySplit, Problem, Split, check_split
 from .gsm8k import GSM8KTask
 
 HELDOUT_MODULUS = 8

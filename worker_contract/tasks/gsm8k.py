@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from . import CachedSplitTask, LazySplit, Problem, Split, hf_datasets, local_split_path
+from .base import CachedSplitTask, LazySplit, Problem, Split, hf_datasets, local_split_path
 
 HF_DATASET = "openai/gsm8k"
 HF_CONFIG = "main"

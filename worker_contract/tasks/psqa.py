@@ -32,7 +32,7 @@ from typing import NamedTuple
 from pydantic import Field
 
 from ..schema import Sample
-from . import CachedSplitTask, LazySplit, Problem, Split, hf_datasets, local_split_path
+from .base import CachedSplitTask, LazySplit, Problem, Split, hf_datasets, local_split_path
 
 HF_DATASET = "jmhb/PaperSearchQA"
 HF_CORPUS = "jmhb/pubmed_bioasq_2022"

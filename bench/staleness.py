@@ -113,14 +113,13 @@ def cell_recipe(cell: Cell, preset: Preset, base_dir: str | Path, sets: dict[str
 
 
 def learner_step(backend, batch, algo: AlgoConfig) -> dict[str, float]:
-    """The learner's step on one batch: reference log-probs, the objective, one optimizer step."""
-    from trainer.algo import policy_loss
-    from trainer.batch import collate
+    """The learner's step on one batch through the spine (trainer/step.py): the batch with Dr.GRPO
+    advantages, reference log-probs, the one objective (`algo.policy_loss`), one optimizer step."""
+    from trainer.step import loss_fn, make_batch
 
-    tb = collate([g.record for g in batch.groups])
+    tb = make_batch([g.record for g in batch.groups])
     tb.ref_logp = backend.logprobs(tb, reference=True)
-    return backend.train_step(tb, lambda lp, mb: policy_loss(
-        lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo))
+    return backend.train_step(tb, loss_fn(algo))
 
 
 class _Heldout:

@@ -16,6 +16,10 @@ so both engines optimise the same number (tests/test_engines_agree.py):
 slime engine composes it from slime's own dual-clip and k3 KL plus our hooks (trainer/slime_plugin/
 objective.py). A variant of the objective changes it here, once. The names below are fixed: outside checks
 call them.
+
+`algo.objective` selects the policy term: `recipe` (the above), `ppo` (plain PPO clipping on the ratio to
+the behaviour policy, no gate, no dual clip) or `no_is` (no importance correction); the last two are
+baselines the staleness sweep (bench/staleness.py) measures the recipe against, on the native engine.
 """
 
 from __future__ import annotations
@@ -104,6 +108,12 @@ def ratio_from_logp(logp: torch.Tensor, behavior_logp: torch.Tensor) -> torch.Te
     return torch.exp((logp - behavior_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
+def ppo_clip_loss(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """Per-token plain PPO clipped loss (to minimise): -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)."""
+    adv = torch.as_tensor(advantages, dtype=ratio.dtype, device=ratio.device)
+    return -torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
+
+
 def dual_clip_loss(
     ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, c: float
 ) -> torch.Tensor:
@@ -115,9 +125,18 @@ def dual_clip_loss(
     if c <= 1:
         raise ValueError(f"dual-clip constant c={c} must be > 1 (algo.eps_clip_c; the paper uses 3)")
     adv = torch.as_tensor(advantages, dtype=ratio.dtype, device=ratio.device)
-    surr = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
-    dual = torch.maximum(surr, c * adv)
-    return -torch.where(adv < 0, dual, surr)
+    loss = ppo_clip_loss(ratio, adv, eps_low, eps_high)
+    return torch.where(adv < 0, torch.minimum(loss, -c * adv), loss)
+
+
+def no_is_loss(logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """Per-token policy-gradient loss with no importance correction: -A * pi/sg(pi).
+
+    Its value is -A and its gradient -A * grad log pi whichever policy sampled the token: stale groups are
+    trained on as if they were on-policy (the baseline `algo.objective: no_is` measures against).
+    """
+    adv = torch.as_tensor(advantages, dtype=logp.dtype, device=logp.device)
+    return -adv * torch.exp(logp - logp.detach())
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -177,9 +196,18 @@ def policy_loss(
     adv = adv.to(logp.dtype).expand_as(logp)
     valid = mask.bool()
     gate = cfg.gate
-    keep = dppo_keep_mask(logp, behavior_logp, adv, gate.delta_low, gate.delta_high, gate.divergence)
     ratio = ratio_from_logp(logp, behavior_logp)
-    pg = dual_clip_loss(ratio, adv, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
+    if cfg.objective == "recipe":  # the gate, then dual-clip PPO on the ratio to the behaviour policy
+        keep = dppo_keep_mask(logp, behavior_logp, adv, gate.delta_low, gate.delta_high, gate.divergence)
+        pg = dual_clip_loss(ratio, adv, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
+    elif cfg.objective == "ppo":  # plain PPO clipping on that ratio: no gate, no dual clip
+        keep = torch.ones_like(valid)
+        pg = ppo_clip_loss(ratio, adv, cfg.eps_clip, cfg.eps_clip_high)
+    elif cfg.objective == "no_is":  # no importance correction at all
+        keep = torch.ones_like(valid)
+        pg = no_is_loss(logp, adv)
+    else:
+        raise ValueError(f"algo.objective={cfg.objective!r} is not known; use recipe, ppo or no_is")
     keep_f = keep.to(logp.dtype)
     pg_loss = drgrpo_reduce(pg * keep_f, mask, cfg.max_new_tokens)
     if ref_logp is not None and cfg.kl_coef != 0:

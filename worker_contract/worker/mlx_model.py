@@ -34,7 +34,8 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 def _mlx_config(cfg: dict) -> dict:
     """config.json as mlx-lm's ModelArgs read it. transformers 5 writes rope_theta inside
-    `rope_parameters`, which mlx-lm's qwen2 does not read (it would silently use its 1e6 default)."""
+    `rope_parameters`, which mlx-lm's qwen2 does not read (it would silently use its 1e6 default), and
+    writes no LFM2 `block_dim`, which mlx-lm's lfm2 requires."""
     cfg = dict(cfg)
     params = cfg.get("rope_parameters") or {}
     if isinstance(params, Mapping) and "rope_theta" in params:
@@ -42,6 +43,8 @@ def _mlx_config(cfg: dict) -> dict:
             raise ValueError(f"the MLX worker supports default RoPE only; config.json has rope_type "
                              f"{params.get('rope_type')!r}")
         cfg["rope_theta"] = params["rope_theta"]
+    if cfg.get("model_type") == "lfm2":  # transformers' LFM2 block width is hidden_size; it omits block_dim
+        cfg.setdefault("block_dim", cfg["hidden_size"])
     return cfg
 
 
@@ -80,6 +83,41 @@ def flat_parameters(model) -> dict:
     return dict(tree_flatten(model.parameters()))
 
 
+def load_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], *, dtype: str,
+                    quantized: set[str] | None = None) -> set[str]:
+    """Load HF-named plane tensors into an mlx-lm model as they are; returns the quantized module paths.
+
+    `quantized` is what an earlier load set up (None on the first: the model is then given the plane's
+    quantized structure); a plane that changes it is refused. With dtype float32 the non-quantized bf16
+    tensors are upcast (exact); codes, scales and biases are always kept as published."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    mapped = to_mlx(architecture, state)
+    mine = quantized_modules(mapped)
+    if quantized is None:
+        if mine:
+            nn.quantize(model, group_size=64, bits=8, class_predicate=lambda p, _m: p in mine)
+    elif mine != quantized:
+        raise ValueError(f"published weights changed which modules are quantized: {sorted(mine ^ quantized)[:5]}")
+    held = flat_parameters(model)
+    missing, unknown = sorted(set(held) - set(mapped)), sorted(set(mapped) - set(held))
+    if missing or unknown:
+        raise ValueError(f"published weights do not fit the MLX model: missing {missing[:5]}, unknown {unknown[:5]}")
+    arrays = []
+    for name, a in mapped.items():
+        if tuple(a.shape) != tuple(held[name].shape):
+            raise ValueError(f"{name}: published shape {tuple(a.shape)}, MLX model shape {tuple(held[name].shape)}")
+        x = mx.array(a)
+        quant_param = name.rpartition(".")[0] in mine and name.endswith((".scales", ".biases"))
+        if dtype == "float32" and x.dtype == mx.bfloat16 and not quant_param:
+            x = x.astype(mx.float32)  # exact: every bf16 value is a float32 value
+        arrays.append((name, x))
+    model.load_weights(arrays, strict=True)
+    mx.eval(model.parameters())
+    return mine
+
+
 class MlxPolicy:
     def __init__(self, model_dir: str | Path, *, plane: str, seed: int = 0, dtype: str = "auto"):
         import mlx.core as mx
@@ -96,39 +134,10 @@ class MlxPolicy:
         """Replace every parameter with the published one (between groups only: the loop calls this after a
         group is uploaded). A missing, unknown or misshapen tensor is an error, and the model keeps its
         previous weights."""
-        import mlx.core as mx
-        import mlx.nn as nn
-
         if plane != self.plane:
             raise ValueError(f"this policy was built for plane {self.plane!r}, not {plane!r}")
-        mapped = to_mlx(self.architecture, state)
-        quantized = quantized_modules(mapped)
-        if self._quantized is None:  # first load: give the model the plane's quantized structure
-            if quantized:
-                nn.quantize(self.model, group_size=64, bits=8, class_predicate=lambda p, _m: p in quantized)
-            self._quantized = quantized
-        elif quantized != self._quantized:
-            raise ValueError("published weights changed which modules are quantized: "
-                             f"{sorted(quantized ^ self._quantized)[:5]}")
-        held = flat_parameters(self.model)
-        missing, unknown = sorted(set(held) - set(mapped)), sorted(set(mapped) - set(held))
-        if missing or unknown:
-            raise ValueError(f"published weights do not fit the MLX model: missing {missing[:5]}, "
-                             f"unknown {unknown[:5]}")
-        arrays = []
-        for name, a in mapped.items():
-            if tuple(a.shape) != tuple(held[name].shape):
-                raise ValueError(f"{name}: published shape {tuple(a.shape)}, MLX model shape {tuple(held[name].shape)}")
-            x = mx.array(a)
-            if self.dtype == "float32" and x.dtype == mx.bfloat16 and not self._is_quant_param(name):
-                x = x.astype(mx.float32)  # exact: every bf16 value is a float32 value
-            arrays.append((name, x))
-        self.model.load_weights(arrays, strict=True)
-        mx.eval(self.model.parameters())
-
-    def _is_quant_param(self, name: str) -> bool:
-        mod, _, leaf = name.rpartition(".")
-        return mod in (self._quantized or ()) and leaf in ("scales", "biases")
+        self._quantized = load_plane_into(self.model, self.architecture, state, dtype=self.dtype,
+                                          quantized=self._quantized)
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return self.chat.prompt_ids(messages)

@@ -150,19 +150,12 @@ class _Heldout:
 def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[str, Any] | None = None) -> dict:
     """One lock-step run; returns what it measured, with every used group's version (the lag evidence)."""
     import torch
-
-    try:
-        from trainer.run_init import run_manifest
-    except ImportError:  # before run.json's builder moved out of infra/anchor.py
-        from infra.anchor import run_manifest
     from transformers.utils import logging as hf_logging
 
     from trainer.backends import get_backend
-    from trainer.models.identity import identity_from_hf
     from trainer.publisher import Publisher
     from trainer.rollouts import RolloutSource
-    from worker_contract.manifest import create_or_resume
-    from worker_contract.signing import fingerprint, generate_private_key, public_key_b64
+    from trainer.run_init import create_run
     from worker_contract.store import open_store
     from worker_contract.tasks import get_task
     from worker_contract.worker.loop import Worker, WorkerSettings
@@ -176,9 +169,8 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
     shutil.rmtree(root, ignore_errors=True)  # a cell's own scratch bucket, from an interrupted attempt
     url = f"file://{(root / 'bucket').resolve()}"
     store = open_store(url)
-    key = generate_private_key()
-    manifest = create_or_resume(store, run_manifest(cfg, identity_from_hf(base_dir), public_key_b64(key)),
-                                resume=False)
+    run = create_run(cfg, store, base_dir, root / "trainer.key", publish_base=False)
+    manifest, key = run.manifest, run.key
     backend = get_backend(cfg.train.backend).load(base_dir, cfg, device=preset.device)
     publisher = Publisher(store, manifest, key, anchor_interval=cfg.train.anchor_interval, progress=False)
     base_state = backend.state_dict_hf()
@@ -186,7 +178,7 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
     for _ in range(cell.lag):  # versions 1..k+1 hold the base: groups are k versions old from step 1 on
         version = publisher.publish(base_state)
     env = {"DRL_N_SAMPLES": str(cfg.contract.n_samples), "DRL_PULSE_PLANE": cfg.contract.plane,
-           "DRL_TRAINER_KEY_FINGERPRINT": fingerprint(public_key_b64(key))}
+           "DRL_TRAINER_KEY_FINGERPRINT": run.fingerprint}
     worker = Worker(WorkerSettings(store=url, run=cfg.run, model_dir=str(base_dir), worker_id=f"lag{cell.lag}",
                                    seed=cell.seed, threads=preset.threads, lag_versions=cell.lag), env=env)
     if not worker.setup(threading.Event()):

@@ -1,0 +1,118 @@
+"""`python -m bench.fleet [--scale 16,64,256] [--storm 64] [--compare OPT=BEFORE,AFTER] ...`
+
+Runs the fleet once per scale point (the last point carries the cold-join storm), optionally twice more
+at `--compare-workers` with a rollout-source option set to its before and after values, and writes every
+run's figures, a summary table and the machine and commit to `--out` (default bench/results/fleet.json).
+Exit 1 when any run fails its accounting, its bucket check or its version check; 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from bench.common import RESULTS, write_result
+
+from .spec import FleetSpec
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of worker counts") from None
+    if not out or any(n < 1 for n in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: worker counts must be at least 1")
+    return out
+
+
+def _compare(text: str) -> tuple[str, list]:
+    name, _, values = text.partition("=")
+    parts = values.split(",")
+    if not name or len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not OPTION=BEFORE,AFTER (e.g. read_threads=1,16)")
+    return name, [json.loads(p) for p in parts]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = FleetSpec()
+    p.add_argument("--scale", type=_ints, default=[d.workers], help="worker counts to run, e.g. 16,64,256")
+    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds each run's fleet works")
+    p.add_argument("--group-s", type=float, default=d.group_s, help="mean seconds per group of an honest worker")
+    p.add_argument("--step-s", type=float, default=d.step_s, help="the learner's compute per step")
+    p.add_argument("--storm", type=int, default=0, help="workers joining at once in the last scale run")
+    p.add_argument("--storm-at", type=float, default=d.storm_at_s, help="seconds into the run the storm starts")
+    p.add_argument("--compare", type=_compare, default=None, help="OPTION=BEFORE,AFTER of the rollout source")
+    p.add_argument("--compare-workers", type=int, default=None, help="fleet size of the comparison (default: "
+                   "the largest scale point, whose run is then the 'after' one)")
+    p.add_argument("--worker-procs", type=int, default=d.worker_procs, help="processes the workers run in")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS / "fleet.json")
+    return p
+
+
+def summary(r: dict) -> dict:
+    t, lf, w, c = r["throughput"], r["learner"], r["workers"], r["cost"]
+    return {"label": r["spec"]["label"], "workers": r["spec"]["workers"], "batch": r["batch"], "steps": t["steps"],
+            "ingested_per_s": t["groups_ingested_per_s"], "ingested_per_step": t["groups_ingested_per_step"],
+            "fresh_per_step": t["fresh_groups_per_step"], "poll_s_p50": lf["poll_s"]["p50"],
+            "poll_s_p99": lf["poll_s"]["p99"], "poll_busy_frac": lf["poll_busy_frac"],
+            "learner_requests_per_step": lf["requests_per_step"],
+            "pointer_polls_per_worker_hour": w["pointer_polls_per_worker_hour"],
+            "anchor_requests_per_worker_hour": w["anchor_requests_per_worker_hour"],
+            "upload_to_use_p50_s": t["upload_to_use_s"]["p50"], "upload_to_use_p99_s": t["upload_to_use_s"]["p99"],
+            "stale_drops": t["drops"].get("stale", 0), "fates": r["accounting"]["fates"],
+            "usd_per_hour": c["usd_per_hour"]["total"], "rss_mb_per_min": r["memory"]["rss_mb_per_min_after_warmup"],
+            "ok": r["ok"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    base = FleetSpec(duration_s=args.duration, group_s=args.group_s, step_s=args.step_s, seed=args.seed,
+                     worker_procs=args.worker_procs, storm_at_s=args.storm_at)
+    if args.storm and args.storm_at >= args.duration:
+        print(f"--storm-at {args.storm_at:g} must be inside the run (--duration {args.duration:g})", file=sys.stderr)
+        return 2
+    plan: list[FleetSpec] = []
+    for i, n in enumerate(args.scale):
+        last = i == len(args.scale) - 1
+        plan.append(base.with_(workers=n, storm=args.storm if last else 0, label=f"scale-{n}"))
+    if args.compare:
+        name, (before, after) = args.compare
+        n = args.compare_workers or max(args.scale)
+        plan = [s.with_(source_options={name: after}) for s in plan]
+        if args.compare_workers is None:  # the largest scale run is the 'after'; add the 'before' beside it
+            plan.append(base.with_(workers=n, label=f"before-{n}", source_options={name: before}))
+        else:
+            plan += [base.with_(workers=n, label=f"before-{n}", source_options={name: before}),
+                     base.with_(workers=n, label=f"after-{n}", source_options={name: after})]
+    runs = []
+    t0 = time.monotonic()
+    for spec in plan:
+        r = _run(spec)
+        runs.append(r)
+        s = summary(r)
+        print(f"  -> {s['label']}: {json.dumps({k: v for k, v in s.items() if k != 'label'})}", flush=True)
+    result = {"runs": runs, "summary": [summary(r) for r in runs], "wall_s": round(time.monotonic() - t0, 1),
+              "ok": all(r["ok"] for r in runs)}
+    if args.compare:
+        result["compare"] = {"option": args.compare[0], "before": args.compare[1][0], "after": args.compare[1][1]}
+    out = write_result("fleet", result, args.out)
+    print(f"fleet figures written to {out}")
+    for r in runs:
+        for problem in r["accounting"]["problems"] + r["versions"]["problems"]:
+            print(f"{r['spec']['label']}: {problem}", file=sys.stderr)
+        if not r["bucket_verifies"]:
+            print(f"{r['spec']['label']}: the bucket does not verify: {r['verify_tail']}", file=sys.stderr)
+    return 0 if result["ok"] else 1
+
+
+def _run(spec: FleetSpec) -> dict:
+    from .run import run_fleet
+
+    return run_fleet(spec, say=lambda line: print(line, flush=True))

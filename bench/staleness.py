@@ -55,6 +55,10 @@ class Preset(BaseModel):
 
     base: EmbeddedBaseConfig | None = None
     """The base model to build (None = the recipe's embedded base)."""
+    sft_candidates: tuple[int, ...] = ()
+    """Supervised step counts to try for the base (each a cached base of its own): the sweep takes the one
+    whose held-out accuracy is nearest the middle of `sft_target_accuracy`, so RL has signal and room
+    whatever the model's size (empty: `base.sft_steps` as it is)."""
     recipe: dict[str, Any] = {}
     """Dotted recipe values on top of the GSM8K recipe's embedded ones."""
     steps: int
@@ -79,12 +83,14 @@ PRESETS: dict[str, Preset] = {
         steps=3, eval_every=0, eval_problems=4),
     # the embedded run's own base and recipe on the CPU (0.85 M parameters: it plateaus within ~20 steps)
     "cpu": Preset(steps=40, eval_every=10, eval_problems=200),
-    # a base large enough that staleness shows, built and supervised on the GPU (about 24 M parameters)
+    # a base large enough that staleness shows (25 M parameters), built and supervised on the GPU; few, wide
+    # layers, because a step of this size is launch-bound: its time goes with the number of layers
     "gpu": Preset(
-        base=EmbeddedBaseConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
-                                vocab_size=512, sft_steps=400, sft_batch_size=64, sft_lr=1e-3),
-        recipe={"algo.lr": 1e-5, "train.micro_batch_size": 64, "model.dtype": "bfloat16"},
-        steps=60, eval_every=20, eval_problems=400, device="cuda", threads=1),
+        base=EmbeddedBaseConfig(hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4, intermediate_size=2048,
+                                vocab_size=512, sft_steps=250, sft_batch_size=64, sft_lr=1e-3),
+        sft_candidates=(60, 120, 250, 500),
+        recipe={"algo.lr": 1e-5, "train.micro_batch_size": 64},
+        steps=50, eval_every=25, eval_problems=300, device="cuda", threads=1),
 }
 
 
@@ -293,9 +299,22 @@ def build_base(preset: Preset, work: Path, log=print) -> tuple[str, dict]:
 
     cfg = resolve("gsm8k", env={}, overrides=preset.recipe, embedded=True)
     base_cfg = preset.base or cfg.embedded.base
-    report = ensure_base(base_cfg, get_task(cfg.task), work / "cache", max_new_tokens=cfg.algo.max_new_tokens,
-                         eval_problems=preset.eval_problems, log=log, device=preset.device)
-    return report.path, report.model_dump()
+    reports = []
+    lo, hi = base_cfg.sft_target_accuracy
+    for steps in sorted(preset.sft_candidates) or (base_cfg.sft_steps,):
+        if reports and reports[-1].heldout_accuracy >= (lo + hi) / 2:
+            break  # more supervision only raises it further
+        candidate = base_cfg.model_copy(update={"sft_steps": steps})
+        report = ensure_base(candidate, get_task(cfg.task), work / "cache", max_new_tokens=cfg.algo.max_new_tokens,
+                             eval_problems=preset.eval_problems, log=log, device=preset.device)
+        reports.append(report)
+        if preset.sft_candidates:
+            log(f"base candidate: {steps} supervised steps, held-out {100 * report.heldout_accuracy:.1f}%")
+    best = min(reports, key=lambda r: abs(r.heldout_accuracy - (lo + hi) / 2))
+    if not lo <= best.heldout_accuracy <= hi:
+        log(f"warning: the base's held-out accuracy {100 * best.heldout_accuracy:.1f}% is outside "
+            f"{100 * lo:.0f}-{100 * hi:.0f}%: RL has {'little signal' if best.heldout_accuracy < lo else 'little room'}")
+    return best.path, {**best.model_dump(), "candidates": [[r.sft_steps, r.heldout_accuracy] for r in reports]}
 
 
 def _parse_ints(text: str, what: str) -> list[int]:
@@ -346,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--figure", type=Path, default=None, help="PNG (default docs/staleness_<preset>.png)")
     ap.add_argument("--work", type=Path, default=REPO / ".stoa" / "staleness", help="scratch buckets and base cache")
     ap.add_argument("--fresh", action="store_true", help="start the results file over instead of adding to it")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no cell after this many seconds (cells in flight finish; a rerun adds the rest)")
     args = ap.parse_args(argv)
     if args.preset not in PRESETS:
         return _usage(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
@@ -389,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                           "start it over or --out for another file")
         doc = old
     done = {c["cell"] for c in doc["cells"]}
-    todo = [c for c in (Cell(o, k, s) for o in objectives for k in lags for s in range(args.seeds))
-            if c.name not in done]
+    # seed-major: a sweep cut short by --budget-s still holds whole seeds of every (objective, k)
+    todo = [c for c in (Cell(o, k, s) for s in range(args.seeds) for k in sorted(lags, reverse=True)
+                        for o in objectives) if c.name not in done]
     print(f"{len(todo)} cells to run ({len(done)} already in {out}), {args.jobs} at a time, "
           f"{preset.steps} steps each", flush=True)
     doc.update(machine=machine_info(), base_model=base_report,
@@ -407,18 +429,35 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * result['final_accuracy']:.1f}% after {result['steps']} steps, lags {result['lags_seen']}, "
               f"{result['wall_s']:.0f} s", flush=True)
 
+    def over_budget() -> bool:
+        return args.budget_s is not None and time.monotonic() - t0 > args.budget_s
+
     if args.jobs == 1:
         for cell in todo:
+            if over_budget():
+                print(f"--budget-s {args.budget_s:.0f} s reached: {cell.name} and later cells not started", flush=True)
+                break
             record(run_cell(cell, preset, base_dir, str(work), sets))
     else:
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(run_cell, cell, preset, base_dir, str(work), sets): cell for cell in todo}
-            for fut in as_completed(futures):
+            queue = list(todo)
+            running = {}
+            while queue or running:
+                while queue and len(running) < args.jobs and not over_budget():
+                    cell = queue.pop(0)
+                    running[pool.submit(run_cell, cell, preset, base_dir, str(work), sets)] = cell
+                if queue and over_budget():
+                    print(f"--budget-s {args.budget_s:.0f} s reached: {len(queue)} cells not started", flush=True)
+                    queue = []
+                if not running:
+                    break
+                fut = next(as_completed(running))
+                cell = running.pop(fut)
                 try:
                     record(fut.result())
                 except Exception as e:  # one broken cell is reported; the others still land in the file
                     failures += 1
-                    print(f"cell {futures[fut].name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    print(f"cell {cell.name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     doc["wall_s_last_call"] = round(time.monotonic() - t0, 1)
     if doc["cells"]:
         doc["summary"] = summarize(doc["cells"])

@@ -1,4 +1,4 @@
-"""The learner loop: rollout source, learner and publisher as Ray actors, one code path everywhere.
+"""The learner loop: a rollout source actor and a learner actor on Ray, one code path everywhere.
 
     run_learner(cfg, store, manifest, key, model_dir, run_dir, on_step=..., stop_event=...)
 
@@ -6,14 +6,14 @@ starts (or joins) Ray (trainer/ray_runtime.py), then:
 1. setup: resume from the newest checkpoint if there is one (model, optimizer, RNG, step, consumption
    ledger), and publish a fresh anchor of the weights at a new, higher version (pointer + 1, or 1 for a
    new run): no version is reused and the pointer never moves back;
-2. each step: a batch of `groups_per_step` groups from the source (records within the staleness window
-   of the newest visible version), reference log-probs, the objective (trainer/algo.py) and one
-   optimizer step, then the new HF-named weights go to the publisher actor. Publishing runs off the
-   critical path: at most one publish is in flight, and a newer state replaces one still waiting. The
-   learner's current version is the version the publisher last made visible;
+2. each step (trainer/step.py): a batch of `groups_per_step` groups from the source (records within the
+   staleness window of the newest visible version), reference log-probs, the worker audit, the objective
+   and one optimizer step; then a snapshot of the new weights goes to the publisher thread
+   (trainer/publish_queue.py), which encodes and uploads while the next step runs. The learner's current
+   version is the version the publisher last made visible;
 3. metrics to metrics.jsonl (and W&B / TensorBoard when asked), each step's row holding the keys of
-   the groups it used, then a checkpoint every `save_interval` steps and at the end; a stats object per
-   published version in the bucket.
+   the groups it used and `publish/blocking_s` (what the step waited for publishing), then a checkpoint
+   every `save_interval` steps and at the end; a stats object per published version in the bucket.
 Importing this module starts nothing (Ray, torch and transformers are imported where used).
 """
 
@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,45 +86,18 @@ class SourceActor:
         self._stop.set()
 
 
-class PublisherActor:
-    """trainer.publisher.Publisher in its own process, plus the per-version stats object."""
-
-    def __init__(self, spec, manifest_json: str, key_pem: bytes, anchor_interval: int):
-        from .publisher import Publisher
-        from .ray_runtime import key_from_pem, open_store_spec
-
-        self.manifest = RunManifest.model_validate_json(manifest_json)
-        self.store = open_store_spec(spec)
-        self.publisher = Publisher(self.store, self.manifest, key_from_pem(key_pem), anchor_interval=anchor_interval)
-
-    def current_version(self) -> int | None:
-        return self.publisher.current_version()
-
-    def publish(self, state: dict, ctx: dict, anchor: bool = False) -> dict:
-        from .metrics import version_stats, write_version_stats
-
-        t0 = time.monotonic()
-        version = self.publisher.publish_anchor(state) if anchor else self.publisher.publish(state)
-        latency = time.monotonic() - t0
-        stats = dict(getattr(self.publisher, "last_stats", None) or {})
-        publish = {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool)}
-        publish.setdefault("latency_s", latency)
-        publish.setdefault("patch_bytes", publish.get("bytes"))
-        publish.update(version=version, kind="anchor" if anchor else publish.get("kind", "patch"))
-        write_version_stats(self.store, self.manifest.run, version_stats(
-            version=version, step=ctx["step"], kind=publish["kind"], metrics=ctx["metrics"],
-            drops_total=ctx["drops_total"], drops_delta=ctx["drops_delta"], workers=ctx["workers"],
-            groups=ctx["groups"], publish=publish))
-        return publish
-
-
 class LearnerActor:
-    """The policy, its optimizer and the step; talks to the other two actors through their handles."""
+    """The policy, its optimizer, the step, and the publisher thread; the source is another actor."""
 
-    def __init__(self, cfg_json: str, model_dir: str, run_dir: str, source, publisher, torch_threads: int | None):
+    def __init__(self, cfg_json: str, model_dir: str, run_dir: str, source, spec, manifest_json: str,
+                 key_pem: bytes, torch_threads: int | None):
         import torch
 
         from .backends import get_backend
+        from .publish_queue import PublishQueue
+        from .publisher import Publisher
+        from .ray_runtime import key_from_pem, open_store_spec
+        from .step import VersionStats
 
         self.cfg = RecipeConfig.model_validate_json(cfg_json)
         if torch_threads:
@@ -133,19 +105,16 @@ class LearnerActor:
         torch.manual_seed(self.cfg.train.seed)
         self.backend = get_backend(self.cfg.train.backend).load(model_dir, self.cfg)
         self.ckpt_root = Path(run_dir) / "checkpoints"
-        self.source, self.publisher = source, publisher
+        self.source = source
+        manifest = RunManifest.model_validate_json(manifest_json)
+        store = open_store_spec(spec)
+        publisher = Publisher(store, manifest, key_from_pem(key_pem), anchor_interval=self.cfg.train.anchor_interval)
+        self.stats = VersionStats(store, manifest.run)
+        self.publishing = PublishQueue(publisher, on_published=self.stats.write)
         self.step = 0
         self.saved_step = -1
         self.current: int | None = None
-        self._inflight = None  # (ref, step)
-        self._pending: tuple[dict, dict] | None = None
-        self._drops_sent: Counter = Counter()
-        self._groups_unsent = 0
-        self.last_publish: dict = {}
-        self.publish_failures = 0
         self.audit = WorkerAudit()  # behaviour log-probs vs our recomputation, per worker (trainer/audit.py)
-        self._published_step: int | None = None  # the step whose weights the newest visible version holds
-        self._waited = self._handoff_s = 0.0  # learner/wait_s, learner/handoff_s (train_one)
 
     # -- start -------------------------------------------------------------------------------------
     def setup(self) -> dict:
@@ -161,18 +130,17 @@ class LearnerActor:
             self.step = self.saved_step = state.step
             last_published = state.last_published_version
             ray.get(self.source.load_ledger_state.remote(state.ledger))
-        pointer = ray.get(self.publisher.current_version.remote())
+        pointer = self.publishing.publisher.current_version()
         snap = ray.get(self.source.snapshot.remote())
-        res = ray.get(self.publisher.publish.remote(self.backend.state_dict_hf(),
-                                                    self._ctx({}, snap, groups=0), True))
-        version = int(res["version"])
+        res = self.publishing.publish_now(self.backend.publish_snapshot(), self.step,
+                                          self._report({}, snap, groups=0), anchor=True)
+        version = int(res.version)
         for before in (pointer, last_published):
             if before is not None and version <= before:
                 raise RuntimeError(f"the publisher reused version {version} (pointer was {pointer}, "
                                    f"checkpoint's last published {last_published}); refusing to train")
-        self.current, self.last_publish = version, res
-        self._published_step = self.step
-        self._drops_sent = Counter(snap["drops"])
+        self.current = version
+        self.publishing.collect()
         return {"step": self.step, "version": version, "pointer_before": pointer,
                 "resumed_from": str(path) if path else None}
 
@@ -181,89 +149,50 @@ class LearnerActor:
         """One optimizer step, or None if no batch could be assembled within `timeout_s`."""
         import ray
 
-        from .algo import policy_loss
-        from .batch import collate
+        from .step import publish_metrics, train_on
 
-        self._collect(block=False)
-        t_wait = time.monotonic()
+        self._take_published()
         batch = ray.get(self.source.next_batch.remote(self.current, timeout_s))
-        self._waited += time.monotonic() - t_wait
         if batch is None:
             return None
         t0 = time.monotonic()
-        tb = collate([g.record for g in batch.groups])
-        tb.ref_logp = self.backend.logprobs(tb, reference=True)
-        self.audit.audit_step([g.record for g in batch.groups], self._weights_version(),
-                              lambda recs: self.backend.logprobs(collate(recs)))
-        algo = self.cfg.algo
-        train = self.backend.train_step(tb, lambda lp, mb: policy_loss(
-            lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo))
+        records = [g.record for g in batch.groups]
+        train = train_on(self.backend, records, self.cfg.algo, self.audit, self._weights_version())
         self.step += 1
-        t_handoff = time.monotonic()
-        state = self.backend.state_dict_hf()
+        step_time = time.monotonic() - t0
+        t_pub = time.monotonic()
+        state = self.backend.publish_snapshot()  # the step's own copy: training may go on at once
+        snapshot_s = time.monotonic() - t_pub
         snap = ray.get(self.source.snapshot.remote())
         metrics: dict[str, Any] = {f"train/{k}": v for k, v in train.items()}
-        metrics["train/step_time_s"] = time.monotonic() - t0
+        metrics["train/step_time_s"] = step_time
         metrics.update(batch.metrics)
         metrics.update(snap["metrics"])
         metrics.update(self.audit.metrics())
-        metrics.update({f"publish/{k}": v for k, v in self.last_publish.items()
-                        if isinstance(v, int | float) and not isinstance(v, bool)})
-        metrics["publish/failures"] = self.publish_failures
-        # time waited for this batch, and the previous step's hand-off of its weights to the publisher
-        # (state copy and submit): the loop's busy share and publish blocking (bench/gpu_loop.py)
-        metrics.update({"learner/wait_s": self._waited, "learner/handoff_s": self._handoff_s})
-        self._waited = 0.0
         metrics.update(step=self.step, version=self.current, batch_version=batch.current_version)
-        self._groups_unsent += len(batch.groups)
-        self._submit(state, metrics, snap)
-        self._handoff_s = time.monotonic() - t_handoff
+        report = self._report(dict(metrics), snap, groups=len(batch.groups))  # a copy: the thread reads it
+        blocking = snapshot_s + self.publishing.submit(state, self.step, report)
+        metrics.update(publish_metrics(self.publishing, blocking))
         # which groups this step used (and how often): lets an audit rebuild the lineage's consumption
         return {**metrics, "rollout/groups": [[g.key, g.use] for g in batch.groups]}
 
     def _weights_version(self) -> int | None:
         """The published version that holds exactly the learner's current weights, if any (for the audit)."""
-        settled = self._inflight is None and self._pending is None and self._published_step == self.step
+        last = self.publishing.last
+        settled = self.publishing.idle() and last is not None and last.step == self.step
         return self.current if settled else None
 
-    def _ctx(self, metrics: dict, snap: dict, groups: int) -> dict:
-        drops = Counter(snap["drops"])
-        delta = {k: v - self._drops_sent.get(k, 0) for k, v in drops.items()}
-        return {"step": self.step, "metrics": metrics, "drops_total": dict(drops), "drops_delta": delta,
-                "workers": self.audit.merge_into(snap["workers"]), "groups": groups}
+    def _report(self, metrics: dict, snap: dict, groups: int):
+        from .step import StepReport
 
-    def _submit(self, state: dict, metrics: dict, snap: dict) -> None:
-        if self._inflight is not None:
-            self._pending = (state, {"metrics": metrics, "snap": snap})  # a newer state replaces a waiting one
-            return
-        self._send(state, metrics, snap)
+        return StepReport(step=self.step, metrics=metrics, drops_total=dict(snap["drops"]),
+                          workers=self.audit.merge_into(snap["workers"]), groups=groups)
 
-    def _send(self, state: dict, metrics: dict, snap: dict) -> None:
-        ctx = self._ctx(metrics, snap, self._groups_unsent)
-        self._drops_sent, self._groups_unsent = Counter(snap["drops"]), 0
-        self._inflight = (self.publisher.publish.remote(state, ctx, False), self.step)
-
-    def _collect(self, block: bool) -> None:
-        """Take finished publishes (waiting for all of them if `block`), sending a waiting state after."""
-        import ray
-
-        while self._inflight is not None:
-            ref, step = self._inflight
-            ready, _ = ray.wait([ref], timeout=None if block else 0)
-            if not ready:
-                return
-            self._inflight = None
-            try:
-                res = ray.get(ref)
-                self.current, self.last_publish = int(res["version"]), res
-                self._published_step = step
-            except Exception as e:  # a failed publish delays workers; it does not stop learning
-                self.publish_failures += 1
-                log.error("publishing the weights of step %d failed: %s", step, e)
-            if self._pending is not None:
-                state, held = self._pending
-                self._pending = None
-                self._send(state, held["metrics"], held["snap"])
+    def _take_published(self) -> None:
+        """The versions the publisher thread made visible since the last step."""
+        self.publishing.collect()
+        if self.publishing.current is not None:
+            self.current = max(self.current or 0, self.publishing.current)
 
     # -- checkpoints and end -----------------------------------------------------------------------
     def save(self) -> str:
@@ -273,14 +202,15 @@ class LearnerActor:
 
         ledger = ray.get(self.source.ledger_state.remote())
         state = checkpoint.TrainerState(step=self.step, ledger=ledger, last_published_version=self.current,
-                                        extra={"publish_failures": self.publish_failures})
+                                        extra={"publish_failures": self.publishing.failures})
         path = checkpoint.save(self.ckpt_root, state, self.backend, keep=self.cfg.train.keep_checkpoints)
         self.saved_step = self.step
         return str(path)
 
     def finish(self) -> dict:
         """Wait for every publish, checkpoint the last step, report where the run stands."""
-        self._collect(block=True)
+        self.publishing.close()
+        self._take_published()
         if self.saved_step != self.step:
             self.save()
         return {"step": self.step, "version": self.current}
@@ -326,11 +256,9 @@ def run_learner(
         mjson = manifest.model_dump_json()
         source = ray.remote(num_cpus=0)(SourceActor).remote(
             spec, mjson, cfg.algo.model_dump_json(), cfg.train.poll_interval_s)
-        publisher = ray.remote(num_cpus=0)(PublisherActor).remote(
-            spec, mjson, key_to_pem(key), cfg.train.anchor_interval)
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
         learner = ray.remote(num_cpus=0, num_gpus=gpus)(LearnerActor).remote(
-            cfg.model_dump_json(), str(model_dir), str(run_dir), source, publisher, threads)
+            cfg.model_dump_json(), str(model_dir), str(run_dir), source, spec, mjson, key_to_pem(key), threads)
         info = ray.get(learner.setup.remote())
         log.info("learner at step %d, published anchor v%d%s", info["step"], info["version"],
                  f" (resumed from {info['resumed_from']})" if info["resumed_from"] else "")

@@ -45,14 +45,16 @@ def _columns(unit: str):
 
 
 @contextlib.contextmanager
-def progress(description: str, total: float | None = None, unit: str = "items") -> Iterator[Callable[[float], None]]:
+def progress(description: str, total: float | None = None, unit: str = "items", *,
+             show: bool = True) -> Iterator[Callable[[float], None]]:
     """Context manager yielding `advance(n)`; `unit="bytes"` shows sizes and speed.
 
-    `total=None` draws an indeterminate bar (for listings whose length is unknown up front).
+    `total=None` draws an indeterminate bar (for listings whose length is unknown up front);
+    `show=False` draws nothing whatever the terminal (a caller that runs in the background).
     """
     if unit not in ("items", "bytes"):
         raise ValueError(f"unit={unit!r}: use 'items' or 'bytes'")
-    if not enabled():
+    if not show or not enabled():
         yield lambda n=1: None
         return
     from rich.console import Console

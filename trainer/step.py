@@ -18,15 +18,20 @@ Importable without torch (torch is imported where a function needs it).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from worker_contract.schema import RolloutRecord
+    from worker_contract.store import Store
 
+    from .audit import WorkerAudit
     from .backends.base import LossFn
     from .batch import TrainBatch
     from .config import AlgoConfig
+    from .publish_queue import Published, PublishQueue
 
 
 def loss_fn(algo: AlgoConfig) -> LossFn:
@@ -44,3 +49,62 @@ def make_batch(records: Sequence[RolloutRecord], pad_id: int = 0) -> TrainBatch:
     from .batch import collate
 
     return collate(records, pad_id=pad_id)
+
+
+def train_on(backend, records: Sequence[RolloutRecord], algo: AlgoConfig, audit: WorkerAudit,
+             weights_version: int | None) -> dict[str, float]:
+    """The native step on validated groups: batch, reference log-probs, the audit of the groups sampled at
+    `weights_version` (the version holding exactly the backend's weights; None when unpublished), then one
+    optimizer step on the objective. Returns the backend's metrics (loss terms, fractions, grad_norm)."""
+    tb = make_batch(records)
+    tb.ref_logp = backend.logprobs(tb, reference=True)
+    audit.audit_step(records, weights_version, lambda recs: backend.logprobs(make_batch(recs)))
+    return backend.train_step(tb, loss_fn(algo))
+
+
+def publish_metrics(queue: PublishQueue, blocking_s: float) -> dict[str, float]:
+    """publish/* of a step: the newest finished publish's figures, the step's blocking time, the counters."""
+    last = queue.last.stats if queue.last is not None else {}
+    out = {f"publish/{k}": v for k, v in last.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    out["publish/blocking_s"] = blocking_s
+    out["publish/failures"] = float(queue.failures)
+    out["publish/skipped_states"] = float(queue.skipped_states)
+    return out
+
+
+@dataclass
+class StepReport:
+    """What the stats object of the version a step's weights become says about the steps since the last one."""
+
+    step: int
+    metrics: dict[str, Any]
+    drops_total: dict[str, int]
+    workers: dict[str, dict]
+    """The source's per-worker counts, with the audit's fields merged in."""
+    groups: int
+    """Groups trained on since the previous published version."""
+
+    def absorb(self, older: StepReport | None) -> None:
+        """A replaced (never published) step's groups count towards this one."""
+        if older is not None:
+            self.groups += older.groups
+
+
+class VersionStats:
+    """Writes `stats/v<version>.json` for each published version: the drops since the previous one and in
+    total, per-worker figures, the publish's own figures (trainer/metrics.py `version_stats`)."""
+
+    def __init__(self, store: Store, run: str):
+        self.store, self.run = store, run
+        self._drops_sent: Counter[str] = Counter()
+
+    def write(self, published: Published, report: StepReport) -> None:
+        from .metrics import version_stats, write_version_stats
+
+        drops = Counter({k: int(v) for k, v in report.drops_total.items()})
+        delta = {k: v - self._drops_sent.get(k, 0) for k, v in drops.items()}
+        self._drops_sent = drops
+        write_version_stats(self.store, self.run, version_stats(
+            version=int(published.version), step=report.step, kind=str(published.stats.get("kind", "patch")),
+            metrics=report.metrics, drops_total=dict(drops), drops_delta=delta, workers=report.workers,
+            groups=report.groups, publish=published.stats))

@@ -140,6 +140,13 @@ class Backend(abc.ABC):
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """The current weights under HF names, on CPU, in the run's dtype, one entry per tied tensor."""
 
+    def publish_snapshot(self) -> dict[str, torch.Tensor]:
+        """The weights to publish, as `state_dict_hf` names them, copied so training can go on: the
+        publisher encodes them in the background (trainer/publish_queue.py). A backend whose weights are on
+        a GPU in this process keeps the copy there (a device copy, and the publisher encodes on the device);
+        the default is the host copy `state_dict_hf` makes."""
+        return self.state_dict_hf()
+
     @abc.abstractmethod
     def save_checkpoint(self, path: Path) -> None:
         """Write model and optimizer state into the (existing, empty) directory `path`."""

@@ -153,6 +153,12 @@ class HFBackend(Backend):
 
     # -- weights and state -------------------------------------------------------------------------
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        return self._hf_copy(torch.device("cpu"))
+
+    def publish_snapshot(self) -> dict[str, torch.Tensor]:
+        return self._hf_copy(self.device)  # on a GPU a device copy: the publisher encodes it there
+
+    def _hf_copy(self, device: torch.device) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         seen: set[tuple[int, tuple[int, ...]]] = set()
         for name, tensor in self.model.state_dict().items():
@@ -160,7 +166,7 @@ class HFBackend(Backend):
             if ident in seen:  # tied weights (lm_head = embed_tokens) are published once, as HF saves them
                 continue
             seen.add(ident)
-            copy_ = tensor.detach().to(device="cpu", dtype=self.publish_dtype)
+            copy_ = tensor.detach().to(device=device, dtype=self.publish_dtype)
             if copy_.data_ptr() == tensor.data_ptr():  # same device and dtype: never hand out the live weights
                 copy_ = copy_.clone()
             out[name] = copy_.contiguous()

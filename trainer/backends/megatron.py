@@ -150,6 +150,11 @@ class MegatronBackend(Backend):
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         return self._call("state_dict_hf")
 
+    def publish_snapshot(self) -> dict[str, torch.Tensor]:
+        if self._local is not None:  # one rank in this process: the copy stays on its device
+            return self._local.state_dict_hf(on_device=True)
+        return self.state_dict_hf()  # rank actors hand host copies back through Ray
+
     def save_checkpoint(self, path: Path) -> None:
         self._call("save_checkpoint", Path(path))
 

@@ -137,10 +137,11 @@ def _pack_streams(out: codec.Coded, pos_out: torch.Tensor, zz: torch.Tensor) -> 
     return out
 
 
-def _host_copy(t: torch.Tensor) -> np.ndarray:
+def _host_copy(t: torch.Tensor, producer=None) -> np.ndarray:
     """A host copy of a tensor. From CUDA: its raw bytes (one copy kernel for every dtype, packed uint32
     codes included) into pinned memory (torch's caching host allocator reuses it from one version to the
-    next) on a side stream, so the copy overlaps the encoder's kernels on the main one."""
+    next) on a side stream, so the copy overlaps the encoder's kernels on the main one. `producer` is the
+    stream the tensor was made on (the encoder's caller's: a pool thread's own current stream is not it)."""
     import torch
 
     t = t.detach()
@@ -149,7 +150,7 @@ def _host_copy(t: torch.Tensor) -> np.ndarray:
     raw = t.contiguous().reshape(-1).view(torch.uint8)
     try:
         side = torch.cuda.Stream(device=t.device)
-        side.wait_stream(torch.cuda.current_stream(t.device))
+        side.wait_stream(producer if producer is not None else torch.cuda.current_stream(t.device))
         with torch.cuda.stream(side):
             host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=True)
             host.copy_(raw, non_blocking=True)
@@ -159,11 +160,21 @@ def _host_copy(t: torch.Tensor) -> np.ndarray:
     return host.numpy().view(np_dtype(str(t.dtype).removeprefix("torch."))).reshape(tuple(t.shape))
 
 
-def _host_digest(t: torch.Tensor) -> tuple[np.ndarray, str]:
+def _host_digest(t: torch.Tensor, producer=None) -> tuple[np.ndarray, str]:
     """(host copy, digest) of a tensor, on a pool thread; BLAKE3 spreads a large tensor over the machine's
     cores (the same digest as one thread gives)."""
-    arr = _host_copy(t)
+    arr = _host_copy(t, producer)
     return arr, tensor_digest(arr, threads=arr.nbytes >= (64 << 20))
+
+
+def _current_stream(state: Mapping[str, torch.Tensor]):
+    """The calling thread's current CUDA stream on the state's device (None for host tensors)."""
+    import torch
+
+    first = next(iter(state.values()), None)
+    if first is None or first.device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(first.device)
 
 
 def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
@@ -179,13 +190,14 @@ def encode_patch_torch(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
     names = _checked(old, new)
     known = {e["name"]: e["digest"] for e in base_entries} if base_entries is not None else {}
     coded, futures = {}, {}
+    producer = _current_stream(new)  # the copies wait for this thread's stream, whichever it is
     with ThreadPoolExecutor(max_workers=hash_threads) as pool:
         for name in names:
             a, b = old[name], new[name]
-            base = None if name in known else pool.submit(_host_digest, a)
+            base = None if name in known else pool.submit(_host_digest, a, producer)
             coded[name] = encode_tensor_torch(a, b, str(a.dtype).removeprefix("torch."))
             same = coded[name].changed == 0 and name in known
-            futures[name] = (None if same else pool.submit(_host_digest, b), base)
+            futures[name] = (None if same else pool.submit(_host_digest, b, producer), base)
         meta = {}
         for name in names:
             b = new[name]

@@ -5,7 +5,10 @@ Workers write one immutable record per prompt group under `rollouts/v<version>/<
 [current - staleness, current], so its listing cost is bounded by that window, never by the run's
 history. Per prefix it remembers the last key it saw and lists from there (`start_after`); because a
 worker whose id sorts early can upload after one that sorts late, every `sweep_every` polls it lists each
-window prefix whole once more (still window-bounded) and takes only keys it has not seen. When a version
+window prefix whole once more (still window-bounded) and takes only keys it has not seen. New records
+are read `read_threads` at a time (a read waits one round trip, tens to hundreds of ms on R2, and a fleet
+of hundreds uploads faster than one reader takes them), in chunks of at most READ_AHEAD_BYTES, and judged
+in listing order. When a version
 leaves the window its prefix is listed whole one last time and every group never read is counted as a
 `stale` drop (uploaded after the last poll that covered it); groups uploaded under a version after that
 are not listed, so this count is a floor.
@@ -22,6 +25,9 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING
 
 from worker_contract import layout
@@ -37,6 +43,8 @@ if TYPE_CHECKING:
     from .config import AlgoConfig
 
 log = logging.getLogger(__name__)
+#: records read ahead of judging hold at most this many bytes (a single larger record is read alone)
+READ_AHEAD_BYTES = 64 << 20
 
 __all__ = ["DROP_REASONS", "LOGPROB_POSITIVE_TOL", "MAX_TRACKED_WORKERS", "OTHER_WORKER", "Batch", "BatchRules",
            "Group", "RecordRules", "RolloutSource"]
@@ -45,10 +53,14 @@ __all__ = ["DROP_REASONS", "LOGPROB_POSITIVE_TOL", "MAX_TRACKED_WORKERS", "OTHER
 class RolloutSource:
     """Validated prompt groups from the bucket, `groups_per_step` at a time."""
 
-    def __init__(self, store: Store, rules: RecordRules, batching: BatchRules, *, sweep_every: int = 10):
-        if sweep_every < 1:
-            raise ValueError(f"sweep_every={sweep_every} must be at least 1")
+    def __init__(self, store: Store, rules: RecordRules, batching: BatchRules, *, sweep_every: int = 10,
+                 read_threads: int = 16):
+        for name, value in (("sweep_every", sweep_every), ("read_threads", read_threads)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be at least 1")
         self.store, self.rules, self.batching, self.sweep_every = store, rules, batching, sweep_every
+        self.read_threads = read_threads
+        self._readers: ThreadPoolExecutor | None = None
         self.run = rules.run
         self.tally = Tally()
         self._pool = GroupPool(batching, rules.window, self.tally, rules.staleness)
@@ -95,8 +107,11 @@ class RolloutSource:
             for version in self.window(current):
                 self._listed.add(version)
                 prefix = layout.rollout_version_prefix(self.run, version)
-                for info in self._list(prefix, None if sweep else self._last_seen.get(prefix)):
-                    added += self._ingest(info, prefix, current)
+                seen = self._seen[prefix]
+                infos = [i for i in self._list(prefix, None if sweep else self._last_seen.get(prefix))
+                         if i.key not in seen]
+                for info, read in self._reads(infos):
+                    added += self._ingest(info, prefix, current, read)
             return added
 
     def _list_counted(self, prefix: str, start_after: str | None = None) -> list[ObjectInfo]:
@@ -138,7 +153,37 @@ class RolloutSource:
             self._listed.discard(version)
 
     # -- reading and judging -----------------------------------------------------------------------
-    def _ingest(self, info: ObjectInfo, prefix: str, current: int) -> int:
+    def _fetchable(self, info: ObjectInfo) -> bool:
+        """Whether `_ingest` will read this record (a bad key or an oversized object is dropped unread)."""
+        try:
+            layout.parse_rollout_key(info.key)
+        except ValueError:
+            return False
+        return info.size <= self.rules.max_record_bytes
+
+    def _reads(self, infos: list[ObjectInfo]) -> Iterator[tuple[ObjectInfo, Callable[[], bytes]]]:
+        """Each listed record with a call returning its bytes (raising as `store.get` does). With more than
+        one read thread, a chunk of up to `read_threads` records is fetched at once, then judged in order."""
+        if self.read_threads == 1:
+            yield from ((info, partial(self.store.get, info.key)) for info in infos)
+            return
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="rollout-read")
+        chunk: list[ObjectInfo] = []
+        size = 0
+        for info in [*infos, None]:
+            n = info.size if info is not None and self._fetchable(info) else 0
+            if chunk and (info is None or len(chunk) >= self.read_threads or size + n > READ_AHEAD_BYTES):
+                futures = [self._readers.submit(self.store.get, i.key) if self._fetchable(i) else None
+                           for i in chunk]
+                for i, f in zip(chunk, futures, strict=True):
+                    yield i, f.result if f is not None else partial(self.store.get, i.key)
+                chunk, size = [], 0
+            if info is not None:
+                chunk.append(info)
+                size += n
+
+    def _ingest(self, info: ObjectInfo, prefix: str, current: int, read: Callable[[], bytes]) -> int:
         seen = self._seen[prefix]
         if info.key in seen:
             return 0
@@ -154,7 +199,7 @@ class RolloutSource:
             self.tally.drop("oversized", worker, info.key)
             return 0
         try:
-            blob = self.store.get(info.key)
+            blob = read()
         except NotFound:
             seen.add(info.key)
             self.tally.drop("vanished", worker, info.key)

@@ -8,7 +8,8 @@ landed). Each record ends in exactly one of:
     pooled             read and judged good, waiting in the pool inside the window
     unread_in_window   inside the final window but never read (after the final drain: must be none)
     late               under a version whose prefix the source had already retired when it landed: never
-                       listed, so neither read nor counted (the floor trainer/rollouts.py names)
+                       listed, so neither read nor counted (the floor trainer/rollouts.py names); a record
+                       that landed before the learner's last listing of its prefix may not be late
 
 A hostile record that was read must be dropped for exactly the reason it was built to trip; an honest one
 may only be used, pooled, or age out (`stale`, `late`).
@@ -32,7 +33,8 @@ def _version_of(key: str) -> int:
         return int(parts[2][1:]) if len(parts) > 2 and parts[2][1:].isdigit() else 0
 
 
-def account(bucket_keys: list[str], workers: list[dict], learner: dict, reuse_cap: int) -> dict:
+def account(bucket_keys: list[str], workers: list[dict], learner: dict, reuse_cap: int,
+            learner_lists: dict[str, float]) -> dict:
     """Fates of every record, and the list of every violation (empty when the run is sound)."""
     problems: list[str] = []
     uploaded = set(bucket_keys)
@@ -89,6 +91,12 @@ def account(bucket_keys: list[str], workers: list[dict], learner: dict, reuse_ca
             fates[key] = "unread_in_window"
         else:
             fates[key] = "late"
+            # late means it landed after its prefix's last (whole) listing; one that landed before was listed
+            prefix = key.rsplit("/", 2)[0] + "/"
+            done = claimed.get(key, {}).get("t_done")
+            if done is not None and done < learner_lists.get(prefix, 0.0):
+                problems.append(f"{key} landed before the learner last listed {prefix}, yet it was neither read "
+                                "nor counted")
     used_once_in_window = sum(1 for k, n in uses.items() if n < reuse_cap and _version_of(k) in window)
     pooled = sum(f == "pooled" for f in fates.values())
     pool = int(learner["metrics"].get("rollout/pool", -1))

@@ -48,6 +48,16 @@ def throughput(learner: dict, elapsed_s: float) -> dict:
     }
 
 
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of the intervals (the poller and next_batch may wait on each other)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def learner_figures(learner: dict, wire: dict, elapsed_s: float) -> dict:
     polls = learner["polls"]
     steps = max(len(learner["steps"]), 1)
@@ -62,7 +72,7 @@ def learner_figures(learner: dict, wire: dict, elapsed_s: float) -> dict:
         "poll_s": {"p50": pct([p[1] for p in polls], 0.5), "p99": pct([p[1] for p in polls], 0.99),
                    "mean": round(sum(p[1] for p in polls) / max(len(polls), 1), 4),
                    "max": round(max((p[1] for p in polls), default=0.0), 4)},
-        "poll_busy_frac": round(sum(p[1] for p in polls) / elapsed_s, 3),
+        "poll_busy_frac": round(_covered([(end - dt, end) for end, dt, _, _ in polls]) / elapsed_s, 3),
         "lists_per_poll": round(sum(p[2] for p in polls) / max(len(polls), 1), 2),
         "requests_per_step": round(_sum(billed, "learner") / steps, 1),
         "list_requests_per_step": round(_sum(billed, "learner", "LIST") / steps, 1),

@@ -145,7 +145,7 @@ def _figures(spec: FleetSpec, run: str, direct: S3Store, reports: list[dict], le
     rollout_keys = [o.key for o in objects if o.key.startswith(layout.rollouts_prefix(run))]
     lines: list[str] = []
     verified = verify_run(direct, run, out=lines.append)
-    accounting = account(rollout_keys, reports, learner, spec.reuse_cap)
+    accounting = account(rollout_keys, reports, learner, spec.reuse_cap, wire["learner_lists"])
     versions = versions_check(reports, learner["publishes"], 1)
     elapsed = stop_wall - t0
     storm = [r for r in reports if int(r["worker"][1:]) in storm_ids]

@@ -117,6 +117,7 @@ class WireStats:
         self.per_identity: dict[str, Counter] = defaultdict(Counter)  # access key -> "op kind" -> requests
         self.timeline: dict[int, Counter] = defaultdict(Counter)  # second since t0 -> requests, capped, faults
         self.statuses: Counter = Counter()
+        self.learner_lists: dict[str, float] = {}  # listed prefix -> wall time of the learner's latest LIST of it
 
     def __call__(self, req: Request) -> None:
         op = s3_op(req)
@@ -135,6 +136,10 @@ class WireStats:
                 self.bytes_down[(role, kind)] += req.resp_bytes if op != "HEAD" else 0
                 self.per_identity[req.access_key][f"{op} {kind}"] += 1
                 self.statuses[req.status] += 1
+                if op == "LIST" and role == "learner" and req.status == 200:
+                    prefix = unquote(parse_qs(req.query).get("prefix", [""])[0])
+                    self.learner_lists[prefix] = max(self.learner_lists.get(prefix, 0.0),
+                                                     self.wall0 + (req.t - self.t0))
 
     def snapshot(self) -> dict:
         """JSON-ready copy of every counter."""
@@ -148,6 +153,7 @@ class WireStats:
                 "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
                 "per_identity": {k: dict(v) for k, v in self.per_identity.items()},
                 "timeline": {s: dict(c) for s, c in sorted(self.timeline.items())},
+                "learner_lists": dict(self.learner_lists),
             }
 
 

@@ -127,7 +127,8 @@ class SimWorker:
             self.report.upload_failures += 1  # botocore's retries ran out; it may or may not have landed
             self.report.uploads.append({"key": key, "expect": bad, "t": t, "version": version, "sure": False})
             return
-        self.report.uploads.append({"key": key, "expect": bad, "t": t, "version": version, "sure": True})
+        self.report.uploads.append({"key": key, "expect": bad, "t": t, "t_done": time.time(), "version": version,
+                                    "sure": True})
 
     def _record(self, version: int, group_id: str, *, n: int | None = None, plane: str = "bf16",
                 token_hi: int | None = None, logprob_sign: float = -1.0) -> RolloutRecord:

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-BENCHMARKS = {"pulse": "bench.pulse_bench"}
+BENCHMARKS = {"pulse": "bench.pulse_bench", "mlx_worker": "bench.mlx_worker"}
 GPU_BENCHMARKS = {"pulse_gpu": "bench.pulse_gpu"}
 
 

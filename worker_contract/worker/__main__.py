@@ -10,6 +10,14 @@ import sys
 import threading
 
 
+def default_store(env) -> str | None:
+    """DRL_STORE, else the R2 bucket of an R2 join card (which names R2_BUCKET, not DRL_STORE)."""
+    if env.get("DRL_STORE", "").strip():
+        return env["DRL_STORE"].strip()
+    bucket = env.get("R2_BUCKET", "").strip()
+    return f"r2://{bucket}" if bucket else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m worker_contract.worker",
@@ -17,8 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "The group size and weight plane come from DRL_N_SAMPLES (default 8) and DRL_PULSE_PLANE "
                     "(default bf16) and must match the run's run.json.",
     )
-    p.add_argument("--store", default=os.environ.get("DRL_STORE"),
-                   help="store URL: file:///abs/path, r2://bucket, s3://bucket (default: $DRL_STORE)")
+    p.add_argument("--store", default=default_store(os.environ),
+                   help="store URL: file:///abs/path, r2://bucket, s3://bucket (default: $DRL_STORE, else "
+                        "r2://$R2_BUCKET when R2_BUCKET is set, as an R2 join card sets it)")
     p.add_argument("--run", default=os.environ.get("DRL_RUN"), help="run id to join (default: $DRL_RUN)")
     p.add_argument("--model", default=os.environ.get("DRL_MODEL"),
                    help="local HF dir with the run's config.json and tokenizer (default: fetch them for "

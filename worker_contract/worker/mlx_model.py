@@ -104,17 +104,17 @@ def load_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], *
     missing, unknown = sorted(set(held) - set(mapped)), sorted(set(mapped) - set(held))
     if missing or unknown:
         raise ValueError(f"published weights do not fit the MLX model: missing {missing[:5]}, unknown {unknown[:5]}")
-    arrays = []
     for name, a in mapped.items():
         if tuple(a.shape) != tuple(held[name].shape):
             raise ValueError(f"{name}: published shape {tuple(a.shape)}, MLX model shape {tuple(held[name].shape)}")
-        x = mx.array(a)
+    del held
+    for name, a in mapped.items():  # one tensor at a time: the old one is freed as the new one lands, so a
+        x = mx.array(a)             # version switch needs one tensor of headroom, not a second model
         quant_param = name.rpartition(".")[0] in mine and name.endswith((".scales", ".biases"))
         if dtype == "float32" and x.dtype == mx.bfloat16 and not quant_param:
             x = x.astype(mx.float32)  # exact: every bf16 value is a float32 value
-        arrays.append((name, x))
-    model.load_weights(arrays, strict=True)
-    mx.eval(model.parameters())
+        mx.eval(x)
+        model.load_weights([(name, x)], strict=False)
     return mine
 
 
@@ -132,8 +132,8 @@ class MlxPolicy:
 
     def load_plane(self, plane: str, state: Mapping[str, np.ndarray]) -> None:
         """Replace every parameter with the published one (between groups only: the loop calls this after a
-        group is uploaded). A missing, unknown or misshapen tensor is an error, and the model keeps its
-        previous weights."""
+        group is uploaded). A missing, unknown or misshapen tensor is an error found before any is replaced,
+        so the model keeps its previous weights."""
         if plane != self.plane:
             raise ValueError(f"this policy was built for plane {self.plane!r}, not {plane!r}")
         self._quantized = load_plane_into(self.model, self.architecture, state, dtype=self.dtype,

@@ -393,6 +393,60 @@ def test_after_train_publishes_each_new_policy(box, plugin):
         assert np.array_equal(np.asarray(arr).view(np.uint16), sd[name].view(torch.uint16).numpy()), name
 
 
+def _model_logprobs(model, tokens: list[int], response_length: int) -> torch.Tensor:
+    """The policy's log-prob of each response token (temperature 1), as slime's recompute gives them."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    start = len(tokens) - response_length
+    return logp[start - 1 : len(tokens) - 1].gather(1, torch.tensor(tokens[start:])[:, None])[:, 0]
+
+
+def test_worker_audit_runs_in_the_slime_engine(box, plugin):
+    """The rollout side records who sampled each group; slime's log-prob recompute (here: the model's own
+    forward) reaches the post-process hook; the same WorkerAudit as the native learner scores each worker,
+    and the next version's stats object carries its figures under the native learner's names."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.slime_plugin import audit as plugin_audit
+
+    model = AutoModelForCausalLM.from_pretrained(str(box["hf"]), torch_dtype=torch.bfloat16)
+    ctx = plugin_context.context()
+    rid = 40
+    version = publish.after_train(slime_args(), rid - 1, [model])  # the weights the actor trains rollout 40 from
+    assert plugin_audit.weights_version(ctx, rid) == version
+    for worker, shift in (("honest", 0.0), ("edits", -0.7)):
+        rec = _record(box, f"audit-{worker}", version=version, seed=5)
+        samples = []
+        for s in rec.samples:
+            lp = _model_logprobs(model, list(rec.prompt_ids) + list(s.response_ids), len(s.response_ids))
+            samples.append(s.model_copy(update={"behavior_logprobs": [min(float(x) + shift, 0.0) for x in lp]}))
+        rec = rec.model_copy(update={"worker_id": worker, "samples": samples})
+        box["store"].put_if_absent(layout.rollout_key(RUN, version, worker, rec.group_id), encode_record(rec))
+
+    out = train_output(slime_args(), rid, ctx, timeout_s=10)
+    flat = [s for g in out.samples for s in g]
+    assert {s.metadata["worker_id"] for s in flat} == {"honest", "edits"}
+    rollout_data = {  # what slime's actor holds when it calls the hook (one DP rank: every sample)
+        "sample_indices": [s.index for s in flat],
+        "log_probs": [_model_logprobs(model, s.tokens, s.response_length) for s in flat],
+        "rollout_log_probs": [torch.tensor(s.rollout_log_probs) for s in flat],
+        "loss_masks": [torch.tensor(s.loss_mask, dtype=torch.int32) for s in flat],
+    }
+    assert plugin_audit.audit_rollout_data(slime_args(), rid, rollout_data) == 2
+    figures = ctx.audit().stats()
+    assert figures["honest"]["logprob_mismatch"] < 1e-3
+    assert figures["edits"]["logprob_mismatch"] > 0.3 and figures["edits"]["audited_tokens"] > 0
+
+    after = publish.after_train(slime_args(), rid, [model])
+    stats = json.loads(box["store"].get(layout.stats_key(RUN, after)))
+    assert stats["workers"]["edits"]["logprob_mismatch"] == pytest.approx(figures["edits"]["logprob_mismatch"])
+    assert stats["workers"]["honest"]["used"] == 1 and "audit/flagged_workers" in stats["metrics"]
+    # the actor's weights moved past that version: the next rollout's groups are not compared with them
+    assert plugin_audit.weights_version(ctx, rid) is None
+    assert plugin_audit.audit_rollout_data(slime_args(), rid, rollout_data) == 0
+
+
 # -- held-out eval --------------------------------------------------------------------------------------
 class _SGLangStandIn(BaseHTTPRequestHandler):
     """A stand-in SGLang `/generate`: answers even-numbered problems right, odd ones wrong, and cuts every

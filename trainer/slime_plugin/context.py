@@ -44,7 +44,9 @@ class PluginContext:
     state_dir: Path
     _source: Any = None
     _publisher: Any = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _publishing: Any = None
+    _audit: Any = None
+    _lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
     def run(self) -> str:
@@ -99,6 +101,27 @@ class PluginContext:
             return self._publisher
 
 
+    def publishing(self):
+        """The publish queue (trainer/publish_queue.py) around `publisher()`, writing each version's stats."""
+        with self._lock:
+            if self._publishing is None:
+                from trainer.publish_queue import PublishQueue
+                from trainer.step import VersionStats
+
+                self._publishing = PublishQueue(self.publisher(), on_published=VersionStats(self.store, self.run).write)
+            return self._publishing
+
+    def audit(self):
+        """The worker audit of this train process (trainer/audit.py): the log-prob hook feeds it, the
+        published versions' stats report it."""
+        with self._lock:
+            if self._audit is None:
+                from trainer.audit import WorkerAudit
+
+                self._audit = WorkerAudit()
+            return self._audit
+
+
 _context: PluginContext | None = None
 _context_lock = threading.Lock()
 
@@ -133,6 +156,8 @@ def reset_context() -> None:
     """Forget the cached context (a new run in the same process, or tests)."""
     global _context
     with _context_lock:
+        if _context is not None and _context._publishing is not None:
+            _context._publishing.close()  # what was handed over is published first
         _context = None
 
 

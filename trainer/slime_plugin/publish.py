@@ -7,23 +7,24 @@ model)` on every train rank right after the actor trained on a rollout. Why this
 `--save-interval` steps (the fleet recipe runs without it); and the stock before-train-step hook would
 publish each version one step late and never the last one.
 
-Every rank enters (gathering tensor-parallel shards is a collective); rank 0 publishes through
-trainer.publisher.Publisher: a signed PULSE patch against the last version it published (a full anchor
-the first time in a process, and every `anchor_interval` versions), then moves the pointer. The rollout
-function reads that pointer for its staleness window, so the next batch is judged against this version.
+Every rank enters (gathering tensor-parallel shards is a collective); rank 0 hands the host copy to the
+learner's publish queue (trainer/publish_queue.py, as the native engine does): a signed PULSE patch against
+the last version it published (a full anchor the first time in a process, and every `anchor_interval`
+versions), then the pointer, while slime trains on. The last rollout (`--num-rollout`) waits for every
+publish, so nothing is lost at the end; without `args.num_rollout` each call waits. The rollout function
+reads the pointer for its staleness window, so the next batch is judged against the newest version. Each
+version's stats object is written by trainer.step.VersionStats, from what the rollout function recorded
+about the batch and the worker audit (trainer/slime_plugin/audit.py).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterable
 from typing import Any
 
 from .context import BATCH_STATS_FILE, PluginContext, context
-
-_last_drops: dict[str, int] = {}
 
 
 def _is_rank0() -> bool:
@@ -108,31 +109,31 @@ def _batch_stats(ctx: PluginContext) -> dict[str, Any]:
         return {}
 
 
-def publish_policy(ctx: PluginContext, state: dict[str, Any], rollout_id: int) -> int:
-    """Publish `state` as the next version and write its stats object; returns the version."""
-    from trainer.metrics import version_stats, write_version_stats
+def publish_policy(ctx: PluginContext, state: dict[str, Any], rollout_id: int, *, wait: bool = True) -> int | None:
+    """Hand `state` to the publish queue as the weights of step rollout_id + 1; with `wait`, return the
+    version once it is visible (None when it failed), else None at once."""
+    from trainer.step import StepReport
 
-    pub = ctx.publisher()
-    t0 = time.monotonic()
-    version = pub.publish(state)
-    stats = dict(pub.last_stats or {})
-    publish = {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool)}
-    publish.setdefault("latency_s", time.monotonic() - t0)
     batch = _batch_stats(ctx)
-    drops = {k: int(v) for k, v in (batch.get("drops_total") or {}).items()}
-    delta = {k: v - _last_drops.get(k, 0) for k, v in drops.items()}
-    _last_drops.clear()
-    _last_drops.update(drops)
-    write_version_stats(ctx.store, ctx.run, version_stats(
-        version=version, step=rollout_id + 1, kind=str(publish.get("kind", "patch")),
-        metrics=batch.get("metrics") or {}, drops_total=drops, drops_delta=delta,
-        workers=batch.get("workers") or {}, groups=int(batch.get("groups") or 0), publish=publish))
-    return version
+    audit = ctx.audit()
+    report = StepReport(step=rollout_id + 1, metrics={**(batch.get("metrics") or {}), **audit.metrics()},
+                        drops_total={k: int(v) for k, v in (batch.get("drops_total") or {}).items()},
+                        workers=audit.merge_into(batch.get("workers") or {}), groups=int(batch.get("groups") or 0))
+    queue = ctx.publishing()
+    queue.submit(state, rollout_id + 1, report)
+    if not wait:
+        return None
+    queue.flush()
+    last = queue.last
+    return last.version if last is not None and last.step == rollout_id + 1 else None
 
 
 def after_train(args: Any, rollout_id: int, model) -> int | None:
-    """slime's after-train hook (patch 0001): gather on every rank, publish on rank 0; returns the version."""
+    """slime's after-train hook (patch 0001): gather on every rank, publish on rank 0. Returns the version
+    when this call waited for it (the last rollout, or no `--num-rollout` known), else None."""
     state = hf_state(args, model)
     if not _is_rank0():
         return None
-    return publish_policy(context(), state, rollout_id)
+    total = getattr(args, "num_rollout", None)
+    wait = total is None or rollout_id + 1 >= int(total)
+    return publish_policy(context(), state, rollout_id, wait=wait)

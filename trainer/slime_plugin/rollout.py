@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any
 
+from .audit import write_rows
 from .context import BATCH_STATS_FILE, LEDGER_FILE, PluginContext, check_args, context
 from .types import slime_types
 
@@ -72,6 +73,7 @@ def train_output(args: Any, rollout_id: int, ctx: PluginContext, *, timeout_s: f
     assert all(len(g) == n for g in groups), "the rollout source let a wrong-sized group through"
     src = ctx.source()
     ctx.save_json(LEDGER_FILE, src.ledger_state())
+    write_rows(ctx, rollout_id, batch.groups)  # who sampled what, for the worker audit on the train side
     cumulative = src.metrics()
     ctx.save_json(BATCH_STATS_FILE, {
         "rollout_id": rollout_id, "current_version": batch.current_version, "groups": len(batch.groups),

@@ -1,0 +1,93 @@
+"""`--rollout-data-postprocess-path trainer.slime_plugin.audit.audit_rollout_data`: the worker audit in slime.
+
+slime calls the hook on every train rank after it recomputed the policy's log-probs of the step's samples
+(`rollout_data["log_probs"]`, at the weights the actor holds before training on them) and before it trains
+(research/slime.md section 1.6). The rollout side knows which worker sampled each group and at which
+version: the rollout function writes that per rollout id (`rows_file`). With both, the same
+trainer.audit.WorkerAudit the native learner runs compares each audited worker's recorded log-probs with
+the learner's, under the same names (`worker/<id>/logprob_mismatch`, `flagged`, `audited_tokens`); the
+after-train hook puts them in the next version's stats object. A group is audited only when it was sampled
+at the version whose weights the actor holds (the last version this process published and saw become
+visible, nothing queued after it) and all its samples are on this rank.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .context import PluginContext, context
+
+#: rows files kept in the state dir (slime's async driver prepares one rollout ahead)
+KEEP_ROWS = 4
+
+
+def rows_file(rollout_id: int) -> str:
+    return f"audit_rows_{int(rollout_id)}.json"
+
+
+def write_rows(ctx: PluginContext, rollout_id: int, groups: list) -> None:
+    """The rollout side: for the groups of rollout `rollout_id` (trainer.rollouts.Group, in Sample order),
+    who sampled each at which version. Older files are removed."""
+    ctx.save_json(rows_file(rollout_id), {"rollout_id": rollout_id, "n_samples": ctx.manifest.n_samples,
+                                          "groups": [[g.record.worker_id, g.record.policy_version] for g in groups]})
+    for old in ctx.state_dir.glob("audit_rows_*.json"):
+        try:
+            if int(old.stem.rsplit("_", 1)[1]) <= rollout_id - KEEP_ROWS:
+                old.unlink(missing_ok=True)
+        except ValueError:
+            continue
+
+
+@dataclass
+class _Sample:
+    behavior_logprobs: list[float]
+    loss_mask: list[int]
+
+
+@dataclass
+class _Group:
+    """The part of a rollout record the audit reads (trainer/audit.py)."""
+
+    worker_id: str
+    policy_version: int
+    samples: list[_Sample]
+
+
+def weights_version(ctx: PluginContext, rollout_id: int) -> int | None:
+    """The version holding exactly the actor's weights before it trains on `rollout_id`: the one the
+    after-train hook of `rollout_id - 1` published (step `rollout_id`), once visible and nothing after it."""
+    queue = ctx._publishing
+    if queue is None or not queue.idle() or queue.last is None or queue.last.step != rollout_id:
+        return None
+    return queue.last.version
+
+
+def audit_rollout_data(args: Any, rollout_id: int, rollout_data: dict) -> int:
+    """slime's rollout-data post-process hook; returns how many groups were audited on this rank."""
+    ctx = context()
+    version = weights_version(ctx, rollout_id)
+    if version is None or "log_probs" not in rollout_data:
+        return 0
+    try:
+        rows = json.loads((ctx.state_dir / rows_file(rollout_id)).read_text())
+    except (OSError, ValueError):
+        return 0
+    n = int(rows["n_samples"])
+    here = {int(idx): i for i, idx in enumerate(rollout_data.get("sample_indices") or [])}
+    groups, logps = [], {}
+    for gi, (worker, policy_version) in enumerate(rows["groups"]):
+        pos = [here.get(gi * n + j) for j in range(n)]
+        if any(p is None for p in pos):  # not all of the group is on this rank
+            continue
+        samples = [_Sample([float(x) for x in rollout_data["rollout_log_probs"][p].tolist()],
+                           [int(x) for x in rollout_data["loss_masks"][p].tolist()]) for p in pos]
+        groups.append(_Group(worker, int(policy_version), samples))
+        logps[id(groups[-1])] = [rollout_data["log_probs"][p].detach().float().cpu().tolist() for p in pos]
+    audit = ctx.audit()
+    chosen = audit.pick(groups, version)
+    if not chosen:
+        return 0
+    audit.observe(chosen, [row for g in chosen for row in logps[id(g)]])
+    return len(chosen)

@@ -10,20 +10,39 @@ VENV_FLAGS := $(if $(wildcard /root/slime),--system-site-packages)
 # torch for machines without an NVIDIA GPU (a CPU build where the package index offers one).
 CPU_TORCH ?= torch==2.13.0
 
-RUN ?=
-HOST ?=
-MODEL ?=
-SSH_KEY ?=
-REMOTE_DIR ?=
+# The variables a user sets (`make help` lists every `NAME ?=## meaning` line). They reach the recipes only
+# as exported environment variables, quoted ("$$RUN"): a value is one argument to Python, never shell text.
+RUN ?=## run id, the bucket prefix (required by gsm8k and psqa), e.g. RUN=gsm8k-2026-12-01a
+HOST ?=## the GPU box, user@host[:port]: launch the real trainer there over SSH
+MODEL ?=## a local HF model directory to train instead of the recipe's model
+SSH_KEY ?=## SSH private key for HOST (default: your agent and ~/.ssh keys)
+REMOTE_DIR ?=## where the tree goes on HOST (default /root/dRL)
+STATE ?=## with `make clean`: STATE=1 also deletes .stoa/ (every local run, its checkpoints and signing key)
+export RUN HOST MODEL SSH_KEY REMOTE_DIR
 
-# Optional flags forwarded to the launcher only when the user set them.
-LAUNCH_FLAGS = $(if $(HOST),--host $(HOST)) $(if $(MODEL),--model $(MODEL)) \
-               $(if $(SSH_KEY),--ssh-key $(SSH_KEY)) $(if $(REMOTE_DIR),--remote-dir $(REMOTE_DIR))
+# Every user value as one argument; the launcher treats an empty one as not given.
+LAUNCH = $(PY) -m entrypoints.launch --run "$$RUN" --host "$$HOST" --model "$$MODEL" --ssh-key "$$SSH_KEY" \
+         --remote-dir "$$REMOTE_DIR"
+# Say the usage before anything is installed; then bring the venv up to date (quietly when it is).
+define need_run
+@test -n "$$RUN" || { echo "usage: make $(1)" >&2; exit 2; }
+@$(MAKE) --no-print-directory -q setup 2>/dev/null || $(MAKE) --no-print-directory setup
+endef
 
 .PHONY: help setup gsm8k psqa test lint bench preflight clean
 
-help:  ## list the targets
-	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
+help:  ## list the targets, the variables they read and the environment
+	@echo "targets:"
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z0-9-]+):.*## /\1\t/' | \
+	  awk -F '\t' '{ printf "  %-12s %s\n", $$1, $$2 }'
+	@echo "variables (make gsm8k RUN=my-run HOST=root@box ...):"
+	@awk '/^[A-Z_]+ *\?=/ { n = $$1; sub(/ *\?=.*/, "", n); d = $$0; sub(/^[^=]*= */, "", d); \
+	  h = (d ~ /##/) ? substr(d, index(d, "##") + 2) : " (default: " (d == "" ? "unset" : d) ")"; \
+	  sub(/^ +/, "", h); printf "  %-12s %s\n", n, h }' $(MAKEFILE_LIST)
+	@echo "environment (export it, or put it before make):"
+	@echo "  DRL_DRY_RUN=1  print the resolved configuration and what would run; change nothing"
+	@echo "  DRL_STORE, DRL_N_SAMPLES, DRL_PULSE_PLANE, DRL_KV_MODE  the run contract (docs/r2-setup.md)"
+	@echo "  R2_ACCOUNT_ID, R2_ACCESS_KEY_ID, R2_SECRET_ACCESS_KEY, R2_BUCKET  the bucket (or in .r2env, mode 0600)"
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -36,13 +55,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)  ## create .venv and install the project with its dev extras
 
-gsm8k: setup  ## run the GSM8K job: embedded default on this machine, or HOST=user@box for a GPU box
-	@test -n "$(RUN)" || { echo "usage: make gsm8k RUN=<run-id> [HOST=user@box] [MODEL=/path/to/hf-model]" >&2; exit 2; }
-	$(PY) -m entrypoints.launch --recipe gsm8k --run $(RUN) $(LAUNCH_FLAGS)
+gsm8k:  ## run the GSM8K job: embedded default on this machine, or HOST=user@box for a GPU box
+	$(call need_run,gsm8k RUN=<run-id> [HOST=user@box] [MODEL=/path/to/hf-model])
+	$(LAUNCH) --recipe gsm8k
 
-psqa: setup  ## run the PaperSearchQA fleet reference on HOST=user@box
-	@test -n "$(RUN)" || { echo "usage: make psqa RUN=<run-id> HOST=user@box" >&2; exit 2; }
-	$(PY) -m entrypoints.launch --recipe psqa --run $(RUN) $(LAUNCH_FLAGS)
+psqa:  ## run the PaperSearchQA fleet reference on HOST=user@box
+	$(call need_run,psqa RUN=<run-id> HOST=user@box)
+	$(LAUNCH) --recipe psqa
 
 test: setup  ## install what the tests need and run them (nox -s tests)
 	$(VENV)/bin/nox -s tests
@@ -56,5 +75,8 @@ bench: setup  ## benchmarks, results in bench/results/ (nox -s bench)
 preflight: setup  ## check a launch before it happens (nox -s preflight)
 	$(VENV)/bin/nox -s preflight
 
-clean:  ## remove the venv and local run state (.stoa/)
-	rm -rf $(VENV) .nox .stoa
+clean:  ## remove the venv and nox's cache; keeps .stoa/ (local runs, signing keys) unless STATE=1
+	@echo "removing $(VENV)/ and .nox/"
+	rm -rf $(VENV) .nox
+	@if [ -n "$(filter 1,$(STATE))" ]; then echo "STATE=1: removing .stoa/ (every local run, its checkpoints and signing key)"; \
+	  rm -rf .stoa; elif [ -d .stoa ]; then echo "kept .stoa/ (local runs and signing keys); make clean STATE=1 removes it too"; fi

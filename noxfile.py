@@ -19,6 +19,21 @@ nox.options.reuse_existing_virtualenvs = True
 PY = sys.executable  # the interpreter nox runs under: .venv/bin/python via `make`
 
 
+def _refuse(message: str) -> None:
+    """Bad input to a session: one sentence and exit 2, as every entry point does (worker_contract/cli.py)."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _run_cli(session: nox.Session, *args: str) -> None:
+    """Run one of our `python -m` CLIs and exit with its own status (nox would turn 2, bad input, and 1, a
+    failed check, into the same 1)."""
+    session.log(" ".join((PY, *args)))
+    code = subprocess.run([PY, *args], check=False).returncode
+    if code:
+        raise SystemExit(code)
+
+
 def _ensure_sshd(session: nox.Session) -> None:
     """The Fabric tests need a real sshd binary; install it through apt-get when we are root."""
     if shutil.which("sshd") or os.path.exists("/usr/sbin/sshd"):
@@ -45,7 +60,10 @@ def soak(session: nox.Session) -> None:
     """Long fault-injection trials (crashes, store and worker faults, hostile records): `nox -s soak -- 30`
     runs 30 crash trials (default DRL_SOAK_TRIALS, else 20); figures go to bench/results/soak.json."""
     args = list(session.posargs)
-    trials = args.pop(0) if args and args[0].isdigit() else os.environ.get("DRL_SOAK_TRIALS", "20")
+    trials = args.pop(0) if args and args[0].isdigit() else os.environ.get("DRL_SOAK_TRIALS", "").strip() or "20"
+    if not trials.isdigit() or int(trials) < 1:
+        _refuse(f"DRL_SOAK_TRIALS={trials!r} must be an integer >= 1 (for example DRL_SOAK_TRIALS=20, or "
+                "nox -s soak -- 20)")
     out = os.path.join("bench", "results", "soak.json")
     partial = out + ".partial"  # only a soak that passes replaces the figures docs/reliability.md quotes
     if os.path.exists(partial):
@@ -68,10 +86,10 @@ def lint(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def preflight(session: nox.Session) -> None:
     """Check a launch before it happens: reads a dry run on stdin, or resolves the recipe itself."""
-    session.run(PY, "-m", "infra.preflight", *session.posargs)
+    _run_cli(session, "-m", "infra.preflight", *session.posargs)
 
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Benchmarks; each writes bench/results/<name>.json with the machine and commit."""
-    session.run(PY, "-m", "bench", *session.posargs)
+    _run_cli(session, "-m", "bench", *session.posargs)

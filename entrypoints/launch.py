@@ -9,6 +9,7 @@ DRL_DRY_RUN=1 prints the fully resolved configuration and exactly what would run
 changes nothing. An unknown recipe or a bad run id is refused with exit status 2.
 """
 
+
 from __future__ import annotations
 
 import argparse
@@ -19,11 +20,30 @@ from typing import Literal
 
 Mode = Literal["remote", "gpu", "embedded"]
 
+EPILOG = """how the mode is chosen, in this order:
+  --host given (HOST=)                              the real trainer on that GPU box over SSH
+  a CUDA GPU here and R2 credentials or DRL_STORE   the real trainer on this machine
+  otherwise                                         the embedded default: the whole loop here, on the CPU
+
+environment it reads (checked once, strictly; a bad value is refused by name):
+  DRL_RUN           the run id when --run is not given
+  DRL_DRY_RUN       1 prints the resolved configuration and what would run, and changes nothing (0/1,
+                    true/false, yes/no, on/off; anything else is refused)
+  DRL_STORE         file:///abs/path, r2://<bucket> or s3://<bucket> (default: R2 when its four values are
+                    set, else the local file store .stoa/bucket)
+  DRL_N_SAMPLES     group size (an integer >= 1); DRL_PULSE_PLANE bf16 | int8g64; DRL_KV_MODE
+  R2_ACCOUNT_ID, R2_ACCESS_KEY_ID, R2_SECRET_ACCESS_KEY, R2_BUCKET
+                    the bucket; read from .r2env (mode 0600) too, the environment winning; all four or none
+  DRL_S3_ENDPOINT   the S3 endpoint of an s3:// store
+  DRL_NO_GPU        1 ignores a CUDA GPU here (the embedded default)
+exit status: 0 done, 2 bad input (one sentence says what to fix), 1 a launch step failed"""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m entrypoints.launch", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m entrypoints.launch", description=__doc__.split("\n\n")[0],
+                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", required=True, help="recipe name (runs/): gsm8k, psqa")
-    ap.add_argument("--run", required=True, help="run id (DRL_RUN): the bucket prefix")
+    ap.add_argument("--run", default=None, help="run id, the bucket prefix (default: DRL_RUN)")
     ap.add_argument("--host", default=None, help="user@gpu-box: launch the real trainer there over SSH")
     ap.add_argument("--model", default=None, help="a local HF model directory to train instead of the default")
     ap.add_argument("--ssh-key", default=None, help="SSH private key for --host")
@@ -33,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def has_cuda() -> bool:
     """A CUDA GPU torch can use (DRL_NO_GPU=1 pretends there is none)."""
-    if os.environ.get("DRL_NO_GPU", "") not in ("", "0"):
+    from worker_contract.env import env_bool
+
+    if env_bool("DRL_NO_GPU", os.environ.get("DRL_NO_GPU", "")):
         return False
     try:
         import torch
@@ -92,12 +114,21 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
     args = parse_args(argv)
     from trainer.config import REPO_ROOT, recipe_path, resolve
     from worker_contract import layout
-    from worker_contract.env import EnvError, load_env
+    from worker_contract.env import EnvError, default_store_url, load_env, parse_env
 
+    for name in ("run", "host", "model", "ssh_key", "remote_dir"):  # make passes an unset variable as ""
+        setattr(args, name, getattr(args, name) or None)
     try:
         recipe_path(args.recipe)
-        layout.check_run_id(args.run)
         env = load_env(env, repo_root=REPO_ROOT)
+        contract = parse_env(env)  # the one validation of the contract variables, DRL_DRY_RUN included
+        args.run = args.run or contract.require_run()
+        layout.check_run_id(args.run)
+        if args.host:
+            from infra.remote import parse_host
+
+            parse_host(args.host)
+        default_store_url(env, REPO_ROOT)  # DRL_STORE understood; R2 all four values or none
     except (ValueError, EnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -115,7 +146,7 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    dry = env.get("DRL_DRY_RUN", "").strip().lower() in ("1", "true", "yes", "on")
+    dry = contract.dry_run
     if mode == "remote":
         from infra.remote import launch_remote
 
@@ -138,10 +169,9 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return launch(argv)
-    except KeyboardInterrupt:
-        return 130
+    from worker_contract.cli import run_main
+
+    return run_main(lambda: launch(argv), "python -m entrypoints.launch")
 
 
 if __name__ == "__main__":

@@ -176,40 +176,105 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
     return out
 
 
-def teardown(remote_dir: str, run: str, *, purge: bool = False, dry_run: bool = False, log=print) -> dict:
-    """Stop the run, stop the Ray we started, delete the credentials; `purge` also deletes remote_dir."""
-    root = Path(remote_dir)
-    actions = ["stop the trainer"]
-    if (root / RAY_MARKER).exists():
-        actions.append("ray stop (we started it)")
-    actions.append(f"delete {root / '.r2env'}")
+#: written by ship_tree in a tree it shipped (infra/remote/deploy.py): the mark of a box's copy, whose
+#: credentials file teardown may delete; a checkout of your own never has it
+SHIPPED_MARK = ".stoa-tree.sha256"
+
+
+def _other_live_runs(root: Path, run: str) -> list[str]:
+    """Other runs of this tree whose trainer is alive (their Ray and credentials must stay)."""
+    runs_dir = root / ".stoa" / "runs"
+    if not runs_dir.is_dir():
+        return []
+    return sorted(d.name for d in runs_dir.iterdir()
+                  if d.name != run and alive_pid(d / "trainer.pid") is not None)
+
+
+def _run_paths(root: Path, run: str) -> list[Path]:
+    """The run's own files and directories in the tree: its state dir and its log (both named by run id)."""
+    from .slime_launch import BoxPaths
+
+    paths = BoxPaths(remote_dir=str(root), run=run)
+    own = [Path(paths.state_dir), Path(paths.log_file)]
+    for p in own:  # a run id is one path segment, so these are inside the tree; a symlink out is refused
+        if p.is_symlink() or not p.resolve().is_relative_to(root):
+            raise ValueError(f"{p} is a link out of {root}; teardown deletes only the run's own files")
+    return own
+
+
+def teardown_actions(remote_dir: str, run: str, *, purge: bool = False) -> list[str]:
+    """Exactly what `teardown` will do, one line each (the dry run and the confirmation print them)."""
+    from worker_contract.layout import check_run_id
+
+    check_run_id(run)
+    root = Path(remote_dir).resolve()
+    if not root.is_dir():
+        raise ValueError(f"--remote-dir {remote_dir} is not a directory on this machine")
+    others = _other_live_runs(root, run)
+    actions = [f"stop the trainer of run {run} (its Ray jobs and its process group)"]
+    if (root / RAY_MARKER).exists() and not others:
+        actions.append("ray stop (this tree started Ray for its runs)")
+    creds = root / ".r2env"
+    if creds.exists():
+        if others:
+            actions.append(f"keep {creds}: runs {', '.join(others)} are still running here")
+        elif (root / SHIPPED_MARK).exists() and not (root / ".git").exists():
+            actions.append(f"delete {creds} (the credentials shipped to this box)")
+        else:
+            actions.append(f"keep {creds}: this tree was not shipped by a launch (it is your own checkout)")
     if purge:
-        actions.append(f"delete {root} (tree, models, checkpoints, logs)")
+        for p in _run_paths(root, run):
+            if p.exists():
+                actions.append(f"delete {p}{'/' if p.is_dir() else ''}")
+    return actions
+
+
+def teardown(remote_dir: str, run: str, *, purge: bool = False, dry_run: bool = False, log=print) -> dict:
+    """Stop the run (and the Ray we started, when no other run of the tree is alive), delete the shipped
+    credentials; `purge` also deletes the run's own files. Never the tree itself, a checkout or another run."""
+    root = Path(remote_dir).resolve()
+    actions = teardown_actions(remote_dir, run, purge=purge)
     if dry_run:
         for a in actions:
             log(f"would {a} [dry run]")
         return {"run": run, "actions": actions, "dry_run": True}
     stop(remote_dir, run, log=log)
-    if (root / RAY_MARKER).exists() and shutil.which("ray"):
+    if any(a.startswith("ray stop") for a in actions) and shutil.which("ray"):
         subprocess.run(["ray", "stop"], check=False)
         (root / RAY_MARKER).unlink(missing_ok=True)
-    (root / ".r2env").unlink(missing_ok=True)
-    log(f"deleted {root / '.r2env'}")
+    if any(a.startswith(f"delete {root / '.r2env'}") for a in actions):
+        (root / ".r2env").unlink(missing_ok=True)
+        log(f"deleted {root / '.r2env'}")
     if purge:
-        shutil.rmtree(root, ignore_errors=True)
-        log(f"deleted {root}")
+        for p in _run_paths(root, run):
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+            else:
+                continue
+            log(f"deleted {p}")
     return {"run": run, "actions": actions, "dry_run": False}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="on-box control of a stoa run")
+    ap = argparse.ArgumentParser(prog="python -m infra.boxops", description="on-box control of a stoa run (the "
+                                 "box side of invoke logs/stop/teardown, which list and confirm first)")
     ap.add_argument("command", choices=["status", "stop", "teardown"])
     ap.add_argument("--remote-dir", required=True)
     ap.add_argument("--run", required=True)
     ap.add_argument("--lines", type=int, default=20)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--purge", action="store_true")
+    ap.add_argument("--yes", action="store_true", help="confirmed: stop/teardown change nothing without it")
     args = ap.parse_args(argv)
+    from worker_contract.layout import check_run_id
+
+    check_run_id(args.run)
+    if not Path(args.remote_dir).is_dir():
+        raise ValueError(f"--remote-dir {args.remote_dir} is not a directory on this machine")
+    if args.command != "status" and not (args.dry_run or args.yes):
+        raise ValueError(f"{args.command} changes the box: pass --dry-run to list what it would do, --yes to do it")
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - stdout carries the JSON answer only
     if args.command == "status":
         out = status(args.remote_dir, args.run, args.lines)
@@ -222,4 +287,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from worker_contract.cli import run_main
+
+    sys.exit(run_main(main, "python -m infra.boxops"))

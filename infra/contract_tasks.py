@@ -4,29 +4,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from invoke import task
-from invoke.exceptions import Exit
+from .taskkit import stoa_task
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-@task(help={
+@stoa_task(help={
     "run": "run id (default: DRL_RUN)",
     "store": "store URL (default: DRL_STORE, else r2://$R2_BUCKET, else the repo's file store)",
     "env-file": "credentials file (default: .r2env in the repo root; must be mode 0600)",
     "format": "text | env | json",
-    "reveal": "include the secret values (hand the card over privately)",
+    "reveal": "include the secret values (hand the card over privately); it has no short flag on purpose",
     "out": "write the card to this file, mode 0600, instead of printing it",
     "retriever-url": "the fleet's retriever URL (default: DRL_RETRIEVER_URL)",
 })
 def joincard(c, run=None, store=None, env_file=None, format="text", reveal=False, out=None, retriever_url=None):
     """Print the join card of a run: what a worker needs to join it. Secrets redacted unless --reveal."""
     from worker_contract.joincard import joincard as make_card
-    from worker_contract.store import StoreError
 
-    try:
-        text = make_card(REPO_ROOT, run=run, store=store, env_file=env_file, fmt=format, reveal=reveal,
-                         out=out, retriever_url=retriever_url)
-    except (ValueError, StoreError) as e:
-        raise Exit(f"joincard: {e}", code=2) from None
+    text = make_card(REPO_ROOT, run=run, store=store, env_file=env_file, fmt=format, reveal=reveal,
+                     out=out, retriever_url=retriever_url)
     print(f"wrote the join card to {out} (mode 0600)" if out else text)

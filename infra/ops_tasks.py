@@ -7,33 +7,44 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from invoke import Exit, task
+from invoke import Exit
+
+from .taskkit import confirm, int_flag, need_run, stoa_task
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _need_run(run: str | None) -> str:
-    from worker_contract.layout import check_run_id
-
-    if not run:
-        raise Exit("--run is required: the run id (DRL_RUN) to look at", code=2)
-    try:
-        return check_run_id(run)
-    except ValueError as e:
-        raise Exit(str(e), code=2) from None
+    return need_run(run, "the run id (DRL_RUN) to look at")
 
 
-def _open_store(store: str | None):
-    """The store named by --store, else DRL_STORE / R2 credentials (.r2env) / the embedded file store."""
-    from worker_contract.env import default_store_url, load_env
+def open_existing_store(store: str | None, repo_root: Path = REPO_ROOT):
+    """The store named by --store, else DRL_STORE / R2 credentials (.r2env) / the embedded file store,
+    opened for reading: a file store that does not exist is refused, never created."""
+    from urllib.parse import urlparse
+
+    from worker_contract.env import load_env, store_url
     from worker_contract.store import open_store
 
-    env = load_env(repo_root=REPO_ROOT)
-    return open_store(store or default_store_url(env, REPO_ROOT), env)
+    env = load_env(repo_root=repo_root)
+    url = store_url(store, env, repo_root)
+    if url.startswith("file://") and not Path(urlparse(url).path).is_dir():
+        raise ValueError(f"there is no store at {url}: nothing has been published there (the embedded run "
+                         "makes it); pass --store or set DRL_STORE to the run's bucket")
+    return open_store(url, env)
 
 
-@task(positional=[], auto_shortflags=False, help={
-    "run": "run id (DRL_RUN)",
+def _published(st, run: str) -> None:
+    """Refuse a run the store does not hold (status and gc say so instead of showing an empty run)."""
+    from infra.ops.status import read_manifest
+
+    if read_manifest(st, run) is None:
+        raise ValueError(f"run {run!r} has no run.json in {st.url}: check the run id (DRL_RUN) and the store "
+                         "(--store or DRL_STORE)")
+
+
+@stoa_task(help={
+    "run": "run id (default: DRL_RUN)",
     "store": "store URL (default: DRL_STORE, else r2:// from the credentials, else the embedded file store)",
     "watch": "refresh every few seconds until Ctrl-C",
     "json": "print JSON for scripts instead of tables",
@@ -45,11 +56,17 @@ def status(c, run=None, store=None, watch=False, json_=False, host=None, ssh_key
     """Read-only view of a run from the bucket: pointer, anchors, workers, staleness, drops, bytes, cost."""
     from infra.ops.status_view import show_status
 
-    show_status(_open_store(store), _need_run(run), watch=watch, as_json=json_, host=host, ssh_key=ssh_key,
-                remote_dir=remote_dir)
+    run = _need_run(run)
+    if host:
+        from infra.remote import parse_host
+
+        parse_host(host)
+    st = open_existing_store(store)
+    _published(st, run)
+    show_status(st, run, watch=watch, as_json=json_, host=host, ssh_key=ssh_key, remote_dir=remote_dir)
 
 
-@task(positional=[], auto_shortflags=False, help={
+@stoa_task(help={
     "run": "run id whose .stoa/runs/<run>/metrics.jsonl to plot",
     "out": "output folder (default .stoa/runs/<run>/plots)",
 })
@@ -65,33 +82,37 @@ def plot(c, run=None, out=None):
         print(path)
 
 
-@task(positional=[], auto_shortflags=False, help={
-    "run": "run id (DRL_RUN)",
-    "keep_anchors": "anchors at or below the pointer to keep (at least 1)",
+@stoa_task(help={
+    "run": "run id (default: DRL_RUN)",
+    "keep_anchors": "anchors at or below the pointer to keep (default 2, at least 1)",
     "dry_run": "print what would be deleted and delete nothing",
+    "yes": "delete without asking (scripts); on a terminal gc asks first",
     "store": "store URL (default as for status)",
 })
-def gc(c, run=None, keep_anchors=2, dry_run=False, store=None):
-    """Delete old anchors, patches and rollouts that no joiner can need any more."""
-    from infra.ops.gc import GcError, apply_gc, plan_gc
+def gc(c, run=None, keep_anchors=None, dry_run=False, yes=False, store=None):
+    """Delete old anchors, patches and rollouts of one run that no joiner can need any more (asks first)."""
+    from infra.ops.gc import apply_gc, plan_gc
     from trainer.progress import progress
 
-    st = _open_store(store)
-    try:
-        plan = plan_gc(st, _need_run(run), int(keep_anchors))
-    except GcError as e:
-        raise Exit(str(e), code=2) from None
+    run = _need_run(run)
+    keep = int_flag("--keep-anchors", keep_anchors, 2, minimum=1)
+    st = open_existing_store(store)
+    plan = plan_gc(st, run, keep)
     print(("[dry run] " if dry_run else "") + plan.summary())
     if dry_run:
         for key in plan.keys:
             print(f"  would delete {key}")
         return
+    if not plan.keys:
+        print("nothing to delete")
+        return
+    confirm([f"delete {len(plan.keys)} objects under {st.url}/{run}/ (listed by --dry-run)"], yes=yes)
     with progress("deleting", total=len(plan.keys)) as advance:
         n = apply_gc(st, plan, advance)
     print(f"deleted {n} objects")
 
 
-@task(positional=[], auto_shortflags=False, help={
+@stoa_task(help={
     "recipe": "resolve this recipe here (gsm8k | psqa) instead of reading a dry run on stdin",
     "run": "run id with --recipe (default DRL_RUN)",
     "profile": "quickstart | fleet (default DRL_PREFLIGHT_PROFILE, else by recipe)",

@@ -245,6 +245,10 @@ def main(argv: list[str] | None = None, stdin=None, env: Mapping[str, str] | Non
 
     env = dict(os.environ if env is None else env)
     try:
+        from infra.preflight_checks import PROFILES
+
+        if args.profile and args.profile not in PROFILES:
+            raise ValueError(f"--profile={args.profile!r} is not a profile; known: {', '.join(sorted(PROFILES))}")
         plan = read_plan(args, stdin or sys.stdin, env)
         profile = args.profile or env.get(PROFILE_VAR) or DEFAULT_PROFILE.get(plan.recipe.get("name"), "quickstart")
         ctx = build_context(plan, profile=profile, env=env, env_file=args.env_file, store=args.store,
@@ -268,4 +272,6 @@ def main(argv: list[str] | None = None, stdin=None, env: Mapping[str, str] | Non
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from worker_contract.cli import run_main
+
+    sys.exit(run_main(main, "python -m infra.preflight"))

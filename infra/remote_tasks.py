@@ -1,76 +1,110 @@
 """Invoke tasks for the trainer box of a run: `logs`, `stop`, `teardown` (the read-only view is `status
---host`). With --host they act over SSH on that box; without it, on this box (the tree it runs from).
+--host`). With --host they act over SSH on that box; on this machine only when --local says so (a
+forgotten --host never turns the checkout you type in into "the box").
 
-    invoke logs --run my-run --host root@box [--follow]
-    invoke stop --run my-run --host root@box [--dry-run]
-    invoke teardown --run my-run --host root@box [--purge] [--dry-run]
+    invoke logs     --run my-run --host root@box [--follow]
+    invoke stop     --run my-run --host root@box [--dry-run] [--yes]
+    invoke teardown --run my-run --host root@box [--purge] [--dry-run] [--yes]
+
+stop and teardown first list exactly what they will stop and delete, then ask on a terminal (`--yes` for
+scripts). They touch only the named run: its trainer process group, its Ray jobs, the Ray we started for
+it, the box's credentials file of a shipped tree, and with --purge the run's own directories
+(`.stoa/runs/<run>/`, `logs/<run>.log`); never the tree, a git checkout, or another run.
 """
 
 from __future__ import annotations
 
 import json
 
-from invoke import Exit, task
+from invoke import Exit
 
 from trainer.config import REPO_ROOT
 
+from .taskkit import UsageError, confirm, int_flag, need_run, stoa_task
+
 _COMMON = {
-    "run": "run id (DRL_RUN)",
-    "host": "the trainer box, user@host[:port] (default: this machine)",
+    "run": "run id (default: DRL_RUN)",
+    "host": "the trainer box, user@host[:port]; required unless --local",
+    "local": "act on this machine (the run's files under --remote-dir, default this checkout) instead of a box",
     "ssh_key": "private key for SSH (default: your agent and ~/.ssh keys)",
-    "remote_dir": "the tree on the box (default /root/dRL over SSH, this checkout locally)",
+    "remote_dir": "the tree on the box (default /root/dRL over SSH, this checkout with --local)",
 }
 
 
-def _args(run: str | None, host: str | None, remote_dir: str | None) -> tuple[str, str]:
-    from worker_contract.layout import check_run_id
-
-    if not run:
-        raise Exit("--run is required: the run id (DRL_RUN) the trainer was launched with", code=2)
-    try:
-        check_run_id(run)
-    except ValueError as e:
-        raise Exit(str(e), code=2) from None
+def _args(run: str | None, host: str | None, local: bool, remote_dir: str | None) -> tuple[str, str | None, str]:
+    """(run, host or None for this machine, the tree's directory), or a UsageError naming the fix."""
+    run = need_run(run, "the run id (DRL_RUN) the trainer was launched with")
+    if host and local:
+        raise UsageError("give --host or --local, not both")
+    if not host and not local:
+        raise UsageError("no --host given: name the trainer box with --host user@box, or pass --local to act "
+                         "on this machine")
     if host:
         from infra.remote import parse_host
 
-        try:
-            parse_host(host)
-        except ValueError as e:
-            raise Exit(str(e), code=2) from None
-    return run, remote_dir or ("/root/dRL" if host else str(REPO_ROOT))
+        parse_host(host)
+    return run, host or None, remote_dir or ("/root/dRL" if host else str(REPO_ROOT))
 
 
-@task(positional=[], auto_shortflags=False, help={**_COMMON, "lines": "how many last lines (default 100)",
-                                                  "follow": "keep printing new lines until Ctrl-C"})
-def logs(c, run=None, host=None, ssh_key=None, remote_dir=None, lines=100, follow=False):
+@stoa_task(help={**_COMMON, "lines": "how many last lines (default 100)",
+                 "follow": "keep printing new lines until Ctrl-C"})
+def logs(c, run=None, host=None, local=False, ssh_key=None, remote_dir=None, lines=None, follow=False):
     """Print the trainer's log (<remote_dir>/logs/<run>.log) from the box."""
     from infra.remote import logs as remote_logs
 
-    run, rd = _args(run, host, remote_dir)
-    code = remote_logs(host, run, ssh_key=ssh_key, remote_dir=rd, lines=int(lines), follow=follow)
+    run, host, rd = _args(run, host, local, remote_dir)
+    code = remote_logs(host, run, ssh_key=ssh_key, remote_dir=rd, lines=int_flag("--lines", lines, 100, 1),
+                       follow=follow)
     if code:
         raise Exit(code=code)
 
 
-@task(positional=[], auto_shortflags=False, help={**_COMMON, "dry_run": "say what would be stopped; stop nothing"})
-def stop(c, run=None, host=None, ssh_key=None, remote_dir=None, dry_run=False):
-    """Stop the run's trainer on the box: its Ray jobs and its process group, by PID."""
+def _plan(host, run, rd, ssh_key, step: str, purge: bool = False) -> list[str]:
+    """What `step` would do, from the box itself (its dry run): the lines it logs, one per action."""
     from infra.remote import stop as remote_stop
-
-    run, rd = _args(run, host, remote_dir)
-    print(json.dumps(remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd, dry_run=dry_run), indent=2))
-
-
-@task(positional=[], auto_shortflags=False, help={
-    **_COMMON, "purge": "also delete the remote dir (tree, models, checkpoints, logs)",
-    "dry_run": "list what would be stopped and deleted; change nothing"})
-def teardown(c, run=None, host=None, ssh_key=None, remote_dir=None, purge=False, dry_run=False):
-    """Stop the run and the Ray it started, delete the box's credentials (and with --purge, everything)."""
     from infra.remote import teardown as remote_teardown
 
-    run, rd = _args(run, host, remote_dir)
-    out = remote_teardown(host, run, ssh_key=ssh_key, remote_dir=rd, purge=purge, dry_run=dry_run)
+    if step == "stop":
+        out = remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd, dry_run=True)
+        return [f"stop Ray jobs {', '.join(out['ray_jobs']) or 'none'} and the trainer process group "
+                f"{out['pid'] or '(none running)'} of run {run}"]
+    return remote_teardown(host, run, ssh_key=ssh_key, remote_dir=rd, purge=purge, dry_run=True)["actions"]
+
+
+@stoa_task(help={**_COMMON, "dry_run": "say what would be stopped; stop nothing",
+                 "yes": "stop without asking (scripts)"})
+def stop(c, run=None, host=None, local=False, ssh_key=None, remote_dir=None, dry_run=False, yes=False):
+    """Stop the run's trainer on the box: its Ray jobs and its process group, by PID (asks first)."""
+    from infra.remote import stop as remote_stop
+
+    run, host, rd = _args(run, host, local, remote_dir)
+    where = host or "this machine"
+    if dry_run:
+        print(json.dumps(remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd, dry_run=True), indent=2))
+        return
+    print(f"on {where} ({rd}):")
+    confirm(_plan(host, run, rd, ssh_key, "stop"), yes=yes)
+    print(json.dumps(remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd), indent=2))
+
+
+@stoa_task(help={
+    **_COMMON, "purge": "also delete the run's own directories on the box (.stoa/runs/<run>/, logs/<run>.log)",
+    "dry_run": "list what would be stopped and deleted; change nothing",
+    "yes": "go ahead without asking (scripts)"})
+def teardown(c, run=None, host=None, local=False, ssh_key=None, remote_dir=None, purge=False, dry_run=False,
+             yes=False):
+    """Stop the run and the Ray it started, delete the box's credentials (with --purge, the run's files)."""
+    from infra.remote import teardown as remote_teardown
+
+    run, host, rd = _args(run, host, local, remote_dir)
+    where = host or "this machine"
+    actions = _plan(host, run, rd, ssh_key, "teardown", purge)
+    if dry_run:
+        print(json.dumps({"run": run, "on": where, "actions": actions, "dry_run": True}, indent=2))
+        return
+    print(f"on {where} ({rd}):")
+    confirm(actions, yes=yes)
+    out = remote_teardown(host, run, ssh_key=ssh_key, remote_dir=rd, purge=purge)
     print(json.dumps(out, indent=2))
-    if not dry_run and host:
+    if host:
         print(f"Credentials are off the box. Stop billing for {host} at your GPU provider if you rented it.")

@@ -37,5 +37,5 @@ def test_fleet_recipe_contract():
     assert cfg.model.hf_id == "LiquidAI/LFM2.5-8B-A1B" and cfg.train.backend == "megatron"
     # the environment layer still wins over the recipe (precedence), and bad values are refused
     assert resolve("psqa", env={"DRL_N_SAMPLES": "16"}).contract.n_samples == 16
-    with pytest.raises(ValueError, match="plane"):
+    with pytest.raises(ValueError, match="DRL_PULSE_PLANE='fp8'"):  # the variable the user set, by name
         resolve("psqa", env={"DRL_PULSE_PLANE": "fp8"})

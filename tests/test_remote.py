@@ -218,24 +218,28 @@ def test_task_flags_are_frozen():
     """STYLE rule 4: the task flags are tested; a new knob belongs in the recipe, not here."""
     from infra import remote_tasks
 
-    common = {"run", "host", "ssh_key", "remote_dir"}
+    common = {"run", "host", "local", "ssh_key", "remote_dir"}
     flags = {t.name: {a.name for a in t.get_arguments()} for t in (remote_tasks.logs, remote_tasks.stop,
                                                                     remote_tasks.teardown)}
-    assert flags == {"logs": common | {"lines", "follow"}, "stop": common | {"dry_run"},
-                     "teardown": common | {"purge", "dry_run"}}
+    assert flags == {"logs": common | {"lines", "follow"}, "stop": common | {"dry_run", "yes"},
+                     "teardown": common | {"purge", "dry_run", "yes"}}
 
 
 def test_invoke_stop_and_teardown_dry_run_on_this_box(tmp_path):
-    """`invoke stop/teardown --dry-run` without --host act on this checkout and change nothing."""
+    """`invoke stop/teardown --local --dry-run` act on this checkout and change nothing; without --host or
+    --local they refuse (a forgotten --host never makes this checkout the box)."""
     import subprocess
 
     invoke = Path(sys.executable).with_name("invoke")
     for task in ("stop", "teardown"):
-        res = subprocess.run([str(invoke), task, "--run", "no-such-run-xyz", "--dry-run"], cwd=REPO_ROOT,
+        res = subprocess.run([str(invoke), task, "--run", "no-such-run-xyz", "--local", "--dry-run"], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         assert '"run": "no-such-run-xyz"' in res.stdout and "dry run" in res.stderr
-    res = subprocess.run([str(invoke), "stop", "--run", "Bad Run", "--dry-run"], cwd=REPO_ROOT,
+        res = subprocess.run([str(invoke), task, "--run", "no-such-run-xyz", "--dry-run"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and "--local" in res.stderr
+    res = subprocess.run([str(invoke), "stop", "--run", "Bad Run", "--local", "--dry-run"], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "DRL_RUN='Bad Run' is not a valid run id" in res.stderr
     assert not (REPO_ROOT / ".stoa" / "runs" / "no-such-run-xyz").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
@@ -126,11 +126,11 @@ class AlgoConfig(_Model):
     policy; `ppo`: plain PPO clipping on that ratio, no gate, no dual clip; `no_is`: no importance correction
     (the gradient -A grad log pi, as if every group were on-policy). The last two exist to measure the
     recipe against (bench/staleness.py); advantages, reducer and KL term are the same for all three."""
-    groups_per_step: int = 8
+    groups_per_step: int = Field(8, ge=1)
     """Prompt groups per learner step."""
-    staleness: int = 3
+    staleness: int = Field(3, ge=0)
     """Rollouts sampled more than this many versions ago are dropped."""
-    reuse_cap: int = 2
+    reuse_cap: int = Field(2, ge=1)
     """A prompt group is used at most this many times."""
     gate: GateConfig = GateConfig()
     eps_clip: float = 0.2
@@ -151,7 +151,7 @@ class AlgoConfig(_Model):
     """Sampling temperature; the learner divides logits by it too, so ratios compare like with like."""
     top_p: float = 1.0
     """Nucleus cutoff (1.0 = off)."""
-    max_new_tokens: int = 1024
+    max_new_tokens: int = Field(1024, ge=1)
     """Response budget; also the Dr.GRPO reducer's constant length."""
 
 
@@ -178,13 +178,13 @@ class TrainConfig(_Model):
     """megatron backend, tensor_parallel 1: replay the training pass's decoder as CUDA graphs, one per
     micro-batch shape (lengths padded to a multiple of 128). Pays where micro-batches are small (the
     forward is then launch-bound); costs a few seconds of capture per new shape."""
-    save_interval: int = 4
+    save_interval: int = Field(4, ge=1)
     """Checkpoint every this many steps (model, optimizer, RNG, step, consumption ledger)."""
-    anchor_interval: int = 10
+    anchor_interval: int = Field(10, ge=1)
     """A full anchor every this many versions (bounds a cold joiner's catch-up)."""
-    num_steps: int = 1000
+    num_steps: int = Field(1000, ge=1)
     """Learner steps before the run ends."""
-    tensor_parallel: int = 1
+    tensor_parallel: int = Field(1, ge=1)
     """Tensor-parallel size (megatron backend)."""
     seed: int = 1234
     """Global seed."""
@@ -261,14 +261,35 @@ ENV_FIELDS: dict[str, str] = {
     "DRL_PULSE_PLANE": "contract.plane",
     "DRL_KV_MODE": "contract.kv_mode",
 }
+#: environment variable -> its field of worker_contract.env.EnvContract (the parsed, checked value)
+_CONTRACT_ATTR = {"DRL_RUN": "run", "DRL_STORE": "store", "DRL_N_SAMPLES": "n_samples", "DRL_PULSE_PLANE": "plane",
+                  "DRL_KV_MODE": "kv_mode"}
 
 
 def load_recipe_file(path: str | Path) -> dict[str, Any]:
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    """A recipe YAML as a mapping; a file that does not parse is a ValueError naming the file and the line."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"{path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a recipe is a YAML mapping, got {type(data).__name__}")
     return data
+
+
+def _validation_sentence(recipe: str, e: Any, from_env: Mapping[str, str]) -> str:
+    """pydantic's errors as one line: each names the recipe key (or the variable that set it) and its value."""
+    parts = []
+    for err in e.errors():
+        dotted = ".".join(str(x) for x in err["loc"])
+        var = from_env.get(dotted)
+        name = var or dotted
+        shown = f"{name}={err['input']!r}" if err["type"] != "missing" else name
+        parts.append(f"{shown}: {err['msg']}")
+    return f"recipe {recipe!r} ({recipe_path(recipe)}) does not resolve: " + "; ".join(parts)
 
 
 def resolve(
@@ -293,13 +314,18 @@ def resolve(
         which = "model_overrides" if (overrides or {}).get("model.path") else "overrides"
         for dotted, value in dict(emb.get(which) or {}).items():
             _set_dotted(tree, dotted, value)
+    from worker_contract.env import parse_env
+
+    contract = parse_env(env)  # the one validation of DRL_*: strict integers, planes, store URLs, run ids
+    from_env: dict[str, str] = {}
     for var, dotted in ENV_FIELDS.items():
-        if env.get(var, "") != "":
-            _set_dotted(tree, dotted, env[var])
+        if env.get(var, "").strip():
+            _set_dotted(tree, dotted, getattr(contract, _CONTRACT_ATTR[var]))
+            from_env[dotted] = var
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(tree, dotted, value)
     try:
         return RecipeConfig.model_validate(tree)
-    except ValueError as e:
-        raise ValueError(f"recipe {recipe!r} does not resolve:\n{e}") from None
+    except ValidationError as e:
+        raise ValueError(_validation_sentence(recipe, e, from_env)) from None

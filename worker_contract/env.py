@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import threading
 from collections.abc import Mapping
@@ -27,6 +28,8 @@ R2_VARS = ("R2_ACCOUNT_ID", "R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY", "R2_BUCK
 #: variables whose values are secrets wherever they come from
 SECRET_VARS = frozenset({"R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID",
                          "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
+#: variables holding URLs that may carry a password (`http://user:pass@host`): it is redacted
+URL_VARS = ("DRL_S3_ENDPOINT", "DRL_STORE", "DRL_RETRIEVER_URL", "DRL_EVAL_ENDPOINT")
 PLANES = ("bf16", "int8g64")
 STORE_SCHEMES = ("file", "r2", "s3")
 REDACTED = "**********"
@@ -73,12 +76,22 @@ def register_secret(value: str | SecretStr | None) -> None:
             _factory_installed = True
 
 
+#: `scheme://user:password@` in any URL: the password part is a credential wherever it appears
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):(?P<pw>[^/\s@]+)@")
+
+
 def redact(text: str) -> str:
-    """`text` with every registered secret value replaced by asterisks."""
+    """`text` with every registered secret value, and any password written inside a URL, replaced by asterisks."""
     for s in _secrets:
         if s in text:
             text = text.replace(s, REDACTED)
-    return text
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}:{REDACTED}@", text)
+
+
+def _register_url_password(url: str | None) -> None:
+    """A password written inside an endpoint URL (`http://user:pass@host`) is a secret like any other."""
+    if url and (m := _URL_PASSWORD.search(url)):
+        register_secret(m["pw"])
 
 
 # -- env file -----------------------------------------------------------------------------------------
@@ -139,6 +152,8 @@ def load_env(env: Mapping[str, str] | None = None, env_file: str | Path | None =
     merged = {**file_values, **{k: v for k, v in env.items() if v != ""}}
     for key in SECRET_VARS & merged.keys():
         register_secret(merged[key])
+    for key in URL_VARS:
+        _register_url_password(merged.get(key))
     return merged
 
 
@@ -180,27 +195,40 @@ class EnvContract(BaseModel):
         return all((self.r2_account_id, self.r2_access_key_id, self.r2_secret_access_key, self.r2_bucket))
 
 
-def _int(name: str, value: str, minimum: int) -> int:
-    try:
-        out = int(value)
-    except ValueError:
-        out = None
-    if out is None or out < minimum:
-        raise EnvError(f"{name}={value!r} must be an integer >= {minimum} (for example {name}=8)")
+def env_int(name: str, value: str, minimum: int | None = None, example: int | None = None) -> int:
+    """`value` of variable (or flag) `name` as an integer: `8`, not `8.0`, `abc` or `1e3`."""
+    text = value.strip()
+    out = int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None
+    if out is None or (minimum is not None and out < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise EnvError(f"{name}={value!r} must be an integer{bound} (for example {name}={example if example is not None else max(minimum or 0, 8)})")
     return out
 
 
-def _bool(name: str, value: str) -> bool:
+def env_bool(name: str, value: str) -> bool:
+    """`value` of variable `name` as a strict boolean: a typo (`y`, `2`, `dry`) is refused, never read as off."""
     v = value.strip().lower()
     if v in _TRUE or v in _FALSE:
         return v in _TRUE
     raise EnvError(f"{name}={value!r} must be 1 or 0 (also accepted: true/false, yes/no, on/off)")
 
 
-def check_store_url(url: str) -> str:
-    scheme = url.split("://", 1)[0] if "://" in url else ""
-    if scheme not in STORE_SCHEMES:
-        raise EnvError(f"DRL_STORE={url!r} must be file:///abs/path, r2://<bucket> or s3://<bucket>")
+def check_store_url(url: str, source: str = "DRL_STORE") -> str:
+    """A store URL the stores understand, refused otherwise; `source` names where the user wrote it
+    (DRL_STORE, --store). The URL is echoed with any password in it redacted."""
+    from urllib.parse import urlparse
+
+    shown = redact(url)
+    usage = "file:///abs/path, r2://<bucket> or s3://<bucket>"
+    if "://" not in url:
+        raise EnvError(f"{source}={shown!r} must be {usage} (it has no scheme)")
+    p = urlparse(url)
+    if p.scheme not in STORE_SCHEMES:
+        raise EnvError(f"{source}={shown!r} must be {usage} (unknown scheme {p.scheme!r})")
+    if p.scheme == "file" and (p.netloc not in ("", "localhost") or not p.path.startswith("/")):
+        raise EnvError(f"{source}={shown!r}: a file store URL is file:///abs/path (three slashes)")
+    if p.scheme != "file" and not p.netloc:
+        raise EnvError(f"{source}={shown!r} names no bucket: use {p.scheme}://<bucket>")
     return url
 
 
@@ -219,7 +247,7 @@ def parse_env(env: Mapping[str, str] | None = None) -> EnvContract:
         except ValueError as e:
             raise EnvError(str(e)) from None
     if (n := get("DRL_N_SAMPLES")) is not None:
-        values["n_samples"] = _int("DRL_N_SAMPLES", n, 1)
+        values["n_samples"] = env_int("DRL_N_SAMPLES", n, 1)
     if (plane := get("DRL_PULSE_PLANE")) is not None:
         if plane not in PLANES:
             raise EnvError(f"DRL_PULSE_PLANE={plane!r} must be one of: {', '.join(PLANES)}")
@@ -230,7 +258,8 @@ def parse_env(env: Mapping[str, str] | None = None) -> EnvContract:
         values["kv_mode"] = kv
     if (store := get("DRL_STORE")) is not None:
         values["store"] = check_store_url(store)
-    values["dry_run"] = _bool("DRL_DRY_RUN", env.get("DRL_DRY_RUN", ""))
+    values["dry_run"] = env_bool("DRL_DRY_RUN", env.get("DRL_DRY_RUN", ""))
+    _register_url_password(env.get("DRL_S3_ENDPOINT"))
     for var in R2_VARS:
         if (v := get(var)) is not None:
             if var in SECRET_VARS:
@@ -241,10 +270,29 @@ def parse_env(env: Mapping[str, str] | None = None) -> EnvContract:
     return EnvContract(**values)
 
 
+def r2_configured(env: Mapping[str, str]) -> bool:
+    """All four R2 values are set; an EnvError naming the empty ones when only some are (a half-filled
+    .r2env never falls back to the local file store in silence)."""
+    present = [v for v in R2_VARS if env.get(v, "").strip()]
+    if present and len(present) < len(R2_VARS):
+        missing = [v for v in R2_VARS if v not in present]
+        raise EnvError(f"R2 is half configured: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                       f"empty while {', '.join(present)} {'is' if len(present) == 1 else 'are'} set; fill "
+                       "every R2 value in .r2env (docs/r2-setup.md) or clear them all to use the local file store")
+    return bool(present)
+
+
 def default_store_url(env: Mapping[str, str], repo_root: str | Path) -> str:
-    """DRL_STORE if set; else r2://$R2_BUCKET when all four R2 values exist; else the repo's file store."""
+    """DRL_STORE if set; else r2://$R2_BUCKET when all four R2 values exist; else the repo's file store.
+    A half-configured R2 is an EnvError, never the file store."""
     if env.get("DRL_STORE", "").strip():
         return check_store_url(env["DRL_STORE"].strip())
-    if all(env.get(v, "").strip() for v in R2_VARS):
+    if r2_configured(env):
         return f"r2://{env['R2_BUCKET'].strip()}"
     return f"file://{Path(repo_root).resolve() / '.stoa' / 'bucket'}"
+
+
+def store_url(override: str | None, env: Mapping[str, str], repo_root: str | Path,
+              source: str = "--store") -> str:
+    """The store a command uses: `override` (a flag, named `source` in errors) else `default_store_url`."""
+    return check_store_url(override, source) if override else default_store_url(env, repo_root)

@@ -139,10 +139,17 @@ def read_pointer(store: Store, run: str, public_key: str | None) -> Pointer | No
 
 
 def read_manifest(store: Store, run: str) -> RunManifest | None:
+    """run.json, None if the run has none; a ValueError naming the object if it does not parse."""
     try:
-        return RunManifest.from_bytes(store.get(layout.manifest_key(run)))
+        data = store.get(layout.manifest_key(run))
     except NotFound:
         return None
+    try:
+        return RunManifest.from_bytes(data)
+    except ValueError as e:
+        first = str(e).splitlines()[-2 if len(str(e).splitlines()) > 1 else 0].strip()
+        raise ValueError(f"{layout.manifest_key(run)} in {store.url} is not a valid run manifest ({first}); "
+                         "it is written once by the trainer: check the store and run id") from None
 
 
 def _pointer_for_status(store: Store, run: str, manifest: RunManifest | None, notes: list[str]) -> Pointer | None:

@@ -46,11 +46,12 @@ def launch_remote(cfg: RecipeConfig, *, host: str, ssh_key: str | None = None, r
     plan = build_plan(cfg, host=host, remote_dir=remote_dir, env=env, store=store)
     if dry_run:
         out(render_plan(plan))
-        return 0
-    if store.startswith("file://"):
+    if store.startswith("file://"):  # the dry run says it too: it shows what the launch would do, refusals included
         out("a GPU box publishes to the shared bucket: put R2_ACCOUNT_ID, R2_ACCESS_KEY_ID, R2_SECRET_ACCESS_KEY "
             "and R2_BUCKET in .r2env (mode 0600; docs/r2-setup.md) or set DRL_STORE=r2://<bucket>")
         return 2
+    if dry_run:
+        return 0
     creds = {k: env[k] for k in SHIPPED_VARS if env.get(k)}
     cfg = cfg.model_copy(update={"store": store, "launch": cfg.launch.model_copy(update={"remote_dir": remote_dir})})
     paths = BoxPaths(remote_dir=remote_dir, run=plan.run, model_dir_override=cfg.model.path)

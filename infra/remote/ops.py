@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from .ssh import RemoteStepError, connect, q, run
 
@@ -24,6 +24,8 @@ def _boxops(conn, step: str, remote_dir: str, run_id: str, *args: str, python: s
 
 
 def _local(step: str, remote_dir: str, run_id: str, *args: str) -> dict:
+    if not Path(remote_dir).is_dir():
+        raise ValueError(f"--remote-dir {remote_dir} is not a directory on this machine")
     res = subprocess.run([sys.executable, "-m", "infra.boxops", step, "--remote-dir", remote_dir, "--run", run_id,
                           *args], capture_output=True, text=True, check=False, cwd=remote_dir)
     if res.returncode != 0:
@@ -35,10 +37,24 @@ def _local(step: str, remote_dir: str, run_id: str, *args: str) -> dict:
 
 def _call(host: str | None, step: str, remote_dir: str, run_id: str, *args: str, ssh_key: str | None = None,
           python: str = "python3") -> dict:
-    if host is None:
-        return _local(step, remote_dir, run_id, *args)
-    with connect(host, ssh_key) as conn:
-        return _boxops(conn, step, remote_dir, run_id, *args, python=python)
+    """Run `python -m infra.boxops step` here or on `host`. The box's own refusal (exit 2: a bad run id, a
+    missing tree) comes back as a ValueError carrying its sentence; an unreachable box as one too."""
+    try:
+        if host is None:
+            return _local(step, remote_dir, run_id, *args)
+        try:
+            conn = connect(host, ssh_key)
+            conn.open()
+        except Exception as e:  # paramiko's and the socket's errors alike: the box is not reachable as given
+            raise ValueError(f"cannot connect to {host} over SSH ({type(e).__name__}: {e}); check HOST, "
+                             "--ssh-key and that the box is up") from None
+        with conn:
+            return _boxops(conn, step, remote_dir, run_id, *args, python=python)
+    except RemoteStepError as e:
+        if e.exited == 2 and e.stderr:
+            where = f"on {host}" if host else "here"
+            raise ValueError(f"{step} {where}: {e.stderr.splitlines()[-1]}") from None
+        raise
 
 
 def remote_status(host: str | None, run: str, *, ssh_key: str | None = None, remote_dir: str = "/root/dRL",
@@ -49,18 +65,23 @@ def remote_status(host: str | None, run: str, *, ssh_key: str | None = None, rem
     except RemoteStepError as e:
         return {"run": run, "remote_dir": remote_dir, "deployed": False, "alive": False, "pid": None,
                 "error": e.stderr or e.stdout}
+    except (ValueError, OSError) as e:  # the box refused (no such tree) or cannot be reached
+        return {"run": run, "remote_dir": remote_dir, "deployed": False, "alive": False, "pid": None,
+                "error": str(e)}
 
 
 def stop(host: str | None, run: str, *, ssh_key: str | None = None, remote_dir: str = "/root/dRL",
          dry_run: bool = False, python: str = "python3") -> dict:
-    """Stop the run's trainer (its Ray jobs and its process group, by PID)."""
-    return _call(host, "stop", remote_dir, run, *(["--dry-run"] if dry_run else []), ssh_key=ssh_key, python=python)
+    """Stop the run's trainer (its Ray jobs and its process group, by PID). The caller has confirmed
+    (invoke stop asks first); the box side refuses without that (`--yes`)."""
+    return _call(host, "stop", remote_dir, run, "--dry-run" if dry_run else "--yes", ssh_key=ssh_key, python=python)
 
 
 def teardown(host: str | None, run: str, *, ssh_key: str | None = None, remote_dir: str = "/root/dRL",
              purge: bool = False, dry_run: bool = False, python: str = "python3") -> dict:
-    """Stop the run and Ray, delete the box's credentials; `purge` deletes the remote dir too."""
-    extra = (["--purge"] if purge else []) + (["--dry-run"] if dry_run else [])
+    """Stop the run and Ray, delete the box's shipped credentials; `purge` deletes the run's own files too
+    (infra.boxops.teardown_actions lists exactly what)."""
+    extra = (["--purge"] if purge else []) + (["--dry-run"] if dry_run else ["--yes"])
     return _call(host, "teardown", remote_dir, run, *extra, ssh_key=ssh_key, python=python)
 
 
@@ -71,7 +92,13 @@ def logs(host: str | None, run: str, *, ssh_key: str | None = None, remote_dir: 
     cmd = ["tail", "-n", str(lines), *(["-F"] if follow else []), log_file]
     if host is None:
         return subprocess.run(cmd, check=False).returncode
-    with connect(host, ssh_key) as conn:
+    try:
+        conn = connect(host, ssh_key)
+        conn.open()
+    except Exception as e:  # paramiko's and the socket's errors alike: the box is not reachable as given
+        raise ValueError(f"cannot connect to {host} over SSH ({type(e).__name__}: {e}); check HOST, "
+                         "--ssh-key and that the box is up") from None
+    with conn:
         res = conn.run(" ".join(q(c) for c in cmd), warn=True, pty=follow, in_stream=False)
         if res.exited != 0 and not follow:
             raise RemoteStepError("logs", " ".join(cmd), res.exited, res.stderr, res.stdout)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd == "build":
         if not args.corpus and not args.download:
-            raise SystemExit("build needs --corpus PATH or --download")
+            raise ValueError("build needs --corpus PATH or --download")
+        if args.corpus and not Path(args.corpus).is_file():
+            raise ValueError(f"--corpus {args.corpus} is not a file (a JSONL corpus, one document a line)")
         path = args.corpus or str(corpus.download_corpus())
         index = BM25Index.build(corpus.iter_jsonl(path, args.limit), source=path)
         out = index.save(args.out)
@@ -50,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     from .server import serve
 
     if bool(args.index) == bool(args.corpus):
-        raise SystemExit("serve needs exactly one of --index DIR or --corpus PATH")
+        raise ValueError("serve needs exactly one of --index DIR or --corpus PATH")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port} is out of range 1-65535")
+    for flag, path in (("--index", args.index), ("--corpus", args.corpus)):
+        if path and not Path(path).exists():
+            raise ValueError(f"{flag} {path} does not exist")
     index = (BM25Index.load(args.index) if args.index
              else BM25Index.build(corpus.iter_jsonl(args.corpus), source=args.corpus))
     serve(index, args.host, args.port)
@@ -58,4 +66,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from worker_contract.cli import run_main
+
+    sys.exit(run_main(main, "python -m infra.retriever"))

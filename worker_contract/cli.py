@@ -1,0 +1,89 @@
+"""How every command-line entry point ends: bad input is one sentence and exit 2, a closed pipe is quiet,
+our own bug is a traceback that says it is one and where to report it.
+
+    sys.exit(run_main(main, prog="python -m infra.preflight"))
+
+Exit statuses, the same for every `python -m` CLI, Invoke task, make target and nox session's command:
+0 done, 1 a check failed (preflight, verify, box check), 2 bad input (the sentence says what to fix),
+70 a bug in stoa trainer (EX_SOFTWARE), 130 interrupted, 141 the reader of the output went away (SIGPIPE).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+EXIT_BAD_INPUT = 2
+EXIT_BUG = 70
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+#: where a bug report goes (the project has no public tracker URL; the lead's repository is it)
+REPORT_TO = "the stoa trainer repository's issue tracker (include this output and `git rev-parse HEAD`)"
+
+
+class UsageError(ValueError):
+    """Bad input a command found itself (a missing flag, an out-of-range value): the message is the fix."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the input is wrong, not the code: ValueError (EnvError, pydantic's
+    ValidationError, our own refusals), store failures (an unreachable or refusing bucket) and a path the
+    user named that is missing or unreadable."""
+    from .store import StoreError
+
+    return (ValueError, StoreError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def one_sentence(e: BaseException) -> str:
+    """The error's message on one line, secrets redacted (pydantic's multi-line text folded)."""
+    from .env import redact
+
+    text = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        text = f"{e.filename}: {e.strerror}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()
+             and not line.strip().startswith("For further information visit")]
+    return redact("; ".join(lines) or type(e).__name__)
+
+
+def quiet_broken_pipe() -> int:
+    """The reader of our output closed it (`| head`): stop writing, no traceback (Python docs' recipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
+
+
+def report_bug(prog: str) -> int:
+    """Print the traceback of the exception being handled as what it is: our bug."""
+    from .env import redact
+
+    print(redact(traceback.format_exc()).rstrip(), file=sys.stderr)
+    print(f"{prog}: this is a bug in stoa trainer, not a problem with your input; please report it to "
+          f"{REPORT_TO}", file=sys.stderr)
+    return EXIT_BUG
+
+
+def run_main(main: Callable[[], int | None], prog: str) -> int:
+    """Call `main` and turn how it ended into the documented exit status."""
+    try:
+        return int(main() or 0)
+    except BrokenPipeError:
+        return quiet_broken_pipe()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except SystemExit:
+        raise
+    except Exception as e:
+        if isinstance(e, user_errors()):
+            try:
+                print(f"{prog}: {one_sentence(e)}", file=sys.stderr)
+            except BrokenPipeError:
+                return quiet_broken_pipe()
+            return EXIT_BAD_INPUT
+        return report_bug(prog)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .publisher import Publisher
+from .publisher import Publisher, PublishKind
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class PublishQueue:
         stats.setdefault("latency_s", time.monotonic() - t0)
         stats.setdefault("patch_bytes", stats.get("bytes"))
         stats["version"] = version
-        stats["kind"] = "anchor" if anchor else stats.get("kind", "patch")
+        stats["kind"] = str(PublishKind.ANCHOR if anchor else stats.get("kind", PublishKind.PATCH))
         return Published(step, version, stats)
 
     def _finish(self, result: Published, report: Any) -> None:

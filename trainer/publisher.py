@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,18 @@ from .publish_pointer import PointerWriter
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_SKIPS", "EncoderChoice", "PublishError", "Publisher", "VersionState", "drop_aliases"]
+__all__ = ["MAX_SKIPS", "EncoderChoice", "PublishError", "PublishKind", "Publisher", "VersionState", "drop_aliases"]
+
+
+class PublishKind(StrEnum):
+    """What one publish wrote (`kind` in `last_stats` and in the version's stats object)."""
+
+    ANCHOR = "anchor"
+    """A full anchor and the pointer: the start of a chain."""
+    PATCH = "patch"
+    """A signed patch against the previous version, and the pointer."""
+    PATCH_AND_ANCHOR = "patch+anchor"
+    """A patch, and an anchor of the same version because one was due (`anchor_interval`)."""
 
 
 class Publisher:
@@ -108,7 +120,7 @@ class Publisher:
         self.pointer.advance(version, version, digest_of_entries(entries))
         self.encoder.remember(plane_state, entries, version, anchor=True)
         full = sum(a.nbytes for a in host.values())
-        self.last_stats = {"kind": "anchor", "version": version, "bytes": anchor_bytes, "anchor_bytes": anchor_bytes,
+        self.last_stats = {"kind": PublishKind.ANCHOR, "version": version, "bytes": anchor_bytes, "anchor_bytes": anchor_bytes,
                            "full_bytes": full, "upload_s": upload_s, "latency_s": time.monotonic() - t0,
                            **self._counters()}
         return version
@@ -152,7 +164,7 @@ class Publisher:
         words = sum(t.count for t in header.tensors)
         full = sum(nbytes(a) for a in out.plane_state.values())
         self.last_stats = {
-            "kind": "patch+anchor" if due else "patch", "version": version, "bytes": len(signed) + anchor_bytes,
+            "kind": PublishKind.PATCH_AND_ANCHOR if due else PublishKind.PATCH, "version": version, "bytes": len(signed) + anchor_bytes,
             "patch_bytes": len(signed), "anchor_bytes": anchor_bytes, "full_bytes": full,
             "compression": full / len(signed), "changed": changed, "sparsity": 1.0 - changed / max(words, 1),
             "encoder": "torch" if out.on_device else "numpy",

@@ -90,6 +90,15 @@ def preflight(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def fleet(session: nox.Session) -> None:
+    """The fleet simulator at 16, 64 and 256 workers, a 64-worker cold-join storm, and the rollout source's
+    reads one at a time against 16 at once at 256 (`-- --scale 16,64` etc. to narrow); figures go to
+    bench/results/fleet.json."""
+    args = session.posargs or ["--scale", "16,64,256", "--storm", "64", "--compare", "read_threads=1,16"]
+    _run_cli(session, "-m", "bench.fleet", *args)
+
+
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Benchmarks; each writes bench/results/<name>.json with the machine and commit."""
     _run_cli(session, "-m", "bench", *session.posargs)

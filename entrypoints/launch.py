@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="a local HF model directory to train instead of the default")
     ap.add_argument("--ssh-key", default=None, help="SSH private key for --host")
     ap.add_argument("--remote-dir", default=None, help="where the tree goes on --host (default /root/dRL)")
+    ap.add_argument("--engine", default=None, help="learner on a GPU box: native (our megatron-core learner) or "
+                    "slime (slime's train.py, the slime image); default: the recipe's train.engine (ENGINE=)")
+    ap.add_argument("--worker", default=None, help="embedded run: the local workers' backend, torch (default) or "
+                    "mlx (the MLX worker, as on a Mac) (WORKER=)")
     return ap.parse_args(argv)
 
 
@@ -136,10 +140,17 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
     overrides = {"run": args.run, "model.path": os.path.abspath(args.model) if args.model else None}
     if args.remote_dir:
         overrides["launch.remote_dir"] = args.remote_dir
+    if args.worker:  # make passes an unset WORKER as ""; a bad name is refused by the recipe's schema
+        overrides["embedded.worker_backend"] = args.worker
+    if args.engine:  # make passes an unset ENGINE as ""; a bad name is refused by the recipe's schema
+        overrides["train.engine"] = args.engine
     try:
         if mode == "embedded" and args.recipe != "gsm8k":
             raise ValueError(f"the {args.recipe} recipe has no embedded run: give HOST=user@box (a GPU box), or "
                              "run it on a GPU box with R2 credentials")
+        if mode == "embedded" and args.engine == "slime":
+            raise ValueError("ENGINE=slime runs slime's train.py on a GPU box with the slime image: give "
+                             "HOST=user@box, or leave ENGINE unset for the embedded run here")
         if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
             raise ValueError(f"MODEL={args.model!r} is not an HF model directory (no config.json there)")
         cfg = resolve(args.recipe, env, overrides, embedded=mode == "embedded")

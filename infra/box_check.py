@@ -6,6 +6,7 @@ JSON report on stdout; every failed check is also one line on stderr naming what
 and the exit status is 1 if any check failed.
 
     python3 infra/box_check.py --remote-dir /root/dRL --slime-dir /root/slime --megatron-dir /root/Megatron-LM
+    python3 infra/box_check.py --remote-dir /root/dRL --engine native   # any CUDA box with torch (no slime)
     python3 infra/box_check.py --ensure-deps "pydantic>=2.7" ...   # pip-install only what does not import
 """
 
@@ -18,17 +19,22 @@ import shutil
 import subprocess
 import sys
 
-MIN_FREE_GB = 100.0
+#: free disk the run needs (DRL_MIN_FREE_GB overrides it, for a box that is small on purpose)
+MIN_FREE_GB = float(os.environ.get("DRL_MIN_FREE_GB", "") or 100.0)
 #: modules the trainer needs from the slime image (importable with Megatron-LM on PYTHONPATH)
 IMAGE_IMPORTS = ("torch", "ray", "slime", "megatron.core", "sglang", "transformers", "huggingface_hub",
                  "safetensors")
+#: the native engine: what the image must bring (a CUDA torch above all) ...
+NATIVE_IMPORTS = ("torch", "transformers", "huggingface_hub", "safetensors")
+#: ... and what the launch installs from the package index when it does not import (module -> requirement)
+NATIVE_INSTALLABLE = {"megatron.core": "megatron-core>=0.16.1", "ray": "ray[default]>=2.40"}
 
 
-def check_gpu() -> dict:
+def check_gpu(image: str = "the slimerl/slime image") -> dict:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {"ok": False, "error": "nvidia-smi: not found: no NVIDIA driver on this box; rent a box with "
-                "an H100/H200 (80 GB) and the slimerl/slime image"}
+                f"an H100/H200 (80 GB) and {image}"}
     out = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0 or not out.stdout.strip():
@@ -94,8 +100,28 @@ def check_imports(megatron_dir: str, python: str = sys.executable, modules=IMAGE
     return {"ok": True}
 
 
-def run_checks(remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: float = MIN_FREE_GB) -> dict:
-    """Every check; `ok` only if all pass."""
+def check_native_imports(python: str = sys.executable) -> dict:
+    """The native engine's packages: the image's must import; megatron-core and ray are listed for install."""
+    report = check_imports("", python, NATIVE_IMPORTS + tuple(NATIVE_INSTALLABLE))
+    if not report["ok"] and "missing" not in report:  # the Python itself did not run
+        return report
+    missing = report.pop("missing", [])
+    must = [m for m in missing if m not in NATIVE_INSTALLABLE]
+    if must:
+        return {"ok": False, "error": f"cannot import {', '.join(must)} with {python}: use an image with a CUDA "
+                "torch and transformers (a plain PyTorch image will do)", "missing": missing}
+    return {"ok": True, "installable": [NATIVE_INSTALLABLE[m] for m in missing]}
+
+
+def run_checks(remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: float = MIN_FREE_GB,
+               engine: str = "slime") -> dict:
+    """Every check of `engine` (slime: the slime image; native: any CUDA box with torch); `ok` only if all pass."""
+    if engine == "native":
+        report = {"gpu": check_gpu("a CUDA PyTorch image"),
+                  "disk": check_disk(remote_dir, min_free_gb, _dir_gb(os.path.join(remote_dir, ".stoa"))),
+                  "imports": check_native_imports()}
+        report["ok"] = all(v["ok"] for v in report.values())
+        return report
     report = {
         "gpu": check_gpu(),
         "disk": check_disk(remote_dir, min_free_gb, _dir_gb(os.path.join(remote_dir, ".stoa"))),
@@ -114,7 +140,8 @@ def ensure_deps(requirements: list[str], python: str = sys.executable) -> list[s
         name = req.split(";")[0]
         for sep in "<>=!~[ ":
             name = name.split(sep)[0]
-        module = {"pyyaml": "yaml", "huggingface-hub": "huggingface_hub"}.get(name.lower(), name.replace("-", "_"))
+        module = {"pyyaml": "yaml", "huggingface-hub": "huggingface_hub",
+                  "megatron-core": "megatron.core"}.get(name.lower(), name.replace("-", "_"))
         if subprocess.run([python, "-c", f"import {module}"], capture_output=True, check=False).returncode != 0:
             todo.append(req)
     if todo:
@@ -128,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slime-dir", default="/root/slime")
     ap.add_argument("--megatron-dir", default="/root/Megatron-LM")
     ap.add_argument("--min-free-gb", type=float, default=MIN_FREE_GB)
+    ap.add_argument("--engine", choices=("slime", "native"), default="slime")
     ap.add_argument("--ensure-deps", nargs="+", metavar="REQ", help="install these requirements if missing")
     args = ap.parse_args(argv)
     if args.ensure_deps:
         installed = ensure_deps(args.ensure_deps)
         print(json.dumps({"ok": True, "installed": installed}))
         return 0
-    report = run_checks(args.remote_dir, args.slime_dir, args.megatron_dir, args.min_free_gb)
+    report = run_checks(args.remote_dir, args.slime_dir, args.megatron_dir, args.min_free_gb, engine=args.engine)
     print(json.dumps(report))
     for name, check in report.items():
         if isinstance(check, dict) and not check["ok"]:

@@ -12,6 +12,9 @@ function on the box (infra/remote). Each step can run again: it checks what is a
     6 publish_anchor   run.json and the base as the v1 anchor (skipped once the pointer exists)
     7 start_ray        Ray head with its dashboard on 127.0.0.1 (skipped if Ray is up)
     8 launch_trainer   slime's train.py through `ray job submit`, detached, log and pid file (skipped if alive)
+
+That is the slime engine (`train.engine: slime`). With `train.engine: native` (the GSM8K default) the
+sequence is infra/native_launch.py's: our Ray learner on megatron-core, on any CUDA box with torch.
 """
 
 from __future__ import annotations
@@ -104,6 +107,8 @@ def build_plan(cfg: RecipeConfig, *, host: str | None, remote_dir: str, env: Map
     if not cfg.run:
         raise ValueError("DRL_RUN is not set: choose a fresh run id, e.g. make gsm8k RUN=gsm8k-2026-12-01a")
     paths = BoxPaths(remote_dir=remote_dir, run=cfg.run, model_dir_override=cfg.model.path)
+    if cfg.train.engine == "native":
+        return _native_plan(cfg, paths, host=host, env=env, store=store)
     hf_config, source = hf_config_for(cfg, paths)
     detected = None if (trainer_only or host) else detect_trainer_only(cfg.launch.slime_dir)
     trainer_only = trainer_only or detected or "rollout-num-gpus-0"
@@ -139,6 +144,23 @@ def build_plan(cfg: RecipeConfig, *, host: str | None, remote_dir: str, env: Map
     return LaunchPlan(run=cfg.run, recipe=cfg.model_dump(mode="json"), env=contract_env(cfg, env, store),
                       command=command, slime_args=args, host=host, remote_dir=remote_dir,
                       log_file=paths.log_file, steps=steps, notes=notes)
+
+
+def _native_plan(cfg: RecipeConfig, paths: BoxPaths, *, host: str | None, env: Mapping[str, str],
+                 store: str) -> LaunchPlan:
+    from . import native_launch as nl
+
+    if cfg.task == "psqa":
+        raise ValueError("the psqa recipe runs on the slime engine (ENGINE=slime) until the native engine is "
+                         "measured at its model's size (docs/performance.md)")
+    notes = nl.plan_notes(cfg)
+    if store.startswith("file://"):
+        notes.append("DRL_STORE is a file store: workers on other machines cannot reach it")
+    python = "python3" if host else sys.executable
+    return LaunchPlan(run=cfg.run, recipe=cfg.model_dump(mode="json"), env=contract_env(cfg, env, store),
+                      command=nl.learner_command(cfg, paths, python), slime_args=[], host=host,
+                      remote_dir=paths.remote_dir, log_file=paths.log_file,
+                      steps=(nl.NATIVE_REMOTE_STEPS if host else []) + nl.NATIVE_BOX_STEPS, notes=notes)
 
 
 def slime_args_without_model(cfg: RecipeConfig, paths: BoxPaths, trainer_only: TrainerOnly) -> list[str]:
@@ -256,6 +278,8 @@ def launch_on_this_box(cfg: RecipeConfig, *, dry_run: bool = False, out: Callabl
         return 0
     paths = BoxPaths(remote_dir=str(REPO_ROOT), run=plan.run, model_dir_override=cfg.model.path)
     cfg = cfg.model_copy(update={"store": plan.env["DRL_STORE"]})
+    if cfg.train.engine == "native":
+        return run_steps(native_steps(cfg, paths, out), out, err=err)
     steps: list[tuple[str, Callable[[], str]]] = [
         ("check_box", lambda: step_check_box(cfg, paths)),
         ("write_recipe", lambda: step_write_recipe(cfg, paths)),
@@ -273,6 +297,21 @@ def launch_on_this_box(cfg: RecipeConfig, *, dry_run: bool = False, out: Callabl
     return run_steps(steps, out, err=err)
 
 
+def native_steps(cfg: RecipeConfig, paths: BoxPaths, out: Callable[[str], None]) -> list[tuple[str, Callable[[], str]]]:
+    """The native engine's on-box steps (infra/native_launch.py), sharing write_recipe and download_model."""
+    from . import native_launch as nl
+
+    return [
+        ("check_box", lambda: nl.step_check_box(cfg, paths)),
+        ("install_packages", lambda: nl.step_install_packages()),
+        ("write_recipe", lambda: step_write_recipe(cfg, paths)),
+        ("download_model", lambda: step_download_model(cfg, paths)),
+        ("publish_run", lambda: nl.step_publish_run(cfg, paths)),
+        ("launch_learner", lambda: nl.step_launch_learner(cfg, paths)),
+        ("wait_learner", lambda: nl.step_wait_learner(cfg, paths, log=out)),
+    ]
+
+
 def _launch_with_fresh_plan(cfg: RecipeConfig, paths: BoxPaths, env: Mapping[str, str]) -> str:
     """Rebuild the command now that config.json is on disk, refuse if model flags are still unknown."""
     plan = build_plan(cfg, host=None, remote_dir=paths.remote_dir, env=env, store=cfg.store or "")
@@ -287,10 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe-json", required=True, help="a resolved RecipeConfig as JSON (written by infra/remote)")
     ap.add_argument("--dry-run", action="store_true", help="print the resolved plan; change nothing")
     args = ap.parse_args(argv)
+    from worker_contract.env import env_bool
+
+    if not Path(args.recipe_json).is_file():
+        raise ValueError(f"--recipe-json {args.recipe_json} is not a file (infra/remote writes it on the box)")
     cfg = RecipeConfig.model_validate_json(Path(args.recipe_json).read_text())
-    return launch_on_this_box(cfg, dry_run=args.dry_run or os.environ.get("DRL_DRY_RUN", "") == "1",
+    dry = args.dry_run or env_bool("DRL_DRY_RUN", os.environ.get("DRL_DRY_RUN", ""))
+    return launch_on_this_box(cfg, dry_run=dry,
                               out=lambda m: print(m, flush=True), err=lambda m: print(m, file=sys.stderr, flush=True))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from worker_contract.cli import run_main
+
+    sys.exit(run_main(main, "python -m infra.launch_gpu"))

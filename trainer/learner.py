@@ -114,6 +114,7 @@ class LearnerActor:
         self.step = 0
         self.saved_step = -1
         self.current: int | None = None
+        self._waited = 0.0  # time the steps since the last one waited for a batch (learner/wait_s)
         self.audit = WorkerAudit()  # behaviour log-probs vs our recomputation, per worker (trainer/audit.py)
 
     # -- start -------------------------------------------------------------------------------------
@@ -152,7 +153,9 @@ class LearnerActor:
         from .step import publish_metrics, train_on
 
         self._take_published()
+        t_wait = time.monotonic()
         batch = ray.get(self.source.next_batch.remote(self.current, timeout_s))
+        self._waited += time.monotonic() - t_wait  # learner/wait_s: the loop's busy share (bench/gpu_loop.py)
         if batch is None:
             return None
         t0 = time.monotonic()
@@ -170,6 +173,7 @@ class LearnerActor:
         metrics.update(snap["metrics"])
         metrics.update(self.audit.metrics())
         metrics.update(step=self.step, version=self.current, batch_version=batch.current_version)
+        metrics["learner/wait_s"], self._waited = self._waited, 0.0  # waited for this step's batch
         report = self._report(dict(metrics), snap, groups=len(batch.groups))  # a copy: the thread reads it
         blocking = snapshot_s + self.publishing.submit(state, self.step, report)
         metrics.update(publish_metrics(self.publishing, blocking))

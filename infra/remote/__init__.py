@@ -53,6 +53,9 @@ def launch_remote(cfg: RecipeConfig, *, host: str, ssh_key: str | None = None, r
     if dry_run:
         return 0
     creds = {k: env[k] for k in SHIPPED_VARS if env.get(k)}
+    from ..box_check import NATIVE_INSTALLABLE
+
+    extra = list(NATIVE_INSTALLABLE.values()) if cfg.train.engine == "native" else []  # a plain PyTorch image
     cfg = cfg.model_copy(update={"store": store, "launch": cfg.launch.model_copy(update={"remote_dir": remote_dir})})
     paths = BoxPaths(remote_dir=remote_dir, run=plan.run, model_dir_override=cfg.model.path)
     recipe_json = json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
@@ -69,10 +72,11 @@ def launch_remote(cfg: RecipeConfig, *, host: str, ssh_key: str | None = None, r
         steps = [
             ("connect", lambda: (run(conn, "connect", "true"), f"connected to {host}")[1]),
             ("check_box", lambda: deploy.check_box(conn, remote_dir=remote_dir, slime_dir=cfg.launch.slime_dir,
-                                                   megatron_dir=cfg.launch.megatron_dir, python=python)),
+                                                   megatron_dir=cfg.launch.megatron_dir, python=python,
+                                                   engine=cfg.train.engine)),
             ("ship_tree", lambda: deploy.ship_tree(conn, repo_root, remote_dir)),
             ("ship_credentials", lambda: deploy.ship_credentials(conn, remote_dir, creds)),
-            ("install_deps", lambda: deploy.install_deps(conn, remote_dir, repo_root, python)),
+            ("install_deps", lambda: deploy.install_deps(conn, remote_dir, repo_root, python, extra=extra)),
             ("write_recipe", lambda: deploy.write_recipe(conn, remote_dir, paths.recipe_file, recipe_json)),
             ("box_launch", lambda: (run(conn, "box_launch", launch, stream=True), "trainer launched")[1]),
         ]

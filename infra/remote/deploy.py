@@ -107,10 +107,11 @@ def _box_check_source() -> str:
     return (Path(__file__).resolve().parent.parent / "box_check.py").read_text()
 
 
-def check_box(conn, *, remote_dir: str, slime_dir: str, megatron_dir: str, python: str = "python3") -> str:
+def check_box(conn, *, remote_dir: str, slime_dir: str, megatron_dir: str, python: str = "python3",
+              engine: str = "slime") -> str:
     """Run infra/box_check.py on the box (its source as `python3 -c`, nothing shipped yet)."""
     cmd = (f"{q(python)} -c {q(_box_check_source())} --remote-dir {q(remote_dir)} --slime-dir {q(slime_dir)} "
-           f"--megatron-dir {q(megatron_dir)}")
+           f"--megatron-dir {q(megatron_dir)} --engine {q(engine)}")
     res = run(conn, "check_box", cmd)
     report = json.loads(res.stdout.strip().splitlines()[-1])
     gpus = ", ".join(f"{g['name']} (driver {g['driver']})" for g in report["gpu"]["gpus"])
@@ -174,8 +175,10 @@ def contract_requirements(repo_root: str | Path) -> list[str]:
     return list(data["project"]["dependencies"])
 
 
-def install_deps(conn, remote_dir: str, repo_root: str | Path, python: str = "python3") -> str:
-    reqs = contract_requirements(repo_root)
+def install_deps(conn, remote_dir: str, repo_root: str | Path, python: str = "python3",
+                 extra: list[str] | tuple[str, ...] = ()) -> str:
+    """The contract's dependencies and `extra` (the native engine: megatron-core, ray), only those missing."""
+    reqs = contract_requirements(repo_root) + list(extra)
     cmd = f"{q(python)} -c {q(_box_check_source())} --ensure-deps " + " ".join(q(r) for r in reqs)
     res = run(conn, "install_deps", cmd)
     installed = json.loads(res.stdout.strip().splitlines()[-1])["installed"]

@@ -1,0 +1,190 @@
+"""The native engine on a GPU box: our Ray learner (trainer/learner.py) on megatron-core, without slime.
+
+Any CUDA box with torch will do (a plain PyTorch image): no slime, no Megatron-LM tree, no custom image.
+`infra.launch_gpu` runs these steps when the recipe says `train.engine: native`; each can run again, it
+looks first at what is already there:
+
+    1 check_box         GPU and driver, free disk, the image's torch/transformers/huggingface_hub/safetensors
+                        (infra/box_check.py --engine native); megatron-core and ray may still be missing
+    2 install_packages  megatron-core and ray from the package index into the Python that runs the launch
+                        (the repo's .venv under `make gsm8k` on the box; over SSH the box's python3, where
+                        the remote install_deps step put them already), only those that do not import
+    3 write_recipe      (infra.launch_gpu)
+    4 download_model    (infra.launch_gpu)
+    5 publish_run       run.json (created, or resumed with an identical contract) and the signing key, through
+                        trainer.run_init.create_run; the learner publishes the v1 anchor itself when it starts
+    6 launch_learner    `python -m trainer.native` detached (its own session), log and pid file; skipped if alive
+    7 wait_learner      until the learner's anchor is the pointer (from then on it waits for rollouts), or its
+                        log's last lines if it exits first
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from trainer.config import RecipeConfig
+
+from .launch_plan import LaunchStep
+from .slime_launch import BoxPaths
+from .steps import StepFailed
+
+#: seconds `wait_learner` waits for the learner's first anchor (model load and anchor upload of a 1.5B model)
+WAIT_LEARNER_S = 900.0
+
+NATIVE_REMOTE_STEPS = [
+    LaunchStep(name="connect", where="local", summary="open the SSH connection (Fabric; key-only if SSH_KEY)"),
+    LaunchStep(name="check_box", where="remote", gpu_only=True,
+               summary="nvidia-smi, ~100 GB free, torch and transformers import (infra/box_check.py --engine native)"),
+    LaunchStep(name="ship_tree", where="remote",
+               summary="tar of the tree (no .venv/.stoa/.git/.r2env) over SFTP; skipped when its digest matches"),
+    LaunchStep(name="ship_credentials", where="remote",
+               summary="R2 values to <remote_dir>/.r2env, created 0600 before any byte is written"),
+    LaunchStep(name="install_deps", where="remote",
+               summary="pip-install the contract's dependencies, megatron-core and ray, only what does not import"),
+    LaunchStep(name="write_recipe", where="remote", summary="the resolved recipe to <state>/recipe.json"),
+    LaunchStep(name="box_launch", where="remote", gpu_only=True,
+               summary="python3 -m infra.launch_gpu on the box: the on-box steps below"),
+]
+NATIVE_BOX_STEPS = [
+    LaunchStep(name="check_box", where="box", gpu_only=True,
+               summary="GPU and driver, disk, torch/transformers/huggingface_hub/safetensors import"),
+    LaunchStep(name="install_packages", where="box",
+               summary="pip-install megatron-core and ray into this Python, only if they do not import"),
+    LaunchStep(name="write_recipe", where="box", summary="resolved recipe to <state>/recipe.json"),
+    LaunchStep(name="download_model", where="box", gpu_only=True,
+               summary="huggingface_hub.snapshot_download into .stoa/models (skips what it has)"),
+    LaunchStep(name="publish_run", where="box",
+               summary="run.json (create or identical resume) and trainer.key (0600); the learner publishes v1"),
+    LaunchStep(name="launch_learner", where="box", gpu_only=True,
+               summary="setsid python -m trainer.native (Ray on 127.0.0.1, dashboard 127.0.0.1:8265), log to "
+                       "logs/<run>.log, pid file (skipped if alive)"),
+    LaunchStep(name="wait_learner", where="box", gpu_only=True,
+               summary="until the learner's anchor is the pointer; then it waits for rollouts"),
+]
+
+
+def learner_command(cfg: RecipeConfig, paths: BoxPaths, python: str = sys.executable) -> list[str]:
+    """The detached learner's argv (what the dry run prints as the trainer command)."""
+    return [python, "-m", "trainer.native", "--recipe-json", paths.recipe_file,
+            "--model-dir", paths.hf_dir(cfg.model.hf_id), "--state-dir", paths.state_dir,
+            "--env-file", paths.env_file]
+
+
+def plan_notes(cfg: RecipeConfig) -> list[str]:
+    t = cfg.train
+    return [f"engine native: trainer.learner on the {t.backend} backend, tensor parallel {t.tensor_parallel} "
+            f"(one Ray actor per GPU of this host above 1), micro-batches of {t.max_tokens_per_gpu or '-'} "
+            "tokens; ENGINE=slime launches slime's train.py instead (the slime image)",
+            "staleness and reuse are enforced by the learner's rollout source "
+            f"(bound {cfg.algo.staleness}, cap {cfg.algo.reuse_cap})",
+            "Ray runs inside the learner process on 127.0.0.1; its dashboard on 127.0.0.1:8265 only "
+            "(DRL_RAY_DASHBOARD=0 turns it off)"]
+
+
+# -- the steps ------------------------------------------------------------------------------------------
+def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
+    from . import box_check
+
+    report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir, engine="native")
+    if not report["ok"]:
+        raise StepFailed("check_box:\n" + "\n".join(f"  {k}: {v['error']}" for k, v in report.items()
+                                                     if isinstance(v, dict) and not v["ok"]))
+    gpus = ", ".join(f"{g['name']} ({g['memory_mib'] // 1024} GiB, driver {g['driver']})" for g in report["gpu"]["gpus"])
+    missing = report["imports"].get("installable", [])
+    if len(report["gpu"]["gpus"]) < cfg.train.tensor_parallel:
+        raise StepFailed(f"check_box: train.tensor_parallel={cfg.train.tensor_parallel} needs that many GPUs on "
+                         f"this host; it has {len(report['gpu']['gpus'])}")
+    return (f"{gpus}; {report['disk']['free_gb']} GB free"
+            + (f"; to install: {', '.join(missing)}" if missing else ""))
+
+
+def step_install_packages(python: str = sys.executable) -> str:
+    from . import box_check
+
+    installed = box_check.ensure_deps(list(box_check.NATIVE_INSTALLABLE.values()), python=python)
+    return f"installed {', '.join(installed)}" if installed else "megatron-core and ray present"
+
+
+def step_publish_run(cfg: RecipeConfig, paths: BoxPaths, env: Mapping[str, str] | None = None) -> str:
+    from trainer.run_init import create_run
+
+    from .anchor import open_run_store
+
+    store = open_run_store(cfg, paths, env)
+    start = create_run(cfg, store, paths.hf_dir(cfg.model.hf_id), paths.key_file, publish_base=False)
+    return f"run.json of {cfg.run} in {cfg.store}; trainer key {start.fingerprint} (the join card's)"
+
+
+def _learner_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    from trainer.config import REPO_ROOT
+
+    out = dict(os.environ if env is None else env)
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), out.get("PYTHONPATH", "")) if p)
+    out.setdefault("DRL_RAY_DASHBOARD", "1")
+    out["PYTHONUNBUFFERED"] = "1"
+    return out
+
+
+def step_launch_learner(cfg: RecipeConfig, paths: BoxPaths, python: str = sys.executable,
+                        env: Mapping[str, str] | None = None) -> str:
+    from .boxops import alive_pid, start_detached
+
+    pid = alive_pid(paths.pid_file)
+    if pid is not None:
+        return f"learner already running (pid {pid}); log {paths.log_file}"
+    _mark_pointer(cfg, paths)
+    pid = start_detached(learner_command(cfg, paths, python), log_file=paths.log_file, pid_file=paths.pid_file,
+                         env=_learner_env(env), cwd=paths.remote_dir)
+    return f"pid {pid}, log {paths.log_file} (follow: invoke logs --run {cfg.run} --follow)"
+
+
+def _pointer(cfg: RecipeConfig, paths: BoxPaths) -> int:
+    from worker_contract.manifest import load_manifest
+    from worker_contract.pointer import read_pointer
+
+    from .anchor import open_run_store
+
+    store = open_run_store(cfg, paths)
+    pointer, _ = read_pointer(store, cfg.run, load_manifest(store, cfg.run).trainer_public_key)
+    return pointer.version if pointer else 0
+
+
+def _mark_file(paths: BoxPaths) -> Path:
+    return Path(paths.state_dir) / "pointer.before-launch"
+
+
+def _mark_pointer(cfg: RecipeConfig, paths: BoxPaths) -> None:
+    """The pointer when this learner was started: `wait_learner` waits for the anchor above it."""
+    mark = _mark_file(paths)
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    mark.write_text(f"{_pointer(cfg, paths)}\n")
+
+
+def step_wait_learner(cfg: RecipeConfig, paths: BoxPaths, *, timeout_s: float = WAIT_LEARNER_S,
+                      poll_s: float = 2.0, log: Callable[[str], None] | None = None) -> str:
+    from .boxops import alive_pid, tail
+
+    try:
+        before = int(_mark_file(paths).read_text().strip() or 0)
+    except (OSError, ValueError):
+        before = 0
+    deadline, said = time.monotonic() + timeout_s, 0.0
+    while True:
+        now = _pointer(cfg, paths)
+        if now > before:
+            return (f"the learner published v{now} (its anchor) and waits for rollouts: hand out the join card "
+                    f"(invoke joincard --run {cfg.run})")
+        if alive_pid(paths.pid_file) is None:
+            raise StepFailed("wait_learner: the learner exited before publishing its anchor; its log "
+                             f"{paths.log_file} ends:\n" + "\n".join(tail(paths.log_file, 25)))
+        if time.monotonic() > deadline:
+            raise StepFailed(f"wait_learner: no anchor from the learner within {timeout_s:.0f} s (it is still "
+                             f"running, pid file {paths.pid_file}); follow it with invoke logs --run {cfg.run}")
+        if log is not None and time.monotonic() - said > 30:
+            said = time.monotonic()
+            log(f"  waiting for the learner's anchor (pointer v{now}); log {paths.log_file}")
+        time.sleep(poll_s)

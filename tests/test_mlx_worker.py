@@ -294,3 +294,11 @@ def test_lfm2_planes_load_natively_and_give_transformers_logprobs(tmp_path, plan
     got = model(mx.array([ids])).astype(mx.float32)
     got = np.array(got - mx.logsumexp(got, axis=-1, keepdims=True))[0]
     assert np.abs(got - ref).max() < (5e-3 if plane == "int8g64" else 1e-4), np.abs(got - ref).max()
+
+
+def test_an_r2_join_card_names_the_store():
+    from worker_contract.worker.__main__ import default_store
+
+    assert default_store({"R2_BUCKET": "fleet", "R2_ACCOUNT_ID": "a"}) == "r2://fleet"
+    assert default_store({"DRL_STORE": "s3://b", "R2_BUCKET": "fleet"}) == "s3://b"
+    assert default_store({}) is None

@@ -237,6 +237,9 @@ class Worker:
         seed = self._rng.getrandbits(63)
         if self.s.backend == "mlx":
             try:
+                import mlx.core  # noqa: F401
+                import mlx_lm  # noqa: F401
+
                 from .mlx_model import MlxPolicy, rope_bases
             except ImportError as e:
                 raise ContractMismatch(f"the MLX worker needs mlx and mlx-lm ({e}): pip install "

@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--figure", type=Path, default=None, help="PNG (default docs/staleness_<preset>.png)")
     ap.add_argument("--work", type=Path, default=REPO / ".stoa" / "staleness", help="scratch buckets and base cache")
     ap.add_argument("--fresh", action="store_true", help="start the results file over instead of adding to it")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the figure and table from --out, run nothing")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no cell after this many seconds (cells in flight finish; a rerun adds the rest)")
     args = ap.parse_args(argv)
@@ -381,13 +382,18 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.preset]
     if args.steps:
         preset = preset.model_copy(update={"steps": args.steps})
+    out = args.out or RESULTS / f"staleness_{args.preset}.json"
+    figure = args.figure or REPO / "docs" / f"staleness_{args.preset}.png"
+    if args.plot_only:
+        if not out.exists():
+            return _usage(f"--plot-only: {out} does not exist")
+        draw(json.loads(out.read_text()), figure)
+        return 0
     if preset.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             return _usage(f"preset {args.preset!r} needs a CUDA GPU; this machine has none (use --preset cpu)")
-    out = args.out or RESULTS / f"staleness_{args.preset}.json"
-    figure = args.figure or REPO / "docs" / f"staleness_{args.preset}.png"
     try:
         cfg0 = cell_recipe(Cell(objectives[0], 0, 0), preset, "base", sets)
     except ValueError as e:
@@ -462,13 +468,19 @@ def main(argv: list[str] | None = None) -> int:
     if doc["cells"]:
         doc["summary"] = summarize(doc["cells"])
         _write(out, doc)
-        title = (f"{args.preset}: {base_report['params'] / 1e6:.1f} M-parameter base, {preset.steps} learner steps of "
-                 f"{cfg0.algo.groups_per_step}x{cfg0.contract.n_samples}, {len({c['seed'] for c in doc['cells']})} "
-                 "seeds (mean, std; dots = seeds)")
-        plot(doc["summary"], doc["cells"], figure, title)
-        print_table(doc["summary"])
+        draw(doc, figure)
         print(f"results {out}; figure {figure}", flush=True)
     return 1 if failures else 0
+
+
+def draw(doc: dict, figure: Path) -> None:
+    """The figure and the table of a results document."""
+    s, counts = doc["settings"], [row["n"] for rows in doc["summary"].values() for row in rows.values()]
+    seeds = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+    title = (f"{s['preset']}: {doc['base_model']['params'] / 1e6:.1f} M-parameter base, {s['steps']} learner steps "
+             f"of {s['groups_per_step']}x{s['n_samples']}, {seeds} seeds per point (mean, std; dots = seeds)")
+    plot(doc["summary"], doc["cells"], figure, title)
+    print_table(doc["summary"])
 
 
 def print_table(summary: dict) -> None:

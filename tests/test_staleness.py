@@ -27,6 +27,7 @@ def smoke_base(tmp_path_factory):
     return work, base_dir
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("objective,lag", [("recipe", 2), ("no_is", 1)])
 def test_forced_lag_gives_groups_exactly_k_versions_old(smoke_base, objective, lag):
     work, base_dir = smoke_base

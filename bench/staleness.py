@@ -443,7 +443,11 @@ def main(argv: list[str] | None = None) -> int:
             if over_budget():
                 print(f"--budget-s {args.budget_s:.0f} s reached: {cell.name} and later cells not started", flush=True)
                 break
-            record(run_cell(cell, preset, base_dir, str(work), sets))
+            try:
+                record(run_cell(cell, preset, base_dir, str(work), sets))
+            except Exception as e:  # as in the pool: reported, and the other cells still run
+                failures += 1
+                print(f"cell {cell.name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     else:
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
             queue = list(todo)

@@ -89,6 +89,9 @@ class EmbeddedConfig(_Model):
 
     workers: int = 2
     """Local reference workers started as separate processes."""
+    worker_backend: Literal["torch", "mlx"] = "torch"
+    """The local workers' backend (WORKER=): torch (the reference worker) or mlx (the MLX worker, as on a Mac;
+    mlx[cpu] here)."""
     max_steps: int = 40
     """Learner steps before the run stops on its own."""
     time_budget_s: float = 600.0

@@ -98,7 +98,8 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
         base = (f"{'reuse the cached' if (d / 'base.json').exists() else 'build and cache the'} base model {d}: "
                 f"Qwen2 {b.num_layers}x{b.hidden_size}, {b.sft_steps} supervised steps on generated problems")
     w = [f"  {i + 1}. {py} -m worker_contract.worker --store {paths.store_url} --run {cfg.run} --model <base> "
-         f"--worker-id local-{i + 1} --threads 1 --max-groups-per-version {per_worker_cap(cfg)}   "
+         f"--worker-id local-{i + 1} --threads 1 --max-groups-per-version {per_worker_cap(cfg)} "
+         f"--backend {cfg.embedded.worker_backend}   "
          f"(DRL_N_SAMPLES={cfg.contract.n_samples} "
          f"DRL_PULSE_PLANE={cfg.contract.plane} DRL_TRAINER_KEY_FINGERPRINT=<fingerprint of trainer.key>; "
          f"log {paths.run_dir}/worker-{i + 1}.log)"
@@ -111,7 +112,7 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
         f"3. learner: {py} -m trainer.embedded learner (Ray on 127.0.0.1 only; publishes the first "
         f"anchor, then {cfg.train.num_steps} steps of {cfg.algo.groups_per_step} groups x {cfg.contract.n_samples}; "
         f"log {paths.run_dir}/learner.log)",
-        f"4. {cfg.embedded.workers} reference workers:", *w,
+        f"4. {cfg.embedded.workers} {cfg.embedded.worker_backend} workers:", *w,
         f"5. held-out evaluation every {cfg.embedded.eval_every} steps on {cfg.embedded.eval_problems} test "
         f"problems of task {cfg.task}, in this process",
         f"6. stop after {cfg.train.num_steps} steps or {cfg.embedded.time_budget_s:.0f} s; Ctrl-C stops every "

@@ -124,7 +124,7 @@ def start_workers(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path,
     for i in range(1, cfg.embedded.workers + 1):
         argv = [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
                 "--model", str(model_dir), "--worker-id", f"local-{i}", "--threads", "1", "--log-every", "30",
-                "--max-groups-per-version", str(per_worker_cap(cfg))]
+                "--max-groups-per-version", str(per_worker_cap(cfg)), "--backend", cfg.embedded.worker_backend]
         out.append(procs.start(f"worker-{i}", argv, worker_env(cfg, trainer_key_fingerprint),
                                paths.run_dir / f"worker-{i}.log"))
     return out

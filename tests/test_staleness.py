@@ -98,3 +98,12 @@ def test_no_is_ignores_the_behaviour_policy_and_ppo_does_not():
 def test_unknown_objective_is_refused():
     with pytest.raises(ValueError, match="objective"):
         AlgoConfig(objective="reinforce")
+
+
+def test_a_variant_objective_on_the_slime_engine_is_refused_in_one_sentence():
+    from trainer.config import resolve
+
+    with pytest.raises(ValueError, match=r"algo.objective='no_is' runs on the native engine only") as e:
+        resolve("psqa", env={}, overrides={"algo.objective": "no_is"})
+    assert "\n" not in str(e.value)
+    assert resolve("psqa", env={}, overrides={"algo.objective": "no_is", "train.engine": "native"}).algo.objective == "no_is"

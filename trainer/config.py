@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
@@ -232,6 +232,13 @@ class RecipeConfig(_Model):
     launch: LaunchConfig = LaunchConfig()
     embedded: EmbeddedConfig = EmbeddedConfig()
 
+    @model_validator(mode="after")
+    def _objective_runs_natively(self) -> RecipeConfig:
+        if self.algo.objective != "recipe" and self.train.engine != "native":
+            raise ValueError(f"algo.objective={self.algo.objective!r} runs on the native engine only (slime's loss "
+                             "hooks build the recipe's objective): set train.engine: native")
+        return self
+
 
 def recipe_path(name: str) -> Path:
     if name not in RECIPES:
@@ -287,6 +294,9 @@ def _validation_sentence(recipe: str, e: Any, from_env: Mapping[str, str]) -> st
     """pydantic's errors as one line: each names the recipe key (or the variable that set it) and its value."""
     parts = []
     for err in e.errors():
+        if not err["loc"]:  # a check across sections: its message names the keys
+            parts.append(err["msg"].removeprefix("Value error, "))
+            continue
         dotted = ".".join(str(x) for x in err["loc"])
         var = from_env.get(dotted)
         name = var or dotted

@@ -39,14 +39,17 @@ def _is_rank0() -> bool:
 def _slime_hf_state(args: Any, model: list) -> dict[str, Any]:
     """HF-named full tensors from slime's Megatron model, with slime's own converters."""
     from megatron.core import mpu
-    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
-    from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
 
     if mpu.get_pipeline_model_parallel_world_size() != 1 or mpu.get_expert_model_parallel_world_size() != 1:
         raise ValueError("publishing supports pipeline- and expert-parallel size 1 (one GPU or tensor "
                          "parallelism); set --pipeline-model-parallel-size 1 --expert-model-parallel-size 1")
-    if _our_spec(args):  # a model built from our layer spec (LFM2): our converter names it back
-        return _our_arch_hf_state(args, model, named_params_and_buffers, all_gather_param)
+    if _our_spec(args):  # a model built from our layer spec (LFM2): our gather, our converter names it back
+        return _our_arch_hf_state(args, model)
+    # slime's default (Transformer Engine) spec, Qwen2: slime's gather and converter. Every tensor there has
+    # partition stride 1 (2 for linear_fc1), which slime's gather supports at every commit we launch on.
+    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+    from slime.backends.megatron_utils.update_weight.common import all_gather_param, named_params_and_buffers
+
     model_name = getattr(args, "model_name", None)
     if model_name is None:
         from transformers import AutoConfig
@@ -66,18 +69,29 @@ def _our_spec(args: Any) -> bool:
     return bool(spec) and str(spec[0]).startswith("trainer.models.")
 
 
-def _our_arch_hf_state(args: Any, model: list, named_params_and_buffers, all_gather_param) -> dict[str, Any]:
+def _our_arch_hf_state(args: Any, model: list) -> dict[str, Any]:
     """Full Megatron tensors under our converter's names -> HF names (trainer.models registry), the exact
-    inverse of the conversion that built the checkpoint slime loaded."""
-    from trainer.models import get_architecture, load_hf_config
+    inverse of the conversion that built the checkpoint slime loaded.
 
+    The gather is ours (trainer.models.model.full_state, stride-aware), not slime's `all_gather_param`:
+    slime's asserts `partition_stride == 1` (2 for linear_fc1), and LFM2's conv in_proj is column-parallel
+    with stride 3 (each rank holds its slice of B, C and x). slime 5c530c156 asserts at every TP size;
+    from 6d485c423 (PR #2220) it returns early at TP 1 and still asserts at TP > 1."""
+    from megatron.core import mpu
+
+    from trainer.models import get_architecture, load_hf_config
+    from trainer.models.model import full_state
+
+    if mpu.get_expert_tensor_parallel_world_size() != mpu.get_tensor_model_parallel_world_size():
+        raise ValueError("publishing our layer spec needs the experts split like the rest: drop "
+                         "--expert-tensor-parallel-size (it then equals --tensor-model-parallel-size)")
     cfg = load_hf_config(args.hf_checkpoint)
     mg: dict[str, Any] = {}
-    for name, param in named_params_and_buffers(args, model):
-        full = all_gather_param(name, param)
-        while name.startswith("module."):
-            name = name[len("module."):]
-        mg[name] = full.detach().to("cpu", copy=True)
+    for chunk in model:
+        for name, full in full_state(chunk).items():
+            while name.startswith("module."):
+                name = name[len("module."):]
+            mg[name] = full.detach().to("cpu", copy=True)
     return get_architecture(cfg).megatron_to_hf(mg, cfg)
 
 

@@ -18,7 +18,7 @@ def _need_run(run: str | None) -> str:
     return need_run(run, "the run id (DRL_RUN) to look at")
 
 
-def open_existing_store(store: str | None, repo_root: Path = REPO_ROOT):
+def open_existing_store(store: str | None, run: str, repo_root: Path = REPO_ROOT):
     """The store named by --store, else DRL_STORE / R2 credentials (.r2env) / the embedded file store,
     opened for reading: a file store that does not exist is refused, never created."""
     from urllib.parse import urlparse
@@ -29,8 +29,8 @@ def open_existing_store(store: str | None, repo_root: Path = REPO_ROOT):
     env = load_env(repo_root=repo_root)
     url = store_url(store, env, repo_root)
     if url.startswith("file://") and not Path(urlparse(url).path).is_dir():
-        raise ValueError(f"there is no store at {url}: nothing has been published there (the embedded run "
-                         "makes it); pass --store or set DRL_STORE to the run's bucket")
+        raise ValueError(f"run {run!r} is not here: there is no store at {url} (nothing has been published "
+                         "there; the embedded run makes it); pass --store or set DRL_STORE to the run's bucket")
     return open_store(url, env)
 
 
@@ -61,7 +61,7 @@ def status(c, run=None, store=None, watch=False, json_=False, host=None, ssh_key
         from infra.remote import parse_host
 
         parse_host(host)
-    st = open_existing_store(store)
+    st = open_existing_store(store, run)
     _published(st, run)
     show_status(st, run, watch=watch, as_json=json_, host=host, ssh_key=ssh_key, remote_dir=remote_dir)
 
@@ -96,7 +96,7 @@ def gc(c, run=None, keep_anchors=None, dry_run=False, yes=False, store=None):
 
     run = _need_run(run)
     keep = int_flag("--keep-anchors", keep_anchors, 2, minimum=1)
-    st = open_existing_store(store)
+    st = open_existing_store(store, run)
     plan = plan_gc(st, run, keep)
     print(("[dry run] " if dry_run else "") + plan.summary())
     if dry_run:

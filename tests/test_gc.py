@@ -103,7 +103,11 @@ def test_dry_run_task_deletes_nothing_then_the_task_deletes(file_store, request)
     assert out.returncode == 0, out.stderr
     assert "[dry run]" in out.stdout and f"would delete {layout.anchor_manifest_key(RUN, 1)}" in out.stdout
     assert keys(file_store, layout.run_prefix(RUN)) == before
-    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+    # not a terminal and no --yes: it names what it would delete and deletes nothing
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and "--yes" in out.stderr and f"{file_store.url}/{RUN}/" in out.stdout, out
+    assert keys(file_store, layout.run_prefix(RUN)) == before
+    out = subprocess.run([*args, "--yes"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert anchor_versions(file_store, RUN) == [9] and "deleted" in out.stdout
     assert verify_cli(file_store, request).returncode == 0

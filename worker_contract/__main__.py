@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
                                       "exists; must be mode 0600); the environment wins over it")
     args = parser.parse_args(argv)
 
-    from .env import check_store_url, default_store_url, load_env
+    from urllib.parse import urlparse
+
+    from .env import load_env, store_url
     from .layout import check_run_id
     from .store import StoreError, open_store
     from .verify import verify_run
@@ -36,13 +38,19 @@ def main(argv: list[str] | None = None) -> int:
         if not run:
             raise ValueError("no run given: pass --run RUN or set DRL_RUN (in the environment or the env file)")
         check_run_id(run)
-        url = check_store_url(args.store) if args.store else default_store_url(env, Path.cwd())
+        url = store_url(args.store, env, Path.cwd())
+        if url.startswith("file://") and not Path(urlparse(url).path).is_dir():  # read-only: never create it
+            raise ValueError(f"there is no store at {url}: pass --store or set DRL_STORE to the run's bucket")
         store = open_store(url, env)
         return 0 if verify_run(store, run) else 1
     except (ValueError, StoreError) as e:  # store errors pass through redaction: no secret in them
-        print(f"error: {e}", file=sys.stderr)
+        from .cli import one_sentence
+
+        print(f"error: {one_sentence(e)}", file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import run_main
+
+    sys.exit(run_main(main, "python -m worker_contract"))

@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", default="/root/slime", help="the slime checkout (default /root/slime)")
     ap.add_argument("--dry-run", action="store_true", help="report what would be applied; change nothing")
     args = ap.parse_args(argv)
+    if not (Path(args.tree) / SLIME_MARKER).is_file():  # bad input (2), where a patch that does not fit is a check (1)
+        print(f"--tree {args.tree} is not a slime checkout (no {SLIME_MARKER}); pass --tree /path/to/slime",
+              file=sys.stderr)
+        return 2
     try:
         apply_patches(args.tree, dry_run=args.dry_run)
     except (PatchRefused, ValueError) as e:

@@ -89,4 +89,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..cli import run_main
+
+    sys.exit(run_main(main, "python -m worker_contract.worker"))

@@ -1,0 +1,425 @@
+"""Every user-facing entry point over a table of bad inputs, in a scratch clone of this repository.
+
+Make targets, Invoke tasks, the nox sessions that take input and the `python -m` CLIs are run as a user
+runs them (real processes, the repo's own .venv by path, nothing installed), and each row asserts:
+no traceback, the documented exit status (2 for bad input, 1 for a failed check; make itself exits 2 and
+nox 1 whatever its recipe returned), a one-sentence error that names what to fix, no secret in any output,
+and the clone, its `.stoa` and its `.r2env` unchanged afterwards. One clone serves every row; a row that
+damaged it fails and the next row gets a fresh one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+VENV = REPO / ".venv"
+
+ACCESS_KEY = "AKIDSEKRITACCESS0123"
+SECRET_KEY = "sekrit-secret-access-key-0123456789abcdef"
+URL_PASSWORD = "hunter2pw-in-endpoint"
+SECRETS = (ACCESS_KEY, SECRET_KEY, URL_PASSWORD)
+
+#: the .r2env every row starts from: the example, unfilled (not configured), mode 0600
+BASE_R2ENV = "# credentials for the run's bucket\nR2_ACCOUNT_ID=\nR2_ACCESS_KEY_ID=\nR2_SECRET_ACCESS_KEY=\nR2_BUCKET=\n"
+FULL_R2ENV = (f"R2_ACCOUNT_ID=0123456789abcdef0123456789abcdef\nR2_ACCESS_KEY_ID={ACCESS_KEY}\n"
+              f"R2_SECRET_ACCESS_KEY={SECRET_KEY}\nR2_BUCKET=stoa-bucket\n")
+HALF_R2ENV = (f"R2_ACCOUNT_ID=0123456789abcdef0123456789abcdef\nR2_ACCESS_KEY_ID={ACCESS_KEY}\n"
+              f"R2_SECRET_ACCESS_KEY={SECRET_KEY}\nR2_BUCKET=\n")
+#: local run state the clone holds: a run's metrics and key, another run's log (nothing may touch them)
+SEED_FILES = {
+    ".stoa/runs/seed-run/metrics.jsonl": '{"step": 1, "reward": 0.5}\n',
+    ".stoa/runs/seed-run/trainer.key": "not a real key\n",
+    ".stoa/runs/other-run/metrics.jsonl": '{"step": 1}\n',
+    "logs/other-run.log": "other run's log\n",
+}
+#: not part of the clone's state: caches and what tools keep for themselves
+IGNORED_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache", ".nox", ".mypy_cache"}
+TIMEOUT_S = 40.0
+
+
+@dataclass
+class Row:
+    id: str
+    argv: list[str]
+    rc: int | tuple[int, ...] = 2
+    says: tuple[str, ...] = ()
+    """Substrings (case-insensitive) the output must hold: the error names what to fix."""
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, tuple[str, int] | None] = field(default_factory=dict)
+    """Files written into the clone before the row (content, mode), or removed (None)."""
+    never: tuple[str, ...] = ()
+    """Substrings the output must not hold (pydantic internals, field names instead of variables)."""
+    lines: int | None = 2
+    """At most this many message lines (None: a report, e.g. help or a table of checks)."""
+    may_change: tuple[str, ...] = ()
+    """Paths of the clone the row may change, with what is under them (`.venv` for `make clean`)."""
+    stdin: str = ""
+
+
+def _r2env(text: str, mode: int = 0o600) -> dict[str, tuple[str, int]]:
+    return {".r2env": (text, mode)}
+
+
+def _bad_run_json() -> dict[str, tuple[str, int]]:
+    return {".stoa/bucket/seed-run/run.json": ("{not json", 0o644)}
+
+
+L = ["python", "-m", "entrypoints.launch", "--recipe", "gsm8k"]
+DRY = {"DRL_DRY_RUN": "1"}
+S3_ENV = {"DRL_S3_ENDPOINT": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+          "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+
+ROWS = [
+    # -- make: variables, the environment contract, help, clean ------------------------------------
+    Row("make-gsm8k-no-run", ["make", "gsm8k", "PY={fakepy}", "STAMP={tmp}/no-stamp"], says=("usage", "RUN=")),
+    Row("make-psqa-no-run", ["make", "psqa", "PY={fakepy}", "STAMP={tmp}/no-stamp"], says=("usage", "RUN=")),
+    Row("make-run-injection", ["make", "gsm8k", "RUN=a;touch pwned"], env=DRY, says=("run id",)),
+    Row("make-run-quote-injection", ["make", "gsm8k", 'RUN=a"; touch pwned; echo "'], env=DRY, says=("run id",)),
+    Row("make-run-space", ["make", "gsm8k", "RUN=my run"], env=DRY, says=("DRL_RUN='my run'", "run id")),
+    Row("make-host-injection", ["make", "gsm8k", "RUN=x", "HOST=h;touch pwned"], env=DRY, says=("HOST=",)),
+    Row("make-model-injection", ["make", "gsm8k", "RUN=x", "MODEL=`touch pwned`"], env=DRY, says=("MODEL=",)),
+    Row("make-dry-run-y", ["make", "gsm8k", "RUN=x"], env={"DRL_DRY_RUN": "y"}, says=("DRL_DRY_RUN='y'",)),
+    Row("make-dry-run-2", ["make", "gsm8k", "RUN=x", "HOST=root@203.0.113.7"], env={"DRL_DRY_RUN": "2"},
+        says=("DRL_DRY_RUN='2'",)),
+    Row("make-dry-run-word", ["make", "gsm8k", "RUN=x"], env={"DRL_DRY_RUN": "dry"}, says=("DRL_DRY_RUN",)),
+    Row("make-host-no-user", ["make", "gsm8k", "RUN=x", "HOST=user@"], env=DRY, says=("HOST='user@'",)),
+    Row("make-host-port", ["make", "gsm8k", "RUN=x", "HOST=root@box:99999"], env=DRY, says=("port",)),
+    Row("make-dry-host-no-r2", ["make", "gsm8k", "RUN=x", "HOST=root@203.0.113.7"], env=DRY, says=("R2_",),
+        lines=None),  # the dry run prints the plan, then the refusal the launch would give
+    Row("make-n-samples-abc", ["make", "gsm8k", "RUN=x"], env={**DRY, "DRL_N_SAMPLES": "abc"},
+        says=("DRL_N_SAMPLES='abc'",), never=("contract.n_samples", "pydantic")),
+    Row("make-n-samples-float", ["make", "gsm8k", "RUN=x"], env={**DRY, "DRL_N_SAMPLES": "8.0"},
+        says=("DRL_N_SAMPLES='8.0'",)),
+    Row("make-plane", ["make", "gsm8k", "RUN=x"], env={**DRY, "DRL_PULSE_PLANE": "fp4"}, says=("DRL_PULSE_PLANE",)),
+    Row("make-store-ftp", ["make", "gsm8k", "RUN=x"], env={**DRY, "DRL_STORE": "ftp://x"}, says=("DRL_STORE",)),
+    Row("make-store-ftp-real", ["make", "gsm8k", "RUN=x"], env={"DRL_STORE": "ftp://x"}, says=("DRL_STORE",)),
+    Row("make-model-missing", ["make", "gsm8k", "RUN=x", "MODEL=/nonexistent/model"], env=DRY, says=("MODEL=",)),
+    Row("make-half-r2env", ["make", "gsm8k", "RUN=x"], env=DRY, files=_r2env(HALF_R2ENV), says=("R2_BUCKET",)),
+    Row("make-recipe-yaml", ["make", "gsm8k", "RUN=x"], env=DRY, files={"runs/gsm8k.yaml": ("algo: [1,\n", 0o644)},
+        says=("gsm8k.yaml",)),
+    Row("make-recipe-staleness", ["make", "gsm8k", "RUN=x"], env=DRY, files={"runs/gsm8k.yaml": "staleness: -5"},
+        says=("algo.staleness",)),
+    Row("make-preflight-empty-stdin", ["make", "preflight"], says=("DRL_DRY_RUN=1",)),
+    Row("make-help", ["make", "help"], rc=0, lines=None,
+        says=("RUN", "HOST", "MODEL", "SSH_KEY", "REMOTE_DIR", "ENGINE", "WORKER", "DRL_DRY_RUN")),
+    Row("make-clean-keeps-stoa", ["make", "clean"], rc=0, lines=None, may_change=(".venv",)),
+    # -- the launcher itself ---------------------------------------------------------------------
+    Row("launch-help", [*L[:3], "--help"], rc=0, lines=None, says=("DRL_DRY_RUN", "DRL_RUN", "HOST", "embedded")),
+    Row("launch-no-recipe", L[:3], says=("--recipe",)),
+    Row("launch-run-from-env", L, rc=0, lines=None, env={**DRY, "DRL_RUN": "from-env"}, says=("from-env",)),
+    Row("launch-old-path", ["python", "-m", "trainer.launch", "--recipe", "nosuch", "--run", "x"],
+        says=("nosuch",)),
+    Row("launch-broken-pipe", ["bash", "-c", "python -m entrypoints.launch --recipe gsm8k --run x | head -1"],
+        rc=0, lines=None, env=DRY),
+    # -- invoke status / gc / plot / joincard ----------------------------------------------------------
+    Row("status-no-run", ["invoke", "status"], says=("--run",)),
+    Row("status-bad-run", ["invoke", "status", "--run", "a/b"], says=("run id",)),
+    Row("status-r2env-0644", ["invoke", "status", "--run", "seed-run"], files=_r2env(BASE_R2ENV, 0o644),
+        says=("chmod 600",)),
+    Row("status-r2env-malformed", ["invoke", "status", "--run", "seed-run"], files=_r2env("this is not env\n"),
+        says=(".r2env",)),
+    Row("status-r2env-half", ["invoke", "status", "--run", "seed-run"], files=_r2env(HALF_R2ENV),
+        says=("R2_BUCKET",)),
+    Row("status-store-no-scheme", ["invoke", "status", "--run", "seed-run", "--store", "/tmp/bucket"],
+        says=("store",)),
+    Row("status-store-ftp-env", ["invoke", "status", "--run", "seed-run"], env={"DRL_STORE": "ftp://x"},
+        says=("DRL_STORE",)),
+    Row("status-unreachable", ["invoke", "status", "--run", "seed-run", "--store", "s3://stoa-bucket"],
+        env=S3_ENV, says=("127.0.0.1:9",)),
+    Row("status-endpoint-password", ["invoke", "status", "--run", "seed-run", "--store", "s3://stoa-bucket"],
+        env={**S3_ENV, "DRL_S3_ENDPOINT": f"ftp://user:{URL_PASSWORD}@127.0.0.1:9"}, says=("DRL_S3_ENDPOINT",)),
+    Row("status-r2-unreachable", ["invoke", "status", "--run", "seed-run"], files=_r2env(FULL_R2ENV),
+        says=("r2://stoa-bucket",)),
+    Row("status-corrupt-run-json", ["invoke", "status", "--run", "seed-run"], files=_bad_run_json(),
+        says=("run.json",)),
+    Row("status-missing-run", ["invoke", "status", "--run", "nope"], says=("nope",)),
+    Row("gc-keep-abc", ["invoke", "gc", "--run", "seed-run", "--keep-anchors", "abc"], says=("--keep-anchors",)),
+    Row("gc-keep-zero", ["invoke", "gc", "--run", "seed-run", "--keep-anchors", "0"], says=("--keep-anchors",)),
+    Row("gc-missing-run", ["invoke", "gc", "--run", "nope", "--dry-run"], says=("nope",)),
+    Row("gc-corrupt-run-json", ["invoke", "gc", "--run", "seed-run"], files=_bad_run_json(), says=("run.json",)),
+    Row("gc-no-store", ["invoke", "gc", "--run", "seed-run", "--keep-anchors", "1"], says=("no store",)),
+    Row("plot-no-run", ["invoke", "plot"], says=("--run",)),
+    Row("plot-missing-run", ["invoke", "plot", "--run", "nope"], says=("nope",)),
+    Row("joincard-no-run", ["invoke", "joincard"], says=("DRL_RUN",)),
+    Row("joincard-half-r2env", ["invoke", "joincard", "--run", "seed-run"], files=_r2env(HALF_R2ENV),
+        says=("R2_BUCKET",)),
+    Row("joincard-format", ["invoke", "joincard", "--run", "seed-run", "--format", "xml"], says=("--format",)),
+    Row("joincard-store-ftp", ["invoke", "joincard", "--run", "seed-run", "--store", "ftp://x"], says=("ftp://x",)),
+    Row("preflight-task-recipe", ["invoke", "preflight", "--recipe", "nosuch"], says=("nosuch",)),
+    Row("preflight-task-profile", ["invoke", "preflight", "--recipe", "gsm8k", "--run", "x", "--profile", "nope"],
+        says=("--profile",)),
+    Row("convert-no-flags", ["invoke", "convert"], says=("--hf-dir",)),
+    Row("convert-missing-dir", ["invoke", "convert", "--hf-dir", "/nonexistent", "--out", "{tmp}/out"],
+        says=("/nonexistent",)),
+    # -- invoke: the trainer box (logs, stop, teardown) ----------------------------------------------
+    Row("teardown-purge-no-host", ["invoke", "teardown", "--run", "nope", "--purge"], says=("--host", "--local")),
+    Row("teardown-no-host", ["invoke", "teardown", "--run", "nope"], says=("--host", "--local")),
+    Row("teardown-local-no-tty", ["invoke", "teardown", "--run", "seed-run", "--local", "--purge"],
+        says=("--yes", ".stoa/runs/seed-run"), lines=None),  # names what it would delete, then refuses
+    Row("stop-local-no-tty", ["invoke", "stop", "--run", "seed-run", "--local"], says=("--yes",), lines=None),
+    Row("teardown-bad-host", ["invoke", "teardown", "--run", "x", "--host", "user@"], says=("HOST='user@'",)),
+    Row("stop-no-host", ["invoke", "stop", "--run", "seed-run"], says=("--host", "--local")),
+    Row("stop-bad-run", ["invoke", "stop", "--run", "A B", "--local"], says=("run id",)),
+    Row("logs-no-host", ["invoke", "logs", "--run", "seed-run"], says=("--host", "--local")),
+    Row("logs-lines-abc", ["invoke", "logs", "--run", "seed-run", "--local", "--lines", "abc"], says=("--lines",)),
+    # -- invoke: the retriever ----------------------------------------------------------------
+    Row("retriever-port-abc", ["invoke", "retriever", "--port", "abc"], says=("--port",)),
+    Row("retriever-build-no-out", ["invoke", "retriever.build"], says=("--out",)),
+    Row("retriever-build-missing-corpus", ["invoke", "retriever.build", "--out", "{tmp}/idx", "--corpus",
+                                           "/nonexistent.jsonl"], says=("/nonexistent.jsonl",)),
+    Row("retriever-status-no-url", ["invoke", "retriever.status"], says=("DRL_RETRIEVER_URL",)),
+    Row("retriever-status-bad-url", ["invoke", "retriever.status", "--url", "ftp://x"], says=("ftp://x",)),
+    # -- nox sessions that take input ------------------------------------------------------------
+    Row("nox-preflight-recipe", ["nox", "-s", "preflight", "--", "--recipe", "nosuch"], says=("nosuch",)),
+    Row("nox-soak-trials", ["nox", "-s", "soak"], env={"DRL_SOAK_TRIALS": "abc"}, says=("DRL_SOAK_TRIALS",)),
+    Row("nox-bench-unknown", ["nox", "-s", "bench", "--", "nosuch"], says=("nosuch",)),
+    # -- python -m CLIs ----------------------------------------------------------------------
+    Row("verify-missing-run", ["python", "-m", "worker_contract", "verify", "--run", "nope"], says=("nope",)),
+    Row("verify-store-ftp", ["python", "-m", "worker_contract", "verify", "--run", "x", "--store", "ftp://x"],
+        says=("ftp://x",)),
+    Row("verify-half-r2env", ["python", "-m", "worker_contract", "verify", "--run", "x"], files=_r2env(HALF_R2ENV),
+        says=("R2_BUCKET",)),
+    Row("worker-no-run", ["python", "-m", "worker_contract.worker", "--store", "file:///tmp/x"], says=("DRL_RUN",)),
+    Row("worker-dry-run-y", ["python", "-m", "worker_contract.worker", "--run", "x", "--store", "file:///tmp/x"],
+        env={"DRL_DRY_RUN": "y"}, says=("DRL_DRY_RUN",)),
+    Row("worker-store-ftp", ["python", "-m", "worker_contract.worker", "--run", "x", "--store", "ftp://x"],
+        says=("ftp://x",)),
+    Row("convert-cli-missing", ["python", "-m", "infra.convert", "/nonexistent", "--out", "{tmp}/o"],
+        says=("/nonexistent",)),
+    Row("retriever-cli-corpus", ["python", "-m", "infra.retriever", "build", "--out", "{tmp}/idx", "--corpus",
+                                 "/nonexistent.jsonl"], says=("/nonexistent.jsonl",)),
+    Row("preflight-cli-empty", ["python", "-m", "infra.preflight"], says=("DRL_DRY_RUN=1",)),
+    Row("preflight-cli-profile", ["python", "-m", "infra.preflight", "--recipe", "gsm8k", "--run", "x",
+                                  "--profile", "nope"], says=("--profile",)),
+    Row("boxops-bad-run", ["python", "-m", "infra.boxops", "stop", "--remote-dir", "{tmp}", "--run", "A B"],
+        says=("run id",)),
+    Row("boxops-no-yes", ["python", "-m", "infra.boxops", "teardown", "--remote-dir", ".", "--run", "seed-run",
+                          "--purge"], says=("--yes",)),
+    # a confirmed purge in a checkout: the run's own files go; the tree, .r2env and the other run stay
+    Row("boxops-purge-own-run", ["python", "-m", "infra.boxops", "teardown", "--remote-dir", ".", "--run", "seed-run",
+                                 "--purge", "--yes"], rc=0, lines=None, says=("keep",),
+        may_change=(".stoa/runs/seed-run",)),
+    Row("launch-gpu-missing", ["python", "-m", "infra.launch_gpu", "--recipe-json", "/nonexistent.json"],
+        says=("/nonexistent.json",)),
+    Row("patches-missing-tree", ["python", "-m", "infra.patches.apply", "--tree", "/nonexistent"],
+        says=("/nonexistent",)),
+    Row("bench-unknown", ["python", "-m", "bench", "nosuch"], says=("nosuch",)),
+]
+
+
+def _fill(argv: list[str], tmp: Path, fakepy: Path) -> list[str]:
+    return [a.replace("{tmp}", str(tmp)).replace("{fakepy}", str(fakepy)) for a in argv]
+
+
+def _copy_working_tree(dst: Path) -> None:
+    """The clone holds HEAD; bring it to this working tree (uncommitted edits, new files)."""
+    diff = subprocess.run(["git", "-C", str(REPO), "diff", "HEAD", "--binary"], capture_output=True, check=True).stdout
+    if diff:
+        subprocess.run(["git", "-C", str(dst), "apply", "--binary", "-"], input=diff, check=True)
+    others = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--others", "--exclude-standard"],
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, others):
+        if (REPO / rel).is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, dst / rel)
+
+
+class Clone:
+    """The scratch clone, rebuilt when a row damaged it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.path = root / "clone"
+        self.dirty = True
+
+    def ensure(self) -> Path:
+        if self.dirty:
+            shutil.rmtree(self.path, ignore_errors=True)
+            subprocess.run(["git", "clone", "-q", str(REPO), str(self.path)], check=True)
+            _copy_working_tree(self.path)
+            self.reset_state()
+            self.dirty = False
+        return self.path
+
+    def reset_state(self) -> None:
+        p = self.path
+        if not (p / ".venv").exists():
+            (p / ".venv").symlink_to(VENV)
+        old = 946684800  # 2000-01-01: setup's stamp is newer, so make never reinstalls
+        os.utime(p / "pyproject.toml", (old, old))
+        for rel, text in SEED_FILES.items():
+            (p / rel).parent.mkdir(parents=True, exist_ok=True)
+            (p / rel).write_text(text)
+        (p / ".r2env").write_text(BASE_R2ENV)
+        (p / ".r2env").chmod(0o600)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every path under the clone (caches aside) -> its type, mode and content digest."""
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in IGNORED_DIRS and not (Path(dirpath) / d).is_symlink()]
+        rel_dir = Path(dirpath).relative_to(root)
+        if rel_dir.parts[:1] == (".git",) and len(rel_dir.parts) > 1 and rel_dir.parts[1] == "objects":
+            continue
+        out[str(rel_dir) + "/"] = "dir"
+        for name in filenames + [d for d in os.listdir(dirpath) if (Path(dirpath) / d).is_symlink()]:
+            path = Path(dirpath) / name
+            rel = str(rel_dir / name)
+            if path.is_symlink():
+                out[rel] = f"link {os.readlink(path)}"
+            elif path.is_file():
+                st = path.stat()
+                out[rel] = f"{stat.S_IMODE(st.st_mode):o} {hashlib.sha1(path.read_bytes()).hexdigest()}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory):
+    if not (VENV / "bin" / "python").exists():
+        pytest.skip("no .venv (run `make setup`)")
+    return Clone(tmp_path_factory.mktemp("bad-inputs"))
+
+
+def _env(clone_path: Path, home: Path, extra: dict[str, str]) -> dict[str, str]:
+    keep = ("LANG", "LC_ALL", "TMPDIR", "PIP_CONFIG_FILE")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    env.update(PATH=f"{clone_path / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin", HOME=str(home),
+               DRL_NO_GPU="1", PYTHONDONTWRITEBYTECODE="1", NO_COLOR="1", COLUMNS="200", TERM="dumb")
+    env.update(extra)
+    return env
+
+
+def run_row(cmd: list[str], cwd: Path, env: dict[str, str], stdin: str) -> tuple[int, str]:
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(stdin.encode(), timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this row started, by its leader's PID
+        out, _ = proc.communicate()
+        return -9, out.decode(errors="replace") + f"\n[timed out after {TIMEOUT_S:.0f} s: the command did real work]"
+    return proc.returncode, out.decode(errors="replace")
+
+
+_NOISE = re.compile(r"^(make(\[\d+\])?: \*\*\*|make(\[\d+\])?: (Entering|Leaving)|nox > |usage: |\s)")
+
+
+def message_lines(out: str) -> list[str]:
+    """What the command said, less the tools' own framing (make's and nox's lines, argparse's usage above
+    its error); a usage line that is the whole answer is the message."""
+    lines = [line for line in out.splitlines() if line.strip() and not _NOISE.match(line)]
+    return lines or [line for line in out.splitlines() if line.startswith("usage: ")]
+
+
+def _apply_files(path: Path, files: dict) -> dict[str, bytes | None]:
+    saved: dict[str, bytes | None] = {}
+    for rel, spec in files.items():
+        target = path / rel
+        saved[rel] = target.read_bytes() if target.exists() else None
+        if spec is None:
+            target.unlink(missing_ok=True)
+        elif isinstance(spec, str):  # "key: value" replaces that key's line in a YAML file
+            key = spec.split(":")[0]
+            text = re.sub(rf"(?m)^(\s*){key}:.*$", rf"\g<1>{spec}", target.read_text(), count=1)
+            target.write_text(text)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(spec[0])
+            target.chmod(spec[1])
+    return saved
+
+
+def _restore_files(path: Path, saved: dict[str, bytes | None]) -> None:
+    for rel, data in saved.items():
+        target = path / rel
+        if data is None:
+            target.unlink(missing_ok=True)
+        else:
+            target.write_bytes(data)
+    shutil.rmtree(path / ".stoa" / "bucket", ignore_errors=True)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_bad_input(row: Row, clone: Clone, tmp_path: Path) -> None:
+    path = clone.ensure()
+    fakepy = tmp_path / "fakepy"  # records a call instead of installing anything
+    fakepy.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'fakepy.log'}\n")
+    fakepy.chmod(0o755)
+    saved = _apply_files(path, row.files)
+    before = snapshot(path)
+    home = tmp_path / "home"
+    home.mkdir()
+    try:
+        rc, out = run_row(_fill(row.argv, tmp_path, fakepy), path, _env(path, home, row.env), row.stdin)
+        after = snapshot(path)
+    finally:
+        _restore_files(path, saved)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)
+                     and not any(k == p or k.startswith(p + "/") for p in row.may_change))
+    if changed or not (path / ".git").is_dir():
+        clone.dirty = True
+    elif row.may_change:
+        clone.reset_state()
+    problems = []
+    if "Traceback (most recent call last)" in out:
+        problems.append("a traceback")
+    wanted = row.rc if isinstance(row.rc, tuple) else (row.rc,)
+    if rc not in wanted:
+        problems.append(f"exit status {rc}, documented {row.rc}")
+    low = out.lower()
+    problems += [f"no mention of {s!r}" for s in row.says if s.lower() not in low]
+    problems += [f"mentions {s!r}" for s in row.never if s.lower() in low]
+    problems += ["a secret in the output" for s in SECRETS if s in out]
+    msg = message_lines(out)
+    if row.lines is not None and rc != 0 and not 1 <= len(msg) <= row.lines:
+        problems.append(f"{len(msg)} message lines, not one sentence")
+    if changed:
+        problems.append(f"changed the clone: {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}")
+    if (tmp_path / "fakepy.log").exists():
+        problems.append("ran the venv's python before saying usage: " + (tmp_path / "fakepy.log").read_text()[:200])
+    assert not problems, f"{row.id}: " + "; ".join(problems) + f"\n--- output (exit {rc}) ---\n{out[-3000:]}"
+
+
+def test_short_flags_have_one_meaning(clone: Clone, tmp_path: Path) -> None:
+    """Across every Invoke task: a short flag means one thing, -v is --verbose, --reveal has no short flag."""
+    path = clone.ensure()
+    env = _env(path, tmp_path, {})
+    code = ("import json, tasks\n"
+            "out = {}\n"
+            "def walk(coll, prefix=''):\n"
+            "    for name, t in coll.tasks.items():\n"
+            "        out[prefix + name] = [sorted(a.names) for a in t.get_arguments()]\n"
+            "    for cname, c in coll.collections.items():\n"
+            "        walk(c, prefix + cname + '.')\n"
+            "walk(tasks.ns)\n"
+            "print(json.dumps(out))\n")
+    res = subprocess.run([str(path / ".venv" / "bin" / "python"), "-c", code], cwd=path, env=env,
+                         capture_output=True, text=True, check=True)
+    import json
+
+    meanings: dict[str, set[str]] = {}
+    for task, args in json.loads(res.stdout.strip().splitlines()[-1]).items():
+        for names in args:
+            shorts = [n for n in names if len(n) == 1]
+            longs = [n for n in names if len(n) > 1]
+            for s in shorts:
+                meanings.setdefault(s, set()).update(longs)
+            assert not (shorts and any(n == "reveal" for n in longs)), f"{task}: --reveal has a short flag"
+    several = {s: sorted(m) for s, m in meanings.items() if len(m) > 1}
+    assert not several, f"short flags with several meanings across tasks: {several}"
+    assert meanings.get("v", {"verbose"}) == {"verbose"}, f"-v means {meanings['v']}, not --verbose"
+

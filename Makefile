@@ -17,13 +17,14 @@ HOST ?=## the GPU box, user@host[:port]: launch the real trainer there over SSH
 MODEL ?=## a local HF model directory to train instead of the recipe's model
 SSH_KEY ?=## SSH private key for HOST (default: your agent and ~/.ssh keys)
 REMOTE_DIR ?=## where the tree goes on HOST (default /root/dRL)
+ENGINE ?=## the learner on a GPU box: native (our megatron-core learner) or slime (default: the recipe's)
 WORKER ?=## embedded run: the local workers' backend, torch (default) or mlx (the MLX worker, mlx[cpu] here)
 STATE ?=## with `make clean`: STATE=1 also deletes .stoa/ (every local run, its checkpoints and signing key)
-export RUN HOST MODEL SSH_KEY REMOTE_DIR WORKER
+export RUN HOST MODEL SSH_KEY REMOTE_DIR ENGINE WORKER
 
 # Every user value as one argument; the launcher treats an empty one as not given.
 LAUNCH = $(PY) -m entrypoints.launch --run "$$RUN" --host "$$HOST" --model "$$MODEL" --ssh-key "$$SSH_KEY" \
-         --remote-dir "$$REMOTE_DIR" --worker "$$WORKER"
+         --remote-dir "$$REMOTE_DIR" --engine "$$ENGINE" --worker "$$WORKER"
 # Say the usage before anything is installed; then bring the venv up to date (quietly when it is).
 define need_run
 @test -n "$$RUN" || { echo "usage: make $(1)" >&2; exit 2; }

@@ -118,16 +118,6 @@ def cell_recipe(cell: Cell, preset: Preset, base_dir: str | Path, sets: dict[str
     return cfg.model_copy(update={"run": cell.name, "store": None, "algo": algo, "train": train, "model": model})
 
 
-def learner_step(backend, batch, algo: AlgoConfig) -> dict[str, float]:
-    """The learner's step on one batch through the spine (trainer/step.py): the batch with Dr.GRPO
-    advantages, reference log-probs, the one objective (`algo.policy_loss`), one optimizer step."""
-    from trainer.step import loss_fn, make_batch
-
-    tb = make_batch([g.record for g in batch.groups])
-    tb.ref_logp = backend.logprobs(tb, reference=True)
-    return backend.train_step(tb, loss_fn(algo))
-
-
 class _Heldout:
     """Greedy accuracy of the newest published version, read back through a verifying reconstructor."""
 
@@ -158,10 +148,12 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
     import torch
     from transformers.utils import logging as hf_logging
 
+    from trainer.audit import WorkerAudit
     from trainer.backends import get_backend
     from trainer.publisher import Publisher
     from trainer.rollouts import RolloutSource
     from trainer.run_init import create_run
+    from trainer.step import train_on
     from worker_contract.store import open_store
     from worker_contract.tasks import get_task
     from worker_contract.worker.loop import Worker, WorkerSettings
@@ -193,6 +185,7 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
     heldout = _Heldout(store, cfg, str(base_dir), preset.eval_problems, preset.device, preset.threads)
     train = get_task(cfg.task).dataset("train")
     rng = random.Random(f"staleness-prompts:{cell.seed}")  # the same prompts for every cell of a seed
+    audit = WorkerAudit()  # groups sampled at the learner's own weights (k = 0): worker vs learner log-probs
     _, base_acc = heldout()
     curve: list[list[float]] = [[0, base_acc]]
     steps: list[dict] = []
@@ -205,7 +198,8 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
         if batch is None or len(batch.groups) != cfg.algo.groups_per_step:
             raise RuntimeError(f"{cell.name} step {step}: the source assembled no full batch "
                                f"(drops {dict(source.drops)})")
-        m = learner_step(backend, batch, cfg.algo)
+        # the native step (trainer/step.py); lock-step publishing: `version` holds exactly these weights
+        m = train_on(backend, [g.record for g in batch.groups], cfg.algo, audit, version)
         steps.append({
             "step": step, "learner_version": version, "worker_version": held,
             "group_versions": [g.record.policy_version for g in batch.groups],
@@ -230,7 +224,7 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
         "lags_seen": lags, "train_reward_last_quarter": sum(tail) / len(tail),
         "gate_drop_frac_mean": _mean(s.get("gate_drop_frac") for s in steps),
         "ratio_max": max((s.get("ratio_max", 0.0) for s in steps), default=0.0),
-        "drops": dict(source.drops), "wall_s": round(time.monotonic() - t0, 1), "per_step": steps,
+        "audit": audit.metrics(), "drops": dict(source.drops), "wall_s": round(time.monotonic() - t0, 1), "per_step": steps,
         "staleness_bound": cfg.algo.staleness, "reuse_cap": cfg.algo.reuse_cap, "lr": cfg.algo.lr,
     }
 

@@ -39,6 +39,11 @@ environment it reads (checked once, strictly; a bad value is refused by name):
 exit status: 0 done, 2 bad input (one sentence says what to fix), 1 a launch step failed"""
 
 
+#: recipe key -> what the user typed to set it (make variable / launcher flag), for error messages
+FLAG_NAMES = {"run": "RUN (--run)", "model.path": "MODEL (--model)", "launch.remote_dir": "REMOTE_DIR (--remote-dir)",
+              "train.engine": "ENGINE (--engine)", "embedded.worker_backend": "WORKER (--worker)"}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m entrypoints.launch", description=__doc__.split("\n\n")[0],
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,7 +158,7 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
                              "HOST=user@box, or leave ENGINE unset for the embedded run here")
         if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
             raise ValueError(f"MODEL={args.model!r} is not an HF model directory (no config.json there)")
-        cfg = resolve(args.recipe, env, overrides, embedded=mode == "embedded")
+        cfg = resolve(args.recipe, env, overrides, embedded=mode == "embedded", override_names=FLAG_NAMES)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

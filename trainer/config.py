@@ -300,7 +300,8 @@ def _validation_sentence(recipe: str, e: Any, from_env: Mapping[str, str]) -> st
         dotted = ".".join(str(x) for x in err["loc"])
         var = from_env.get(dotted)
         name = var or dotted
-        shown = f"{name}={err['input']!r}" if err["type"] != "missing" else name
+        base, _, flag = name.partition(" (")  # "ENGINE (--engine)": the variable, then the flag
+        shown = (f"{base}={err['input']!r}" + (f" ({flag}" if flag else "")) if err["type"] != "missing" else name
         parts.append(f"{shown}: {err['msg']}")
     return f"recipe {recipe!r} ({recipe_path(recipe)}) does not resolve: " + "; ".join(parts)
 
@@ -311,8 +312,12 @@ def resolve(
     overrides: Mapping[str, Any] | None = None,
     *,
     embedded: bool = False,
+    override_names: Mapping[str, str] | None = None,
 ) -> RecipeConfig:
     """Resolve a recipe: defaults < runs/<recipe>.yaml < environment < `overrides` (dotted keys).
+
+    `override_names` says what the user typed for an override (`train.engine` -> `ENGINE`), so an error
+    names that instead of the recipe key.
 
     `embedded=True` (the loop on this machine) applies the recipe's `embedded.overrides` (the small base
     built on the spot) or, when `overrides` names a `model.path` (MODEL=), its `embedded.model_overrides`,
@@ -338,6 +343,8 @@ def resolve(
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(tree, dotted, value)
+            if dotted in (override_names or {}):
+                from_env[dotted] = override_names[dotted]
     try:
         return RecipeConfig.model_validate(tree)
     except ValidationError as e:

@@ -215,6 +215,8 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
             assert evaluated == version, (evaluated, version)
             curve.append([step, acc])
     lags = sorted({s["learner_version"] - v for s in steps for v in s["group_versions"]})
+    if lags != [cell.lag]:  # the cell measures nothing if its groups were not exactly k versions old
+        raise RuntimeError(f"{cell.name}: the learner used groups {lags} versions old, not {cell.lag}")
     rewards = [s["reward"] for s in steps]
     tail = rewards[-max(1, len(rewards) // 4):]
     shutil.rmtree(root, ignore_errors=True)

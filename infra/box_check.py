@@ -85,6 +85,19 @@ def check_dirs(slime_dir: str, megatron_dir: str) -> dict:
     return {"ok": True}
 
 
+def check_slime(slime_dir: str) -> dict:
+    """slime's commit (`git log -1`): what the patch step and the launch log name; the patches themselves
+    are decided from slime's code (infra/patches/probes.py), not from this."""
+    # the ceiling keeps git from answering with an enclosing repository's commit
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": os.path.dirname(os.path.abspath(slime_dir))}
+    res = subprocess.run(["git", "-C", slime_dir, "log", "-1", "--format=%H %cs"], capture_output=True, text=True,
+                         env=env, check=False) if shutil.which("git") else None
+    if res is None or res.returncode != 0 or not res.stdout.strip():
+        return {"ok": True, "commit": "unknown (not a git checkout)"}
+    sha, date = res.stdout.split()
+    return {"ok": True, "commit": sha, "date": date}
+
+
 def check_imports(megatron_dir: str, python: str = sys.executable, modules=IMAGE_IMPORTS) -> dict:
     code = ("import importlib,json\nbad={}\nfor m in " + repr(tuple(modules)) + ":\n"
             "    try: importlib.import_module(m)\n"
@@ -129,6 +142,8 @@ def run_checks(remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: 
     }
     report["imports"] = check_imports(megatron_dir) if report["image"]["ok"] else {
         "ok": False, "error": "skipped: the image's slime/Megatron-LM directories are missing"}
+    if report["image"]["ok"]:
+        report["slime"] = check_slime(slime_dir)
     report["ok"] = all(v["ok"] for v in report.values())
     return report
 

@@ -185,7 +185,9 @@ def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
         raise StepFailed("check_box:\n" + "\n".join(f"  {k}: {v['error']}" for k, v in report.items()
                                                      if isinstance(v, dict) and not v["ok"]))
     gpus = ", ".join(f"{g['name']} ({g['memory_mib'] // 1024} GiB, driver {g['driver']})" for g in report["gpu"]["gpus"])
-    return f"{gpus}; {report['disk']['free_gb']} GB free"
+    slime = report.get("slime")
+    return f"{gpus}; {report['disk']['free_gb']} GB free" + (
+        f"; slime {slime['commit']} {slime.get('date', '')}".rstrip() if slime else "")
 
 
 def step_write_recipe(cfg: RecipeConfig, paths: BoxPaths) -> str:
@@ -228,14 +230,14 @@ def step_convert_model(cfg: RecipeConfig, paths: BoxPaths) -> str:
 
 
 def step_apply_patches(cfg: RecipeConfig, paths: BoxPaths) -> str:
-    from .patches.apply import PatchRefused, apply_patches
+    from .patches.apply import PatchRefused, apply_patches, summary, tree_commit
 
     lines: list[str] = []
     try:
-        apply_patches(cfg.launch.slime_dir, log=lines.append)
+        states = apply_patches(cfg.launch.slime_dir, log=lines.append)
     except PatchRefused as e:
         raise StepFailed(f"apply_patches: {e}") from None
-    return "; ".join(lines)
+    return f"slime {tree_commit(Path(cfg.launch.slime_dir))}: {summary(states)}"
 
 
 def step_publish_anchor(cfg: RecipeConfig, paths: BoxPaths) -> str:

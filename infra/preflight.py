@@ -43,6 +43,7 @@ def _checks():
         (e.check_run_id, both, None), (e.check_base_anchor, both, None),
         (e.check_ssh, both, "host"),
         (e.check_gpu, both, "box"), (e.check_gpu_memory, quick, "box"), (e.check_disk, both, "box"), (e.check_ray_dashboard, both, "box"),
+        (e.check_slime, both, "box"),
     ]
 
 

@@ -219,5 +219,40 @@ def check_ray_dashboard(ctx: Context) -> Row:
                 "--dashboard-host 127.0.0.1 (reach it through `ssh -L 8265:127.0.0.1:8265`)")
 
 
+def check_slime(ctx: Context) -> Row:
+    """The box's slime: its commit, and what our patch set does there, read off slime's code by
+    infra/patches/probes.py (sent as program text, as infra/box_check.py is): each patch patched already,
+    not needed (upstream has it), or to apply at launch. Our patch text in place with the behaviour missing
+    (a hook that is never called) fails; a missing slime is left to the launch's check_box."""
+    import json
+    from pathlib import Path
+
+    from infra.patches import probes
+
+    assert ctx.run_box is not None
+    if ctx.cfg.train.engine != "slime":
+        return _row("box.slime", True, f"not used (train.engine {ctx.cfg.train.engine})", "-", "")
+    tree = ctx.cfg.launch.slime_dir
+    src = (Path(probes.__file__)).read_text()
+    rc, out = ctx.run_box(f"test -d {shlex.quote(tree)} && python3 -c {shlex.quote(src)} --tree {shlex.quote(tree)}")
+    try:
+        rep = json.loads(out.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return _row("box.slime", False, f"no slime checkout read at {tree} (rc {rc})", "slime with our patch set",
+                    "use the slimerl/slime image (slime at /root/slime) or set launch.slime_dir", warn=True)
+    if not rep["is_slime"]:
+        return _row("box.slime", False, f"{tree} is not a slime checkout (no {probes.ARGUMENTS})",
+                    "slime with our patch set", "point launch.slime_dir at the image's slime checkout")
+    verdicts = rep["verdicts"]
+    broken = [f"{name}: {why}" for name, (state, why) in verdicts.items() if state == "broken"]
+    words = {"patched": "patched", "upstream": "not needed (slime does it)", "to apply": "to apply at launch"}
+    seen = f"slime {rep['commit']}: " + "; ".join(
+        f"{name.removesuffix('.patch')} {words.get(state, state)}" for name, (state, _) in verdicts.items())
+    return _row("box.slime", not broken, seen + ("; " + "; ".join(broken) if broken else ""),
+                "each patch patched, not needed, or applicable",
+                f"restore slime's files and relaunch, which re-applies the patches: cd {tree} && git checkout -- "
+                + " ".join(sorted({f for name in verdicts for f in probes.FILES[name]})))
+
+
 __all__ = ["check_credentials", "check_store", "check_bucket", "check_run_id", "check_base_anchor",
-           "check_ssh", "check_gpu", "check_gpu_memory", "check_disk", "check_ray_dashboard", "hf_config"]
+           "check_ssh", "check_gpu", "check_gpu_memory", "check_disk", "check_ray_dashboard", "check_slime", "hf_config"]

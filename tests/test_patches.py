@@ -299,3 +299,20 @@ def test_probe_report_runs_as_a_standalone_program(tmp_path):
     rep = json.loads(out.stdout)
     assert re.fullmatch(r"[0-9a-f]{40} \d{4}-\d\d-\d\d", rep["commit"]) and rep["is_slime"]
     assert {k: v[0] for k, v in rep["probes"].items()} == {n: False for n in probes.PROBES}
+
+
+def test_box_check_reads_slimes_commit_not_an_enclosing_repositorys(tmp_path):
+    from infra import box_check
+
+    outer = tmp_path / "outer"
+    tree = make_tree(outer, patches.load_patches())
+    assert box_check.check_slime(str(tree))["commit"].startswith("unknown")  # no repository at all
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "outer"]):
+        _git(outer, *args)
+    assert box_check.check_slime(str(tree))["commit"].startswith("unknown")  # outer's commit is not slime's
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "slime"]):
+        _git(tree, *args)
+    sha = _git(tree, "rev-parse", "HEAD").strip()
+    got = box_check.check_slime(str(tree))
+    assert got["ok"] and got["commit"] == sha and re.fullmatch(r"\d{4}-\d\d-\d\d", got["date"])
+    assert probes.slime_commit(tree).startswith(sha)

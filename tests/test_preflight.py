@@ -524,3 +524,61 @@ def test_quickstart_dry_run_piped_into_preflight(moto_server, s3_store, sshd_ser
     out = subprocess.run([sys.executable, "-m", "infra.preflight"], input=embedded.stdout, cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "embedded default" in out.stderr
+
+
+# -- box.slime: the commit and what the patch set does there ---------------------------------------------
+def _slime_git_tree(tmp_path):
+    import test_patches
+
+    from infra.patches import apply as patches
+
+    tree = test_patches.make_tree(tmp_path, patches.load_patches())
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "slime"]):
+        test_patches._git(tree, *args)
+    return tree
+
+
+def _slime_row(file_store, gpu_shim, tmp_path, tree):
+    plan = make_plan("quickstart", file_store.url, remote_dir=str(tmp_path), overrides={"launch.slime_dir": str(tree), "train.engine": "slime"})
+    rows, text = report(plan, "quickstart", run_box=local_box(gpu_shim))
+    return next(r for r in rows if r.check == "box.slime"), text
+
+
+def test_box_slime_names_the_commit_and_each_patch(file_store, gpu_shim, tmp_path):
+    from infra.patches import apply as patches
+
+    tree = _slime_git_tree(tmp_path)
+    sha = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    row, text = _slime_row(file_store, gpu_shim, tmp_path, tree)
+    assert row.status == "PASS" and sha in row.seen, text
+    assert "0001-after-train-hook to apply at launch; 0002-dual-clip-epsilon to apply at launch" in row.seen
+    patches.apply_patches(tree, log=lambda *_: None)
+    row, text = _slime_row(file_store, gpu_shim, tmp_path, tree)
+    assert row.status == "PASS" and "0001-after-train-hook patched; 0002-dual-clip-epsilon patched" in row.seen, text
+
+
+def test_box_slime_upstream_fix_is_not_needed(file_store, gpu_shim, tmp_path):
+    import test_patches
+
+    tree = _slime_git_tree(tmp_path)
+    test_patches._upstream_fixed(tree)
+    row, text = _slime_row(file_store, gpu_shim, tmp_path, tree)
+    assert row.status == "PASS" and "0002-dual-clip-epsilon not needed (slime does it)" in row.seen, text
+
+
+def test_box_slime_fails_when_the_patched_hook_is_never_called(file_store, gpu_shim, tmp_path):
+    from infra.patches import apply as patches
+    from infra.patches import probes
+
+    tree = _slime_git_tree(tmp_path)
+    patches.apply_patches(tree, log=lambda *_: None)
+    actor = tree / probes.ACTOR
+    actor.write_text(actor.read_text().replace("    def train(self, rollout_id,", "    def train_old(self, rollout_id,"))
+    row, text = _slime_row(file_store, gpu_shim, tmp_path, tree)
+    assert row.status == "FAIL" and "has no train() method" in row.seen, text
+    assert "git checkout -- slime/backends/megatron_utils/actor.py" in row.fix
+
+
+def test_box_slime_missing_is_left_to_the_launch(file_store, gpu_shim, tmp_path):
+    row, text = _slime_row(file_store, gpu_shim, tmp_path, tmp_path / "no-slime")
+    assert row.status == "WARN" and "no slime checkout" in row.seen, text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,19 +125,44 @@ PROBES = {
     "0001-after-train-hook.patch": hook_called,
     "0002-dual-clip-epsilon.patch": dual_clip_forwarded,
 }
+#: patch file -> the files it changes (where its "stoa patch NNNN" comment lands)
+FILES = {"0001-after-train-hook.patch": (ACTOR, ARGUMENTS), "0002-dual-clip-epsilon.patch": (LOSS,)}
+
+
+def marked(tree: str | Path, name: str) -> bool:
+    """True when our patch's comment (`stoa patch NNNN`) is in one of the files it changes."""
+    mark = f"stoa patch {name[:4]}"
+    for rel in FILES.get(name, ()):
+        try:
+            if mark in (Path(tree) / rel).read_text():
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def verdict(tree: str | Path, name: str) -> tuple[str, str]:
+    """("patched" | "upstream" | "to apply" | "broken", why) for one patch on `tree`, from its probe and mark:
+    broken is our patch's text in place with the behaviour missing."""
+    ok, why = PROBES[name](tree)
+    if marked(tree, name):
+        return ("patched" if ok else "broken"), why
+    return ("upstream" if ok else "to apply"), why
 
 
 def slime_commit(tree: str | Path) -> str:
     """`<sha> <date>` of the slime checkout, or why it is not known."""
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(Path(tree).resolve().parent)}  # not an enclosing repo's
     res = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%H %cs"], capture_output=True, text=True,
-                         check=False)
+                         env=env, check=False)
     return res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else "unknown (not a git checkout)"
 
 
 def report(tree: str | Path) -> dict:
     """slime's commit and every probe's verdict on `tree`."""
     return {"commit": slime_commit(tree), "is_slime": (Path(tree) / ARGUMENTS).is_file(),
-            "probes": {name: list(fn(tree)) for name, fn in PROBES.items()}}
+            "probes": {name: list(fn(tree)) for name, fn in PROBES.items()},
+            "verdicts": {name: list(verdict(tree, name)) for name in PROBES}}
 
 
 if __name__ == "__main__":

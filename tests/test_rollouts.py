@@ -58,12 +58,13 @@ def put_record(store, d: dict, *, key_version=None, key_worker=None, key_group=N
     return key
 
 
-def source(store, *, reuse_cap=2, groups_per_step=3, sweep_every=10, **kw) -> RolloutSource:
+def source(store, *, reuse_cap=2, groups_per_step=3, sweep_every=10, read_threads=16, **kw) -> RolloutSource:
     rules = dict(run=RUN, n_samples=N, plane="bf16", vocab_size=VOCAB, temperature=1.0, top_p=1.0,
                  max_new_tokens=16, staleness=3)
     rules.update(kw)
     return RolloutSource(store, RecordRules(**rules), BatchRules(groups_per_step=groups_per_step,
-                                                                 reuse_cap=reuse_cap), sweep_every=sweep_every)
+                                                                 reuse_cap=reuse_cap), sweep_every=sweep_every,
+                         read_threads=read_threads)
 
 
 def _sample_edit(field, value, i=0):
@@ -101,8 +102,11 @@ BAD = [
 ]
 
 
-def test_every_bad_record_is_dropped_with_its_reason_while_good_ones_are_used(tmp_path):
+@pytest.mark.parametrize("read_threads", [1, 16])
+def test_every_bad_record_is_dropped_with_its_reason_while_good_ones_are_used(tmp_path, read_threads):
+    """Records read one at a time or 16 at once: the same verdicts, each drop reported once with its key."""
     store = FileStore(tmp_path)
+    keyed: dict[str, str] = {}
     good = [put_record(store, record_dict(worker="good", group=f"ok{i}", version=4 + i % 2)) for i in range(3)]
     expected: dict[str, int] = {}
     for i, (reason, edit, put_kw) in enumerate(BAD):
@@ -111,6 +115,7 @@ def test_every_bad_record_is_dropped_with_its_reason_while_good_ones_are_used(tm
         key = layout.rollout_key(RUN, put_kw.get("key_version", 5), put_kw.get("key_worker", f"bad{i}"),
                                  put_kw.get("key_group", f"b{i}"))
         store.put_if_absent(key, blob)
+        keyed[key] = reason
         expected[reason] = expected.get(reason, 0) + 1
     # objects that never parse as a record key, and one too large to read
     store.put(f"{RUN}/rollouts/v0000000005/loose.json.zst", b"x")
@@ -118,9 +123,14 @@ def test_every_bad_record_is_dropped_with_its_reason_while_good_ones_are_used(tm
     store.put(layout.rollout_key(RUN, 5, "big", "g0"), os.urandom(5000))
     expected["bad_key"] = 2
     expected["oversized"] = 1
+    keyed.update({f"{RUN}/rollouts/v0000000005/loose.json.zst": "bad_key", f"{RUN}/rollouts/v0000000005/w/g.json":
+                  "bad_key", layout.rollout_key(RUN, 5, "big", "g0"): "oversized"})
 
-    src = source(store, max_record_bytes=4096)
+    src = source(store, max_record_bytes=4096, read_threads=read_threads)
+    journal: list[tuple[str, str]] = []
+    src.tally.on_drop = lambda key, reason: journal.append((key, reason))
     assert src.poll(5) == 3
+    assert sorted(journal) == sorted(keyed.items())
     batch = src.take_batch(5)
     assert batch is not None and sorted(g.key for g in batch.groups) == sorted(good)
     assert {r: n for r, n in src.drops.items() if n} == expected

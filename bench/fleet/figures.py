@@ -135,9 +135,15 @@ def memory_figures(rss: list[tuple[float, float]], skip_s: float) -> dict:
     mean_m = sum(m for _, m in later) / n
     var = sum((t - mean_t) ** 2 for t, _ in later)
     slope = sum((t - mean_t) * (m - mean_m) for t, m in later) / var if var else 0.0
+    every, last = [], None
+    for t, m in rss:  # one sample per 10 s, to see the shape
+        if last is None or t - last >= 10:
+            every.append([round(t - t0), round(m, 1)])
+            last = t
     return {"rss_mb_start": round(rss[0][1], 1), "rss_mb_after_warmup": round(later[0][1], 1),
             "rss_mb_end": round(rss[-1][1], 1), "rss_mb_max": round(max(m for _, m in rss), 1),
-            "rss_mb_per_min_after_warmup": round(slope * 60, 2), "samples": len(rss)}
+            "rss_mb_per_min_after_warmup": round(slope * 60, 2), "warmup_s": skip_s, "samples": len(rss),
+            "every_10s": every}
 
 
 def cost_figures(wire: dict, objects: list[ObjectInfo], run: str, elapsed_s: float, versions: int, workers: int,

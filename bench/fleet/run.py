@@ -156,7 +156,7 @@ def _figures(spec: FleetSpec, run: str, direct: S3Store, reports: list[dict], le
         "learner": figures.learner_figures(learner, wire, elapsed),
         "workers": figures.worker_figures(fleet, wire, stop_wall),
         "storm": figures.storm_figures(storm, wire, wire["wall0"]),
-        "memory": figures.memory_figures(learner["rss"], skip_s=min(30.0, elapsed / 3)),
+        "memory": figures.memory_figures(learner["rss"], skip_s=elapsed / 2),
         "cost": figures.cost_figures(wire, objects, run, elapsed, versions["newest"], spec.workers + spec.storm,
                                      spec.staleness, spec.group_s),
         "wire": {"faults": wire["faults"], "statuses": wire["statuses"],

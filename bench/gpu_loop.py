@@ -309,7 +309,7 @@ class Follower(threading.Thread):
 
     def __init__(self, store, run: str, plane: str, poll_s: float = 0.05):
         super().__init__(daemon=True)
-        self.store, self.run, self.plane, self.poll_s = store, run, plane, poll_s
+        self.store, self.run_id, self.plane, self.poll_s = store, run, plane, poll_s  # not self.run: Thread.run
         self.lags: list[dict] = []
         self.stop_evt = threading.Event()
         self.error: str | None = None
@@ -321,12 +321,12 @@ class Follower(threading.Thread):
         from worker_contract.reconstruct import Reconstructor
 
         try:
-            key = load_manifest(self.store, self.run).trainer_public_key
-            rec = Reconstructor(self.store, self.run, plane=self.plane, public_key=key)
+            key = load_manifest(self.store, self.run_id).trainer_public_key
+            rec = Reconstructor(self.store, self.run_id, plane=self.plane, public_key=key)
             rec.join()
             plane = get_plane(self.plane)
             while not self.stop_evt.wait(self.poll_s):
-                pointer, _ = read_pointer(self.store, self.run, key)
+                pointer, _ = read_pointer(self.store, self.run_id, key)
                 if pointer is None or pointer.version <= rec.version:
                     continue
                 t0 = time.monotonic()

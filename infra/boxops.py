@@ -4,7 +4,8 @@ Runs on the GPU box itself, either directly or as `python3 -m infra.boxops <cmd>
 so both paths share one implementation. The trainer is started in a session of its own (setsid), with its
 output appended to `<remote_dir>/logs/<run>.log` and `<pid> <start time>` in the run's pid file, so it
 survives the SSH session that started it and a recycled PID is never mistaken for it. `stop` ends only
-that process group (and the run's Ray jobs, found by their `stoa_run` metadata), by PID.
+that process group (and the run's Ray jobs, found by their `stoa_run` metadata), by PID: SIGTERM to the
+trainer itself, then to what is left of its group.
 
     python3 -m infra.boxops status   --remote-dir /root/dRL --run my-run [--lines 20]   # JSON
     python3 -m infra.boxops stop     --remote-dir /root/dRL --run my-run [--dry-run]
@@ -161,13 +162,20 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
     if pid is not None:
         if os.getpgid(pid) != pid:  # started by start_detached, so it leads its own group
             raise RuntimeError(f"pid {pid} does not lead its process group; refusing to signal the group")
-        os.killpg(pid, signal.SIGTERM)
+        # the leader first: the native learner finishes its step, checkpoints and shuts its own Ray down;
+        # a SIGTERM to the whole group would reach its Ray processes first, which die on it mid-step
+        os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while alive_pid(paths.pid_file) is not None and time.monotonic() < deadline:
             time.sleep(0.1)
         if alive_pid(paths.pid_file) is not None:
             log(f"trainer {pid} ignored SIGTERM for {timeout_s:.0f} s; sending SIGKILL")
             os.killpg(pid, signal.SIGKILL)
+        else:
+            try:  # whatever of its group outlived it
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         log(f"stopped trainer process group {pid}")
     else:
         log(f"no trainer process of run {run} is running")

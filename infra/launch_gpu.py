@@ -153,7 +153,10 @@ def _native_plan(cfg: RecipeConfig, paths: BoxPaths, *, host: str | None, env: M
     if cfg.task == "psqa":
         raise ValueError("the psqa recipe runs on the slime engine (ENGINE=slime) until the native engine is "
                          "measured at its model's size (docs/performance.md)")
-    notes = nl.plan_notes(cfg)
+    hf_config, source = hf_config_for(cfg, paths)
+    if hf_config is not None:
+        rotary_base(cfg, hf_config)  # a recipe value that differs from rope_theta is refused outright
+    notes = [f"model facts from {source}", *nl.plan_notes(cfg)]
     if store.startswith("file://"):
         notes.append("DRL_STORE is a file store: workers on other machines cannot reach it")
     python = "python3" if host else sys.executable

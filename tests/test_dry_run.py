@@ -18,6 +18,9 @@ from infra.remote import launch_remote
 from trainer.config import REPO_ROOT, resolve
 
 SECRET = "dryrun-SECRET-7c1f0e9d8b"
+#: these tests read the slime engine's launch (the gsm8k recipe's default engine is native:
+#: tests/test_native_launch.py)
+SLIME = {"train.engine": "slime"}
 KEY_ID = "dryrun-KEYID-55aa66bb"
 CREDS = {"R2_ACCOUNT_ID": "acct-dry", "R2_ACCESS_KEY_ID": KEY_ID, "R2_SECRET_ACCESS_KEY": SECRET,
          "R2_BUCKET": "stoa-dry"}
@@ -74,7 +77,7 @@ def _snapshot(root: Path) -> dict[str, float]:
 
 
 def test_quickstart_dry_run_has_every_contract_flag_and_no_secret(clean_env):
-    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-gsm8k"})
+    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-gsm8k"}, overrides=SLIME)
     stoa_before = _snapshot(REPO_ROOT / ".stoa")
     lines: list[str] = []
     assert launch_on_this_box(cfg, dry_run=True, out=lines.append) == 0
@@ -97,7 +100,7 @@ def test_quickstart_dry_run_has_every_contract_flag_and_no_secret(clean_env):
 
 
 def test_remote_dry_run_never_touches_the_box(clean_env, sshd_server):  # noqa: F811
-    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-remote"})
+    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-remote"}, overrides=SLIME)
     remote = clean_env / "box" / "dRL"
     lines: list[str] = []
     rc = launch_remote(cfg, host=sshd_server.host, ssh_key=str(sshd_server.client_key), remote_dir=str(remote),
@@ -128,7 +131,7 @@ def test_fleet_recipe_reuses_the_generator_with_its_values(clean_env, monkeypatc
 
 def test_make_level_dry_run_output_parses(clean_env, monkeypatch):
     """`DRL_DRY_RUN=1 python -m infra.launch_gpu --recipe-json ...` (the box entry) prints a parsable plan."""
-    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-entry"})
+    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-entry"}, overrides=SLIME)
     recipe = clean_env / "recipe.json"
     recipe.write_text(cfg.model_dump_json())
     env = {**os.environ, "DRL_DRY_RUN": "1", "PYTHONPATH": str(REPO_ROOT)}
@@ -140,7 +143,7 @@ def test_make_level_dry_run_output_parses(clean_env, monkeypatch):
 
 
 def test_plan_round_trip_and_refusals(clean_env):
-    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-rt"})
+    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-rt"}, overrides=SLIME)
     plan = build_plan(cfg, host=None, remote_dir="/root/dRL", env=CREDS, store="r2://stoa-dry")
     text = render_plan(plan)
     assert text.count(BEGIN_MARKER) == 1 and text.count(END_MARKER) == 1
@@ -175,7 +178,7 @@ def test_trainer_only_mode_follows_the_slime_on_the_box(tmp_path, clean_env):
     actor.write_text("def update_weights(self):\n    return\n")
     assert detect_trainer_only(str(tmp_path / "slime")) == "debug-train-only"
     assert detect_trainer_only(str(tmp_path / "nowhere")) is None
-    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-old"}, overrides={"launch.slime_dir": str(tmp_path / "slime")})
+    cfg = resolve("gsm8k", env={"DRL_RUN": "dry-old"}, overrides={**SLIME, "launch.slime_dir": str(tmp_path / "slime")})
     plan = build_plan(cfg, host=None, remote_dir="/root/dRL", env=CREDS, store="r2://stoa-dry")
     assert "--debug-train-only" in plan.slime_args and "--rollout-num-gpus" not in plan.slime_args
     assert any("predates PR #2057" in n for n in plan.notes)

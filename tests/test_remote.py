@@ -254,7 +254,7 @@ def test_on_box_launch_stops_at_check_box_here(monkeypatch):
     for k, v in CREDS.items():
         monkeypatch.setenv(k, v)
     lines: list[str] = []
-    cfg = resolve("gsm8k", env={"DRL_RUN": "box-test-1"})
+    cfg = resolve("gsm8k", env={"DRL_RUN": "box-test-1"}, overrides={"train.engine": "slime"})  # its 8 steps
     assert launch_on_this_box(cfg, out=lines.append) == 1
     text = "\n".join(lines)
     assert "[1/8] check_box FAILED" in text and "nvidia-smi: not found" in text
@@ -270,7 +270,8 @@ def test_box_launch_over_ssh_reaches_the_on_box_sequence(sshd_server, tmp_path):
     from infra.slime_launch import BoxPaths
 
     remote = tmp_path / "box" / "dRL"
-    cfg = resolve("gsm8k", env={"DRL_RUN": "box-ssh-1"}).model_copy(update={"store": "r2://stoa-test"})
+    cfg = resolve("gsm8k", env={"DRL_RUN": "box-ssh-1"}, overrides={"train.engine": "slime"}).model_copy(
+        update={"store": "r2://stoa-test"})  # the slime engine's 8 on-box steps (native: test_native_launch.py)
     paths = BoxPaths(remote_dir=str(remote), run="box-ssh-1")
     with connect(sshd_server.host, str(sshd_server.client_key)) as conn:
         deploy.ship_tree(conn, REPO_ROOT, str(remote))

@@ -51,14 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     from worker_contract.store import open_store
 
     from .learner import run_learner
+    from .ray_runtime import ray_session
 
     cfg = RecipeConfig.model_validate_json(Path(args.recipe_json).read_text())
     env_file = Path(args.env_file) if args.env_file and Path(args.env_file).exists() else None
     env = dict(load_env(env_file=env_file))
     os.environ.setdefault("DRL_RAY_DASHBOARD", "1")  # on 127.0.0.1 only (trainer/ray_runtime.py)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     store = open_store(cfg.store, env)
     key = load_private_key(Path(args.state_dir) / "trainer.key")
     last_step = [time.monotonic()]
@@ -71,8 +70,13 @@ def main(argv: list[str] | None = None) -> int:
                  m.get("rollout/staleness_mean", float("nan")))
 
     threading.Thread(target=_waiting_lines, args=(last_step, stop), daemon=True).start()
-    res = run_learner(cfg, store, load_manifest(store, cfg.run), key, args.model_dir, args.state_dir,
-                      on_step=on_step, stop_event=stop, store_env=env)
+    with ray_session(args.state_dir):  # run_learner joins this session
+        # after Ray's start: its head installs a SIGTERM handler that ends every Ray process at once; ours
+        # asks for a stop after the step in hand (publishes and a checkpoint), then Ray shuts down
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        res = run_learner(cfg, store, load_manifest(store, cfg.run), key, args.model_dir, args.state_dir,
+                          on_step=on_step, stop_event=stop, store_env=env)
     print(json.dumps({"learner_done": {"step": res.step, "version": res.version,
                                        "first_version": res.first_version}}), flush=True)
     return 0

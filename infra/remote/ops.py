@@ -14,6 +14,20 @@ from pathlib import Path, PurePosixPath
 from .ssh import RemoteStepError, connect, q, run
 
 
+class BoxUnreachable(ValueError):
+    """No SSH session to the box as given (address, port, key): the user's input or the box, not our code."""
+
+
+def _connect(host: str, ssh_key: str | None):
+    try:
+        conn = connect(host, ssh_key)
+        conn.open()
+    except Exception as e:  # paramiko's and the socket's errors alike: the box is not reachable as given
+        raise BoxUnreachable(f"cannot connect to {host} over SSH ({type(e).__name__}: {e}); check HOST, "
+                             "--ssh-key and that the box is up") from None
+    return conn
+
+
 def _boxops(conn, step: str, remote_dir: str, run_id: str, *args: str, python: str = "python3") -> dict:
     cmd = (f"cd {q(remote_dir)} && {q(python)} -m infra.boxops {step} --remote-dir {q(remote_dir)} "
            f"--run {q(run_id)} " + " ".join(q(a) for a in args))
@@ -42,13 +56,7 @@ def _call(host: str | None, step: str, remote_dir: str, run_id: str, *args: str,
     try:
         if host is None:
             return _local(step, remote_dir, run_id, *args)
-        try:
-            conn = connect(host, ssh_key)
-            conn.open()
-        except Exception as e:  # paramiko's and the socket's errors alike: the box is not reachable as given
-            raise ValueError(f"cannot connect to {host} over SSH ({type(e).__name__}: {e}); check HOST, "
-                             "--ssh-key and that the box is up") from None
-        with conn:
+        with _connect(host, ssh_key) as conn:
             return _boxops(conn, step, remote_dir, run_id, *args, python=python)
     except RemoteStepError as e:
         if e.exited == 2 and e.stderr:
@@ -65,7 +73,9 @@ def remote_status(host: str | None, run: str, *, ssh_key: str | None = None, rem
     except RemoteStepError as e:
         return {"run": run, "remote_dir": remote_dir, "deployed": False, "alive": False, "pid": None,
                 "error": e.stderr or e.stdout}
-    except (ValueError, OSError) as e:  # the box refused (no such tree) or cannot be reached
+    except BoxUnreachable:
+        raise  # the caller reports an unreachable box (status: a note)
+    except (ValueError, OSError) as e:  # the box refused (no such tree here)
         return {"run": run, "remote_dir": remote_dir, "deployed": False, "alive": False, "pid": None,
                 "error": str(e)}
 
@@ -92,13 +102,7 @@ def logs(host: str | None, run: str, *, ssh_key: str | None = None, remote_dir: 
     cmd = ["tail", "-n", str(lines), *(["-F"] if follow else []), log_file]
     if host is None:
         return subprocess.run(cmd, check=False).returncode
-    try:
-        conn = connect(host, ssh_key)
-        conn.open()
-    except Exception as e:  # paramiko's and the socket's errors alike: the box is not reachable as given
-        raise ValueError(f"cannot connect to {host} over SSH ({type(e).__name__}: {e}); check HOST, "
-                         "--ssh-key and that the box is up") from None
-    with conn:
+    with _connect(host, ssh_key) as conn:
         res = conn.run(" ".join(q(c) for c in cmd), warn=True, pty=follow, in_stream=False)
         if res.exited != 0 and not follow:
             raise RemoteStepError("logs", " ".join(cmd), res.exited, res.stderr, res.stdout)

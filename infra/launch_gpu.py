@@ -154,8 +154,9 @@ def _native_plan(cfg: RecipeConfig, paths: BoxPaths, *, host: str | None, env: M
         raise ValueError("the psqa recipe runs on the slime engine (ENGINE=slime) until the native engine is "
                          "measured at its model's size (docs/performance.md)")
     hf_config, source = hf_config_for(cfg, paths)
-    if hf_config is not None:
+    if hf_config is not None and cfg.model.rotary_base is not None:
         rotary_base(cfg, hf_config)  # a recipe value that differs from rope_theta is refused outright
+        # (the learner reads the HF config itself; create_run checks the model's identity again)
     notes = [f"model facts from {source}", *nl.plan_notes(cfg)]
     if store.startswith("file://"):
         notes.append("DRL_STORE is a file store: workers on other machines cannot reach it")

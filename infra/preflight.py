@@ -146,14 +146,45 @@ def _hf_dir_from_shared_base(ctx) -> Path | None:
     return Path(tmp.name) if (Path(tmp.name) / "config.json").is_file() else None
 
 
+#: checks of slime's command line (flags, its dashboard, its tree): the native engine has none of them; its
+#: learner runs trainer/algo.py on the recipe's values, which `engine` checks against the profile instead
+SLIME_ONLY = frozenset({"check_contract_agrees", "check_save_interval", "check_dual_clip", "check_gate",
+                        "check_reducer", "check_no_save_hf", "check_algo", "check_batch", "check_ray_dashboard",
+                        "check_slime"})
+
+
+def _native_row(ctx):
+    """The native engine's recipe values against the profile (what the slime-flag rows check for slime)."""
+    from infra.preflight_checks import Row
+
+    a, p = ctx.cfg.algo, ctx.profile
+    want = dict(p.algo)
+    if p.batch_groups is not None:
+        want["groups_per_step"] = p.batch_groups
+    seen = {k: getattr(a, k) for k in want}
+    bad = [k for k, v in want.items() if float(seen[k]) != float(v)]
+    if a.eps_clip_c <= 1:
+        bad.append("eps_clip_c")
+    return Row(check="engine", status="FAIL" if bad else "PASS",
+               seen="native: " + " ".join(f"{k}={v}" for k, v in seen.items()) + f" eps_clip_c={a.eps_clip_c}",
+               required=" ".join(f"{k}={v}" for k, v in want.items()) + " eps_clip_c>1 (trainer/algo.py: DPPO "
+               "gate, dual clip, Dr.GRPO reducer, k3 KL)",
+               fix="" if not bad else f"set algo.{', algo.'.join(bad)} in runs/{p.recipe}.yaml as required")
+
+
 def run_checks(ctx) -> list:
     """Every check of the profile, in order; a check that crashes is a FAIL row naming the crash."""
     from infra.preflight_checks import Row
     from worker_contract.env import redact
 
     rows = []
+    native = ctx.cfg.train.engine == "native"
+    if native:
+        rows.append(_native_row(ctx))
     for fn, profiles, needs in _checks():
         if ctx.profile.name not in profiles or (needs == "host" and "box" not in ctx.facts):
+            continue
+        if native and fn.__name__ in SLIME_ONLY:
             continue
         if needs == "box" and ctx.run_box is None:
             if "box" in ctx.facts:  # a host was given but did not answer: box.ssh failed, these wait on it

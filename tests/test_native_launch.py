@@ -215,3 +215,22 @@ def test_native_launch_over_ssh(sshd_server, tmp_path, monkeypatch):  # noqa: F8
     assert "box_launch FAILED" in text and "[1/7] check_box FAILED" in text and "nvidia-smi: not found" in text
     assert (remote / ".r2env").exists() and (remote / "infra" / "native_launch.py").exists()
     assert creds["R2_SECRET_ACCESS_KEY"] not in text and creds["R2_ACCESS_KEY_ID"] not in text
+
+
+def test_preflight_of_a_native_plan_checks_the_recipe_not_slime_flags(tmp_path):
+    """The native plan has no slime flags: the preflight's `engine` row checks the recipe's objective values
+    against the profile instead, and fails when one differs."""
+    from infra.launch_gpu import build_plan
+    from infra.launch_plan import parse_plan, render_plan
+    from infra.preflight import build_context, run_checks
+
+    url = f"file://{tmp_path / 'bucket'}"
+    contract = {"DRL_RUN": "pf-native-1", "DRL_N_SAMPLES": "8", "DRL_STORE": url, "DRL_PULSE_PLANE": "bf16"}
+    for overrides, status in (({}, "PASS"), ({"algo.reuse_cap": 3}, "FAIL")):
+        cfg = resolve("gsm8k", contract, overrides)
+        plan = parse_plan(render_plan(build_plan(cfg, host=None, remote_dir="/root/dRL", env=contract, store=url)))
+        rows = run_checks(build_context(plan, profile="quickstart", env={"PATH": os.environ["PATH"]}))
+        by = {r.check: r for r in rows}
+        assert by["engine"].status == status, by["engine"]
+        assert [r.check for r in rows if r.status == "FAIL"] == ([] if status == "PASS" else ["engine"])
+        assert "recipe.dppo_gate" not in by and "contract.agree" not in by

@@ -37,7 +37,8 @@ def make_plan(profile: str, store_url: str, *, env: dict | None = None, override
     if profile == "fleet":
         contract["DRL_KV_MODE"] = "paged_prefix"
     contract.update(env or {})
-    cfg = resolve(RECIPE[profile], contract, overrides or {})
+    # the slime engine's plan: most rows check its flags (the native engine's row: tests/test_native_launch.py)
+    cfg = resolve(RECIPE[profile], contract, {"train.engine": "slime", **(overrides or {})})
     plan = build_plan(cfg, host=host, remote_dir=remote_dir, env=contract, store=store_url)
     assert plan.command[0] == "ray", plan.notes  # the model flags resolved
     return plan
@@ -517,7 +518,7 @@ def test_quickstart_dry_run_piped_into_preflight(moto_server, s3_store, sshd_ser
             if line[:4] in ("PASS", "FAIL", "WARN")}
     assert "profile quickstart" in out.stdout and rows["box.ssh"] == "PASS", out.stdout + out.stderr
     assert {k for k, v in rows.items() if v != "PASS"} <= {"box.gpu", "box.gpu_memory", "box.disk"}, out.stdout
-    assert {"recipe.algo", "recipe.batch", "contract.agree"} <= set(rows)
+    assert {"engine", "model.rotary_base", "bucket"} <= set(rows)  # the quickstart's default engine is native
     # without HOST (and no GPU here) the dry run is the embedded default: nothing to preflight, said plainly
     embedded = subprocess.run(launch, cwd=REPO, env={**env, "DRL_STORE": ""}, capture_output=True, text=True,
                               timeout=300)

@@ -361,7 +361,8 @@ def part_throughput(args) -> dict:
     _log(f"random Qwen2.5-1.5B shapes: {model['params'] / 1e9:.3f} B parameters in {model['build_s']} s")
     run = f"gpu-loop-tput-{int(time.time())}"
     cfg = resolve_cfg(run, model["path"], f"file://{root / 'bucket'}", {
-        "task": "arithmetic", "train.save_interval": 100000, "train.num_steps": 100000})
+        "task": "arithmetic", "train.save_interval": 100000, "train.num_steps": 100000,
+        "algo.max_new_tokens": args.tput_max_new_tokens})  # None: the recipe's 1024
     rc, launch_s = launch(cfg)
     result: dict = {"model": model, "launch_rc": rc, "launch_s": round(launch_s, 1),
                     "recipe": cfg.model_dump(mode="json")}
@@ -385,7 +386,7 @@ def part_throughput(args) -> dict:
         while time.monotonic() - t_run < args.tput_seconds:
             time.sleep(2)
             rows = [r for r in read_rows(metrics) if "train/grad_norm" in r]
-            if not joined_late and len(rows) >= 6:  # a cold join once the run has patches to catch up on
+            if not joined_late and len(rows) >= args.cold_join_after:  # once there are patches to catch up on
                 joined_late = True
                 t_c = time.monotonic()
                 n = args.gpu_workers + 1
@@ -426,7 +427,8 @@ def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, 
         "publish_latency_s_median": _median([r.get("publish/latency_s") for r in steps]),
         "patch_bytes_median": _median([r.get("publish/patch_bytes") for r in steps
                                        if r.get("publish/kind", "patch") == "patch"]),
-        "tokens_per_step_mean": _mean([r.get("rollout/response_len_mean") for r in steps]),
+        "response_len_mean": _mean([r.get("rollout/response_len_mean") for r in steps]),
+        "worker_tokens_per_s": _worker_rate(rows),
         "reused_frac_mean": _mean([r.get("rollout/reused_frac") for r in steps]),
         "follower_lag_s": [x["seconds"] for x in follower.lags],
         "follower_lag_s_median": _median([x["seconds"] for x in follower.lags]),
@@ -435,6 +437,17 @@ def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, 
                                         "publish/patch_bytes", "publish/encode_s", "publish/latency_s", "version")}
                  for r in rows],
     }
+
+
+def _worker_rate(rows: list[dict]) -> float | None:
+    """Sampled tokens per second of all workers together, from the groups the learner accepted between its
+    first and last row (groups x samples x mean response length)."""
+    if len(rows) < 2 or "rollout/accepted" not in rows[0]:
+        return None
+    groups = rows[-1]["rollout/accepted"] - rows[0]["rollout/accepted"]
+    length = _mean([r.get("rollout/response_len_mean") for r in rows]) or 0.0
+    dt = rows[-1]["time"] - rows[0]["time"]
+    return round(groups * 8 * length / dt, 1) if dt > 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the part's directory and run id (several at once)")
     ap.add_argument("--gpu-workers", type=int, default=8, help="GPU workers of the throughput part")
     ap.add_argument("--tput-seconds", type=float, default=180.0)
+    ap.add_argument("--tput-max-new-tokens", type=int, default=None,
+                    help="response budget of the throughput part (default: the recipe's 1024)")
+    ap.add_argument("--cold-join-after", type=int, default=3, help="learner steps before the late worker starts")
     ap.add_argument("--out", default=str(RESULTS / "gpu_loop.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("DRL_MIN_FREE_GB", "20")  # the device's disk is 64 GB; a rented box keeps 100

@@ -74,6 +74,8 @@ def learner_figures(learner: dict, wire: dict, elapsed_s: float) -> dict:
                    "max": round(max((p[1] for p in polls), default=0.0), 4)},
         "poll_busy_frac": round(_covered([(end - dt, end) for end, dt, _, _ in polls]) / elapsed_s, 3),
         "lists_per_poll": round(sum(p[2] for p in polls) / max(len(polls), 1), 2),
+        "slowest_polls": [{"end": round(end - polls[0][0], 1), "s": round(dt, 2), "lists": lists, "added": added}
+                          for end, dt, lists, added in sorted(polls, key=lambda p: -p[1])[:6]] if polls else [],
         "requests_per_step": round(_sum(billed, "learner") / steps, 1),
         "list_requests_per_step": round(_sum(billed, "learner", "LIST") / steps, 1),
         "record_reads_per_step": round(_sum(billed, "learner", "GET", "rollout") / steps, 1),

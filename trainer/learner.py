@@ -90,7 +90,7 @@ class LearnerActor:
     """The policy, its optimizer, the step, and the publisher thread; the source is another actor."""
 
     def __init__(self, cfg_json: str, model_dir: str, run_dir: str, source, spec, manifest_json: str,
-                 key_pem: bytes, torch_threads: int | None):
+                 key_pem: bytes, torch_threads: int | None, device: str | None = None):
         import torch
 
         from .backends import get_backend
@@ -103,7 +103,9 @@ class LearnerActor:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         torch.manual_seed(self.cfg.train.seed)
-        self.backend = get_backend(self.cfg.train.backend).load(model_dir, self.cfg)
+        # `device` "cuda" with tensor parallel > 1: the backend's rank actors hold one GPU each, this actor none
+        self.backend = get_backend(self.cfg.train.backend).load(model_dir, self.cfg,
+                                                                **({"device": device} if device else {}))
         self.ckpt_root = Path(run_dir) / "checkpoints"
         self.source = source
         manifest = RunManifest.model_validate_json(manifest_json)
@@ -260,9 +262,12 @@ def run_learner(
         mjson = manifest.model_dump_json()
         source = ray.remote(num_cpus=0)(SourceActor).remote(
             spec, mjson, cfg.algo.model_dump_json(), cfg.train.poll_interval_s)
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        on_gpus = ray.cluster_resources().get("GPU", 0) >= 1
+        tp_ranks = on_gpus and cfg.train.tensor_parallel > 1  # the rank actors take the GPUs, one each
+        gpus = 1 if on_gpus and not tp_ranks else 0
         learner = ray.remote(num_cpus=0, num_gpus=gpus)(LearnerActor).remote(
-            cfg.model_dump_json(), str(model_dir), str(run_dir), source, spec, mjson, key_to_pem(key), threads)
+            cfg.model_dump_json(), str(model_dir), str(run_dir), source, spec, mjson, key_to_pem(key), threads,
+            "cuda" if tp_ranks else None)
         info = ray.get(learner.setup.remote())
         log.info("learner at step %d, published anchor v%d%s", info["step"], info["version"],
                  f" (resumed from {info['resumed_from']})" if info["resumed_from"] else "")

@@ -140,11 +140,17 @@ def learner_main(argv: list[str] | None = None) -> int:
 
     cfg = RecipeConfig.model_validate_json(Path(args.recipe_json).read_text())
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     store = open_store(cfg.store)
     key = load_private_key(Path(args.run_dir) / "trainer.key")
-    res = run_learner(cfg, store, load_manifest(store, cfg.run), key, args.model_dir, args.run_dir, stop_event=stop)
+    from .ray_runtime import ray_session
+
+    with ray_session(args.run_dir):  # run_learner joins it
+        # after Ray's start: its head's own SIGTERM handler ends every Ray process at once (no last step,
+        # no checkpoint); ours asks for a stop after the step in hand
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        res = run_learner(cfg, store, load_manifest(store, cfg.run), key, args.model_dir, args.run_dir,
+                          stop_event=stop)
     print(json.dumps({"learner_done": {"step": res.step, "version": res.version,
                                        "first_version": res.first_version}}), flush=True)
     return 0

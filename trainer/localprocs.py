@@ -61,12 +61,16 @@ class Processes:
 
     @staticmethod
     def signal(child: Child, sig: int) -> None:
-        """Signal the process group we created for a child: it and what it started (Ray's processes)."""
-        if child.alive():
-            try:
+        """SIGKILL: the process group we created for a child, it and what it started (Ray's processes), also
+        when the child itself is gone. Any other signal: the child alone, which stops what it started
+        itself (a SIGTERM to the group would reach Ray's processes too, and they end on it mid-step)."""
+        try:
+            if sig == signal.SIGKILL:
                 os.killpg(child.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+            elif child.alive():
+                os.kill(child.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def signal_all(self, sig: int) -> None:
         for c in self.children:

@@ -109,3 +109,68 @@ def gpu_loop(session: nox.Session) -> None:
     """The whole loop on this GPU box through the native launch (`python -m bench.gpu_loop`): learning and
     throughput, results in bench/results/gpu_loop.json (needs a CUDA GPU; `-- --parts learning` for one)."""
     _run_cli(session, "-m", "bench.gpu_loop", *session.posargs)
+
+
+#: what the slime_compat venv holds: sglang as slime imports it (0.5.13 pins transformers 5.8.1), the CPU torch
+#: this machine has (sglang's own torch pin is a CUDA build), no torchvision (tests/slime_compat_stub stands in)
+SLIME_COMPAT_PINS = ["torch==2.13.0", "transformers==5.8.1"]
+SLIME_COMPAT_NO_DEPS = ["sglang==0.5.13", "sglang-router==0.3.2"]
+SLIME_COMPAT_DEPS = [
+    # what importing slime, sglang's server args and Megatron-LM's source tree needs on CPU
+    "triton", "orjson", "psutil", "pybase64", "requests", "pillow", "starlette", "IPython", "aiohttp", "pyzmq",
+    "openai", "partial_json_parser", "dill", "sentencepiece", "wandb", "ray", "torch_memory_saver", "six", "xxhash",
+    "einops", "safetensors", "tokenizers",
+    # the project's own core and test runner (the repository itself is on the path, not installed)
+    "ml_dtypes", "blake3", "numpy", "pydantic", "zstandard", "boto3", "cryptography", "pyyaml", "pytest",
+]
+
+
+def _copy_tree(session: nox.Session, src: str, dest: str) -> str:
+    """A git checkout of `src` at its commit (`git archive`, committed again), so the patches change a copy."""
+    if os.path.isdir(os.path.join(src, ".git")) or os.path.isfile(os.path.join(src, ".git")):
+        os.makedirs(dest)
+        archive = subprocess.run(["git", "-C", src, "archive", "HEAD"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    else:
+        shutil.copytree(src, dest)
+    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=stoa", "-c", "user.email=stoa@localhost",
+                                                 "commit", "-qm", f"copy of {src}"]):
+        subprocess.run(["git", *args], cwd=dest, check=True)
+    return dest
+
+
+@nox.session(venv_backend="venv")
+def slime_compat(session: nox.Session) -> None:
+    """Our slime engine against real slime on CPU: `nox -s slime_compat -- SLIME_DIR MEGATRON_DIR [pytest args]`.
+    In its own venv (sglang 0.5.13, transformers 5.8.1, not the project's .venv); patches a copy of slime
+    and runs tests/slime_compat_checks.py. Not part of `make test` (CI has no slime); results: docs/slime.md."""
+    import tempfile
+
+    if len(session.posargs) < 2 or not all(os.path.isdir(d) for d in session.posargs[:2]):
+        session.error("usage: nox -s slime_compat -- SLIME_DIR MEGATRON_DIR (a slime checkout and a Megatron-LM "
+                      "checkout; get them with git clone of THUDM/slime and NVIDIA/Megatron-LM)")
+    slime_dir, megatron_dir = (os.path.abspath(d) for d in session.posargs[:2])
+    pins = os.path.join(session.create_tmp(), "pins.txt")
+    with open(pins, "w") as f:
+        f.write("\n".join(SLIME_COMPAT_PINS) + "\n")
+    session.install("-c", pins, *SLIME_COMPAT_PINS)
+    session.install("--no-deps", *SLIME_COMPAT_NO_DEPS)
+    session.install("-c", pins, *SLIME_COMPAT_DEPS)
+    work = tempfile.mkdtemp(prefix="stoa-slime-compat-")
+    slime = _copy_tree(session, slime_dir, os.path.join(work, "slime"))
+    megatron = _copy_tree(session, megatron_dir, os.path.join(work, "Megatron-LM"))
+    mpatch = os.path.join(slime, "docker", "patch", "latest", "megatron.patch")
+    if os.path.isfile(mpatch):  # as slime's Dockerfile does
+        session.run("git", "apply", "--3way", mpatch, external=True, env={"GIT_DIR": os.path.join(megatron, ".git"),
+                                                                          "GIT_WORK_TREE": megatron})
+    session.run("python", "infra/patches/probes.py", "--tree", slime_dir)  # slime's commit, as given
+    session.run("python", "-m", "infra.patches.apply", "--tree", slime)
+    # the packages alone (links), not the checkouts' roots: both have a `tests` package that would shadow ours
+    pkgs = os.path.join(work, "path")
+    os.makedirs(pkgs)
+    for name, root in (("megatron", megatron), ("slime", slime), ("slime_plugins", slime)):
+        if os.path.isdir(os.path.join(root, name)):
+            os.symlink(os.path.join(root, name), os.path.join(pkgs, name))
+    path = os.pathsep.join([os.path.abspath("tests/slime_compat_stub"), os.getcwd(), pkgs])
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rA", "tests/slime_compat_checks.py",
+                *session.posargs[2:], env={"PYTHONPATH": path, "STOA_SLIME_TREE": slime})

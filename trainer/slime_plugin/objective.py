@@ -1,8 +1,12 @@
 """The learner's objective inside slime: our functions (trainer/algo.py) on slime's custom-loss hooks.
 
-slime's stock policy loss already computes dual-clip PPO (`--eps-clip`, `--eps-clip-high`, `--eps-clip-c`)
-on the ratio to the behaviour log-probs (`--use-rollout-logprobs`) and the low_var_kl (k3) term to the
-reference (`--use-kl-loss`). We plug in the rest (research/slime.md sections 1.3 and 3):
+slime's policy loss computes PPO with clip-higher (`--eps-clip`, `--eps-clip-high`) on the ratio to the
+behaviour log-probs (`--use-rollout-logprobs`) and the low_var_kl (k3) term to the reference
+(`--use-kl-loss`). Dual-clip (`--eps-clip-c`) depends on the commit: slime parses the flag at every commit,
+but its policy loss passes it on only from 78156c53c (2026-08-12); before that (5c530c156, the image the
+operator's guide names, included) our patch 0002 makes it pass it, applied only where slime's code drops
+it (infra/patches/probes.py reads the call), so the loss below is dual-clip on every slime we launch on
+(`nox -s slime_compat`, docs/slime.md). We plug in the rest (research/slime.md sections 1.3 and 3):
 
 * `drgrpo_rewards` (`--custom-reward-post-process-path`): Dr.GRPO advantages, reward minus group mean,
   with `algo.group_advantages` (as the native batch); called on the rollout side with the flat list of samples.

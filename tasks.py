@@ -1,6 +1,7 @@
 """Invoke tasks: an index. Each task lives with the code it drives (infra/, trainer/); this file only
 assembles the namespace. `invoke --list` shows them; every task that changes a machine or a bucket has
---dry-run, and `status` is read-only.
+--dry-run, names what it will touch and asks first (--yes for scripts), and `status` is read-only. All are
+built with infra.taskkit.stoa_task: no short flags, bad input is one sentence and exit 2.
 """
 
 from invoke import Collection

@@ -23,10 +23,11 @@ def open_existing_store(store: str | None, run: str, repo_root: Path = REPO_ROOT
     opened for reading: a file store that does not exist is refused, never created."""
     from urllib.parse import urlparse
 
-    from worker_contract.env import load_env, store_url
+    from worker_contract.env import load_env, parse_env, store_url
     from worker_contract.store import open_store
 
     env = load_env(repo_root=repo_root)
+    parse_env(env)  # the one check of the contract variables: a malformed DRL_* is refused here too
     url = store_url(store, env, repo_root)
     if url.startswith("file://") and not Path(urlparse(url).path).is_dir():
         raise ValueError(f"run {run!r} is not here: there is no store at {url} (nothing has been published "

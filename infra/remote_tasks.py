@@ -61,14 +61,18 @@ def logs(c, run=None, host=None, local=False, ssh_key=None, remote_dir=None, lin
 
 def _plan(host, run, rd, ssh_key, step: str, purge: bool = False) -> list[str]:
     """What `step` would do, from the box itself (its dry run): the lines it logs, one per action."""
+    import contextlib
+    import io
+
     from infra.remote import stop as remote_stop
     from infra.remote import teardown as remote_teardown
 
-    if step == "stop":
-        out = remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd, dry_run=True)
-        return [f"stop Ray jobs {', '.join(out['ray_jobs']) or 'none'} and the trainer process group "
-                f"{out['pid'] or '(none running)'} of run {run}"]
-    return remote_teardown(host, run, ssh_key=ssh_key, remote_dir=rd, purge=purge, dry_run=True)["actions"]
+    with contextlib.redirect_stderr(io.StringIO()):  # the box's own "would ..." lines: the list below says it
+        if step == "stop":
+            out = remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd, dry_run=True)
+            return [f"stop Ray jobs {', '.join(out['ray_jobs']) or 'none'} and the trainer process group "
+                    f"{out['pid'] or '(none running)'} of run {run}"]
+        return remote_teardown(host, run, ssh_key=ssh_key, remote_dir=rd, purge=purge, dry_run=True)["actions"]
 
 
 @stoa_task(help={**_COMMON, "dry_run": "say what would be stopped; stop nothing",

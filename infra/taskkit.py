@@ -36,7 +36,10 @@ def stoa_task(*args, **kwargs) -> Callable:
         @functools.wraps(body)
         def guarded(c, *a, **kw):
             try:
-                return body(c, *a, **kw)
+                try:
+                    return body(c, *a, **kw)
+                finally:
+                    sys.stdout.flush()  # a closed pipe shows here when the output fit in the buffer
             except Exit:
                 raise
             except BrokenPipeError:

@@ -125,8 +125,14 @@ ROWS = [
     Row("launch-run-from-env", L, rc=0, lines=None, env={**DRY, "DRL_RUN": "from-env"}, says=("from-env",)),
     Row("launch-old-path", ["python", "-m", "trainer.launch", "--recipe", "nosuch", "--run", "x"],
         says=("nosuch",)),
-    Row("launch-broken-pipe", ["bash", "-c", "python -m entrypoints.launch --recipe gsm8k --run x | head -1"],
+    # the reader is gone before the first line is written (`true` reads nothing): BrokenPipeError, quietly
+    Row("launch-broken-pipe", ["bash", "-c", "python -m entrypoints.launch --recipe gsm8k --run x | true"],
         rc=0, lines=None, env=DRY),
+    # (the preflight writes a probe into the store it checks: a scratch one here)
+    Row("preflight-broken-pipe", ["bash", "-c", "python -m infra.preflight --recipe gsm8k --run x "
+                                  "--store file://{tmp}/bucket | true"], rc=0, lines=None),
+    Row("invoke-broken-pipe", ["bash", "-c", "invoke preflight --recipe gsm8k --run x --store file://{tmp}/bucket "
+                               "| true"], rc=0, lines=None),
     # -- invoke status / gc / plot / joincard ----------------------------------------------------------
     Row("status-no-run", ["invoke", "status"], says=("--run",)),
     Row("status-bad-run", ["invoke", "status", "--run", "a/b"], says=("run id",)),
@@ -220,6 +226,15 @@ ROWS = [
     Row("patches-missing-tree", ["python", "-m", "infra.patches.apply", "--tree", "/nonexistent"],
         says=("/nonexistent",)),
     Row("bench-unknown", ["python", "-m", "bench", "nosuch"], says=("nosuch",)),
+    Row("convert-cli-no-args", ["python", "-m", "infra.convert"], says=("--out",)),
+    Row("embedded-cli-no-args", ["python", "-m", "trainer.embedded"], says=("usage",)),
+    Row("psqa-eval-no-args", ["python", "-m", "trainer.psqa_eval"], says=("--out",)),
+    Row("retriever-cli-port", ["python", "-m", "infra.retriever", "serve", "--corpus", "x.jsonl", "--port", "99999"],
+        says=("--port",)),
+    Row("box-check-here", ["python", "-m", "infra.box_check", "--remote-dir", "{tmp}"], rc=1, lines=None,
+        says=("box check",)),  # a check that fails on a machine without a GPU: exit 1, rows, no traceback
+    Row("status-bad-contract", ["invoke", "status", "--run", "seed-run"], env={"DRL_N_SAMPLES": "8.0"},
+        says=("DRL_N_SAMPLES='8.0'",)),
 ]
 
 
@@ -378,7 +393,7 @@ def test_bad_input(row: Row, clone: Clone, tmp_path: Path) -> None:
     elif row.may_change:
         clone.reset_state()
     problems = []
-    if "Traceback (most recent call last)" in out:
+    if "Traceback (most recent call last)" in out or "BrokenPipeError" in out:
         problems.append("a traceback")
     wanted = row.rc if isinstance(row.rc, tuple) else (row.rc,)
     if rc not in wanted:
@@ -395,6 +410,26 @@ def test_bad_input(row: Row, clone: Clone, tmp_path: Path) -> None:
     if (tmp_path / "fakepy.log").exists():
         problems.append("ran the venv's python before saying usage: " + (tmp_path / "fakepy.log").read_text()[:200])
     assert not problems, f"{row.id}: " + "; ".join(problems) + f"\n--- output (exit {rc}) ---\n{out[-3000:]}"
+
+
+def test_run_main_sorts_how_a_command_ended(capsys) -> None:
+    """worker_contract.cli.run_main: bad input 2 in one line, our bug 70 with its traceback and where to report."""
+    from worker_contract.cli import EXIT_BAD_INPUT, EXIT_BUG, run_main
+
+    def bad_input():
+        raise ValueError("--lines='x' must be an integer >= 1")
+
+    def bug():
+        raise KeyError("a bug of ours")
+
+    assert run_main(bad_input, "prog") == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err == "prog: --lines='x' must be an integer >= 1\n"
+    assert run_main(bug, "prog") == EXIT_BUG
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "this is a bug in stoa trainer" in err and "report" in err
+    assert run_main(lambda: 1, "prog") == 1 and run_main(lambda: None, "prog") == 0
+    # a closed pipe (141, quiet) is checked through a real pipe: the launch-broken-pipe row
 
 
 def test_short_flags_have_one_meaning(clone: Clone, tmp_path: Path) -> None:

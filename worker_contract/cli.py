@@ -71,7 +71,9 @@ def report_bug(prog: str) -> int:
 def run_main(main: Callable[[], int | None], prog: str) -> int:
     """Call `main` and turn how it ended into the documented exit status."""
     try:
-        return int(main() or 0)
+        code = int(main() or 0)
+        sys.stdout.flush()  # a closed pipe shows here when the output fit in the buffer
+        return code
     except BrokenPipeError:
         return quiet_broken_pipe()
     except KeyboardInterrupt:

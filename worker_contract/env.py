@@ -201,7 +201,8 @@ def env_int(name: str, value: str, minimum: int | None = None, example: int | No
     out = int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None
     if out is None or (minimum is not None and out < minimum):
         bound = f" >= {minimum}" if minimum is not None else ""
-        raise EnvError(f"{name}={value!r} must be an integer{bound} (for example {name}={example if example is not None else max(minimum or 0, 8)})")
+        example = example if example is not None else max(minimum or 0, 8)
+        raise EnvError(f"{name}={value!r} must be an integer{bound} (for example {name}={example})")
     return out
 
 

@@ -165,6 +165,8 @@ ROWS = [
     Row("joincard-no-run", ["invoke", "joincard"], says=("DRL_RUN",)),
     Row("joincard-half-r2env", ["invoke", "joincard", "--run", "seed-run"], files=_r2env(HALF_R2ENV),
         says=("R2_BUCKET",)),
+    Row("joincard-v-is-not-reveal", ["invoke", "joincard", "--run", "seed-run", "-v"], rc=1, files=_r2env(FULL_R2ENV),
+        says=("-v",)),  # invoke's own parser refuses it (exit 1); it never meant --reveal again
     Row("joincard-format", ["invoke", "joincard", "--run", "seed-run", "--format", "xml"], says=("--format",)),
     Row("joincard-store-ftp", ["invoke", "joincard", "--run", "seed-run", "--store", "ftp://x"], says=("ftp://x",)),
     Row("preflight-task-recipe", ["invoke", "preflight", "--recipe", "nosuch"], says=("nosuch",)),

@@ -20,7 +20,12 @@ import subprocess
 import sys
 
 #: free disk the run needs (DRL_MIN_FREE_GB overrides it, for a box that is small on purpose)
-MIN_FREE_GB = float(os.environ.get("DRL_MIN_FREE_GB", "") or 100.0)
+MIN_FREE_GB = 100.0
+
+
+def required_free_gb() -> float:
+    """MIN_FREE_GB, or DRL_MIN_FREE_GB as it is set when the check runs."""
+    return float(os.environ.get("DRL_MIN_FREE_GB", "") or MIN_FREE_GB)
 #: modules the trainer needs from the slime image (importable with Megatron-LM on PYTHONPATH)
 IMAGE_IMPORTS = ("torch", "ray", "slime", "megatron.core", "sglang", "transformers", "huggingface_hub",
                  "safetensors")
@@ -65,10 +70,11 @@ def _dir_gb(path: str) -> float:
     return total / 1e9
 
 
-def check_disk(path: str, min_free_gb: float = MIN_FREE_GB, already_used_gb: float = 0.0) -> dict:
+def check_disk(path: str, min_free_gb: float | None = None, already_used_gb: float = 0.0) -> dict:
     """Free space where the run writes; space the run already holds there counts as available."""
     where = _existing_ancestor(path)
     free_gb = shutil.disk_usage(where).free / 1e9
+    min_free_gb = required_free_gb() if min_free_gb is None else min_free_gb
     ok = free_gb + already_used_gb >= min_free_gb
     out = {"ok": ok, "path": where, "free_gb": round(free_gb, 1)}
     if not ok:
@@ -126,7 +132,7 @@ def check_native_imports(python: str = sys.executable) -> dict:
     return {"ok": True, "installable": [NATIVE_INSTALLABLE[m] for m in missing]}
 
 
-def run_checks(remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: float = MIN_FREE_GB,
+def run_checks(remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: float | None = None,
                engine: str = "slime") -> dict:
     """Every check of `engine` (slime: the slime image; native: any CUDA box with torch); `ok` only if all pass."""
     if engine == "native":
@@ -169,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--remote-dir", default="/root/dRL")
     ap.add_argument("--slime-dir", default="/root/slime")
     ap.add_argument("--megatron-dir", default="/root/Megatron-LM")
-    ap.add_argument("--min-free-gb", type=float, default=MIN_FREE_GB)
+    ap.add_argument("--min-free-gb", type=float, default=None, help="default: DRL_MIN_FREE_GB, else 100")
     ap.add_argument("--engine", choices=("slime", "native"), default="slime")
     ap.add_argument("--ensure-deps", nargs="+", metavar="REQ", help="install these requirements if missing")
     args = ap.parse_args(argv)

@@ -119,7 +119,7 @@ SLIME_COMPAT_DEPS = [
     # what importing slime, sglang's server args and Megatron-LM's source tree needs on CPU
     "triton", "orjson", "psutil", "pybase64", "requests", "pillow", "starlette", "IPython", "aiohttp", "pyzmq",
     "openai", "partial_json_parser", "dill", "sentencepiece", "wandb", "ray", "torch_memory_saver", "six", "xxhash",
-    "einops", "safetensors", "tokenizers",
+    "einops", "safetensors", "tokenizers", "setproctitle", "fastapi", "uvicorn",
     # the project's own core and test runner (the repository itself is on the path, not installed)
     "ml_dtypes", "blake3", "numpy", "pydantic", "zstandard", "boto3", "cryptography", "pyyaml", "pytest",
 ]
@@ -136,6 +136,8 @@ def _copy_tree(session: nox.Session, src: str, dest: str) -> str:
     for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=stoa", "-c", "user.email=stoa@localhost",
                                                  "commit", "-qm", f"copy of {src}"]):
         subprocess.run(["git", *args], cwd=dest, check=True)
+    # files written within the index's own second look modified to git apply --3way ("racily clean")
+    subprocess.run(["git", "update-index", "-q", "--really-refresh"], cwd=dest, check=False)
     return dest
 
 
@@ -161,8 +163,8 @@ def slime_compat(session: nox.Session) -> None:
     megatron = _copy_tree(session, megatron_dir, os.path.join(work, "Megatron-LM"))
     mpatch = os.path.join(slime, "docker", "patch", "latest", "megatron.patch")
     if os.path.isfile(mpatch):  # as slime's Dockerfile does
-        session.run("git", "apply", "--3way", mpatch, external=True, env={"GIT_DIR": os.path.join(megatron, ".git"),
-                                                                          "GIT_WORK_TREE": megatron})
+        session.log(f"applying {mpatch} to the Megatron-LM copy")
+        subprocess.run(["git", "apply", "--3way", mpatch], cwd=megatron, check=True)
     session.run("python", "infra/patches/probes.py", "--tree", slime_dir)  # slime's commit, as given
     session.run("python", "-m", "infra.patches.apply", "--tree", slime)
     # the packages alone (links), not the checkouts' roots: both have a `tests` package that would shadow ours

@@ -1,6 +1,7 @@
 """One native learner step of LFM2.5-8B-A1B shapes (random weights) on one GPU: memory, step time, MFU.
 
-    python -m bench.lfm2_step [--layers 12] [--rows 64 --prompt 128 --response 384]
+    python -m bench.lfm2_step [--layers 8] [--rows 64 --prompt 128 --response 384]
+    python -m bench.lfm2_step --tiny --device cpu      # a smoke run (tests/test_lfm2_step.py, megatron CPU shims)
 
 The model is LFM2.5-8B-A1B's architecture (infra/slime_launch.KNOWN_HF_CONFIGS: hidden 2048, 32 experts,
 top-4, vocab 65536, attention at 6 of 24 layers) cut to `--layers` layers, random weights (norms and router
@@ -32,12 +33,19 @@ HF_ID = "LiquidAI/LFM2.5-8B-A1B"
 STATE_BYTES_PER_PARAM = 20
 
 
-def lfm2_config(layers: int):
+#: the smoke shape (`--tiny`): the architecture's features at a size a CPU steps in seconds
+TINY = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "num_experts": 8, "num_experts_per_tok": 2}
+
+
+def lfm2_config(layers: int, tiny: bool = False):
     from transformers import Lfm2MoeConfig
 
     from infra.slime_launch import KNOWN_HF_CONFIGS
 
     facts = {k: v for k, v in KNOWN_HF_CONFIGS[HF_ID].items() if k != "model_type"}
+    if tiny:
+        facts.update(TINY)
     facts["layer_types"] = facts["layer_types"][:layers]
     if "full_attention" not in facts["layer_types"]:
         facts["layer_types"][-1] = "full_attention"
@@ -54,14 +62,14 @@ def param_counts(total: dict[str, int], cfg) -> dict[str, float]:
     return {"params": n, "expert_params": experts, "active_params": active}
 
 
-def make_model_dir(layers: int, out: Path) -> dict:
+def make_model_dir(layers: int, out: Path, device: str = "cuda", tiny: bool = False) -> dict:
     import torch
     from tokenizers import Tokenizer, models
     from transformers import Lfm2MoeForCausalLM
 
-    cfg = lfm2_config(layers)
+    cfg = lfm2_config(layers, tiny)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Lfm2MoeForCausalLM(cfg).to(torch.bfloat16).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -78,7 +86,8 @@ def make_model_dir(layers: int, out: Path) -> dict:
     Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(out / "tokenizer.json"))
     del model
     gc.collect()
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return {"layers": layers, **counts}
 
 
@@ -91,13 +100,16 @@ def step(model_dir: Path, args, counts: dict, rate: float) -> dict:
     from trainer.backends.megatron import MegatronBackend
     from trainer.config import resolve
 
-    cfg = resolve("gsm8k", env={}, overrides={"model.dtype": "bfloat16",
+    cuda = args.device == "cuda"
+    cfg = resolve("gsm8k", env={}, overrides={"model.dtype": "bfloat16" if cuda else "float32",
                                              "train.max_tokens_per_gpu": args.max_tokens_per_gpu})
-    torch.cuda.reset_peak_memory_stats()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    backend = MegatronBackend.load(model_dir, cfg, device="cuda")
+    backend = MegatronBackend.load(model_dir, cfg, device=args.device)
     load_s = time.perf_counter() - t0
-    loaded_gib = torch.cuda.memory_allocated() / 2**30
+    loaded_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     batch = synthetic_batch(args.rows, args.prompt, args.response, backend.vocab_size)
     algo = cfg.algo
 
@@ -106,11 +118,11 @@ def step(model_dir: Path, args, counts: dict, rate: float) -> dict:
 
     times = []
     for i in range(2 + args.steps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         batch.ref_logp = backend.logprobs(batch, reference=True)
         metrics = backend.train_step(batch, fn)
-        torch.cuda.synchronize()
+        sync()
         dt = time.perf_counter() - t0
         print(f"  lfm2 {counts['layers']} layers step {i}: {dt:.3f} s loss {metrics['loss']:.4g}", flush=True)
         if i >= 2:
@@ -119,7 +131,7 @@ def step(model_dir: Path, args, counts: dict, rate: float) -> dict:
     t = statistics.median(times)
     return {"load_s": load_s, "loaded_gib": loaded_gib, "step_s": t, "steps_s": times, "tokens": tokens,
             "tokens_per_s": tokens / t, "mfu_active": 8 * counts["active_params"] * tokens / t / (rate * 1e12),
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "micro_batches": len(micro_batches(batch, cfg.train)), "loss": metrics["loss"],
             "grad_norm": metrics["grad_norm"]}
 
@@ -136,7 +148,9 @@ def extrapolate(measured: dict, full: dict, layers_measured: int, layers_full: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lfm2_step", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a small shape and batch (smoke run on a CPU)")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--response", type=int, default=384)
@@ -144,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "lfm2_step.json"))
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.layers, args.rows, args.prompt, args.response, args.max_tokens_per_gpu = 4, 4, 8, 24, 64
     sys.path.insert(0, str(REPO))
     import torch
 
@@ -151,17 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     from bench.megatron_gpu import matmul_tflops
     from trainer.backends.megatron import init_parallel
 
-    rate = matmul_tflops("cuda")
-    init_parallel(0, 1, torch.device("cuda", 0))
+    cuda = args.device == "cuda"
+    rate = matmul_tflops(args.device)  # NaN off CUDA
+    init_parallel(0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu"))
     result: dict = {"machine": machine_info(), "args": vars(args), "matmul_bf16_tflops": rate,
-                    "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30}
+                    "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None}
     out = Path(args.out)
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
-    full_cfg = lfm2_config(24)
+    full_cfg = lfm2_config(24, args.tiny)
     with torch.device("meta"):
         from transformers import Lfm2MoeForCausalLM
 
@@ -172,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     del meta
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
         t0 = time.perf_counter()
-        counts = make_model_dir(args.layers, Path(tmp) / "lfm2")
+        counts = make_model_dir(args.layers, Path(tmp) / "lfm2", args.device, args.tiny)
         counts["build_s"] = time.perf_counter() - t0
         result["measured"] = counts
         save()
@@ -183,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
 
             result["measured"]["error"] = f"{type(e).__name__}: {str(e)[:600]}"
             result["measured"]["traceback"] = traceback.format_exc()[-3000:]
-            result["measured"]["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    if "step_s" in result["measured"]:
+            if cuda:
+                result["measured"]["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if "step_s" in result["measured"] and cuda:
         result["full_estimate"] = extrapolate(result["measured"], result["full"], args.layers, 24)
         result["fits_one_gpu"] = result["full_estimate"]["peak_gib"] < 0.95 * result["gpu_memory_gib"]
     save()

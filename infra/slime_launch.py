@@ -238,13 +238,16 @@ def optimizer_args(cfg: RecipeConfig) -> list[str]:
     ]
 
 
-def perf_args(cfg: RecipeConfig) -> list[str]:
+def perf_args(cfg: RecipeConfig, hf_config: Mapping[str, Any] | None = None) -> list[str]:
+    """Parallelism, batching and precision. Sequence parallelism at TP > 1, except for a model with short
+    conv layers (LFM2's `layer_types`): the conv runs along the sequence and refuses a split one."""
     tp = cfg.train.tensor_parallel
+    convs = "conv" in ((hf_config or {}).get("layer_types") or [])
     args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "1",
             "--context-parallel-size", "1", "--micro-batch-size", str(cfg.train.micro_batch_size)]
     if cfg.train.max_tokens_per_gpu is not None:  # token-budget micro-batches, as our backends do
         args += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cfg.train.max_tokens_per_gpu)]
-    if tp > 1:
+    if tp > 1 and not convs:
         args.append("--sequence-parallel")
     if cfg.model.dtype == "bfloat16":
         args.append("--bf16")
@@ -257,7 +260,7 @@ def slime_args(cfg: RecipeConfig, paths: BoxPaths, hf_config: Mapping[str, Any],
     """Every flag after `train.py`, in a fixed order (tests compare flag by flag)."""
     return [
         *cluster_args(cfg, trainer_only), *model_args(cfg, hf_config), *checkpoint_args(cfg, paths),
-        *rollout_args(cfg), *objective_args(cfg), *optimizer_args(cfg), *perf_args(cfg),
+        *rollout_args(cfg), *objective_args(cfg), *optimizer_args(cfg), *perf_args(cfg, hf_config),
         *cfg.launch.extra_args,
     ]
 

@@ -70,3 +70,18 @@ def test_publish_gather_gives_back_every_hf_tensor(tmp_path, tp):
         bad = [k for k in want if not torch.equal(got[name][k], want[k])]
         assert not bad, f"{name} at TP {tp}: {bad[:6]}"
     assert json.loads((dirs["lfm2"] / "config.json").read_text())["model_type"] == "lfm2_moe"
+
+
+def test_lfm2_launch_at_tp2_builds_without_sequence_parallel():
+    """The conv layers refuse a sequence split (trainer/models/lfm2_layers.py), so the slime launch of LFM2
+    at TP 2 must leave --sequence-parallel out; Qwen2 at TP 2 keeps it."""
+    from infra import slime_launch as sl
+    from trainer.config import resolve
+
+    for recipe, hf_id, want in (("psqa", "LiquidAI/LFM2.5-8B-A1B", False),
+                                ("gsm8k", "Qwen/Qwen2.5-1.5B-Instruct", True)):
+        cfg = resolve(recipe, env={"DRL_RUN": "tp2"}, overrides={"train.tensor_parallel": 2, "train.engine": "slime"})
+        paths = sl.BoxPaths(remote_dir="/root/dRL", run="tp2")
+        args = sl.slime_args(cfg, paths, sl.KNOWN_HF_CONFIGS[hf_id])
+        assert ("--sequence-parallel" in args) is want, recipe
+        assert args[args.index("--tensor-model-parallel-size") + 1] == "2"

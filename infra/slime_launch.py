@@ -34,6 +34,8 @@ REWARD_POST_FN = f"{PLUGIN}.objective.drgrpo_rewards"
 GATE_FN = f"{PLUGIN}.objective.dppo_gate"
 REDUCER_FN = f"{PLUGIN}.objective.drgrpo_reducer"
 PUBLISH_HOOK_FN = f"{PLUGIN}.publish.after_train"
+# the worker audit on slime's recomputed log-probs (slime calls it as (args, rollout_id, rollout_data))
+AUDIT_FN = f"{PLUGIN}.audit.audit_rollout_data"
 #: the flag our patch 0001 adds to slime (infra/patches/0001-after-train-hook.patch)
 AFTER_TRAIN_FLAG = "--custom-after-train-hook-path"
 DASHBOARD = "http://127.0.0.1:8265"
@@ -225,6 +227,7 @@ def objective_args(cfg: RecipeConfig) -> list[str]:
         "--use-kl-loss", "--kl-loss-coef", _num(a.kl_coef), "--kl-loss-type", "low_var_kl", "--entropy-coef", "0",
         "--get-mismatch-metrics", "--custom-tis-function-path", GATE_FN,
         "--custom-pg-loss-reducer-function-path", REDUCER_FN,
+        "--rollout-data-postprocess-path", AUDIT_FN,
         AFTER_TRAIN_FLAG, PUBLISH_HOOK_FN,
     ]
 

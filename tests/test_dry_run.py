@@ -32,6 +32,7 @@ GSM8K_FLAGS = {
     "--custom-tis-function-path": "trainer.slime_plugin.objective.dppo_gate",
     "--get-mismatch-metrics": None,
     "--custom-pg-loss-reducer-function-path": "trainer.slime_plugin.objective.drgrpo_reducer",
+    "--rollout-data-postprocess-path": "trainer.slime_plugin.audit.audit_rollout_data",
     "--custom-reward-post-process-path": "trainer.slime_plugin.objective.drgrpo_rewards",
     "--custom-after-train-hook-path": "trainer.slime_plugin.publish.after_train",
     "--advantage-estimator": "grpo",

@@ -52,12 +52,11 @@ def build_learning_base(out: Path, *, max_steps: int, target: float, eval_every:
                         eval_problems: int = 200) -> dict:
     """A Qwen2 of ~25M parameters supervised on the GPU until greedy held-out accuracy first reaches
     `target` (or `max_steps`): partly right, as the embedded base is, so RL has signal and room."""
-    import math
     import random
 
     import torch
 
-    from trainer.basemodel import _render, _sft_batch, build_model, build_tokenizer, evaluate
+    from trainer.basemodel import SFTSteps, _render, build_model, build_tokenizer, evaluate
     from trainer.config import EmbeddedBaseConfig
     from worker_contract.tasks import get_task
 
@@ -72,24 +71,12 @@ def build_learning_base(out: Path, *, max_steps: int, target: float, eval_every:
     tok = build_tokenizer([_render(task, train[i]) for i in range(cfg.tokenizer_corpus)], cfg.vocab_size)
     model = build_model(tok, cfg).to("cuda")
     params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warm = max(1, max_steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max_steps))))
-    rng = random.Random(cfg.seed)
+    sft = SFTSteps(model, tok, task, cfg)
     test = task.dataset("test")[:eval_problems]
     curve, step = [], 0
+    model.train()  # `evaluate` puts it back in training mode
     for step in range(1, max_steps + 1):
-        model.train()
-        batch = [train[(step * cfg.sft_batch_size + j) % len(train)] for j in range(cfg.sft_batch_size)]
-        directs = [rng.random() < cfg.sft_direct_fraction for _ in batch]
-        ids, labels, attn = (t.to("cuda") for t in _sft_batch(tok, task, batch, directs))
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = sft.step(step)  # counted from 1, so batch 0 is never used (kept: the recorded runs did so)
         if step % eval_every == 0:
             acc = evaluate(model, tok, task, test, max_new_tokens=48)
             curve.append({"step": step, "loss": round(loss.item(), 4), "heldout": acc})

@@ -111,27 +111,44 @@ def _sft_batch(tokenizer, task: Task, problems: list[Problem], directs: list[boo
     return ids, labels, attn
 
 
+class SFTSteps:
+    """Supervised fine-tuning on worked solutions of the task's training problems, one step at a time:
+    AdamW with warmup then cosine decay over `cfg.sft_steps`, and a seeded draw of which targets are the
+    bare final answer (`cfg.sft_direct_fraction`). The caller sets the model's training mode."""
+
+    def __init__(self, model, tokenizer, task: Task, cfg: EmbeddedBaseConfig):
+        self.model, self.tokenizer, self.task, self.cfg = model, tokenizer, task, cfg
+        self.train = task.dataset("train")
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+        warm, total = max(1, cfg.sft_steps // 20), cfg.sft_steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))
+        )
+        self.rng = random.Random(cfg.seed)
+
+    def step(self, index: int) -> torch.Tensor:
+        """One optimizer step on batch `index` of the training split (batches cycle over it); the loss,
+        detached (reading it is the caller's choice, since on a GPU that waits for the step)."""
+        cfg, train = self.cfg, self.train
+        batch = [train[(index * cfg.sft_batch_size + j) % len(train)] for j in range(cfg.sft_batch_size)]
+        directs = [self.rng.random() < cfg.sft_direct_fraction for _ in batch]
+        ids, labels, attn = (t.to(self.model.device) for t in _sft_batch(self.tokenizer, self.task, batch, directs))
+        loss = self.model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        return loss.detach()
+
+
 def supervise(model, tokenizer, task: Task, cfg: EmbeddedBaseConfig,
               on_step: Callable[[int, float], None] | None = None) -> None:
-    """Fine-tune on worked solutions of training problems (AdamW, warmup then cosine decay)."""
-    train = task.dataset("train")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warm = max(1, cfg.sft_steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.sft_steps)))
-    )
-    rng = random.Random(cfg.seed)
+    """Fine-tune on worked solutions of training problems for `cfg.sft_steps` steps (`SFTSteps`)."""
+    sft = SFTSteps(model, tokenizer, task, cfg)
     model.train()
     for step in range(cfg.sft_steps):
-        batch = [train[(step * cfg.sft_batch_size + j) % len(train)] for j in range(cfg.sft_batch_size)]
-        directs = [rng.random() < cfg.sft_direct_fraction for _ in batch]
-        ids, labels, attn = (t.to(model.device) for t in _sft_batch(tokenizer, task, batch, directs))
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = sft.step(step)
         if on_step is not None:
             on_step(step + 1, loss.item())
     model.eval()

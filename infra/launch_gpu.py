@@ -30,7 +30,7 @@ from typing import Any
 
 from trainer.config import REPO_ROOT, RecipeConfig
 
-from .launch_plan import LaunchPlan, LaunchStep, render_plan
+from .launch_plan import LaunchPlan, LaunchStep, remote_steps, render_plan
 from .slime_launch import (
     KNOWN_HF_CONFIGS,
     BoxPaths,
@@ -41,18 +41,9 @@ from .slime_launch import (
 )
 from .steps import StepFailed, run_command, run_steps
 
-REMOTE_STEPS = [
-    LaunchStep(name="connect", where="local", summary="open the SSH connection (Fabric; key-only if SSH_KEY)"),
-    LaunchStep(name="check_box", where="remote", gpu_only=True,
-               summary="nvidia-smi, ~100 GB free, slime/Megatron-LM dirs, Python imports (infra/box_check.py)"),
-    LaunchStep(name="ship_tree", where="remote",
-               summary="tar of the tree (no .venv/.stoa/.git/.r2env) over SFTP; skipped when its digest matches"),
-    LaunchStep(name="ship_credentials", where="remote",
-               summary="R2 values to <remote_dir>/.r2env, created 0600 before any byte is written"),
-    LaunchStep(name="install_deps", where="remote", summary="pip-install only the contract's missing dependencies"),
-    LaunchStep(name="box_launch", where="remote", gpu_only=True,
-               summary="python3 -m infra.launch_gpu on the box: the on-box steps below"),
-]
+REMOTE_STEPS = remote_steps(
+    check_box="nvidia-smi, ~100 GB free, slime/Megatron-LM dirs, Python imports (infra/box_check.py)",
+    install_deps="pip-install only the contract's missing dependencies")
 BOX_STEPS = [
     LaunchStep(name="check_box", where="box", gpu_only=True, summary="the same checks, on the box itself"),
     LaunchStep(name="write_recipe", where="box", summary="resolved recipe to <state>/recipe.json for the plugin"),

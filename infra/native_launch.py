@@ -28,27 +28,17 @@ from pathlib import Path
 
 from trainer.config import RecipeConfig
 
-from .launch_plan import LaunchStep
+from .launch_plan import LaunchStep, remote_steps
 from .slime_launch import BoxPaths
 from .steps import StepFailed
 
 #: seconds `wait_learner` waits for the learner's first anchor (model load and anchor upload of a 1.5B model)
 WAIT_LEARNER_S = 900.0
 
-NATIVE_REMOTE_STEPS = [
-    LaunchStep(name="connect", where="local", summary="open the SSH connection (Fabric; key-only if SSH_KEY)"),
-    LaunchStep(name="check_box", where="remote", gpu_only=True,
-               summary="nvidia-smi, ~100 GB free, torch and transformers import (infra/box_check.py --engine native)"),
-    LaunchStep(name="ship_tree", where="remote",
-               summary="tar of the tree (no .venv/.stoa/.git/.r2env) over SFTP; skipped when its digest matches"),
-    LaunchStep(name="ship_credentials", where="remote",
-               summary="R2 values to <remote_dir>/.r2env, created 0600 before any byte is written"),
-    LaunchStep(name="install_deps", where="remote",
-               summary="pip-install the contract's dependencies, megatron-core and ray, only what does not import"),
-    LaunchStep(name="write_recipe", where="remote", summary="the resolved recipe to <state>/recipe.json"),
-    LaunchStep(name="box_launch", where="remote", gpu_only=True,
-               summary="python3 -m infra.launch_gpu on the box: the on-box steps below"),
-]
+NATIVE_REMOTE_STEPS = remote_steps(
+    check_box="nvidia-smi, ~100 GB free, torch and transformers import (infra/box_check.py --engine native)",
+    install_deps="pip-install the contract's dependencies, megatron-core and ray, only what does not import",
+    before_launch=[LaunchStep(name="write_recipe", where="remote", summary="the resolved recipe to <state>/recipe.json")])
 NATIVE_BOX_STEPS = [
     LaunchStep(name="check_box", where="box", gpu_only=True,
                summary="GPU and driver, disk, torch/transformers/huggingface_hub/safetensors import"),

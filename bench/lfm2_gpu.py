@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ATTN_EVERY = (2, 6, 10, 14, 18, 21)  # attention layers of LFM2-8B-A1B's 24; the rest are conv
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,19 +41,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def hf_config(args):
-    from transformers import Lfm2MoeConfig
+    """LFM2.5-8B-A1B's architecture (bench.lfm2_step.lfm2_config) in the shape the flags give."""
+    from bench.lfm2_step import lfm2_config
 
     if args.tiny:
         args.layers, args.hidden, args.experts, args.topk = 4, 64, 8, 2
         args.moe_ffn, args.dense_ffn, args.vocab, args.batch, args.seq = 32, 128, 256, 2, 32
-    attn = [i for i in ATTN_EVERY if i < args.layers] or [args.layers - 1]
     heads = max(4, args.hidden // 64)
-    return Lfm2MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.dense_ffn,
-                         moe_intermediate_size=args.moe_ffn, num_hidden_layers=args.layers,
-                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-                         num_dense_layers=min(2, args.layers - 1), num_experts=args.experts,
-                         num_experts_per_tok=args.topk,
-                         layer_types=["full_attention" if i in attn else "conv" for i in range(args.layers)])
+    return lfm2_config(args.layers, hidden_size=args.hidden, intermediate_size=args.dense_ffn,
+                       moe_intermediate_size=args.moe_ffn, num_attention_heads=heads,
+                       num_key_value_heads=max(1, heads // 4), num_experts=args.experts,
+                       num_experts_per_tok=args.topk, vocab_size=args.vocab)
 
 
 def _init_distributed(device: str) -> None:
@@ -80,6 +77,7 @@ def run(args) -> dict:
     import torch
     from transformers import Lfm2MoeForCausalLM
 
+    from bench.lfm2_step import randomize
     from trainer.models.model import build_model, load_full_state
     from trainer.models.registry import get_architecture
 
@@ -87,15 +85,7 @@ def run(args) -> dict:
     cfg = hf_config(args)
     torch.manual_seed(0)
     hf = Lfm2MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("feed_forward.gate.weight"):
-                p.normal_(0.0, 0.3 / args.hidden ** 0.5 * 8)
-        for name, b in hf.named_buffers():
-            if "expert_bias" in name:
-                b.normal_(0.0, 0.05)
+    randomize(hf, norm_std=0.2)
     cdict = cfg.to_dict()
     state = {k: v.detach().clone() for k, v in hf.state_dict().items() if "inv_freq" not in k}
     hf = hf.to(device=args.device, dtype=dtype)

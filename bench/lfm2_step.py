@@ -38,20 +38,40 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32
         "num_key_value_heads": 2, "vocab_size": 256, "num_experts": 8, "num_experts_per_tok": 2}
 
 
-def lfm2_config(layers: int, tiny: bool = False):
+def lfm2_config(layers: int, tiny: bool = False, **shape):
+    """LFM2.5-8B-A1B's architecture cut to its first `layers` layers (at least one of them attention),
+    `TINY` over it where `tiny`, then `shape` (other HF config values)."""
     from transformers import Lfm2MoeConfig
 
     from infra.slime_launch import KNOWN_HF_CONFIGS
 
     facts = {k: v for k, v in KNOWN_HF_CONFIGS[HF_ID].items() if k != "model_type"}
-    if tiny:
-        facts.update(TINY)
+    if not 1 <= layers <= len(facts["layer_types"]):
+        raise ValueError(f"layers={layers}: {HF_ID} has {len(facts['layer_types'])} layers; give 1 to that many")
+    facts.update({**(TINY if tiny else {}), **shape})
     facts["layer_types"] = facts["layer_types"][:layers]
     if "full_attention" not in facts["layer_types"]:
         facts["layer_types"][-1] = "full_attention"
     facts["num_hidden_layers"] = layers
     facts["num_dense_layers"] = min(facts["num_dense_layers"], layers - 1)
     return Lfm2MoeConfig(**facts, architectures=["Lfm2MoeForCausalLM"])
+
+
+def randomize(model, *, norm_std: float) -> None:
+    """Random values, in place, where a fresh Lfm2MoeForCausalLM has constants or near-zeros: norm weights
+    about 1 (std `norm_std`), a router gate wide enough that tokens pick different experts, and the experts'
+    routing bias; so a comparison or a step sees what trained weights would exercise (bench.lfm2_gpu too)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, norm_std)
+            elif name.endswith("feed_forward.gate.weight"):
+                p.normal_(0.0, 0.3 / model.config.hidden_size ** 0.5 * 8)
+        for name, b in model.named_buffers():
+            if "expert_bias" in name:
+                b.normal_(0.0, 0.05)
 
 
 def param_counts(total: dict[str, int], cfg) -> dict[str, float]:
@@ -71,15 +91,7 @@ def make_model_dir(layers: int, out: Path, device: str = "cuda", tiny: bool = Fa
     torch.manual_seed(0)
     with torch.device(device):
         model = Lfm2MoeForCausalLM(cfg).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif name.endswith("feed_forward.gate.weight"):
-                p.normal_(0.0, 0.3 / cfg.hidden_size ** 0.5 * 8)
-        for name, b in model.named_buffers():
-            if "expert_bias" in name:
-                b.normal_(0.0, 0.05)
+    randomize(model, norm_std=0.1)
     counts = param_counts({k: v.numel() for k, v in model.state_dict().items() if "inv_freq" not in k
                            and not k.endswith("lm_head.weight")}, cfg)
     model.save_pretrained(out)

@@ -20,8 +20,9 @@ import torch
 mx = pytest.importorskip("mlx.core", reason="the MLX worker needs mlx (mlx[cpu] on Linux)")
 pytest.importorskip("mlx_lm", reason="the MLX worker needs mlx-lm")
 
-from worker_contract import layout, signing  # noqa: E402
-from worker_contract.manifest import ContractMismatch, create_or_resume  # noqa: E402
+from tests.worker_fixtures import publish_run, save_tiny_qwen2  # noqa: E402
+from worker_contract import layout  # noqa: E402
+from worker_contract.manifest import ContractMismatch  # noqa: E402
 from worker_contract.planes import get_plane  # noqa: E402
 from worker_contract.schema import decode_record  # noqa: E402
 from worker_contract.store.file import FileStore  # noqa: E402
@@ -36,42 +37,11 @@ PLANES = ("bf16", "int8g64")
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A 1-layer Qwen2 whose matrices all have a last dim divisible by 64, so int8g64 quantizes them."""
-    from trainer.basemodel import _render, build_model, build_tokenizer
-    from trainer.config import EmbeddedBaseConfig
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    task = get_task("arithmetic")
-    train = task.dataset("train")
-    tok = build_tokenizer([_render(task, train[i]) for i in range(300)], 300)
-    cfg = EmbeddedBaseConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128)
-    model = build_model(tok, cfg)
-    out = tmp_path_factory.mktemp("tiny64")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny64"), hidden_size=64, intermediate_size=128)
 
 
 def _publish_run(store, model_dir, plane, *, kv_mode=None):
-    from transformers import AutoModelForCausalLM
-
-    from trainer.config import resolve
-    from trainer.models.identity import identity_from_hf
-    from trainer.publisher import Publisher
-    from trainer.run_init import run_manifest
-
-    over = {"run": RUN, "task": "arithmetic", "contract.n_samples": N, "contract.plane": plane,
-            "algo.max_new_tokens": 12, "model.path": str(model_dir), "algo.temperature": 0.7}
-    if kv_mode:
-        over["contract.kv_mode"] = kv_mode
-    cfg = resolve("gsm8k", env={}, overrides=over)
-    key = signing.generate_private_key()
-    manifest = create_or_resume(store, run_manifest(cfg, identity_from_hf(model_dir), signing.public_key_b64(key)),
-                                resume=False)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    pub = Publisher(store, manifest, key, anchor_interval=10, progress=False)
-    pub.publish_anchor(model.state_dict())
-    return cfg, manifest, pub, model
+    return publish_run(store, model_dir, RUN, n_samples=N, plane=plane, kv_mode=kv_mode)
 
 
 def _worker(store, model_dir, plane, *, backend="mlx", env=None, **over):

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_contract import layout, signing
-from worker_contract.manifest import ContractMismatch, create_or_resume
+from tests.worker_fixtures import publish_run, save_tiny_qwen2
+from worker_contract import layout
+from worker_contract.manifest import ContractMismatch
 from worker_contract.schema import decode_record
 from worker_contract.store.file import FileStore
 from worker_contract.tasks import get_task
@@ -30,39 +31,12 @@ N = 4
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A 1-layer Qwen2 with a tokenizer trained on generated problems (seconds to build)."""
-    from trainer.basemodel import _render, build_model, build_tokenizer
-    from trainer.config import EmbeddedBaseConfig
-
-    torch.set_num_threads(1)
-    task = get_task("arithmetic")
-    train = task.dataset("train")
-    tok = build_tokenizer([_render(task, train[i]) for i in range(300)], 300)
-    cfg = EmbeddedBaseConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
-    model = build_model(tok, cfg)
-    out = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny"), hidden_size=32, intermediate_size=64)
 
 
 def _publish_run(store, model_dir, *, n_samples=N, max_new_tokens=12):
-    from transformers import AutoModelForCausalLM
-
-    from trainer.config import resolve
-    from trainer.models.identity import identity_from_hf
-    from trainer.publisher import Publisher
-    from trainer.run_init import run_manifest
-
-    cfg = resolve("gsm8k", env={}, overrides={"run": RUN, "task": "arithmetic", "contract.n_samples": n_samples,
-                                              "algo.max_new_tokens": max_new_tokens, "model.path": str(model_dir),
-                                              "algo.temperature": 0.7})
-    key = signing.generate_private_key()
-    manifest = create_or_resume(store, run_manifest(cfg, identity_from_hf(model_dir), signing.public_key_b64(key)),
-                                resume=False)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    pub = Publisher(store, manifest, key, anchor_interval=10, progress=False)
-    pub.publish_anchor(model.state_dict())
-    return manifest, pub, model
+    """(manifest, publisher, model) of the run `RUN`, published in `store`."""
+    return publish_run(store, model_dir, RUN, n_samples=n_samples, max_new_tokens=max_new_tokens)[1:]
 
 
 @pytest.fixture

@@ -1,0 +1,58 @@
+"""Shared pieces of the worker tests (the torch worker's and the MLX worker's): a tiny Qwen2 with a tokenizer
+trained on generated problems, and a run published in a bucket for a worker to join. Nothing here replaces
+our own code: the run goes through the real manifest, publisher and store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from worker_contract import signing
+from worker_contract.manifest import create_or_resume
+from worker_contract.tasks import get_task
+
+
+def save_tiny_qwen2(out: Path, *, hidden_size: int, intermediate_size: int) -> Path:
+    """A 1-layer Qwen2 (2 heads, 1 KV head) and its 300-token tokenizer saved as an HF directory in `out`
+    (seconds to build)."""
+    from trainer.basemodel import _render, build_model, build_tokenizer
+    from trainer.config import EmbeddedBaseConfig
+
+    torch.set_num_threads(1)
+    task = get_task("arithmetic")
+    train = task.dataset("train")
+    tok = build_tokenizer([_render(task, train[i]) for i in range(300)], 300)
+    cfg = EmbeddedBaseConfig(hidden_size=hidden_size, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=intermediate_size)
+    build_model(tok, cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def publish_run(store, model_dir, run: str, *, n_samples: int, max_new_tokens: int = 12, plane: str | None = None,
+                kv_mode: str | None = None):
+    """run.json of `run` (the gsm8k recipe on the arithmetic task, the model in `model_dir`) and its v1 anchor
+    in `store`: (the recipe, the manifest, the publisher, the model it published)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.config import resolve
+    from trainer.models.identity import identity_from_hf
+    from trainer.publisher import Publisher
+    from trainer.run_init import run_manifest
+
+    over = {"run": run, "task": "arithmetic", "contract.n_samples": n_samples, "algo.max_new_tokens": max_new_tokens,
+            "model.path": str(model_dir), "algo.temperature": 0.7}
+    if plane:
+        over["contract.plane"] = plane
+    if kv_mode:
+        over["contract.kv_mode"] = kv_mode
+    cfg = resolve("gsm8k", env={}, overrides=over)
+    key = signing.generate_private_key()
+    manifest = create_or_resume(store, run_manifest(cfg, identity_from_hf(model_dir), signing.public_key_b64(key)),
+                                resume=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    pub = Publisher(store, manifest, key, anchor_interval=10, progress=False)
+    pub.publish_anchor(model.state_dict())
+    return cfg, manifest, pub, model

@@ -14,10 +14,11 @@ stop everything by PID at the end (`infra.boxops.stop`). The models are built on
   problems) every 10 steps, against the first published version.
 - throughput: Qwen2.5-1.5B shapes with random weights, the quickstart recipe as shipped (megatron backend,
   bf16, 16384-token micro-batches, 1024 new tokens; the generated GSM8K-format problems, since GSM8K
-  cannot be downloaded there), GPU workers (bf16): learner steps per hour, busy share (step time over wall
-  time less the time spent waiting for rollouts), the time publishing blocks each step
-  (`publish/blocking_s`: the weights' snapshot and the hand-off to the publish thread), patch bytes per step, a
-  following reconstructor's lag from a new pointer to applied weights, and a cold join's time.
+  cannot be downloaded there), GPU workers (bf16) sampling `--batch-groups` groups per forward, one batch
+  per version: learner steps per hour, busy share (step time over wall time less the time spent waiting
+  for rollouts), the time publishing blocks each step (`publish/blocking_s`: the weights' snapshot and the
+  hand-off to the publish thread), patch bytes per step, a following reconstructor's lag from a new
+  pointer to applied weights, a cold join's time, and the workers' sampled tokens per second.
 
 The device has neither megatron-core nor Ray installed and no network: carry them (docs/performance.md).
 DRL_MIN_FREE_GB is lowered to what the device's disk has, and DRL_RAY_DASHBOARD=0 (the carried Ray is
@@ -136,7 +137,7 @@ def launch(cfg) -> tuple[int, float]:
 
 
 def start_workers(procs, cfg, model_dir: str, n: int, *, cpu: bool, threads: int, cap: int, first: int = 1,
-                  log_dir: Path) -> list:
+                  log_dir: Path, batch_groups: int = 1) -> list:
     from worker_contract.manifest import load_manifest
     from worker_contract.signing import fingerprint
     from worker_contract.store import open_store
@@ -151,7 +152,7 @@ def start_workers(procs, cfg, model_dir: str, n: int, *, cpu: bool, threads: int
     for i in range(first, first + n):
         argv = [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
                 "--model", model_dir, "--worker-id", f"w{i}", "--threads", str(threads), "--log-every", "30",
-                "--max-groups-per-version", str(cap)]
+                "--max-groups-per-version", str(cap), "--batch-groups", str(batch_groups)]
         out.append(procs.start(f"worker-{i}", argv, env, log_dir / f"worker-{i}.log"))
     return out
 
@@ -337,6 +338,7 @@ def _joined_at(log: Path, started: float, timeout_s: float) -> float | None:
 
 def part_throughput(args) -> dict:
     from trainer.localprocs import Processes
+    from worker_contract import layout
     from worker_contract.store import open_store
 
     root = ROOT / "throughput"
@@ -363,33 +365,60 @@ def part_throughput(args) -> dict:
     store = open_store(cfg.store)
     follower = Follower(store, run, cfg.contract.plane)
     cold: dict = {}
+    # one batch per version (the cap is the batch): a worker that sampled a batch at version v waits for v+1
+    # rather than sampling a second batch that would land further behind the learner
+    bg = args.batch_groups
+    workers = {"n": args.gpu_workers, "batch_groups": bg, "max_groups_per_version": bg}
+    end_by = t0 + args.tput_deadline_s if args.tput_deadline_s else float("inf")
     try:
         t_w = time.monotonic()
-        start_workers(procs, cfg, model["path"], args.gpu_workers, cpu=False, threads=1, cap=8, log_dir=root)
+        start_workers(procs, cfg, model["path"], args.gpu_workers, cpu=False, threads=1, cap=bg, log_dir=root,
+                      batch_groups=bg)
         first_join = _joined_at(root / "worker-1.log", t_w, 300)
         follower.start()
         t_run = time.monotonic()
+        groups_before = len(store.list_keys(layout.rollouts_prefix(run)))
         joined_late = False
-        while time.monotonic() - t_run < args.tput_seconds:
+        while time.monotonic() - t_run < args.tput_seconds and time.monotonic() < end_by:
             time.sleep(2)
             rows = [r for r in read_rows(metrics) if "train/grad_norm" in r]
             if not joined_late and len(rows) >= args.cold_join_after:  # once there are patches to catch up on
                 joined_late = True
                 t_c = time.monotonic()
                 n = args.gpu_workers + 1
-                start_workers(procs, cfg, model["path"], 1, cpu=False, threads=1, cap=8, first=n, log_dir=root)
+                start_workers(procs, cfg, model["path"], 1, cpu=False, threads=1, cap=bg, first=n, log_dir=root,
+                              batch_groups=bg)
                 cold = {"after_steps": rows[-1]["step"], "seconds": _joined_at(root / f"worker-{n}.log", t_c, 240)}
                 _log(f"cold join after step {cold['after_steps']}: {cold['seconds']} s")
             if rows and int(time.monotonic() - t_run) % 30 < 2:
                 _log(f"throughput {time.monotonic() - t_run:.0f} s: step {rows[-1]['step']}")
         wall = time.monotonic() - t_run
+        workers["groups_uploaded_in_window"] = len(store.list_keys(layout.rollouts_prefix(run))) - groups_before
     finally:
         follower.stop_evt.set()
         stop_learner(cfg, timeout_s=5)  # its final checkpoint (25 GB of float32 state) is not what we measure
         procs.stop(timeout_s=20)
     rows = [r for r in read_rows(metrics) if "train/grad_norm" in r]
+    workers["sampling_tokens_per_s"] = _worker_log_rates(root)
     result.update(summary_throughput(rows, wall, args.gpu_workers, first_join, cold, follower))
+    result["workers"] = workers
+    length = result.get("response_len_mean") or 0.0
+    if wall > 0:  # everything the workers uploaded in the window, used or not (stale groups included)
+        workers["uploaded_tokens_per_s"] = round(
+            workers["groups_uploaded_in_window"] * cfg.contract.n_samples * length / wall, 1)
     return result
+
+
+def _worker_log_rates(root: Path) -> dict[str, float]:
+    """Each worker's last reported sampling rate (its status line: response tokens over sampling time)."""
+    import re
+
+    out = {}
+    for log in sorted(root.glob("worker-*.log")):
+        rates = re.findall(r"([\d.]+) tokens/s", log.read_text(errors="replace"))
+        if rates:
+            out[log.stem] = float(rates[-1])
+    return out
 
 
 def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, cold: dict, follower) -> dict:
@@ -399,6 +428,10 @@ def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, 
     compute = [r.get("train/step_time_s", 0.0) for r in steps]  # the step alone, publishing excluded
     busy = sum(compute) / sum(fed) if fed and sum(fed) > 0 else None
     blocking = [r.get("publish/blocking_s") for r in steps]
+    # each row carries the newest finished publish's figures: one value per patched version (an anchor's
+    # figures have no `changed`, and its patch_bytes would be the whole state)
+    patches = list({r.get("publish/version"): r["publish/patch_bytes"] for r in steps
+                    if r.get("publish/changed") is not None and r.get("publish/patch_bytes") is not None}.values())
     window = rows[-1]["time"] - rows[0]["time"] if len(rows) > 1 else None
     return {
         "workers": workers, "wall_s": round(wall, 1), "steps": len(rows),
@@ -410,18 +443,29 @@ def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, 
         "compute_s_median": _median(compute),
         "publish_blocking_s_median": _median(blocking), "publish_blocking_s_max": max(
             (float(b) for b in blocking if b is not None), default=None),
+        "publish_blocking_s_max_all_steps": max(  # the first step's too
+            (float(r["publish/blocking_s"]) for r in rows if r.get("publish/blocking_s") is not None), default=None),
         "publish_encode_s_median": _median([r.get("publish/encode_s") for r in steps]),
         "publish_latency_s_median": _median([r.get("publish/latency_s") for r in steps]),
-        "patch_bytes_median": _median([r.get("publish/patch_bytes") for r in steps
-                                       if r.get("publish/kind", "patch") == "patch"]),
+        "patch_bytes_median": _median(patches), "patch_bytes_max": max(patches, default=None),
+        "skipped_states": rows[-1].get("publish/skipped_states") if rows else None,
+        "staleness_mean": _mean([r.get("rollout/staleness_mean") for r in steps]),
+        "accepted_groups": rows[-1].get("rollout/accepted") if rows else None,
+        "drops": {k.split("/", 2)[2]: v for k, v in (rows[-1] if rows else {}).items()
+                  if k.startswith("rollout/drops/") and v},
         "response_len_mean": _mean([r.get("rollout/response_len_mean") for r in steps]),
         "worker_tokens_per_s": _worker_rate(rows),
         "reused_frac_mean": _mean([r.get("rollout/reused_frac") for r in steps]),
         "follower_lag_s": [x["seconds"] for x in follower.lags],
         "follower_lag_s_median": _median([x["seconds"] for x in follower.lags]),
+        "follower_lag_s_max": max((x["seconds"] for x in follower.lags), default=None),
         "follower_error": follower.error, "first_worker_join_s": first_join, "cold_join": cold,
+        "sparsity_median": _median([r.get("publish/sparsity") for r in steps if r.get("publish/changed") is not None]),
         "rows": [{k: r.get(k) for k in ("step", "time", "train/step_time_s", "learner/wait_s", "publish/blocking_s",
-                                        "publish/patch_bytes", "publish/encode_s", "publish/latency_s", "version")}
+                                        "publish/version", "publish/patch_bytes", "publish/anchor_bytes",
+                                        "publish/encode_s", "publish/upload_s", "publish/latency_s",
+                                        "publish/queue_wait_s", "version", "batch_version", "rollout/staleness_mean",
+                                        "rollout/reused_frac")}
                  for r in rows],
     }
 
@@ -449,8 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft-target", type=float, default=0.45, help="stop supervising once greedy held-out reaches it")
     ap.add_argument("--base", default=None, help="the learning base's directory: reused when built, else built there")
     ap.add_argument("--tag", default="", help="suffix of the part's directory and run id (several at once)")
-    ap.add_argument("--gpu-workers", type=int, default=8, help="GPU workers of the throughput part")
-    ap.add_argument("--tput-seconds", type=float, default=180.0)
+    ap.add_argument("--gpu-workers", type=int, default=2, help="GPU workers of the throughput part")
+    ap.add_argument("--batch-groups", type=int, default=16,
+                    help="groups each GPU worker samples in one batched forward (and at most per version)")
+    ap.add_argument("--tput-seconds", type=float, default=300.0, help="the throughput window, from the first join")
+    ap.add_argument("--tput-deadline-s", type=float, default=None,
+                    help="end the throughput window by this many seconds after the part started (a device call's limit)")
     ap.add_argument("--tput-max-new-tokens", type=int, default=None,
                     help="response budget of the throughput part (default: the recipe's 1024)")
     ap.add_argument("--cold-join-after", type=int, default=3, help="learner steps before the late worker starts")

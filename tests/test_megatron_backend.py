@@ -17,9 +17,9 @@ from trainer.models import IdentityMismatch
 VOCAB = 64
 
 
-def recipe(backend: str, tp: int = 1, rotary_base: float | None = None) -> RecipeConfig:
+def recipe(backend: str, tp: int = 1, rotary_base: float | None = None, dtype: str = "float32") -> RecipeConfig:
     return RecipeConfig(
-        name="t", task="arithmetic", model=ModelConfig(dtype="float32", rotary_base=rotary_base),
+        name="t", task="arithmetic", model=ModelConfig(dtype=dtype, rotary_base=rotary_base),
         algo=AlgoConfig(lr=1e-3, max_new_tokens=8, temperature=0.8),
         train=TrainConfig(backend=backend, micro_batch_size=3, tensor_parallel=tp),
     )
@@ -92,6 +92,49 @@ def test_checkpoint_round_trip(tmp_path, mcore):
     assert all(torch.equal(again[k], after[k]) for k in after)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_publish_snapshot_owns_its_memory_and_outlives_the_next_step(tmp_path, mcore, tied):
+    """The snapshot the step hands the publisher: the HF state, in memory shared with no parameter and no
+    other tensor of it (a split of a fused tensor or a norm weight would otherwise be the model's own), so
+    the next step cannot change what is being published."""
+    from trainer.backends.megatron import MegatronBackend
+
+    megatron_cpu.make_tiny_qwen2(tmp_path, tied=tied, vocab=VOCAB, hidden=32, ffn=64)
+    mg = MegatronBackend.load(tmp_path, recipe("megatron"), device="cpu", attention="sdpa")
+    snap, host = mg.publish_snapshot(), mg.state_dict_hf()
+    assert snap.keys() == host.keys() and all(torch.equal(snap[k], host[k]) for k in host)
+    live = {p.untyped_storage().data_ptr() for p in mg._local.model.parameters()}
+    ptrs = [t.untyped_storage().data_ptr() for t in snap.values()]
+    assert not live & set(ptrs) and len(set(ptrs)) == len(ptrs)
+    assert all(t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes for t in snap.values())
+    run_steps(mg, steps=1)
+    assert all(torch.equal(snap[k], host[k]) for k in host)  # untouched by the step
+    after = mg.state_dict_hf()
+    assert all(not torch.equal(snap[k], after[k]) for k in host)  # which moved every tensor (lr 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the on-device snapshot needs a CUDA GPU")
+def test_publish_snapshot_never_leaves_the_gpu(tmp_path, mcore):
+    """On a GPU the snapshot is gathered, converted and copied on the device, queued on the stream: no host
+    copy and no synchronisation (torch's sync debug mode raises on either), so the step never waits for
+    it; it equals the host copy, in the run's dtype."""
+    from trainer.backends.megatron import MegatronBackend
+
+    megatron_cpu.make_tiny_qwen2(tmp_path, vocab=VOCAB, hidden=32, ffn=64)
+    mg = MegatronBackend.load(tmp_path, recipe("megatron", dtype="bfloat16"), device="cuda", attention="sdpa")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        snap = mg.publish_snapshot()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    host = mg.state_dict_hf()
+    assert snap.keys() == host.keys()
+    assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in snap.values())
+    assert all(torch.equal(snap[k].cpu(), host[k]) for k in host)
+
+
 def test_launch_refuses_a_different_rotary_base(tmp_path, mcore):
     from trainer.backends.megatron import MegatronBackend
 
@@ -129,6 +172,9 @@ def _tp2_rank(rank: int, port: int, model_dir: str, out: str, bf16: bool) -> Non
     rank_state = MegatronRank(model_dir, recipe("megatron", tp=2), device="cpu", attention="sdpa", **kw)
     assert rank_state.fused_wgrad == bf16
     result = run_steps(rank_state)
+    snap = rank_state.state_dict_hf(on_device=True)  # the publisher's snapshot, gathered over both ranks
+    assert snap.keys() == result["state"].keys()
+    assert all(torch.equal(snap[k], result["state"][k]) for k in snap)
     if rank == 0:
         torch.save(result, out)
 

@@ -275,14 +275,17 @@ class MegatronRank:
 
     # -- publishing and checkpoints ----------------------------------------------------------------------
     def state_dict_hf(self, on_device: bool = False) -> dict[str, torch.Tensor]:
-        """HF-named full tensors in the run's dtype: host copies, or with `on_device` copies on this rank's
-        device (the publisher's snapshot)."""
+        """HF-named full tensors in the run's dtype, sharing no memory with the model: host copies, or with
+        `on_device` copies on this rank's device (the publisher's snapshot). An on-device snapshot never
+        leaves the device: the gather, the megatron -> HF conversion and the copies run there, queued on
+        the current stream with no host copy and no synchronisation (the step must not wait for them)."""
         from trainer.models.model import full_state
 
-        full = full_state(self.model)  # collective over the TP group
-        hf = self.arch.megatron_to_hf(full, self.hf_cfg)
         device = self.device if on_device else torch.device("cpu")
-        return {k: v.to(device=device, dtype=self.publish_dtype).contiguous().clone() for k, v in hf.items()}
+        full = full_state(self.model, device=str(device))  # collective over the TP group
+        hf = self.arch.megatron_to_hf(full, self.hf_cfg)
+        live = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        return {k: _owned(v.to(device=device, dtype=self.publish_dtype), live) for k, v in hf.items()}
 
     def save_checkpoint(self, path: Path) -> None:
         torch.save({"tp_size": self.tp_size, "masters": [m.detach() for m in self.masters],
@@ -299,3 +302,12 @@ class MegatronRank:
             if self.masters is not self.params:
                 torch._foreach_copy_(self.params, self.masters)
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _owned(t: torch.Tensor, live: set[int]) -> torch.Tensor:
+    """`t` as a contiguous tensor with storage of its own: copied if it is a view of a model parameter or
+    of a larger buffer (a split of a fused tensor); a fresh tensor from the conversion is kept as it is."""
+    storage = t.untyped_storage()
+    if storage.data_ptr() in live or storage.nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t

@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=0, help="stop after this many groups (default: run until stopped)")
     p.add_argument("--max-groups-per-version", type=int, default=None,
                    help="pause after this many groups at one version until a newer one is published")
+    p.add_argument("--batch-groups", type=int, default=os.environ.get("DRL_BATCH_GROUPS") or None,
+                   help="groups sampled together, their rows sharing each forward, all from one weights version "
+                        "(default: $DRL_BATCH_GROUPS, else 1); a GPU worker needs more than one to be fast")
     p.add_argument("--seed", type=int, default=None, help="seed for prompts and sampling")
     p.add_argument("--lag-versions", type=int, default=None,
                    help="sample with the weights this many versions behind the pointer (staleness experiments)")
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         store=args.store, run=args.run, model_dir=args.model, worker_id=args.worker_id, max_groups=args.groups,
         seed=args.seed, threads=args.threads, max_groups_per_version=args.max_groups_per_version,
         wait_timeout_s=args.wait, log_every_s=args.log_every, lag_versions=args.lag_versions,
-        backend=args.backend, mlx_dtype=args.mlx_dtype,
+        backend=args.backend, mlx_dtype=args.mlx_dtype, batch_groups=args.batch_groups,
     ).items() if v is not None}
     try:
         Worker(WorkerSettings(**settings)).run(stop)

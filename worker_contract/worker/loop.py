@@ -1,11 +1,13 @@
-"""The reference worker's loop: join the run, then sample, score and upload one group at a time.
+"""The reference worker's loop: join the run, then sample, score and upload one batch of groups at a time.
 
     settings = WorkerSettings(store=..., run=..., model_dir=...)
     Worker(settings, env=os.environ).run(stop_event)
 
-Between groups (never inside one) it follows the pointer, so every sample of a group comes from one
-policy version, the version the record names. A stop request (SIGTERM/SIGINT) lets the group in hand
-finish and upload; an upload is one create-only put, which a reader sees whole or not at all.
+A batch is `batch_groups` groups (default 1) sampled together, their rows sharing each forward (what a
+GPU worker needs to be more than launch overhead). Between batches (never inside one) it follows the
+pointer, so every sample of a batch comes from one policy version, the version each record names. A stop
+request (SIGTERM/SIGINT) lets the batch in hand finish and upload; an upload is one create-only put per
+group, which a reader sees whole or not at all.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class WorkerSettings(BaseModel):
     """The policy's framework: torch + transformers (the reference), or MLX + mlx-lm (Macs)."""
     mlx_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """MLX compute dtype (worker/mlx_model.py): auto = bfloat16 on a Metal GPU, float32 on a CPU."""
+    batch_groups: int = Field(1, ge=1)
+    """Groups sampled together in one batch (DRL_BATCH_GROUPS), all from one weights version: each forward
+    takes batch_groups x n_samples rows. 1 = one group per forward (a CPU or a Mac); a GPU worker gains
+    from more, as many as its memory holds (the KV cache grows with rows x (prompt + max_new_tokens))."""
     max_groups_per_version: int = 0
     """Pause after this many groups at one version until a newer one is published (0 = never pause): a
     worker sharing a machine with the learner should not burn CPU on groups that would only go stale."""
@@ -229,8 +235,9 @@ class Worker:
         self.policy = self._make_policy(model_dir, manifest)
         self._swap(*joined)
         log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d, "
-                 "backend %s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
-                 self.plane, manifest.temperature, manifest.max_new_tokens, self._backend_name())
+                 "backend %s%s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
+                 self.plane, manifest.temperature, manifest.max_new_tokens, self._backend_name(),
+                 f", {self.s.batch_groups} groups a batch" if self.s.batch_groups > 1 else "")
         return True
 
     def _make_policy(self, model_dir: Path, manifest: RunManifest):
@@ -280,13 +287,13 @@ class Worker:
             if self._ahead():
                 stop.wait(min(self.s.poll_interval_s, 0.5))
                 continue
-            problem = train[self._rng.randrange(len(train))]
-            record = self.sample_group(problem)
-            key = self.upload(record)
-            self._per_version[record.policy_version] = self._per_version.get(record.policy_version, 0) + 1
-            self.stats.groups += 1
-            self.stats.samples += len(record.samples)
-            self.stats.rewards.extend(s.reward for s in record.samples)
+            problems = [train[self._rng.randrange(len(train))] for _ in range(self._batch_size())]
+            for record in self.sample_groups(problems):  # one version: no sync until the next batch
+                key = self.upload(record)
+                self._per_version[record.policy_version] = self._per_version.get(record.policy_version, 0) + 1
+                self.stats.groups += 1
+                self.stats.samples += len(record.samples)
+                self.stats.rewards.extend(s.reward for s in record.samples)
             if time.monotonic() - last_log >= self.s.log_every_s:
                 last_log = time.monotonic()
                 self._log_progress(key)
@@ -305,6 +312,15 @@ class Worker:
         if update is not None:
             self._swap(*update)
         return self.version
+
+    def _batch_size(self) -> int:
+        """Groups in the next batch: `batch_groups`, less what `max_groups` or the per-version cap still allow."""
+        n = self.s.batch_groups
+        if self.s.max_groups > 0:
+            n = min(n, self.s.max_groups - self.stats.groups)
+        if self.s.max_groups_per_version > 0:
+            n = min(n, self.s.max_groups_per_version - self._per_version.get(self.version, 0))
+        return max(1, n)
 
     def _ahead(self) -> bool:
         cap = self.s.max_groups_per_version

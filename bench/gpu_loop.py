@@ -388,7 +388,8 @@ def part_throughput(args) -> dict:
                 n = args.gpu_workers + 1
                 start_workers(procs, cfg, model["path"], 1, cpu=False, threads=1, cap=bg, first=n, log_dir=root,
                               batch_groups=bg)
-                cold = {"after_steps": rows[-1]["step"], "seconds": _joined_at(root / f"worker-{n}.log", t_c, 240)}
+                wait_s = max(1.0, min(240.0, end_by - time.monotonic()))
+                cold = {"after_steps": rows[-1]["step"], "seconds": _joined_at(root / f"worker-{n}.log", t_c, wait_s)}
                 _log(f"cold join after step {cold['after_steps']}: {cold['seconds']} s")
             if rows and int(time.monotonic() - t_run) % 30 < 2:
                 _log(f"throughput {time.monotonic() - t_run:.0f} s: step {rows[-1]['step']}")

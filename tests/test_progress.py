@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.progress import enabled, progress, track
+from trainer.progress import enabled, progress, stage, track
 
 
 def test_forced_on_draws_to_stderr(monkeypatch, capsys):
@@ -30,3 +30,19 @@ def test_unknown_unit_is_refused():
     with pytest.raises(ValueError, match="unit='parts'"):
         with progress("x", unit="parts"):
             pass
+
+
+def test_a_stage_is_drawn_full_once_it_ends_and_not_after_an_error(monkeypatch, capsys):
+    monkeypatch.setenv("DRL_PROGRESS", "1")
+    with stage("saving torch_dist"):
+        pass
+    err = capsys.readouterr().err
+    assert "saving torch_dist" in err and "1/1" in err
+    with pytest.raises(RuntimeError, match="reload differs"), stage("verifying"):
+        raise RuntimeError("reload differs")
+    err = capsys.readouterr().err
+    assert "verifying" in err and "1/1" not in err
+    monkeypatch.setenv("DRL_PROGRESS", "0")
+    with stage("loading"):
+        pass
+    assert capsys.readouterr().err == ""

@@ -45,6 +45,21 @@ def _columns(unit: str):
 
 
 @contextlib.contextmanager
+def _bar(description: str, total: float | None, unit: str, show: bool):
+    """(rich Progress, task id) of one bar on stderr, or None where nothing is drawn."""
+    if unit not in ("items", "bytes"):
+        raise ValueError(f"unit={unit!r}: use 'items' or 'bytes'")
+    if not show or not enabled():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(*_columns(unit), console=Console(stderr=True), transient=False) as bar:
+        yield bar, bar.add_task(description, total=total)
+
+
+@contextlib.contextmanager
 def progress(description: str, total: float | None = None, unit: str = "items", *,
              show: bool = True) -> Iterator[Callable[[float], None]]:
     """Context manager yielding `advance(n)`; `unit="bytes"` shows sizes and speed.
@@ -52,17 +67,23 @@ def progress(description: str, total: float | None = None, unit: str = "items", 
     `total=None` draws an indeterminate bar (for listings whose length is unknown up front);
     `show=False` draws nothing whatever the terminal (a caller that runs in the background).
     """
-    if unit not in ("items", "bytes"):
-        raise ValueError(f"unit={unit!r}: use 'items' or 'bytes'")
-    if not show or not enabled():
-        yield lambda n=1: None
-        return
-    from rich.console import Console
-    from rich.progress import Progress
+    with _bar(description, total, unit, show) as drawn:
+        if drawn is None:
+            yield lambda n=1: None
+        else:
+            bar, task = drawn
+            yield lambda n=1: bar.advance(task, n)
 
-    with Progress(*_columns(unit), console=Console(stderr=True), transient=False) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
+
+@contextlib.contextmanager
+def stage(description: str, *, show: bool = True) -> Iterator[None]:
+    """A bar for one stage of unknown length (building a model, saving a checkpoint): indeterminate while
+    the block runs, full once it ends without an error."""
+    with _bar(description, None, "items", show) as drawn:
+        yield
+        if drawn is not None:
+            bar, task = drawn
+            bar.update(task, total=1, completed=1)
 
 
 def track(items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:

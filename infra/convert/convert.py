@@ -22,18 +22,13 @@ from trainer.models.identity import (
     read_identity,
 )
 from trainer.models.registry import get_architecture
+from trainer.progress import progress as progress_bar
+from trainer.progress import stage
 
 _DTYPES = {"bfloat16", "float16", "float32"}
 #: tokenizer and generation files copied verbatim when exporting back to HF
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "generation_config.json")
-
-
-def _progress(enabled: bool):
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
-                    disable=not enabled, transient=False)
 
 
 def plan(hf_dir: str | Path, out_dir: str | Path, *, rotary_base: float | None = None,
@@ -83,26 +78,24 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, rotary_base: float | Non
     arch = get_architecture(cfg)
     out = Path(out_dir)
     _prepare_out(out, overwrite)
-    with _progress(progress) as bar:
-        hf = dict(iter_tensors(safetensors_files(hf_dir), bar))
-        stored = {t.dtype for t in hf.values()}
-        target = getattr(torch, dtype) if dtype else (stored.pop() if len(stored) == 1 else torch.float32)
-        hf = {k: v.to(target) for k, v in hf.items()}
-        step = bar.add_task("mapping to Megatron names", total=None)
+    with progress_bar("reading safetensors", total=info["bytes"], unit="bytes", show=progress) as advance:
+        hf = dict(iter_tensors(safetensors_files(hf_dir), advance))
+    stored = {t.dtype for t in hf.values()}
+    target = getattr(torch, dtype) if dtype else (stored.pop() if len(stored) == 1 else torch.float32)
+    hf = {k: v.to(target) for k, v in hf.items()}
+    with stage("mapping to Megatron names", show=progress):
         mg = arch.hf_to_megatron(hf, cfg, identity.padded_vocab_size)
         del hf
-        bar.update(step, total=1, completed=1)
-        from trainer.models.model import build_model, full_state, load_full_state
+    from trainer.models.model import build_model, full_state, load_full_state
 
-        with torch_dist.single_process_group():
-            step = bar.add_task("building GPTModel and saving torch_dist", total=None)
+    with torch_dist.single_process_group():
+        with stage("building GPTModel and saving torch_dist", show=progress):
             model = build_model(cfg, padded_vocab_size=identity.padded_vocab_size, dtype=target,
                                 attention="local", fused=False, device="cpu")
             load_full_state(model, mg)
             ckpt = torch_dist.save(model, out, tracker=False)
-            bar.update(step, total=1, completed=1)
-            if verify:
-                step = bar.add_task("verifying (reload and compare)", total=None)
+        if verify:
+            with stage("verifying (reload and compare)", show=progress):
                 fresh = build_model(cfg, padded_vocab_size=identity.padded_vocab_size, dtype=target,
                                     attention="local", fused=False, device="cpu")
                 torch_dist.load(fresh, out, directory=ckpt)
@@ -110,7 +103,6 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, rotary_base: float | Non
                 bad = [k for k, v in mg.items() if not torch.equal(back[k], v)]
                 if bad:
                     raise ConvertError(f"verification failed: {len(bad)} tensor(s) differ after reload, e.g. {bad[:4]}")
-                bar.update(step, total=1, completed=1)
     identity.write(out)
     torch_dist.write_tracker(out)  # last: marks the checkpoint complete
     return identity
@@ -130,20 +122,19 @@ def export_hf(ckpt_root: str | Path, out_dir: str | Path, *, hf_source: str | Pa
     arch = get_architecture(cfg)
     from trainer.models.model import build_model, full_state
 
-    with _progress(progress) as bar, torch_dist.single_process_group():
-        step = bar.add_task("loading torch_dist", total=None)
-        model = build_model(cfg, padded_vocab_size=recorded.padded_vocab_size, dtype=torch.float32,
-                            attention="local", fused=False, device="cpu")
-        d = torch_dist.checkpoint_dir(ckpt_root)
-        from megatron.core import dist_checkpointing
+    with torch_dist.single_process_group():
+        with stage("loading torch_dist", show=progress):
+            model = build_model(cfg, padded_vocab_size=recorded.padded_vocab_size, dtype=torch.float32,
+                                attention="local", fused=False, device="cpu")
+            d = torch_dist.checkpoint_dir(ckpt_root)
+            from megatron.core import dist_checkpointing
 
-        # keep the stored dtype: load into a model of that dtype (read it from the first tensor)
-        meta = dist_checkpointing.load_tensors_metadata(str(d))
-        dtypes = {m.dtype for m in meta.values() if hasattr(m, "dtype")}
-        if len(dtypes) == 1:
-            model = model.to(dtypes.pop())
-        torch_dist.load(model, ckpt_root)
-        bar.update(step, total=1, completed=1)
+            # keep the stored dtype: load into a model of that dtype (read it from the first tensor)
+            meta = dist_checkpointing.load_tensors_metadata(str(d))
+            dtypes = {m.dtype for m in meta.values() if hasattr(m, "dtype")}
+            if len(dtypes) == 1:
+                model = model.to(dtypes.pop())
+            torch_dist.load(model, ckpt_root)
         state = arch.megatron_to_hf(full_state(model), cfg)
     paths = save_hf_state(state, out_dir, cfg)
     for name in TOKENIZER_FILES:

@@ -6,7 +6,7 @@ Only the HF file layout lives here; name mapping is per architecture (registry.p
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,20 +95,17 @@ def safetensors_files(hf_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path], progress: Any | None = None) -> Iterator[tuple[str, Any]]:
-    """(name, torch tensor) for every tensor in the shards; `progress` is a rich Progress or None."""
+def iter_tensors(files: list[Path], advance: Callable[[int], None] | None = None) -> Iterator[tuple[str, Any]]:
+    """(name, torch tensor) for every tensor in the shards; `advance(nbytes)` is called after each one read
+    (a `trainer.progress.progress` bar in bytes, totalling the shards' sizes)."""
     from safetensors import safe_open
 
-    task = None
-    if progress is not None:
-        total = sum(f.stat().st_size for f in files)
-        task = progress.add_task("reading safetensors", total=total)
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
                 t = fh.get_tensor(name)
-                if task is not None:
-                    progress.advance(task, t.numel() * t.element_size())
+                if advance is not None:
+                    advance(t.numel() * t.element_size())
                 yield name, t
 
 

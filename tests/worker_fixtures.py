@@ -32,9 +32,10 @@ def save_tiny_qwen2(out: Path, *, hidden_size: int, intermediate_size: int) -> P
 
 
 def publish_run(store, model_dir, run: str, *, n_samples: int, max_new_tokens: int = 12, plane: str | None = None,
-                kv_mode: str | None = None):
+                kv_mode: str | None = None, top_p: float | None = None):
     """run.json of `run` (the gsm8k recipe on the arithmetic task, the model in `model_dir`) and its v1 anchor
-    in `store`: (the recipe, the manifest, the publisher, the model it published)."""
+    in `store`: (the recipe, the manifest, the publisher, the model it published). `top_p` is written into
+    run.json alone, as another trainer would write it (our recipes refuse top_p < 1)."""
     from transformers import AutoModelForCausalLM
 
     from trainer.config import resolve
@@ -50,8 +51,10 @@ def publish_run(store, model_dir, run: str, *, n_samples: int, max_new_tokens: i
         over["contract.kv_mode"] = kv_mode
     cfg = resolve("gsm8k", env={}, overrides=over)
     key = signing.generate_private_key()
-    manifest = create_or_resume(store, run_manifest(cfg, identity_from_hf(model_dir), signing.public_key_b64(key)),
-                                resume=False)
+    manifest = run_manifest(cfg, identity_from_hf(model_dir), signing.public_key_b64(key))
+    if top_p is not None:
+        manifest = manifest.model_copy(update={"top_p": top_p})
+    manifest = create_or_resume(store, manifest, resume=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     pub = Publisher(store, manifest, key, anchor_interval=10, progress=False)
     pub.publish_anchor(model.state_dict())

@@ -3,8 +3,14 @@
 Why not `model.generate`: its sampling goes through generation-config defaults (top_k=50, repetition
 penalties...) that would silently make the distribution the worker samples from differ from the one the
 learner scores; a short explicit loop keeps "the log-prob we record is the distribution we drew from"
-visible in one place. The recorded log-prob is the temperature-scaled log-softmax over the whole vocabulary
-(what the learner recomputes); top_p only restricts which tokens may be drawn.
+visible in one place. The recorded log-prob is the token's log-prob under the distribution it was drawn from:
+the log-softmax of logits / temperature (float32) and, with top_p < 1, that distribution cut to the smallest
+prefix of tokens (most probable first, ties by lower id) whose mass reaches top_p, the top token always kept,
+and renormalised (`nucleus_logprobs`, the same cutoff as the MLX worker's `mlx_sampling.nucleus_logprobs`).
+With top_p = 1 (every shipped recipe) it is the temperature-scaled log-softmax over the whole vocabulary that
+the learner recomputes; the learner does not score the truncated distribution, so trainer.config refuses a
+recipe with top_p < 1 (docs/contract.md). Greedy decoding (held-out evaluation) records the full
+temperature-scaled log-prob of the argmax and ignores top_p.
 
 Prompts may differ in length: they are left-padded, with position ids counted from each prompt's start.
 """
@@ -16,21 +22,29 @@ import torch
 from .completion import Completion
 
 
+def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Log-probs [rows, vocab] of the distribution sampled from: softmax(logits / T), cut to top_p and
+    renormalised (-inf outside the nucleus); exactly the temperature-scaled log-softmax when top_p >= 1."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return logp
+    sorted_lp, order = logp.sort(dim=-1, descending=True, stable=True)
+    sorted_p = sorted_lp.exp()
+    drop_sorted = sorted_p.cumsum(-1) - sorted_p >= top_p  # the top token always survives
+    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    logp = logp.masked_fill(drop, float("-inf"))
+    return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
+
+
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool,
           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids, their log-probs) for one decoding position of every row."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    """(token ids, their log-probs under the distribution drawn from) for one decoding position of every row."""
     if greedy:
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         tok = logp.argmax(dim=-1)
     else:
-        probs = logp.exp()
-        if top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (the top token always survives)
-            drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        logp = nucleus_logprobs(logits, temperature, top_p)
+        tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 

@@ -79,14 +79,14 @@ def build_context(plan, *, profile: str, env: Mapping[str, str] | None = None, e
                   run_box: Callable[[str], tuple[int, str]] | None = None, ssh_key: str | None = None):
     """Everything the checks read: the plan, its recipe, the local credentials, the store and run.json."""
     from infra.preflight_checks import PROFILES, Context
-    from trainer.config import RecipeConfig
+    from trainer.config import validate_resolved
     from worker_contract.env import EnvError, default_store_url, load_env, redact
     from worker_contract.manifest import load_manifest
     from worker_contract.store import NotFound, open_store
 
     if profile not in PROFILES:
         raise ValueError(f"{PROFILE_VAR}={profile!r} is not a profile; known: {', '.join(sorted(PROFILES))}")
-    cfg = RecipeConfig.model_validate(plan.recipe)
+    cfg = validate_resolved(plan.recipe, f"the launch plan's recipe {plan.recipe.get('name')!r}")
     base = dict(os.environ if env is None else env)
     env_path = Path(env_file) if env_file else REPO_ROOT / ".r2env"
     env_error = None

@@ -583,3 +583,13 @@ def test_box_slime_fails_when_the_patched_hook_is_never_called(file_store, gpu_s
 def test_box_slime_missing_is_left_to_the_launch(file_store, gpu_shim, tmp_path):
     row, text = _slime_row(file_store, gpu_shim, tmp_path, tmp_path / "no-slime")
     assert row.status == "WARN" and "no slime checkout" in row.seen, text
+
+
+def test_a_plan_whose_recipe_has_top_p_below_1_is_refused_in_one_line(file_store, capsys):
+    """A dry run refuses top_p < 1 itself; a plan that carries it anyway (edited, or from an older tree) is
+    refused by the preflight's own validation, in one line naming the key, the value and the fix."""
+    plan = make_plan("quickstart", file_store.url)
+    plan = plan.model_copy(update={"recipe": {**plan.recipe, "algo": {**plan.recipe["algo"], "top_p": 0.9}}})
+    assert main([], stdin=io.StringIO(render_plan(plan)), env={"PATH": os.environ["PATH"]}) == 2
+    err = capsys.readouterr().err
+    assert "algo.top_p=0.9" in err and "top_p: 1.0" in err and len(err.strip().splitlines()) == 1, err

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import RECIPES, RUNS_DIR, load_recipe_file, resolve
+from trainer.config import RECIPES, RUNS_DIR, RecipeConfig, load_recipe_file, resolve
 from worker_contract.tasks import TASKS
 
 RECIPE_FILES = sorted(p for p in Path(RUNS_DIR).rglob("*.yaml") if "example" not in p.name)
@@ -39,3 +39,22 @@ def test_fleet_recipe_contract():
     assert resolve("psqa", env={"DRL_N_SAMPLES": "16"}).contract.n_samples == 16
     with pytest.raises(ValueError, match="DRL_PULSE_PLANE='fp8'"):  # the variable the user set, by name
         resolve("psqa", env={"DRL_PULSE_PLANE": "fp8"})
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.5])
+def test_top_p_below_1_is_refused_naming_the_field_the_value_and_why(top_p):
+    """Workers record log-probs under the nucleus they drew from; the learner recomputes the full
+    temperature-scaled softmax, so a run at top_p < 1 would train against a behaviour policy it never scores."""
+    with pytest.raises(ValueError, match=rf"algo\.top_p={top_p}: .*learner.*top_p: 1\.0") as e:
+        resolve("gsm8k", env={}, overrides={"algo.top_p": top_p})
+    assert "Value error" not in str(e.value)
+    tree = resolve("psqa", env={}).model_dump()
+    tree["algo"]["top_p"] = top_p
+    with pytest.raises(ValueError, match="top_p"):  # a resolved recipe validated again (preflight, box launch)
+        RecipeConfig.model_validate(tree)
+    with pytest.raises(ValueError, match="algo.top_p"):
+        resolve("gsm8k", env={}, overrides={"algo.top_p": top_p}, embedded=True)
+    assert resolve("gsm8k", env={}, overrides={"algo.top_p": 1.0}).algo.top_p == 1.0
+    for out_of_range in (0.0, 1.5):
+        with pytest.raises(ValueError, match="algo.top_p"):
+            resolve("gsm8k", env={}, overrides={"algo.top_p": out_of_range})

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
@@ -152,10 +152,24 @@ class AlgoConfig(_Model):
     """Global gradient-norm clip."""
     temperature: float = 1.0
     """Sampling temperature; the learner divides logits by it too, so ratios compare like with like."""
-    top_p: float = 1.0
-    """Nucleus cutoff (1.0 = off)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus cutoff (1.0 = off). Only 1.0 is accepted for now (`_top_p_is_scored`)."""
     max_new_tokens: int = Field(1024, ge=1)
     """Response budget; also the Dr.GRPO reducer's constant length."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_is_scored(cls, v: float) -> float:
+        """Workers record each token's log-prob under the distribution they drew it from, which at top_p < 1
+        is the renormalised nucleus; the learner (and its audit) recomputes the full temperature-scaled
+        softmax. Until it scores the truncated distribution, a run at top_p < 1 would train against a
+        behaviour policy it never recomputes, so such a recipe is refused (docs/contract.md)."""
+        if v < 1.0:
+            raise ValueError("top_p < 1 is refused: workers record log-probs under the renormalised nucleus they "
+                             "sample from, while the learner recomputes the full temperature-scaled softmax, so "
+                             "every ratio to the behaviour policy would be off by the nucleus mass; set "
+                             "algo.top_p: 1.0, as the shipped recipes do")
+        return v
 
 
 class TrainConfig(_Model):
@@ -290,8 +304,9 @@ def load_recipe_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _validation_sentence(recipe: str, e: Any, from_env: Mapping[str, str]) -> str:
-    """pydantic's errors as one line: each names the recipe key (or the variable that set it) and its value."""
+def _validation_sentence(what: str, e: Any, from_env: Mapping[str, str]) -> str:
+    """pydantic's errors as one line after `what`: each names the recipe key (or the variable that set it) and
+    its value."""
     parts = []
     for err in e.errors():
         if not err["loc"]:  # a check across sections: its message names the keys
@@ -302,8 +317,17 @@ def _validation_sentence(recipe: str, e: Any, from_env: Mapping[str, str]) -> st
         name = var or dotted
         base, _, flag = name.partition(" (")  # "ENGINE (--engine)": the variable, then the flag
         shown = (f"{base}={err['input']!r}" + (f" ({flag}" if flag else "")) if err["type"] != "missing" else name
-        parts.append(f"{shown}: {err['msg']}")
-    return f"recipe {recipe!r} ({recipe_path(recipe)}) does not resolve: " + "; ".join(parts)
+        parts.append(f"{shown}: {err['msg'].removeprefix('Value error, ')}")
+    return f"{what}: " + "; ".join(parts)
+
+
+def validate_resolved(tree: Mapping[str, Any], source: str) -> RecipeConfig:
+    """A recipe resolved elsewhere and read back (the launch plan a dry run printed), checked again with the
+    same rules as `resolve` and refused in one line naming `source`, the key and its value."""
+    try:
+        return RecipeConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ValueError(_validation_sentence(f"{source} does not validate", e, {})) from None
 
 
 def resolve(
@@ -348,4 +372,5 @@ def resolve(
     try:
         return RecipeConfig.model_validate(tree)
     except ValidationError as e:
-        raise ValueError(_validation_sentence(recipe, e, from_env)) from None
+        raise ValueError(_validation_sentence(f"recipe {recipe!r} ({recipe_path(recipe)}) does not resolve", e,
+                                              from_env)) from None

@@ -34,7 +34,8 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 #: bump when the recipe below changes in a way the config digest cannot see
-BUILD_VERSION = 1
+#: (2: built on one CPU thread, so every machine builds the same base)
+BUILD_VERSION = 2
 
 
 class BaseReport(BaseModel):
@@ -195,6 +196,21 @@ def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars would tear the launcher's display
+    # One thread: a float sum's order follows the thread count, and 1200 supervised steps grow that last-bit
+    # difference into another base (32-35% held-out and a different RL gain for the same config); on one
+    # thread every machine builds the same weights, at about 1.25x the time of two (docs/embedded.md).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _build(cfg, task, out, digest, max_new_tokens=max_new_tokens, eval_problems=eval_problems,
+                      log=log, on_sft_step=on_sft_step, device=device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(cfg: EmbeddedBaseConfig, task: Task, out: Path, digest: str, *, max_new_tokens: int,
+           eval_problems: int, log: Callable[[str], None], on_sft_step: Callable[[int, float], None] | None,
+           device: str | None) -> BaseReport:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     t0 = time.time()

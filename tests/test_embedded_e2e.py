@@ -237,11 +237,11 @@ def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path):
     evals = sorted((r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r)
     assert len(rewards) == 120
     # Held-out accuracy (the task's reward, greedy, on 400 held-out problems, +-2.4 points of noise) is the
-    # signal. The bars are what current runs reach, not the older +22..+26 of docs/embedded.md: on today's
-    # bases the loop gains +8..+16 by step 20 and peaks +12..+16 (a fresh-clone run: 35% -> 43% at step 20,
-    # 47.75% peak, 43.5% at 120), an unexplained drop documented there. A loop that does not learn stays
-    # within the noise and fails both. Sampled train reward (64 samples a step) is noisy, so it must not fall.
-    assert evals[0][0] == 0 and max(acc for _, acc in evals) >= evals[0][1] + 0.10, evals
-    assert min(acc for step, acc in evals if step >= 20) >= evals[0][1] + 0.05, evals
+    # signal. The recipe's base (built on one thread: the same weights whatever the core count) goes
+    # 24.75% -> 50.75% by step 20 and peaks at 55% within 120 steps (docs/embedded.md). A loop that does not
+    # learn stays within the noise and fails both bars. Sampled train reward (64 samples a step) is noisy,
+    # so it must only not fall.
+    assert evals[0][0] == 0 and max(acc for _, acc in evals) >= evals[0][1] + 0.15, evals
+    assert min(acc for step, acc in evals if step >= 20) >= evals[0][1] + 0.10, evals
     assert sum(rewards[20:]) / len(rewards[20:]) >= sum(rewards[:20]) / 20, rewards
     assert _verify(tmp_path, run).returncode == 0

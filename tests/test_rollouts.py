@@ -263,6 +263,54 @@ def test_groups_uploaded_after_the_last_poll_count_as_stale_when_their_version_l
     assert src.drops == {"stale": 1}
 
 
+def test_groups_landing_below_the_window_after_their_version_left_it_count_as_stale(tmp_path):
+    """A batch sampled at v that lands once the learner is past v + staleness (a slow worker): its prefix
+    already left the window, yet its groups are counted as stale drops, unread, once each; the extra listing
+    is bounded (the watched prefixes on sweeps, one last listing as each leaves the watch)."""
+    store = CountingStore(tmp_path)
+    put_record(store, record_dict(version=5, worker="w1", group="used"))
+    src = source(store, groups_per_step=1, sweep_every=3)  # staleness 3: watched for 8 versions below the window
+    window = lambda cur: {layout.rollout_version_prefix(RUN, v) for v in range(cur - 3, cur + 1)}  # noqa: E731
+    watched = {layout.rollout_version_prefix(RUN, v) for v in range(2, 6)}
+    assert src.poll(5) == 1 and src.take_batch(5) is not None  # poll 1
+    src.poll(9)  # poll 2: versions 2..5 leave the window, each listed whole once (nothing unread yet)
+    assert src.drops["stale"] == 0
+    # the slow worker's batch, sampled at v5 and v4, lands now: below the window [6, 9]
+    late = [put_record(store, record_dict(version=5, worker="w2", group=f"late{i}")) for i in range(2)]
+    late.append(put_record(store, record_dict(version=4, worker="aa", group="late4")))
+    journal: list[tuple[str, str]] = []
+    src.tally.on_drop = lambda key, reason: journal.append((key, reason))
+    store.lists.clear()
+    src.poll(9)  # poll 3, a sweep: the window and the watched prefixes, listed whole
+    assert sorted(journal) == sorted((k, "stale") for k in late)
+    assert {p for p, _ in store.lists} == window(9) | watched and len(store.lists) == 8
+    assert src.accepted == 1  # counted unread
+    assert {w: s["drops"] for w, s in src.worker_stats().items() if s["drops"]} == {
+        "w2": {"stale": 2}, "aa": {"stale": 1}}
+    assert src.metrics()["rollout/drops/stale"] == 3
+    # counted once; a poll that is no sweep lists only the window
+    store.lists.clear()
+    src.poll(9)  # poll 4
+    assert {p for p, _ in store.lists} == window(9) and len(store.lists) == 4
+    src.poll(9)
+    src.poll(9)  # poll 6, a sweep
+    assert src.drops["stale"] == 3
+    # a group landing between sweeps is counted by the last listing as its version leaves the watch
+    gone = put_record(store, record_dict(version=2, worker="w3", group="very-late"))
+    store.lists.clear()
+    src.poll(14)  # poll 7, no sweep: v2 < 14 - 3 - 8 leaves the watch; 6..10 leave the window
+    assert (layout.rollout_version_prefix(RUN, 2), None) in store.lists
+    assert not {p for p, _ in store.lists} & {layout.rollout_version_prefix(RUN, v) for v in (3, 4, 5)}
+    assert journal[-1] == (gone, "stale") and src.drops["stale"] == 4
+    # after that it is never listed again: later uploads there are not counted (the count is a floor)
+    put_record(store, record_dict(version=2, worker="w3", group="too-late"))
+    store.lists.clear()
+    for _ in range(3):
+        src.poll(14)
+    assert all(layout.parse_rollout_key(p + "w/g.json.zst").version >= 3 for p, _ in store.lists)
+    assert src.drops["stale"] == 4
+
+
 def test_duplicate_group_under_a_second_key_is_dropped(tmp_path):
     store = FileStore(tmp_path)
     put_record(store, record_dict(version=4, group="same"))

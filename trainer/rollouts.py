@@ -9,9 +9,14 @@ window prefix whole once more (still window-bounded) and takes only keys it has 
 are read `read_threads` at a time (a read waits one round trip, tens to hundreds of ms on R2, and a fleet
 of hundreds uploads faster than one reader takes them), in chunks of at most READ_AHEAD_BYTES, and judged
 in listing order. When a version
-leaves the window its prefix is listed whole one last time and every group never read is counted as a
-`stale` drop (uploaded after the last poll that covered it); groups uploaded under a version after that
-are not listed, so this count is a floor.
+leaves the window its prefix is listed whole once more and every group never read is counted as a
+`stale` drop (uploaded after the last poll that covered it). A worker slower than the learner can still
+upload under a version that has left the window (a batch sampled at v that lands when the learner is past
+v + staleness): such a prefix stays watched for `late_versions` more versions (default: twice the
+window's length), listed whole on every sweep and once more as it leaves the watch, and its new groups are
+counted as `stale` drops unread. The listing cost stays bounded by the window (at most `late_versions`
+more listings per sweep, one per version leaving the watch); groups landing later than that are never
+listed, so the count is a floor.
 
 Three rooms: this module lists and reads; trainer/rollout_rules.py judges each record (a bad one is
 dropped with a counted reason and never stops the learner); trainer/rollout_pool.py pools the good ones,
@@ -54,12 +59,17 @@ class RolloutSource:
     """Validated prompt groups from the bucket, `groups_per_step` at a time."""
 
     def __init__(self, store: Store, rules: RecordRules, batching: BatchRules, *, sweep_every: int = 10,
-                 read_threads: int = 16):
+                 read_threads: int = 16, late_versions: int | None = None):
         for name, value in (("sweep_every", sweep_every), ("read_threads", read_threads)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
+        if late_versions is not None and late_versions < 0:
+            raise ValueError(f"late_versions={late_versions} must be at least 0")
         self.store, self.rules, self.batching, self.sweep_every = store, rules, batching, sweep_every
         self.read_threads = read_threads
+        #: versions a prefix stays watched for late uploads after it left the window (0: counted once, as it
+        #: leaves)
+        self.late_versions = 2 * (rules.staleness + 1) if late_versions is None else late_versions
         self._readers: ThreadPoolExecutor | None = None
         self.run = rules.run
         self.tally = Tally()
@@ -68,6 +78,7 @@ class RolloutSource:
         self._last_seen: dict[str, str] = {}  # prefix -> last key listed
         self._seen: dict[str, set[str]] = defaultdict(set)  # prefix -> keys handled
         self._listed: set[int] = set()  # versions listed in the window, to be retired when they leave it
+        self._watched: set[int] = set()  # versions below the window still listed for late uploads
         self._polls = 0
         self._poll_lock = threading.Lock()  # one poll at a time (I/O happens outside the pool's lock)
 
@@ -100,9 +111,9 @@ class RolloutSource:
         """List the window's prefixes for new records, validate them, pool the good ones; returns how many."""
         with self._poll_lock:
             current = self._pool.advance(current)
-            self._forget_listing(current)
             self._polls += 1
             sweep = self._polls % self.sweep_every == 0
+            self._retire(current, sweep)
             added = 0
             for version in self.window(current):
                 self._listed.add(version)
@@ -130,27 +141,46 @@ class RolloutSource:
             self._last_seen[prefix] = max(last, self._last_seen.get(prefix, ""))
         return infos
 
-    def _forget_listing(self, current: int) -> None:
-        """Retire versions that left the window (called under the poll lock): list each prefix whole once
-        more, count the groups never read as `stale`, then forget its listing state. A listing that fails
-        is retried at the next poll, so no version's count is skipped."""
+    def _retire(self, current: int, sweep: bool) -> None:
+        """Versions below the window (called under the poll lock). One that just left it is listed whole once
+        more and its groups never read are counted as `stale`; it is then watched for `late_versions` more
+        versions: listed whole on sweeps and once more as it leaves the watch, each new group counted as
+        `stale` unread, before its listing state is forgotten. A listing that fails is retried at the next
+        poll, so no version's count is skipped."""
         low = self.window(current).start
+        listed_now: set[int] = set()
         for version in sorted(v for v in self._listed if v < low):
-            prefix = layout.rollout_version_prefix(self.run, version)
-            try:
-                infos = self._list_counted(prefix)
-            except StoreError as e:
-                log.warning("listing %s one last time failed, will retry: %s", prefix, e)
+            if self._count_unread(version):
+                self._listed.discard(version)
+                self._last_seen.pop(layout.rollout_version_prefix(self.run, version), None)
+                self._watched.add(version)
+                listed_now.add(version)
+        for version in sorted(self._watched):
+            leaving = version < low - self.late_versions
+            if (leaving or sweep) and version not in listed_now and not self._count_unread(version):
                 continue
-            seen = self._seen.pop(prefix, set())
-            for info in infos:
-                if info.key not in seen:
-                    try:
-                        self.tally.drop("stale", layout.parse_rollout_key(info.key).worker_id, info.key)
-                    except ValueError:
-                        self.tally.drop("bad_key", OTHER_WORKER, info.key)
-            self._last_seen.pop(prefix, None)
-            self._listed.discard(version)
+            if leaving:
+                self._watched.discard(version)
+                self._seen.pop(layout.rollout_version_prefix(self.run, version), None)
+
+    def _count_unread(self, version: int) -> bool:
+        """List a version below the window whole and count each group never handled as a `stale` drop
+        (marked handled, never read); False if the listing failed."""
+        prefix = layout.rollout_version_prefix(self.run, version)
+        try:
+            infos = self._list_counted(prefix)
+        except StoreError as e:
+            log.warning("listing %s (below the window) failed, will retry: %s", prefix, e)
+            return False
+        seen = self._seen[prefix]
+        for info in infos:
+            if info.key not in seen:
+                seen.add(info.key)
+                try:
+                    self.tally.drop("stale", layout.parse_rollout_key(info.key).worker_id, info.key)
+                except ValueError:
+                    self.tally.drop("bad_key", OTHER_WORKER, info.key)
+        return True
 
     # -- reading and judging -----------------------------------------------------------------------
     def _fetchable(self, info: ObjectInfo) -> bool:

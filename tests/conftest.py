@@ -24,6 +24,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' helpers (invariants, ...) import by name
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/ (the fault proxy) from any working dir
 
+from recipe_base import pytest_collection_modifyitems, pytest_sessionfinish, recipe_base  # noqa: E402,F401
+
 #: credentials moto accepts (it does not check them); distinct enough to look for in output
 TEST_ACCESS_KEY = "AKIASTOATESTACCESS01"
 TEST_SECRET_KEY = "stoa-test-secret-key-do-not-print-0123456789"

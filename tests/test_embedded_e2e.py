@@ -221,12 +221,16 @@ def test_model_option_runs_the_same_loop_on_a_model_from_disk_with_real_gsm8k_da
 
 
 @pytest.mark.slow
-def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path):
-    """The recipe's own tiny model and RL settings, shortened: train reward and held-out accuracy rise."""
+def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path, recipe_base):
+    """The recipe's own tiny model and RL settings, shortened: train reward and held-out accuracy rise.
+    The base is built from scratch in this session, alongside the other tests (tests/recipe_base.py)."""
+    import shutil
+
     from rich.console import Console
 
     from trainer.embedded import run_embedded
 
+    shutil.copytree(recipe_base, tmp_path / "cache")
     run = "e2e-rises"
     cfg = resolve("gsm8k", env={}, overrides={"run": run, "embedded.max_steps": 120, "embedded.eval_every": 20},
                   embedded=True)

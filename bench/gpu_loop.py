@@ -15,8 +15,11 @@ stop everything by PID at the end (`infra.boxops.stop`). The models are built on
 - throughput: Qwen2.5-1.5B shapes with random weights, the quickstart recipe as shipped (megatron backend,
   bf16, 16384-token micro-batches, 1024 new tokens; the generated GSM8K-format problems, since GSM8K
   cannot be downloaded there), GPU workers (bf16) sampling `--batch-groups` groups per forward, one batch
-  per version: learner steps per hour, busy share (step time over wall time less the time spent waiting
-  for rollouts), the time publishing blocks each step (`publish/blocking_s`: the weights' snapshot and the
+  per version. The reward is bench/coin_task.py's coin (`--tput-task bench-coin`, the default; the workers
+  run as `python -m bench.coin_task`): random weights answer nothing, so the arithmetic task's reward is 0
+  everywhere, the gradient 0 and every patch empty, where a coin per sample gives Adam a gradient to
+  normalise and patches of a real step's size (`--tput-task arithmetic` keeps the real task). Measured:
+  learner steps per hour, busy share (step time over wall time less the time spent waiting for rollouts), the time publishing blocks each step (`publish/blocking_s`: the weights' snapshot and the
   hand-off to the publish thread), patch bytes per step, a following reconstructor's lag from a new
   pointer to applied weights, a cold join's time, and the workers' sampled tokens per second.
 
@@ -38,10 +41,21 @@ import threading
 import time
 from pathlib import Path
 
+from .coin_task import NAME as COIN
 from .common import RESULTS, machine_info
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = REPO / ".stoa" / "gpu_loop"
+#: the throughput part's reward, as its result states it
+TPUT_REWARDS = {
+    COIN: "bench-coin (bench/coin_task.py, benchmark only): the arithmetic prompts, reward = the first bit of "
+          "BLAKE2b of the completion's decoded text, a fair coin per sample; random weights earn 0 on the real "
+          "task, which makes every advantage, the gradient and every patch zero, while a coin gives Adam "
+          "(step normalised by the gradient's scale) a gradient to follow at the recipe's lr, so patches "
+          "carry what a real step changes",
+    "arithmetic": "arithmetic (the real task): 0 for every sample on random weights, so no weight moves and "
+                  "every patch is empty",
+}
 
 
 def _log(msg: str) -> None:
@@ -137,7 +151,8 @@ def launch(cfg) -> tuple[int, float]:
 
 
 def start_workers(procs, cfg, model_dir: str, n: int, *, cpu: bool, threads: int, cap: int, first: int = 1,
-                  log_dir: Path, batch_groups: int = 1) -> list:
+                  log_dir: Path, batch_groups: int = 1, module: str = "worker_contract.worker") -> list:
+    """`n` reference workers (`python -m <module>`: the reference worker, or bench.coin_task's for its task)."""
     from worker_contract.manifest import load_manifest
     from worker_contract.signing import fingerprint
     from worker_contract.store import open_store
@@ -150,7 +165,7 @@ def start_workers(procs, cfg, model_dir: str, n: int, *, cpu: bool, threads: int
         env["CUDA_VISIBLE_DEVICES"] = ""
     out = []
     for i in range(first, first + n):
-        argv = [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
+        argv = [sys.executable, "-m", module, "--store", cfg.store, "--run", cfg.run,
                 "--model", model_dir, "--worker-id", f"w{i}", "--threads", str(threads), "--log-every", "30",
                 "--max-groups-per-version", str(cap), "--batch-groups", str(batch_groups)]
         out.append(procs.start(f"worker-{i}", argv, env, log_dir / f"worker-{i}.log"))
@@ -350,11 +365,11 @@ def part_throughput(args) -> dict:
     _log(f"random Qwen2.5-1.5B shapes: {model['params'] / 1e9:.3f} B parameters in {model['build_s']} s")
     run = f"gpu-loop-tput-{int(time.time())}"
     cfg = resolve_cfg(run, model["path"], f"file://{root / 'bucket'}", {
-        "task": "arithmetic", "train.save_interval": 100000, "train.num_steps": 100000,
+        "task": args.tput_task, "train.save_interval": 100000, "train.num_steps": 100000,
         "algo.max_new_tokens": args.tput_max_new_tokens})  # None: the recipe's 1024
     rc, launch_s = launch(cfg)
-    result: dict = {"model": model, "launch_rc": rc, "launch_s": round(launch_s, 1),
-                    "recipe": cfg.model_dump(mode="json")}
+    result: dict = {"model": model, "reward": TPUT_REWARDS[args.tput_task], "launch_rc": rc,
+                    "launch_s": round(launch_s, 1), "recipe": cfg.model_dump(mode="json")}
     if rc != 0:
         return result
     from infra.slime_launch import BoxPaths
@@ -368,12 +383,13 @@ def part_throughput(args) -> dict:
     # one batch per version (the cap is the batch): a worker that sampled a batch at version v waits for v+1
     # rather than sampling a second batch that would land further behind the learner
     bg = args.batch_groups
-    workers = {"n": args.gpu_workers, "batch_groups": bg, "max_groups_per_version": bg}
+    module = "bench.coin_task" if args.tput_task == COIN else "worker_contract.worker"
+    workers = {"n": args.gpu_workers, "batch_groups": bg, "max_groups_per_version": bg, "module": module}
     end_by = t0 + args.tput_deadline_s if args.tput_deadline_s else float("inf")
     try:
         t_w = time.monotonic()
         start_workers(procs, cfg, model["path"], args.gpu_workers, cpu=False, threads=1, cap=bg, log_dir=root,
-                      batch_groups=bg)
+                      batch_groups=bg, module=module)
         first_join = _joined_at(root / "worker-1.log", t_w, 300)
         follower.start()
         t_run = time.monotonic()
@@ -387,7 +403,7 @@ def part_throughput(args) -> dict:
                 t_c = time.monotonic()
                 n = args.gpu_workers + 1
                 start_workers(procs, cfg, model["path"], 1, cpu=False, threads=1, cap=bg, first=n, log_dir=root,
-                              batch_groups=bg)
+                              batch_groups=bg, module=module)
                 wait_s = max(1.0, min(240.0, end_by - time.monotonic()))
                 cold = {"after_steps": rows[-1]["step"], "seconds": _joined_at(root / f"worker-{n}.log", t_c, wait_s)}
                 _log(f"cold join after step {cold['after_steps']}: {cold['seconds']} s")
@@ -449,6 +465,9 @@ def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, 
         "publish_encode_s_median": _median([r.get("publish/encode_s") for r in steps]),
         "publish_latency_s_median": _median([r.get("publish/latency_s") for r in steps]),
         "patch_bytes_median": _median(patches), "patch_bytes_max": max(patches, default=None),
+        "patch_bytes_min": min(patches, default=None), "patches": len(patches),
+        "grad_norm_median": _median([r.get("train/grad_norm") for r in rows]),
+        "raw_reward_mean": _mean([r.get("rollout/raw_reward") for r in rows]),
         "skipped_states": rows[-1].get("publish/skipped_states") if rows else None,
         "staleness_mean": _mean([r.get("rollout/staleness_mean") for r in steps]),
         "accepted_groups": rows[-1].get("rollout/accepted") if rows else None,
@@ -465,8 +484,9 @@ def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, 
         "rows": [{k: r.get(k) for k in ("step", "time", "train/step_time_s", "learner/wait_s", "publish/blocking_s",
                                         "publish/version", "publish/patch_bytes", "publish/anchor_bytes",
                                         "publish/encode_s", "publish/upload_s", "publish/latency_s",
-                                        "publish/queue_wait_s", "version", "batch_version", "rollout/staleness_mean",
-                                        "rollout/reused_frac")}
+                                        "publish/queue_wait_s", "publish/changed", "publish/sparsity", "version",
+                                        "batch_version", "rollout/staleness_mean", "rollout/reused_frac",
+                                        "rollout/raw_reward", "train/grad_norm", "rollout/drops/stale")}
                  for r in rows],
     }
 
@@ -503,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tput-max-new-tokens", type=int, default=None,
                     help="response budget of the throughput part (default: the recipe's 1024)")
     ap.add_argument("--cold-join-after", type=int, default=3, help="learner steps before the late worker starts")
+    ap.add_argument("--tput-task", choices=sorted(TPUT_REWARDS), default=COIN,
+                    help="the throughput part's task: bench-coin (a coin per sample, the default) or arithmetic "
+                         "(the real task: reward 0 on random weights, empty patches)")
     ap.add_argument("--out", default=str(RESULTS / "gpu_loop.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("DRL_MIN_FREE_GB", "20")  # the device's disk is 64 GB; a rented box keeps 100

@@ -32,10 +32,11 @@ def save_tiny_qwen2(out: Path, *, hidden_size: int, intermediate_size: int) -> P
 
 
 def publish_run(store, model_dir, run: str, *, n_samples: int, max_new_tokens: int = 12, plane: str | None = None,
-                kv_mode: str | None = None, top_p: float | None = None):
-    """run.json of `run` (the gsm8k recipe on the arithmetic task, the model in `model_dir`) and its v1 anchor
-    in `store`: (the recipe, the manifest, the publisher, the model it published). `top_p` is written into
-    run.json alone, as another trainer would write it (our recipes refuse top_p < 1)."""
+                kv_mode: str | None = None, top_p: float | None = None, task: str = "arithmetic"):
+    """run.json of `run` (the gsm8k recipe on `task`, the arithmetic task by default, the model in
+    `model_dir`) and its v1 anchor in `store`: (the recipe, the manifest, the publisher, the model it
+    published). `top_p` is written into run.json alone, as another trainer would write it (our recipes
+    refuse top_p < 1)."""
     from transformers import AutoModelForCausalLM
 
     from trainer.config import resolve
@@ -43,7 +44,7 @@ def publish_run(store, model_dir, run: str, *, n_samples: int, max_new_tokens: i
     from trainer.publisher import Publisher
     from trainer.run_init import run_manifest
 
-    over = {"run": run, "task": "arithmetic", "contract.n_samples": n_samples, "algo.max_new_tokens": max_new_tokens,
+    over = {"run": run, "task": task, "contract.n_samples": n_samples, "algo.max_new_tokens": max_new_tokens,
             "model.path": str(model_dir), "algo.temperature": 0.7}
     if plane:
         over["contract.plane"] = plane

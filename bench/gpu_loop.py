@@ -19,9 +19,10 @@ stop everything by PID at the end (`infra.boxops.stop`). The models are built on
   run as `python -m bench.coin_task`): random weights answer nothing, so the arithmetic task's reward is 0
   everywhere, the gradient 0 and every patch empty, where a coin per sample gives Adam a gradient to
   normalise and patches of a real step's size (`--tput-task arithmetic` keeps the real task). Measured:
-  learner steps per hour, busy share (step time over wall time less the time spent waiting for rollouts), the time publishing blocks each step (`publish/blocking_s`: the weights' snapshot and the
-  hand-off to the publish thread), patch bytes per step, a following reconstructor's lag from a new
-  pointer to applied weights, a cold join's time, and the workers' sampled tokens per second.
+  learner steps per hour, busy share (step time over wall time less the time spent waiting for rollouts),
+  the time publishing blocks each step (`publish/blocking_s`: the weights' snapshot and the hand-off to the
+  publish thread), patch bytes per step, a following reconstructor's lag from a new pointer to applied
+  weights, a cold join's time, and the workers' sampled tokens per second.
 
 The device has neither megatron-core nor Ray installed and no network: carry them (docs/performance.md).
 DRL_MIN_FREE_GB is lowered to what the device's disk has, and DRL_RAY_DASHBOARD=0 (the carried Ray is

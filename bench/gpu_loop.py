@@ -478,6 +478,7 @@ def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, 
         "worker_tokens_per_s": _worker_rate(rows),
         "reused_frac_mean": _mean([r.get("rollout/reused_frac") for r in steps]),
         "follower_lag_s": [x["seconds"] for x in follower.lags],
+        "follower_follows": follower.lags,  # from and to versions of each follow (one may apply several patches)
         "follower_lag_s_median": _median([x["seconds"] for x in follower.lags]),
         "follower_lag_s_max": max((x["seconds"] for x in follower.lags), default=None),
         "follower_error": follower.error, "first_worker_join_s": first_join, "cold_join": cold,

@@ -243,9 +243,11 @@ def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path, recipe_b
     # Held-out accuracy (the task's reward, greedy, on 400 held-out problems, +-2.4 points of noise) is the
     # signal. The recipe's base (built on one thread: the same weights whatever the core count) goes
     # 24.75% -> 50.75% by step 20 and 54% by step 60 (docs/embedded.md). A loop that does not
-    # learn stays within the noise and fails both bars. Sampled train reward (64 samples a step) is noisy,
-    # so it must only not fall.
+    # learn stays within the noise and fails both bars. Sampled train reward (64 samples a step, at T = 1)
+    # is flat over the first 60 steps (0.342 then 0.338 in a 300-step run, 0.29-0.30 in another; 0.40-0.46
+    # by its last 60), and a 20-step mean moves +-0.013 by chance: it must not fall by more than noise
+    # allows (a collapsing policy loses far more).
     assert evals[0][0] == 0 and max(acc for _, acc in evals) >= evals[0][1] + 0.15, evals
     assert min(acc for step, acc in evals if step >= 20) >= evals[0][1] + 0.10, evals
-    assert sum(rewards[20:]) / len(rewards[20:]) >= sum(rewards[:20]) / 20, rewards
+    assert sum(rewards[20:]) / len(rewards[20:]) >= sum(rewards[:20]) / 20 - 0.05, rewards
     assert _verify(tmp_path, run).returncode == 0

@@ -10,6 +10,7 @@ keyed by everything that shapes it, so a second run starts in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -196,45 +197,45 @@ def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars would tear the launcher's display
-    # One thread: a float sum's order follows the thread count, and 1200 supervised steps grow that last-bit
-    # difference into another base (32-35% held-out and a different RL gain for the same config); on one
-    # thread every machine builds the same weights, at about 1.25x the time of two (docs/embedded.md).
+    with _one_thread():
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        t0 = time.time()
+        train = task.dataset("train")
+        corpus = [_render(task, train[i]) for i in range(cfg.tokenizer_corpus)]
+        tokenizer = build_tokenizer(corpus, cfg.vocab_size)
+        model = build_model(tokenizer, cfg).to(device or "cpu")
+        params = sum(p.numel() for p in model.parameters())
+        log(f"building the base model: Qwen2 {cfg.num_layers}x{cfg.hidden_size}, {params / 1e6:.2f} M parameters, "
+            f"vocab {len(tokenizer)}; {cfg.sft_steps} supervised steps")
+        supervise(model, tokenizer, task, cfg, on_sft_step)
+        acc = evaluate(model, tokenizer, task, task.dataset("test")[:eval_problems], max_new_tokens=max_new_tokens)
+        tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        report = BaseReport(path=str(out), params=params, vocab_size=len(tokenizer), sft_steps=cfg.sft_steps,
+                            sft_seconds=round(time.time() - t0, 1), heldout_accuracy=acc,
+                            heldout_problems=eval_problems, config_digest=digest)
+        (tmp / "base.json").write_text(report.model_dump_json(indent=2))
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished the same base first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+        return BaseReport.model_validate_json((out / "base.json").read_text())
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one CPU thread inside the block, the caller's count restored after. A float sum's order
+    follows the thread count, and 1200 supervised steps grow that last-bit difference into another base
+    (32-35% held-out and a different RL gain for the same config); on one thread every machine builds the
+    same weights, at about 1.25x the time of two (docs/embedded.md)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _build(cfg, task, out, digest, max_new_tokens=max_new_tokens, eval_problems=eval_problems,
-                      log=log, on_sft_step=on_sft_step, device=device)
+        yield
     finally:
         torch.set_num_threads(threads)
-
-
-def _build(cfg: EmbeddedBaseConfig, task: Task, out: Path, digest: str, *, max_new_tokens: int,
-           eval_problems: int, log: Callable[[str], None], on_sft_step: Callable[[int, float], None] | None,
-           device: str | None) -> BaseReport:
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    t0 = time.time()
-    train = task.dataset("train")
-    corpus = [_render(task, train[i]) for i in range(cfg.tokenizer_corpus)]
-    tokenizer = build_tokenizer(corpus, cfg.vocab_size)
-    model = build_model(tokenizer, cfg).to(device or "cpu")
-    params = sum(p.numel() for p in model.parameters())
-    log(f"building the base model: Qwen2 {cfg.num_layers}x{cfg.hidden_size}, {params / 1e6:.2f} M parameters, "
-        f"vocab {len(tokenizer)}; {cfg.sft_steps} supervised steps")
-    supervise(model, tokenizer, task, cfg, on_sft_step)
-    acc = evaluate(model, tokenizer, task, task.dataset("test")[:eval_problems], max_new_tokens=max_new_tokens)
-    tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    report = BaseReport(path=str(out), params=params, vocab_size=len(tokenizer), sft_steps=cfg.sft_steps,
-                        sft_seconds=round(time.time() - t0, 1), heldout_accuracy=acc,
-                        heldout_problems=eval_problems, config_digest=digest)
-    (tmp / "base.json").write_text(report.model_dump_json(indent=2))
-    try:
-        tmp.rename(out)
-    except OSError:  # another process finished the same base first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return BaseReport.model_validate_json((out / "base.json").read_text())
 
 
 def _render(task: Task, problem: Problem) -> str:

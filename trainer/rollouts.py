@@ -157,8 +157,9 @@ class RolloutSource:
                 listed_now.add(version)
         for version in sorted(self._watched):
             leaving = version < low - self.late_versions
-            if (leaving or sweep) and version not in listed_now and not self._count_unread(version):
-                continue
+            due = (leaving or sweep) and version not in listed_now
+            if due and not self._count_unread(version):
+                continue  # the listing failed: retried at the next poll
             if leaving:
                 self._watched.discard(version)
                 self._seen.pop(layout.rollout_version_prefix(self.run, version), None)

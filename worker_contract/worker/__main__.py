@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker refuses to join: {e}", file=sys.stderr)
         return 3
     except (ValueError, TimeoutError) as e:
-        print(f"worker error: {e}", file=sys.stderr)
+        from ..cli import one_sentence
+
+        print(f"worker error: {one_sentence(e)}", file=sys.stderr)  # a bad setting: one line, not pydantic's table
         return 2
     except KeyboardInterrupt:
         return 130

@@ -95,6 +95,10 @@ class BoxPaths(BaseModel):
         return str(PurePosixPath(self.state_dir) / "ckpt")
 
     @property
+    def compile_cache_dir(self) -> str:
+        return str(PurePosixPath(self.state_dir) / "compile-cache")
+
+    @property
     def recipe_file(self) -> str:
         return str(PurePosixPath(self.state_dir) / "recipe.json")
 
@@ -271,9 +275,13 @@ def slime_args(cfg: RecipeConfig, paths: BoxPaths, hf_config: Mapping[str, Any],
 def runtime_env(cfg: RecipeConfig, paths: BoxPaths) -> dict[str, Any]:
     """The Ray runtime env of the job: our tree and Megatron on PYTHONPATH, where the plugin finds its run.
 
-    Credentials are never in here: the plugin reads them from `DRL_ENV_FILE` (mode 0600) on the box.
+    Credentials are never in here: the plugin reads them from `DRL_ENV_FILE` (mode 0600) on the box. The
+    compile caches are the run's own: slime torch.compile's its policy loss with the clip bounds as
+    constants, and a cache shared by runs on one box (~/.cache, /tmp) can give a run another's kernels.
     """
     return {"env_vars": {
+        "TORCHINDUCTOR_CACHE_DIR": paths.compile_cache_dir + "/inductor",
+        "TRITON_CACHE_DIR": paths.compile_cache_dir + "/triton",
         "PYTHONPATH": f"{cfg.launch.megatron_dir}:{paths.remote_dir}",
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "PYTHONUNBUFFERED": "1",

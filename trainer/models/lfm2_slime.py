@@ -30,6 +30,9 @@ def model_flags(c: Mapping[str, Any], rotary: float) -> list[str]:
         "--num-layers", str(n), "--hidden-size", str(c["hidden_size"]), "--ffn-hidden-size", str(dense_ffn(c)),
         "--num-attention-heads", str(heads), "--use-rotary-position-embeddings", "--rotary-base", _num(rotary),
         "--normalization", "RMSNorm", "--norm-epsilon", repr(float(c.get("norm_eps", 1e-5))),
+        # our spec's norms are megatron's torch RMSNorm (WrappedTorchNorm), which asserts when the config
+        # asks for the persistent fused kernel, and Megatron's parser asks for it unless told not to
+        "--no-persist-layer-norm",
         "--vocab-size", str(c["vocab_size"]),
         "--num-experts", str(c["num_experts"]), "--moe-ffn-hidden-size", str(c["moe_intermediate_size"]),
         "--moe-router-topk", str(c["num_experts_per_tok"]), "--moe-router-score-function", "sigmoid",

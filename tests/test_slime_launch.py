@@ -1,0 +1,63 @@
+"""The slime launch (infra/slime_launch.py, trainer/models/lfm2_slime.py) against what slime and Megatron do
+with it: the model the flags ask for builds from our spec, and the launch keeps each run's files its own."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests import megatron_cpu
+
+
+def _psqa_flags(**over) -> list[str]:
+    from infra import slime_launch as sl
+    from trainer.config import resolve
+
+    cfg = resolve("psqa", env={"DRL_RUN": "launch"}, overrides={"train.engine": "slime", **over})
+    return sl.slime_args(cfg, sl.BoxPaths(remote_dir="/root/dRL", run="launch"), sl.KNOWN_HF_CONFIGS[cfg.model.hf_id])
+
+
+def test_lfm2_flags_build_our_spec_with_megatrons_norm_setting(tmp_path):
+    """Megatron's `core_transformer_config_from_args` sets persist_layer_norm = not --no-persist-layer-norm;
+    our spec's torch RMSNorm asserts on True, so the launch must pass the flag (the model never built without)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    from tests.test_lfm2_megatron import _tiny_hf
+    from trainer.models import get_architecture, load_hf_config
+    from trainer.models.lfm2_slime import lfm2_spec
+
+    flags = _psqa_flags()
+    _tiny_hf(tmp_path)
+    cfg = load_hf_config(tmp_path)
+    arch = get_architecture(cfg)
+    megatron_cpu.init_distributed()
+    try:
+        tc = TransformerConfig(**arch.transformer_config(cfg), params_dtype=torch.float32, use_cpu_initialization=True,
+                               persist_layer_norm="--no-persist-layer-norm" not in flags)
+        spec = lfm2_spec(SimpleNamespace(hf_checkpoint=str(tmp_path)), tc, None)  # as slime's provider calls it
+        model = GPTModel(tc, spec, **arch.gpt_model_kwargs(cfg, cfg["vocab_size"]))
+    finally:
+        megatron_cpu.shutdown_distributed()
+    assert any(n.endswith("final_layernorm.weight") for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("recipe", ["gsm8k", "psqa"])
+def test_each_run_compiles_into_its_own_cache(recipe):
+    """slime's policy loss is torch.compile'd with the clip bounds baked in; a cache shared between runs
+    on one box can hand one run another's kernels. Each run's inductor and triton caches live in its dir."""
+    from infra import slime_launch as sl
+    from trainer.config import resolve
+
+    envs = []
+    for run in ("run-a", "run-b"):
+        cfg = resolve(recipe, env={"DRL_RUN": run}, overrides={"train.engine": "slime"})
+        paths = sl.BoxPaths(remote_dir="/root/dRL", run=run)
+        env = sl.runtime_env(cfg, paths)["env_vars"]
+        for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            assert env[var].startswith(paths.state_dir + "/"), (var, env[var])
+        envs.append(env)
+    assert envs[0]["TORCHINDUCTOR_CACHE_DIR"] != envs[1]["TORCHINDUCTOR_CACHE_DIR"]
+    assert envs[0]["TRITON_CACHE_DIR"] != envs[1]["TRITON_CACHE_DIR"]

@@ -393,6 +393,41 @@ def test_after_train_publishes_each_new_policy(box, plugin):
         assert np.array_equal(np.asarray(arr).view(np.uint16), sd[name].view(torch.uint16).numpy()), name
 
 
+def _megatron_save(root, iteration: int, *, complete: bool = True) -> None:
+    """What Megatron's save_checkpoint leaves: iter_<7 digits>/ with files, then the tracker when complete."""
+    d = root / f"iter_{iteration:07d}" / "__0_0.distcp"
+    d.parent.mkdir(parents=True)
+    d.write_bytes(b"x" * 64)
+    if complete:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def test_after_train_keeps_the_recipes_number_of_slime_checkpoints(box, plugin, tmp_path):
+    """slime's --save gets one checkpoint per --save-interval and Megatron deletes none (about 22 GB each
+    for the quickstart, 116 GB for psqa); the hook keeps train.keep_checkpoints complete ones, never the
+    newest, never a save that has not completed."""
+    from transformers import AutoModelForCausalLM
+
+    keep = plugin_context.context().cfg.train.keep_checkpoints
+    assert keep == 2
+    model = AutoModelForCausalLM.from_pretrained(str(box["hf"]), torch_dtype=torch.bfloat16)
+    save = tmp_path / "ckpt"
+    for it in range(4):
+        _megatron_save(save, it)
+    _megatron_save(save, 4, complete=False)  # a save cut short: newer than the tracker
+    args = slime_args(save=str(save), num_rollout=100)
+    publish.after_train(args, 4, [model])
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000002", "iter_0000003", "iter_0000004",
+                                                      "latest_checkpointed_iteration.txt"]
+    shutil.rmtree(save / "iter_0000004")
+    _megatron_save(save, 4)  # slime saves rollout 4 after the hook
+    publish.after_train(args, 5, [model])
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000003", "iter_0000004"]
+    publish.after_train(slime_args(num_rollout=100), 6, [model])  # no --save: nothing to prune
+    publish.after_train(args, 99, [model])  # the last rollout waits for its publish
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000003", "iter_0000004"]
+
+
 def _model_logprobs(model, tokens: list[int], response_length: int) -> torch.Tensor:
     """The policy's log-prob of each response token (temperature 1), as slime's recompute gives them."""
     with torch.no_grad():

@@ -16,7 +16,8 @@ versions), then the pointer, while slime trains on. The last rollout (`--num-rol
 publish, so nothing is lost at the end; without `args.num_rollout` each call waits. The rollout function
 reads the pointer for its staleness window, so the next batch is judged against the newest version. Each
 version's stats object is written by trainer.step.VersionStats, from what the rollout function recorded
-about the batch and the worker audit (trainer/slime_plugin/audit.py).
+about the batch and the worker audit (trainer/slime_plugin/audit.py). Rank 0 also prunes slime's
+checkpoints to the recipe's `train.keep_checkpoints` (checkpoints.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from . import checkpoints
 from .context import BATCH_STATS_FILE, PluginContext, context
 
 
@@ -150,6 +152,8 @@ def after_train(args: Any, rollout_id: int, model) -> int | None:
     state = hf_state(args, model)
     if not _is_rank0():
         return None
+    ctx = context()
+    checkpoints.prune(getattr(args, "save", None), ctx.cfg.train.keep_checkpoints)  # before slime's next save
     total = getattr(args, "num_rollout", None)
     wait = total is None or rollout_id + 1 >= int(total)
-    return publish_policy(context(), state, rollout_id, wait=wait)
+    return publish_policy(ctx, state, rollout_id, wait=wait)

@@ -154,11 +154,16 @@ def test_worker_refuses_an_unknown_contract_version(tmp_path, tiny_model_dir):
         _worker(store, tiny_model_dir).setup(threading.Event())
 
 
-def test_worker_refuses_a_multi_turn_task(tmp_path, tiny_model_dir):
+def test_a_light_tier_worker_joining_a_psqa_run_without_a_retriever_is_refused(tmp_path, tiny_model_dir):
     store = FileStore(tmp_path / "b3")
     manifest, _, _ = _publish_run(store, tiny_model_dir)
     store.put(layout.manifest_key(RUN), manifest.model_copy(update={"task": "psqa"}).to_bytes())
-    with pytest.raises(ContractMismatch, match="trains task 'psqa', which needs multi-turn tool episodes"):
+    with pytest.raises(ValueError, match="light-tier worker cannot hold the search index: set DRL_RETRIEVER_URL"):
+        _worker(store, tiny_model_dir, retriever_tier="light").setup(threading.Event())
+    with pytest.raises(ValueError, match="needs a retriever: set DRL_RETRIEVER_URL .* on this medium-tier"):
+        _worker(store, tiny_model_dir, retriever_tier="medium").setup(threading.Event())
+    store.put(layout.manifest_key(RUN), manifest.model_copy(update={"task": "chess"}).to_bytes())
+    with pytest.raises(ContractMismatch, match="trains task 'chess'; this worker samples arithmetic, gsm8k, psqa"):
         _worker(store, tiny_model_dir).setup(threading.Event())
 
 

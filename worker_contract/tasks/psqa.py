@@ -174,9 +174,12 @@ def _advance(ep: Episode, out: TurnOutput, max_new_tokens: int, max_turns: int, 
     if len(ep.searches) > max_turns:
         ep.finish_reason = "tool"
         return False
+    room = max_new_tokens - len(ep.response_ids)
+    if room <= 0:  # no budget left for the documents: no call to the tool
+        ep.finish_reason = "length"
+        return False
     tool_text = tool_turn_text(search(query))
     tool_ids = encode(tool_text)
-    room = max_new_tokens - len(ep.response_ids)
     ep._append(tool_ids[:room], None, tool_text)
     if len(tool_ids) >= room:
         ep.finish_reason = "length"

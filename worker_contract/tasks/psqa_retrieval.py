@@ -13,10 +13,11 @@ retriever (the light tier, 15-23 GB, cannot hold the BM25 index itself).
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 API_VERSION = 1
 MAX_K = 50
@@ -77,34 +78,75 @@ class RetrieverError(RuntimeError):
     """The retriever could not be reached or answered with an error."""
 
 
-class RetrieverClient:
-    """Calls a retriever over HTTP. `search` raises RetrieverError; the episode loop turns that into
-    an empty tool turn rather than a dead worker (the group still completes and scores)."""
+#: the largest answer body read (k = 50 abstracts fit many times over); a longer one is a failed call
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 
-    def __init__(self, url: str, timeout_s: float = 20.0):
+
+class RetrieverClient:
+    """Calls a retriever over HTTP with bounded cost: each attempt has a socket timeout and a whole-call
+    deadline (a server that drips bytes is cut off), reads at most MAX_RESPONSE_BYTES, and a failed attempt
+    (refused, timed out, HTTP 5xx, a body that is not the wire format) is retried `retries` more times
+    with a short backoff; then `search` raises RetrieverError. HTTP 4xx is not retried (our request is wrong)."""
+
+    def __init__(self, url: str, timeout_s: float = 20.0, retries: int = 2, backoff_s: float = 0.5,
+                 max_bytes: int = MAX_RESPONSE_BYTES):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"DRL_RETRIEVER_URL={url!r} is not an http(s) URL; e.g. http://10.0.0.5:8000")
         self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
+        self.timeout_s, self.retries, self.backoff_s, self.max_bytes = timeout_s, retries, backoff_s, max_bytes
 
-    def _call(self, method: str, path: str, body: bytes | None = None) -> bytes:
+    def _read(self, resp, deadline: float, what: str) -> bytes:
+        chunks, size = [], 0
+        while True:
+            if time.monotonic() > deadline:
+                raise RetrieverError(f"{what}: no whole answer within {self.timeout_s:g} s")
+            chunk = resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise RetrieverError(f"{what}: answer larger than {self.max_bytes} bytes")
+            chunks.append(chunk)
+
+    def _once(self, method: str, path: str, body: bytes | None) -> bytes:
+        what = f"{method} {self.url}{path}"
         req = urllib.request.Request(self.url + path, data=body, method=method,
                                      headers={"Content-Type": "application/json"} if body else {})
+        deadline = time.monotonic() + self.timeout_s
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return resp.read()
+                return self._read(resp, deadline, what)
         except urllib.error.HTTPError as e:
-            detail = e.read()[:300].decode(errors="replace")
-            raise RetrieverError(f"{method} {self.url}{path}: HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise RetrieverError(f"{method} {self.url}{path}: {e}") from None
+            detail = e.read(300).decode(errors="replace")
+            err = RetrieverError(f"{what}: HTTP {e.code}: {detail}")
+            err.retry = e.code >= 500  # type: ignore[attr-defined]
+            raise err from None
+        except (urllib.error.URLError, OSError, ValueError) as e:  # refused, timed out, reset, bad status line
+            raise RetrieverError(f"{what}: {e}") from None
+
+    def _call(self, method: str, path: str, body: bytes | None = None, parse=None):
+        for attempt in range(self.retries + 1):
+            try:
+                raw = self._once(method, path, body)
+                if parse is None:
+                    return raw
+                try:
+                    return parse(raw)
+                except (ValidationError, ValueError) as e:
+                    raise RetrieverError(f"{method} {self.url}{path}: not the retriever's wire format "
+                                         f"({str(e).splitlines()[0][:120]})") from None
+            except RetrieverError as e:
+                if attempt == self.retries or not getattr(e, "retry", True):
+                    raise
+                time.sleep(self.backoff_s * (2 ** attempt))
+        raise AssertionError("unreachable")
 
     def health(self) -> HealthResponse:
-        return HealthResponse.model_validate_json(self._call("GET", "/health"))
+        return self._call("GET", "/health", parse=HealthResponse.model_validate_json)
 
     def search(self, query: str, k: int = 3) -> SearchResponse:
         req = SearchRequest(query=query[:MAX_QUERY_CHARS], k=k)
-        return SearchResponse.model_validate_json(self._call("POST", "/search", req.model_dump_json().encode()))
+        return self._call("POST", "/search", req.model_dump_json().encode(), parse=SearchResponse.model_validate_json)
 
 
 def format_hits(hits: list[SearchHit]) -> str:
@@ -118,14 +160,17 @@ def dumps(model: BaseModel) -> bytes:
     return json.dumps(model.model_dump(), ensure_ascii=False).encode()
 
 
-def search_tool(client: RetrieverClient, k: int = 3):
-    """The `Search` callable an episode uses: query -> formatted documents. A retriever failure becomes a
-    short tool message instead of an exception, so one flaky request never kills a worker's group."""
+def search_tool(client: RetrieverClient, k: int = 3, strict: bool = False):
+    """The `Search` callable an episode uses: query -> formatted documents. A retriever failure (after the
+    client's retries) becomes a short tool message, or with `strict` (the workers) raises RetrieverError so
+    the worker drops the group with a counted reason instead of training on an episode the tool failed."""
 
     def search(query: str) -> str:
         try:
             return format_hits(client.search(query, k).hits)
         except RetrieverError as e:
+            if strict:
+                raise
             return f"Search failed ({str(e)[:200]})."
 
     return search

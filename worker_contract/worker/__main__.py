@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "mlx[cpu]) (default: $DRL_WORKER_BACKEND, else torch)")
     p.add_argument("--mlx-dtype", choices=("auto", "float32", "bfloat16"), default=None,
                    help="MLX compute dtype (default auto: bfloat16 on a Mac's GPU, float32 on a CPU)")
+    p.add_argument("--retriever-url", default=os.environ.get("DRL_RETRIEVER_URL") or None,
+                   help="psqa runs: the search service from the join card (default: $DRL_RETRIEVER_URL)")
+    p.add_argument("--retriever-tier", default=os.environ.get("DRL_RETRIEVER_TIER") or None,
+                   help="psqa runs: memory tier auto, light (15-23 GB: shared retriever only), medium or heavy "
+                        "(may use a local index on 127.0.0.1) (default: $DRL_RETRIEVER_TIER, else auto: by "
+                        "this machine's memory)")
     p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the run's first weights")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines")
     args = p.parse_args(argv)
@@ -77,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed, threads=args.threads, max_groups_per_version=args.max_groups_per_version,
         wait_timeout_s=args.wait, log_every_s=args.log_every, lag_versions=args.lag_versions,
         backend=args.backend, mlx_dtype=args.mlx_dtype, batch_groups=args.batch_groups,
+        retriever_url=args.retriever_url, retriever_tier=args.retriever_tier,
     ).items() if v is not None}
     try:
         Worker(WorkerSettings(**settings)).run(stop)

@@ -29,5 +29,9 @@ class ChatTokenizer:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def encode(self, text: str) -> list[int]:
+        """Text as ids with no special tokens added (a tool turn is tokenized on its own)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

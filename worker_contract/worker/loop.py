@@ -36,8 +36,10 @@ from ..tasks import Problem, get_task
 
 log = logging.getLogger("worker")
 
-#: tasks whose group is one prompt and one sampled turn per sample (psqa needs search-tool episodes)
+#: tasks whose group is one prompt and one sampled turn per sample
 SINGLE_TURN_TASKS = frozenset({"gsm8k", "arithmetic"})
+#: tasks sampled as multi-turn search episodes (worker/episodes.py), with the search tool of worker/retrieval.py
+EPISODE_TASKS = frozenset({"psqa"})
 #: DRL_KV_MODE values each backend implements; None = the backend does not check the mode. For the MLX
 #: worker, paged_prefix is one prompt prefill shared by the group's n samples (worker/mlx_sampling.py)
 KV_MODES: dict[str, frozenset[str] | None] = {"torch": None, "mlx": frozenset({"paged_prefix"})}
@@ -82,6 +84,14 @@ class WorkerSettings(BaseModel):
     lag_versions: int = Field(0, ge=0)
     """Sample with the weights this many versions behind the pointer (0 = follow it): a worker that lags on
     purpose, so staleness experiments get groups exactly this many versions old."""
+    retriever_url: str | None = None
+    """The search service of a psqa run (DRL_RETRIEVER_URL, from the join card); unused by other tasks."""
+    retriever_tier: Literal["auto", "light", "medium", "heavy"] = "auto"
+    """Memory tier for retrieval (DRL_RETRIEVER_TIER): auto follows the machine's memory (worker/retrieval.py)."""
+    retriever_timeout_s: float = Field(20.0, gt=0)
+    """Whole-call limit of one retriever request; a failed one is retried twice, then the group is dropped."""
+    max_turns: int = Field(4, ge=1)
+    """Tool calls one psqa episode may make."""
 
 
 @dataclass
@@ -94,6 +104,14 @@ class WorkerStats:
     """Seconds spent sampling (prefill and decode), for the status line's tokens per second."""
     versions_seen: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Groups sampled but not uploaded, by reason (retriever: the search tool failed after its retries)."""
+    prefill_extend: int = 0
+    """psqa: prefill tokens fed (each group's prompt once, then each sample's extension after a tool turn)."""
+    prefill_reprefill: int = 0
+    """psqa: prefill tokens a worker re-prefilling every turn's context from the start would have fed."""
+    searches: int = 0
+    """psqa: tool calls made."""
 
 
 def declared_contract(env: Mapping[str, str]) -> tuple[int, str]:
@@ -206,10 +224,15 @@ class Worker:
         check_contract(manifest, self.n_samples, self.plane)
         check_kv_mode(manifest, parse_env(self.env).kv_mode, self.s.backend)
         check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
-        if manifest.task not in SINGLE_TURN_TASKS:
-            raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}, which needs multi-turn "
-                                   "tool episodes; this reference worker samples single-turn tasks: "
-                                   f"{', '.join(sorted(SINGLE_TURN_TASKS))}")
+        if manifest.task not in SINGLE_TURN_TASKS | EPISODE_TASKS:
+            raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}; this worker samples "
+                                   f"{', '.join(sorted(SINGLE_TURN_TASKS | EPISODE_TASKS))}")
+        self.search = None
+        if manifest.task in EPISODE_TASKS:  # refused before any weights are fetched (exit 2)
+            from .retrieval import make_search
+
+            self.search = make_search(self.s.retriever_url, self.s.retriever_tier, manifest.run,
+                                      timeout_s=self.s.retriever_timeout_s)
         self.manifest = manifest
         self.task = get_task(manifest.task)
         model_dir = resolve_model_dir(self.s, manifest)
@@ -281,7 +304,7 @@ class Worker:
 
     def loop(self, stop: threading.Event) -> WorkerStats:
         train = self.task.dataset("train")
-        last_log = time.monotonic()
+        last_log, key = time.monotonic(), None
         while not stop.is_set() and (self.s.max_groups <= 0 or self.stats.groups < self.s.max_groups):
             self.sync()  # between groups only: a group never mixes versions
             if self._ahead():
@@ -294,7 +317,7 @@ class Worker:
                 self.stats.groups += 1
                 self.stats.samples += len(record.samples)
                 self.stats.rewards.extend(s.reward for s in record.samples)
-            if time.monotonic() - last_log >= self.s.log_every_s:
+            if time.monotonic() - last_log >= self.s.log_every_s and key is not None:
                 last_log = time.monotonic()
                 self._log_progress(key)
         log.info("worker %s stopping: %d groups uploaded, last version v%d", self.s.worker_id,
@@ -333,6 +356,8 @@ class Worker:
         """One group per problem, all sampled in one batch (a GPU worker's rows share each forward)."""
         m = self.manifest
         prompts = [self.policy.prompt_ids(self.task.messages(p)) for p in problems]
+        if self.search is not None:
+            return self._episode_groups(problems, prompts)
         t0 = time.monotonic()
         outs = self.policy.sample_many(prompts, self.n_samples, temperature=m.temperature, top_p=m.top_p,
                                        max_new_tokens=m.max_new_tokens)
@@ -346,12 +371,42 @@ class Worker:
                 samples.append(Sample(response_ids=o.token_ids, behavior_logprobs=o.logprobs,
                                       loss_mask=[1] * len(o.token_ids), reward=self.task.reward(text, problem),
                                       finish_reason=o.finish_reason))
-            records.append(RolloutRecord(
-                run=self.s.run, worker_id=self.s.worker_id, group_id=self._group_id(),
-                policy_version=self.version, plane=self.plane, task=m.task, prompt_id=problem.id,
-                prompt_ids=prompt, samples=samples, created_at=time.time(),
-                sampling=SamplingParams(temperature=m.temperature, top_p=m.top_p, max_new_tokens=m.max_new_tokens),
-            ))
+            records.append(self._record(problem, prompt, samples))
+        return records
+
+    def _record(self, problem: Problem, prompt: list[int], samples: list[Sample]) -> RolloutRecord:
+        m = self.manifest
+        return RolloutRecord(
+            run=self.s.run, worker_id=self.s.worker_id, group_id=self._group_id(),
+            policy_version=self.version, plane=self.plane, task=m.task, prompt_id=problem.id,
+            prompt_ids=prompt, samples=samples, created_at=time.time(),
+            sampling=SamplingParams(temperature=m.temperature, top_p=m.top_p, max_new_tokens=m.max_new_tokens))
+
+    def _episode_groups(self, problems: list[Problem], prompts: list[list[int]]) -> list[RolloutRecord]:
+        """psqa: n search episodes per problem (worker/episodes.py); a group whose search tool failed after
+        its retries is dropped and counted under `dropped['retriever']`, and the worker goes on."""
+        from ..tasks.psqa_retrieval import RetrieverError
+
+        m, records = self.manifest, []
+        for problem, prompt in zip(problems, prompts, strict=True):
+            t0 = time.monotonic()
+            try:
+                eps, count = self.policy.sample_episodes(prompt, self.n_samples, temperature=m.temperature,
+                                                         top_p=m.top_p, max_new_tokens=m.max_new_tokens,
+                                                         search=self.search, max_turns=self.s.max_turns)
+            except RetrieverError as e:
+                self.stats.dropped["retriever"] = self.stats.dropped.get("retriever", 0) + 1
+                log.warning("group of %s dropped (%d so far): the retriever failed: %s", problem.id,
+                            self.stats.dropped["retriever"], str(e)[:200])
+                continue
+            finally:
+                self.stats.sampling_s += time.monotonic() - t0
+            self.stats.tokens += sum(sum(e.loss_mask) for e in eps)
+            self.stats.prefill_extend += count.extend
+            self.stats.prefill_reprefill += count.reprefill
+            self.stats.searches += sum(len(e.searches) for e in eps)
+            records.append(self._record(problem, prompt, [e.to_sample(self.task.reward(e.text, problem))
+                                                          for e in eps]))
         return records
 
     def _group_id(self) -> str:
@@ -370,6 +425,9 @@ class Worker:
 
     def _log_progress(self, key: str) -> None:
         recent = self.stats.rewards[-10 * self.n_samples:]
-        log.info("worker %s: v%d, %d groups, mean reward %.3f over the last %d samples, %.1f tokens/s; last %s",
-                 self.s.worker_id, self.version, self.stats.groups, sum(recent) / max(1, len(recent)),
-                 len(recent), self.stats.tokens / max(self.stats.sampling_s, 1e-9), key)
+        st = self.stats
+        extra = (f", {st.searches} searches, prefill {st.prefill_extend} tokens (re-prefill would be "
+                 f"{st.prefill_reprefill}), dropped {st.dropped or 0}" if self.search is not None else "")
+        log.info("worker %s: v%d, %d groups, mean reward %.3f over the last %d samples, %.1f tokens/s%s; last %s",
+                 self.s.worker_id, self.version, st.groups, sum(recent) / max(1, len(recent)),
+                 len(recent), st.tokens / max(st.sampling_s, 1e-9), extra, key)

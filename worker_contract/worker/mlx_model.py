@@ -158,5 +158,22 @@ class MlxPolicy:
         return [self.sample(p, n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
                 for p in prompts]
 
+    def sample_episodes(self, prompt: list[int], n: int, *, temperature: float, top_p: float, max_new_tokens: int,
+                        search, max_turns: int = 4):
+        """n search episodes of one prompt, one shared prompt prefill (worker/episodes.py): (episodes, counts)."""
+        import mlx.core as mx
+
+        from .episodes import sample_episode_group
+        from .mlx_sampling import MlxEngine
+
+        self.key, key = mx.random.split(self.key)
+        engine = MlxEngine(self.model, self.decode, temperature=temperature, top_p=top_p, key=key)
+        return sample_episode_group(engine, self.eos_ids, prompt, n, encode=self.encode, search=search,
+                                    max_new_tokens=max_new_tokens, max_turns=max_turns)
+
+    def encode(self, text: str) -> list[int]:
+        """A tool turn's ids, tokenized on its own (no special tokens added)."""
+        return self.chat.encode(text)
+
     def decode(self, token_ids: list[int]) -> str:
         return self.chat.decode(token_ids)

@@ -105,3 +105,43 @@ def sample_group(model, prompt: list[int], n: int, *, temperature: float, top_p:
             active = [active[r] for r in keep]
         logits = model(tok[:, None].astype(mx.int32), cache=cache)[:, -1, :]
     return [Completion(toks[i], lps[i], finish[i]) for i in range(n)]
+
+
+class MlxEngine:
+    """The episode generator's backend (worker/episodes.py): one batch-1 mlx-lm prompt cache per sample,
+    extended by feeding the new tokens; a clone holds fresh arrays (an update of one never reaches another)."""
+
+    def __init__(self, model, decode, *, temperature: float, top_p: float, key):
+        self.model, self.decode = model, decode
+        self.temperature, self.top_p, self.key = temperature, top_p, key
+
+    def prefill(self, ids: list[int], state):
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model) if state is None else state
+        x = mx.array(ids, dtype=mx.int32)[None]
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            logits = self.model(x[:, start:start + PREFILL_CHUNK], cache=cache)[:, -1, :]
+        mx.eval(logits, [c.state for c in cache])
+        return cache, logits
+
+    def clone(self, state):
+        import copy
+
+        out = []
+        for c in state:
+            d = copy.copy(c)
+            _expand(d, 1)  # mx.repeat(..., 1): new arrays, trimmed to the cache's offset
+            out.append(d)
+        return out
+
+    def pick(self, logits) -> tuple[int, float]:
+        import mlx.core as mx
+
+        self.key, sub = mx.random.split(self.key)
+        logp = nucleus_logprobs(logits, self.temperature, self.top_p)
+        tok = mx.random.categorical(logp, axis=-1, key=sub)
+        lp = mx.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+        mx.eval(tok, lp)
+        return int(tok.item()), float(lp.item())

@@ -45,7 +45,8 @@ class PolicyModel:
     def load(self, state: Mapping[str, np.ndarray]) -> None:
         """Copy a full published state into the model; a missing or unknown tensor is an error."""
         params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        persistent = set(self.model.state_dict())  # not RoPE's inv_freq (rotary_emb, LFM2-MoE's pos_emb)
+        params.update({n: b for n, b in self.model.named_buffers() if n in persistent})
         tied_ok = {"lm_head.weight"} if self.tied else set()
         missing = {n for n in params if n not in state and n not in tied_ok and "rotary_emb" not in n}
         unknown = set(state) - set(params)
@@ -74,6 +75,21 @@ class PolicyModel:
                       max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
                       generator=self.generator)
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def sample_episodes(self, prompt: list[int], n: int, *, temperature: float, top_p: float, max_new_tokens: int,
+                        search, max_turns: int = 4, greedy: bool = False):
+        """n search episodes of one prompt, one shared prompt prefill (worker/episodes.py): (episodes, counts)."""
+        from .episodes import sample_episode_group
+        from .sampling import TorchEngine
+
+        engine = TorchEngine(self.model, self.decode, temperature=temperature, top_p=top_p, greedy=greedy,
+                             generator=self.generator)
+        return sample_episode_group(engine, self.eos_ids, prompt, n, encode=self.encode, search=search,
+                                    max_new_tokens=max_new_tokens, max_turns=max_turns)
+
+    def encode(self, text: str) -> list[int]:
+        """A tool turn's ids, tokenized on its own (no special tokens added)."""
+        return self.chat.encode(text)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.chat.decode(token_ids)

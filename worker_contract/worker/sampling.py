@@ -110,3 +110,33 @@ def _collect(tok_rows: list[list[int]], lp_rows: list[list[float]], eos: set[int
         else:
             result.append(Completion(toks[:n], lps[:n], "stop"))
     return result
+
+
+class TorchEngine:
+    """The episode generator's backend (worker/episodes.py): one batch-1 HF cache per sample, extended in
+    place (`DynamicCache`; LFM2's conv state lives in the same cache object), cloned by deep copy."""
+
+    def __init__(self, model, decode, *, temperature: float, top_p: float, greedy: bool = False,
+                 generator: torch.Generator | None = None):
+        self.model, self.decode = model, decode
+        self.temperature, self.top_p, self.greedy, self.generator = temperature, top_p, greedy, generator
+        self.device = next(model.parameters()).device
+        self.cache_kw = _cache_kwarg(model)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], state):
+        """Feed ids after what `state` holds; positions continue from the cache's length."""
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        kw = {} if state is None else {self.cache_kw: state}
+        out = self.model(input_ids=x, use_cache=True, **kw)
+        return getattr(out, self.cache_kw), out.logits[:, -1]
+
+    def clone(self, state):
+        import copy
+
+        return copy.deepcopy(state)
+
+    @torch.inference_mode()
+    def pick(self, logits) -> tuple[int, float]:
+        tok, lp = _pick(logits, self.temperature, self.top_p, self.greedy, self.generator)
+        return int(tok[0]), float(lp[0])

@@ -1,0 +1,113 @@
+"""psqa search episodes on both workers (torch and MLX on the CPU), tiny LFM2 / LFM2-MoE over a 16-word
+tokenizer: masks and tool turns as the task says, every sampled log-prob equal to a cache-free recomputation
+by both engines (so the extended caches are right), and the prefill counted both ways."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.episode_fixtures import save_search_model
+from worker_contract.planes import get_plane
+from worker_contract.tasks.psqa import tool_turn_text
+
+mx = pytest.importorskip("mlx.core", reason="the MLX worker needs mlx (mlx[cpu] on Linux)")
+pytest.importorskip("mlx_lm", reason="the MLX worker needs mlx-lm")
+
+T = 1.0
+N = 8
+BUDGET = 64
+DOCS = "Doc 1 the dmd gene is a protein kinase"
+
+
+def search(query: str) -> str:
+    return DOCS  # the tool's output; the real retriever is exercised in test_worker_psqa.py
+
+
+@pytest.fixture(scope="module", params=["lfm2", "lfm2_moe"])
+def policies(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from worker_contract.worker.mlx_model import MlxPolicy
+    from worker_contract.worker.model import PolicyModel
+
+    d = save_search_model(tmp_path_factory.mktemp(request.param), request.param)
+    hf = AutoModelForCausalLM.from_pretrained(d)
+    state = get_plane("bf16").from_hf({k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})
+    tp = PolicyModel(d, threads=1, seed=1, device="cpu")
+    tp.load_plane("bf16", state)
+    mp = MlxPolicy(d, plane="bf16", seed=1, dtype="float32")
+    mp.load_plane("bf16", state)
+    return tp, mp
+
+
+def _torch_fresh(tp, prompt, response):
+    with torch.no_grad():
+        logits = tp.model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / T, -1).gather(-1, torch.tensor(response)[:, None])[:, 0].numpy()
+
+
+def _mlx_fresh(mp, prompt, response):
+    logits = mp.model(mx.array([prompt + response]))[0, len(prompt) - 1:-1].astype(mx.float32) / T
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return np.array(mx.take_along_axis(logp, mx.array(response)[:, None], axis=-1)[:, 0])
+
+
+def _groups_with_a_search(policy, prompt):
+    """Groups of N episodes until one searched (the same ones every run: seeded policies)."""
+    out = []
+    for _ in range(8):
+        eps, count = policy.sample_episodes(prompt, N, temperature=T, top_p=1.0, max_new_tokens=BUDGET, search=search)
+        out.append((eps, count))
+        if sum(len(e.searches) for e in eps) >= 2:
+            break
+    assert any(e.searches for eps, _ in out for e in eps), "no episode searched in 8 groups"
+    return out
+
+
+def _segments(mask):
+    """(start, end, mask value) runs of a loss mask."""
+    runs, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            runs.append((start, i, mask[start]))
+            start = i
+    return runs
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_episodes_masks_logprobs_and_prefill(policies, backend):
+    tp, mp = policies
+    policy = tp if backend == "torch" else mp
+    prompt = tp.prompt_ids([{"role": "user", "content": "Question: the dmd gene is"}])
+    assert prompt == mp.prompt_ids([{"role": "user", "content": "Question: the dmd gene is"}])
+    tool_ids = tp.encode(tool_turn_text(DOCS))
+    worst = {"torch": 0.0, "mlx": 0.0}
+    for eps, count in _groups_with_a_search(policy, prompt):
+        extensions = 0
+        for e in eps:
+            n = len(e.response_ids)
+            assert n <= BUDGET and len(e.loss_mask) == len(e.behavior_logprobs) == n
+            runs = _segments(e.loss_mask)
+            tools = [(a, b) for a, b, m in runs if m == 0]
+            # one tool turn per search, nothing else unmasked; the last search may find the budget spent
+            # or the turns used up
+            assert len(tools) == len(e.searches) or (
+                len(tools) == len(e.searches) - 1 and e.finish_reason in ("length", "tool"))
+            for a, b in tools:
+                assert e.response_ids[a:b] == tool_ids[:b - a] and set(e.behavior_logprobs[a:b]) == {0.0}
+                extensions += (b - a + 1) if b < n else 0  # the last sampled token and the tool turn
+            sampled = np.array(e.loss_mask, dtype=bool)
+            lp = np.array(e.behavior_logprobs)[sampled]
+            for name, fresh in (("torch", _torch_fresh(tp, prompt, e.response_ids)),
+                                ("mlx", _mlx_fresh(mp, prompt, e.response_ids))):
+                worst[name] = max(worst[name], float(np.abs(fresh[sampled] - lp).max()))
+        assert count.extend == len(prompt) + extensions
+        # re-prefilling from the start: each sample's prompt, then its whole context before every later turn
+        assert count.reprefill == sum(len(prompt) + sum(len(prompt) + b for _, b, m in _segments(e.loss_mask)
+                                                        if m == 0 and b < len(e.response_ids)) for e in eps)
+        if any(e.searches for e in eps):
+            assert count.extend < count.reprefill
+    print(f"{backend}-sampled episodes: max |behaviour - recomputed| torch {worst['torch']:.2e}, mlx {worst['mlx']:.2e}")
+    assert worst["torch"] < 1e-4 and worst["mlx"] < 1e-4, worst

@@ -194,6 +194,44 @@ def model_args(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> list[str]:
     return MODEL_ARGS[mt](cfg, hf_config)
 
 
+# -- the box's disk -------------------------------------------------------------------------------------
+#: bytes per parameter on the box's disk: the HF download and its torch_dist copy (bf16, 2 + 2), and each
+#: Megatron checkpoint (bf16 weights, the fp32 master copy, two fp32 Adam moments: 2 + 4 + 8)
+MODEL_BYTES, CHECKPOINT_BYTES = 4, 14
+#: logs, the compile caches, the state dir
+DISK_SLACK_GB = 5.0
+
+
+def model_params(c: Mapping[str, Any]) -> int | None:
+    """Parameters of a recipe model from its HF config (dense decoders and LFM2-MoE); None for others."""
+    from infra.learner_memory import dense_params
+
+    if c.get("model_type") != "lfm2_moe":
+        return dense_params(c)
+    h, n, vocab = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
+    heads = int(c["num_attention_heads"])
+    kv, d = int(c.get("num_key_value_heads") or heads), h // heads
+    attention = 2 * h * heads * d + 2 * h * kv * d + 2 * d
+    conv = 3 * h * h + h * h + 3 * h * int(c.get("conv_L_cache", 3))
+    dense_ffn, experts = 3 * h * int(c["intermediate_size"]), int(c["num_experts"])
+    moe_ffn = experts * 3 * h * int(c["moe_intermediate_size"]) + experts * (h + 1)
+    kinds = c.get("layer_types") or ["conv"] * n
+    mixers = sum(attention if k == "full_attention" else conv for k in kinds)
+    dense = int(c.get("num_dense_layers", 2))
+    ffns = dense * dense_ffn + (n - dense) * moe_ffn
+    return vocab * h * (1 if c.get("tie_word_embeddings", True) else 2) + mixers + ffns + (2 * n + 1) * h
+
+
+def disk_need_gb(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> float | None:
+    """Disk the slime run needs under the remote dir: the model twice, and `train.keep_checkpoints` + 1
+    checkpoints (the hook prunes to K before each save, so K complete ones and the one being written)."""
+    params = model_params(hf_config)
+    if params is None:
+        return None
+    ckpts = cfg.train.keep_checkpoints + 1
+    return round(params * (MODEL_BYTES + ckpts * CHECKPOINT_BYTES) / 1e9 + DISK_SLACK_GB)
+
+
 # -- the slime flags ------------------------------------------------------------------------------------
 def cluster_args(cfg: RecipeConfig, trainer_only: TrainerOnly) -> list[str]:
     gpus = cfg.train.tensor_parallel

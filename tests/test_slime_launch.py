@@ -61,3 +61,26 @@ def test_each_run_compiles_into_its_own_cache(recipe):
         envs.append(env)
     assert envs[0]["TORCHINDUCTOR_CACHE_DIR"] != envs[1]["TORCHINDUCTOR_CACHE_DIR"]
     assert envs[0]["TRITON_CACHE_DIR"] != envs[1]["TRITON_CACHE_DIR"]
+
+
+@pytest.mark.parametrize(("recipe", "profile", "free_gb", "ok"), [
+    ("psqa", "fleet", 250, False), ("psqa", "fleet", 280, True),
+    ("gsm8k", "quickstart", 70, False), ("gsm8k", "quickstart", 80, True),
+])
+def test_the_preflight_asks_for_the_disk_the_checkpoints_take(tmp_path, recipe, profile, free_gb, ok):
+    """Each slime checkpoint is 14 bytes a parameter (21.6 GB for Qwen2.5-1.5B, 116.8 GB for LFM2.5-8B-A1B),
+    kept K + 1 at a time (train.keep_checkpoints, then the save in progress), beside the model's two copies."""
+    from infra import slime_launch as sl
+    from infra.preflight import build_context
+    from infra.preflight_env import check_disk
+    from tests.test_preflight import make_plan
+
+    hf = sl.KNOWN_HF_CONFIGS[{"psqa": "LiquidAI/LFM2.5-8B-A1B", "gsm8k": "Qwen/Qwen2.5-1.5B-Instruct"}[recipe]]
+    assert round(sl.model_params(hf) * sl.CHECKPOINT_BYTES / 1e9, 1) == {"psqa": 116.8, "gsm8k": 21.6}[recipe]
+    plan = make_plan(profile, f"file://{tmp_path}/bucket")
+    df = f"/dev/x 1 1 {free_gb * 10**9 // 1024} 1% /\n"
+    ctx = build_context(plan, profile=profile, env={}, run_box=lambda cmd: (0, df))
+    row = check_disk(ctx)
+    assert (row.status == "PASS") is ok, row
+    assert row.required == f">= {sl.disk_need_gb(ctx.cfg, hf):.0f} GB"
+    assert ok or f"{ctx.cfg.train.keep_checkpoints} + 1 checkpoints" in row.fix

@@ -46,3 +46,27 @@ def test_a_stage_is_drawn_full_once_it_ends_and_not_after_an_error(monkeypatch, 
     with stage("loading"):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_off_a_terminal_a_long_step_prints_lines_with_the_time_left(monkeypatch, capsys):
+    """A build in a log or a pipe: a line at the start, one every `lines_every_s` with the count and the
+    time left, one at the end; a bar on a terminal instead (rich's, with its time-remaining column)."""
+    from trainer import progress as mod
+
+    monkeypatch.delenv("DRL_PROGRESS", raising=False)
+    now = [100.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    with progress("building the base model", total=1200, lines_every_s=30) as advance:
+        for _ in range(300):
+            now[0] += 0.5  # 0.5 s a step: a line every 60 steps
+            advance(1)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "building the base model: starting"
+    assert lines[1] == "building the base model: 60/1200 (5%), 30 s elapsed, about 9 min 30 s left"
+    assert lines[-2] == "building the base model: 300/1200 (25%), 2 min 30 s elapsed, about 7 min 30 s left"
+    assert lines[-1].startswith("building the base model: done, 300/1200 (25%)") and len(lines) == 7
+    monkeypatch.setenv("DRL_PROGRESS", "1")
+    with progress("building the base model", total=4, lines_every_s=30) as advance:
+        advance(4)
+    err = capsys.readouterr().err
+    assert "4/4" in err and "starting" not in err

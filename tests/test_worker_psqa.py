@@ -1,0 +1,126 @@
+"""A worker joining a psqa run (tiny LFM2-MoE, the real BM25 retriever on 127.0.0.1): it uploads groups of
+search episodes the learner's source accepts, drops a group with a counted reason and keeps running when the
+retriever fails, and a light-tier worker with no DRL_RETRIEVER_URL is refused in one line with exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.retriever.corpus import synthetic_corpus
+from infra.retriever.index import BM25Index
+from infra.retriever.server import make_server
+from tests.episode_fixtures import save_search_model
+from tests.worker_fixtures import publish_run
+from worker_contract import layout
+from worker_contract.schema import decode_record
+from worker_contract.store.file import FileStore
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = "psqa-run"
+N = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_search_model(tmp_path_factory.mktemp("lfm2moe"), "lfm2_moe")
+
+
+@pytest.fixture(scope="module")
+def psqa_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("psqa")
+    rows = [{"question": f"which gene does protein {i} bind", "answer": "dmd", "golden_answers": ["dmd"]}
+            for i in range(20)]
+    for split in ("train", "test"):
+        (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+@pytest.fixture(scope="module")
+def retriever(tmp_path_factory):
+    d = tmp_path_factory.mktemp("idx")
+    BM25Index.build(synthetic_corpus(60, seed=5), source="generated").save(d)
+    srv = make_server(BM25Index.load(d), "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def run_store(tmp_path, model_dir, psqa_dir, monkeypatch):
+    monkeypatch.setenv("DRL_PSQA_DIR", str(psqa_dir))
+    store = FileStore(tmp_path / "bucket")
+    cfg, manifest, _, _ = publish_run(store, model_dir, RUN, n_samples=N, max_new_tokens=48, task="psqa",
+                                      kv_mode="paged_prefix")
+    return store, (cfg, manifest)
+
+
+def _worker(store, model_dir, **over):
+    from worker_contract.worker.loop import Worker, WorkerSettings
+
+    settings = WorkerSettings(store=store.url, run=RUN, model_dir=str(model_dir), worker_id="w1", seed=0,
+                              threads=1, **over)
+    return Worker(settings, env={"DRL_N_SAMPLES": str(N), "DRL_PULSE_PLANE": "bf16"})
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_uploads_search_episode_groups_the_source_accepts(run_store, model_dir, retriever, backend):
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm", reason="the MLX worker needs mlx-lm")
+    from trainer.rollouts import BatchRules, RecordRules, RolloutSource
+
+    store, (cfg, manifest) = run_store
+    w = _worker(store, model_dir, retriever_url=retriever.url, retriever_tier="light", max_groups=3, backend=backend)
+    stats = w.run(threading.Event())
+    assert stats.groups == 3 and not stats.dropped
+    src = RolloutSource(store, RecordRules.from_manifest(manifest, cfg.algo), BatchRules(groups_per_step=3, reuse_cap=2))
+    assert src.poll(1) == 3 and sum(src.drops.values()) == 0, src.drops
+    records = [decode_record(store.get(k)) for k in store.list_keys(layout.rollouts_prefix(RUN))]
+    for r in records:
+        assert r.task == "psqa" and len(r.samples) == N
+        for s in r.samples:
+            assert all(lp == 0.0 for lp, m in zip(s.behavior_logprobs, s.loss_mask) if m == 0)
+    assert stats.prefill_extend <= stats.prefill_reprefill
+    print(f"{stats.searches} searches; prefill tokens {stats.prefill_extend} extended vs "
+          f"{stats.prefill_reprefill} re-prefilled from the start")
+
+
+def test_a_failing_retriever_drops_groups_and_the_worker_goes_on(run_store, model_dir):
+    import socket
+
+    store, _ = run_store
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    w = _worker(store, model_dir, retriever_url=dead, retriever_tier="heavy", retriever_timeout_s=0.5)
+    stop = threading.Event()
+    t = threading.Thread(target=w.run, args=(stop,), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 120
+    while w.stats.dropped.get("retriever", 0) < 2 and time.monotonic() < deadline:
+        assert t.is_alive()
+        time.sleep(0.2)
+    assert w.stats.dropped["retriever"] >= 2 and t.is_alive()
+    stop.set()
+    t.join(60)
+    assert not t.is_alive()  # groups where no sample searched still upload
+
+
+def test_a_light_tier_worker_without_a_retriever_is_refused_in_one_line(run_store, model_dir, psqa_dir):
+    store, _ = run_store
+    env = {k: v for k, v in os.environ.items() if k != "DRL_RETRIEVER_URL"}
+    env.update(PYTHONPATH=str(REPO), DRL_N_SAMPLES=str(N), DRL_PULSE_PLANE="bf16", DRL_PSQA_DIR=str(psqa_dir))
+    out = subprocess.run([sys.executable, "-m", "worker_contract.worker", "--store", store.url, "--run", RUN,
+                          "--model", str(model_dir), "--retriever-tier", "light", "--wait", "5"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "DRL_RETRIEVER_URL" in last and "Traceback" not in out.stderr, out.stderr

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import layout
 from ..env import parse_env
@@ -92,6 +92,13 @@ class WorkerSettings(BaseModel):
     """Whole-call limit of one retriever request; a failed one is retried twice, then the group is dropped."""
     max_turns: int = Field(4, ge=1)
     """Tool calls one psqa episode may make."""
+
+    @field_validator("retriever_url")
+    @classmethod
+    def _http(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"DRL_RETRIEVER_URL={v!r} is not an http(s) URL; e.g. http://10.0.0.5:8000")
+        return v
 
 
 @dataclass

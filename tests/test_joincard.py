@@ -41,6 +41,19 @@ def test_card_from_run_json(published):
     assert got["DRL_TRAINER_KEY_FINGERPRINT"].startswith("SHA256:")
 
 
+def test_a_psqa_card_says_how_each_tier_joins(file_store):
+    create_or_resume(file_store, make_manifest("psqa-card", task="psqa", plane="int8g64", kv_mode="paged_prefix"),
+                     resume=False)
+    text = render(build_card(file_store, "psqa-card", {"DRL_RETRIEVER_URL": "http://10.0.0.5:8765"}))
+    assert "http://10.0.0.5:8765" in text
+    assert "python -m worker_contract.worker --backend mlx" in text and "light tier (15-23 GB)" in text
+    bare = render(build_card(file_store, "psqa-card", {}))
+    assert "(not set; the fleet task needs one" in bare
+    create_or_resume(file_store, make_manifest("gsm8k-card"), resume=False)
+    plain = render(build_card(file_store, "gsm8k-card", {}))
+    assert "RETRIEVER" not in plain and "tier" not in plain
+
+
 def test_r2_card_redacts_unless_revealed(moto_server, s3_bucket):
     store = S3Store(s3_bucket, scheme="r2", endpoint=moto_server.endpoint, access_key=R2["R2_ACCESS_KEY_ID"],
                     secret_key=R2["R2_SECRET_ACCESS_KEY"])

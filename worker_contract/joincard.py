@@ -48,6 +48,8 @@ class JoinCard(BaseModel):
     """Fingerprint of run.json's trainer_public_key; a worker compares it before trusting the run."""
     retriever_url: str | None = None
     """DRL_RETRIEVER_URL: the fleet's search service (PaperSearchQA); None when the run needs none."""
+    task: str | None = None
+    """run.json's task; a psqa card says how each memory tier joins (not an env variable)."""
     store: str
     """The store URL the trainer uses (r2://, s3:// or file://)."""
     s3_endpoint: str | None = None
@@ -121,7 +123,7 @@ def build_card(store: Store, run: str, env: Mapping[str, str], retriever_url: st
     card = JoinCard(
         run=manifest.run, n_samples=manifest.n_samples, plane=manifest.plane, kv_mode=manifest.kv_mode,
         trainer_key_fingerprint=fingerprint(manifest.trainer_public_key), retriever_url=retriever_url,
-        store=store.url, s3_endpoint=(env.get("DRL_S3_ENDPOINT") or None) if parsed.scheme == "s3" else None,
+        task=manifest.task, store=store.url, s3_endpoint=(env.get("DRL_S3_ENDPOINT") or None) if parsed.scheme == "s3" else None,
         r2_account_id=env.get("R2_ACCOUNT_ID") if parsed.scheme == "r2" else None,
         r2_bucket=parsed.netloc if parsed.scheme == "r2" else None, access_key_var=var,
         access_key_id=SecretStr(key_id) if key_id and parsed.scheme != "file" else None,
@@ -152,9 +154,16 @@ def render(card: JoinCard, fmt: str = "text", reveal: bool = False) -> str:
         return "\n".join(head + [f"{k}={shlex.quote(v)}" for k, v in rows])
     width = max(len(k) for k, _ in rows)
     lines = [f"Join card for run {card.run}", ""] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    if not card.retriever_url:
-        lines.append(f"  {'DRL_RETRIEVER_URL'.ljust(width)}  (not set; the fleet task needs one: "
-                     "--retriever-url or DRL_RETRIEVER_URL)")
+    if card.task == "psqa":
+        if not card.retriever_url:
+            lines.append(f"  {'DRL_RETRIEVER_URL'.ljust(width)}  (not set; the fleet task needs one: "
+                         "--retriever-url or DRL_RETRIEVER_URL)")
+        lines += ["", "Join (docs/mac-worker.md), with these values in the environment:",
+                  "  a Mac:     python -m worker_contract.worker --backend mlx",
+                  "  any box:   python -m worker_contract.worker --backend torch",
+                  "  light tier (15-23 GB) searches through DRL_RETRIEVER_URL; medium (24-47 GB) and heavy may",
+                  "  serve a local index (invoke retriever.build, then invoke retriever) and point DRL_RETRIEVER_URL",
+                  "  at it; --retriever-tier light|medium|heavy overrides the tier read from the memory"]
     if hidden:
         lines += ["", "Secrets are redacted; rerun with --reveal to include them (hand the card over privately)."]
     return "\n".join(lines)

@@ -5,7 +5,8 @@ GSM8K-format problems, builds a small Qwen2-architecture model from a config, an
 supervision on worked solutions just long enough to be partly right, so RL has both signal (some samples
 of a group are right) and room (most are not). The result is an ordinary HF directory (config.json,
 model.safetensors, tokenizer files with a ChatML template) cached under `.stoa/cache/base-<digest>/`,
-keyed by everything that shapes it, so a second run starts in seconds.
+keyed by everything that shapes it, so a second run starts in seconds. The recipe's own base ships in
+`trainer/base_gsm8k/` (weights pinned by digest): a clone copies it instead of building (docs/embedded.md).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import math
+import platform
 import random
 import shutil
 import time
@@ -27,6 +29,7 @@ from worker_contract.tasks import Problem, Task
 from worker_contract.worker.sampling import sample
 
 from .config import EmbeddedBaseConfig
+from .progress import progress
 
 #: ChatML, the format Qwen2 instruct models use; the tiny base speaks it too so MODEL= swaps cleanly.
 CHAT_TEMPLATE = (
@@ -37,6 +40,11 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 #: bump when the recipe below changes in a way the config digest cannot see
 #: (2: built on one CPU thread, so every machine builds the same base)
 BUILD_VERSION = 2
+#: the recipe's base (runs/gsm8k.yaml `embedded.base`, task arithmetic) as built on this project's machine,
+#: shipped with the repository; used in place of a build when its config digest is the one asked for and
+#: its weights are these (tests/test_basemodel.py rebuilds it from scratch and compares)
+SHIPPED_BASE = Path(__file__).resolve().parent / "base_gsm8k"
+SHIPPED_WEIGHTS_SHA256 = "7339a6edbf2bdd5009ddd539567580107299705d1e1714cbccc066c41103de5e"
 
 
 class BaseReport(BaseModel):
@@ -52,6 +60,11 @@ class BaseReport(BaseModel):
     heldout_accuracy: float
     heldout_problems: int
     config_digest: str
+    built_on: dict[str, str] | None = None
+    """torch version, torch's CPU vector capability and the machine's architecture at build time: the same
+    config builds other weights under another capability (AVX2 against AVX512) or another BLAS."""
+    shipped: bool = False
+    """True when this copy came from the repository (SHIPPED_BASE) instead of a build here."""
 
 
 def build_tokenizer(texts: Sequence[str], vocab_size: int):
@@ -184,16 +197,61 @@ def config_digest(cfg: EmbeddedBaseConfig, task: Task) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def weights_digest(path: str | Path) -> str:
+    """sha256 of a base directory's model.safetensors."""
+    h = hashlib.sha256()
+    with open(Path(path) / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_environment() -> dict[str, str]:
+    """What, besides the config, decides a build's last bits (BaseReport.built_on)."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine()}
+
+
+def _install(src: Path, out: Path, report: BaseReport) -> BaseReport:
+    """Copy a finished base directory to `out` atomically (another process's finished copy wins)."""
+    tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
+    shutil.copytree(src, tmp)
+    (tmp / "base.json").write_text(report.model_copy(update={"path": str(out)}).model_dump_json(indent=2))
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return BaseReport.model_validate_json((out / "base.json").read_text())
+
+
+def _shipped(digest: str) -> BaseReport | None:
+    """The shipped base's report when it is the base for `digest` and its weights are the pinned ones."""
+    try:
+        report = BaseReport.model_validate_json((SHIPPED_BASE / "base.json").read_text())
+        if report.config_digest != digest or weights_digest(SHIPPED_BASE) != SHIPPED_WEIGHTS_SHA256:
+            return None
+    except (OSError, ValueError):
+        return None
+    return report.model_copy(update={"shipped": True})
+
+
 def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new_tokens: int,
                 eval_problems: int = 200, log: Callable[[str], None] = print,
-                on_sft_step: Callable[[int, float], None] | None = None, device: str | None = None) -> BaseReport:
-    """The cached base for `cfg`, building it first if needed (atomic: a half-built base is never used).
+                on_sft_step: Callable[[int, float], None] | None = None, device: str | None = None,
+                use_shipped: bool = True, show_progress: bool = False) -> BaseReport:
+    """The cached base for `cfg`: the shipped one when it is that base (`use_shipped`), else built first
+    (atomic: a half-built base is never used).
 
-    `device`: where to supervise it (default the CPU; "cuda" for the larger bases benchmarks build)."""
+    `device`: where to supervise it (default the CPU; "cuda" for the larger bases benchmarks build);
+    `show_progress`: a bar with the time left while building (lines every 30 s off a terminal)."""
     digest = config_digest(cfg, task)
     out = Path(cache_dir) / f"base-{digest}"
     if (out / "base.json").exists():
         return BaseReport.model_validate_json((out / "base.json").read_text())
+    shipped = _shipped(digest) if use_shipped else None
+    if shipped is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return _install(SHIPPED_BASE, out, shipped)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars would tear the launcher's display
@@ -208,14 +266,22 @@ def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new
         params = sum(p.numel() for p in model.parameters())
         log(f"building the base model: Qwen2 {cfg.num_layers}x{cfg.hidden_size}, {params / 1e6:.2f} M parameters, "
             f"vocab {len(tokenizer)}; {cfg.sft_steps} supervised steps")
-        supervise(model, tokenizer, task, cfg, on_sft_step)
+        with progress(f"building the base model ({cfg.sft_steps} supervised steps)", total=cfg.sft_steps,
+                      show=show_progress, lines_every_s=30) as advance:
+            def on_step(step: int, loss: float) -> None:
+                advance(1)
+                if on_sft_step is not None:
+                    on_sft_step(step, loss)
+
+            supervise(model, tokenizer, task, cfg, on_step)
+        log(f"scoring the base on {eval_problems} held-out problems")
         acc = evaluate(model, tokenizer, task, task.dataset("test")[:eval_problems], max_new_tokens=max_new_tokens)
         tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         report = BaseReport(path=str(out), params=params, vocab_size=len(tokenizer), sft_steps=cfg.sft_steps,
                             sft_seconds=round(time.time() - t0, 1), heldout_accuracy=acc,
-                            heldout_problems=eval_problems, config_digest=digest)
+                            heldout_problems=eval_problems, config_digest=digest, built_on=build_environment())
         (tmp / "base.json").write_text(report.model_dump_json(indent=2))
         try:
             tmp.rename(out)

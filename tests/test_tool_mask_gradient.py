@@ -20,10 +20,10 @@ N, SAMPLED, TOOL = 4, 3, 4
 MAX_NEW = 2 * SAMPLED + TOOL
 
 
-def _records(box, groups: int = 2, ignore_mask: bool = False) -> list[RolloutRecord]:
+def _records(the_box, groups: int = 2, ignore_mask: bool = False) -> list[RolloutRecord]:
     """Episodes of 3 sampled tokens, a 4-token tool turn (log-prob 0.0, mask 0), 3 sampled tokens."""
     rng = random.Random(11)
-    vocab = len(box["tok"])
+    vocab = len(the_box["tok"])
     recs = []
     for g in range(groups):
         samples = []
@@ -44,7 +44,7 @@ def _records(box, groups: int = 2, ignore_mask: bool = False) -> list[RolloutRec
 TOOL_COLS = slice(SAMPLED, SAMPLED + TOOL)
 
 
-def _native_grad(box, records, algo) -> torch.Tensor:
+def _native_grad(records, algo) -> torch.Tensor:
     from trainer import step
     from trainer.batch import collate
 
@@ -58,7 +58,7 @@ def _native_grad(box, records, algo) -> torch.Tensor:
     return theta.grad
 
 
-def _slime_grad(box, records, algo) -> torch.Tensor:
+def _slime_grad(records, algo) -> torch.Tensor:
     from trainer.rollouts import Group
     from trainer.slime_plugin.rollout import group_to_samples
 
@@ -89,8 +89,8 @@ def test_tool_tokens_get_exactly_zero_gradient_in_both_engines(box, plugin):  # 
     algo = ctx.cfg.algo.model_copy(update={"kl_coef": 0.5, "max_new_tokens": MAX_NEW})
     ctx.cfg = ctx.cfg.model_copy(update={"algo": algo})
     for name, grad_of in (("native", _native_grad), ("slime", _slime_grad)):
-        grad = grad_of(box, _records(box), algo)
+        grad = grad_of(_records(box), algo)
         assert torch.all(grad[:, TOOL_COLS] == 0), f"{name}: a tool token got a gradient"
         assert torch.count_nonzero(grad[:, :SAMPLED]) > 0 and torch.count_nonzero(grad[:, -SAMPLED:]) > 0, name
-        ignored = grad_of(box, _records(box, ignore_mask=True), algo)  # the check would catch an ignored mask
+        ignored = grad_of(_records(box, ignore_mask=True), algo)  # the check would catch an ignored mask
         assert torch.count_nonzero(ignored[:, TOOL_COLS]) > 0, name

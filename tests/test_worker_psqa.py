@@ -87,7 +87,7 @@ def test_uploads_search_episode_groups_the_source_accepts(run_store, model_dir, 
     for r in records:
         assert r.task == "psqa" and len(r.samples) == N
         for s in r.samples:
-            assert all(lp == 0.0 for lp, m in zip(s.behavior_logprobs, s.loss_mask) if m == 0)
+            assert all(lp == 0.0 for lp, m in zip(s.behavior_logprobs, s.loss_mask, strict=True) if m == 0)
     assert stats.prefill_extend <= stats.prefill_reprefill
     print(f"{stats.searches} searches; prefill tokens {stats.prefill_extend} extended vs "
           f"{stats.prefill_reprefill} re-prefilled from the start")

@@ -9,7 +9,8 @@ DRL_N_SAMPLES completions of one training prompt at the run's temperature, recor
 log-prob from the forward that sampled it, score with the task's reward, upload one record create-only.
 
 Modules: `loop` (the loop and its settings, shared), `identity` (local model vs run.json, shared), `chat`
-(prompt ids and stop ids, shared), `completion` (what a sampler returns); torch: `model` (the policy),
+(prompt ids and stop ids, shared), `completion` (what a sampler returns), `episodes` and `retrieval` (psqa
+search episodes and their search tool, shared); torch: `model` (the policy),
 `sampling` (the sampler); MLX: `mlx_model`, `mlx_sampling`, `mlx_weights` (plane names -> mlx-lm's).
 Importing this package imports neither torch nor mlx.
 """

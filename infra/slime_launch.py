@@ -275,10 +275,13 @@ def objective_args(cfg: RecipeConfig) -> list[str]:
 
 
 def optimizer_args(cfg: RecipeConfig) -> list[str]:
-    a = cfg.algo
+    """AdamW from the recipe's `algo.optim` (the native learner reads the same fields); fp32 master weights
+    and moments are Megatron's defaults, so `master_dtype` / `moment_dtype` add no flag."""
+    a, o = cfg.algo, cfg.algo.optim
     return [
-        "--optimizer", "adam", "--lr", _num(a.lr), "--lr-decay-style", "constant",
-        "--weight-decay", _num(a.weight_decay), "--adam-beta1", "0.9", "--adam-beta2", "0.98",
+        "--optimizer", "adam", "--lr", _num(a.lr), "--lr-decay-style", o.lr_schedule,
+        "--lr-warmup-iters", str(o.lr_warmup_steps), "--weight-decay", _num(a.weight_decay),
+        "--adam-beta1", _num(o.beta1), "--adam-beta2", _num(o.beta2), "--adam-eps", _num(o.eps),
         "--clip-grad", _num(a.grad_clip), "--seed", str(cfg.train.seed),
     ]
 

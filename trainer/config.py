@@ -121,6 +121,27 @@ class GateConfig(_Model):
     """Threshold on the positive-advantage side (p rose above p_behavior)."""
 
 
+class OptimConfig(_Model):
+    """AdamW and its schedule, read by both engines (the native optimizer's param groups, the slime
+    launch's flags); tests/test_optim_parity.py fails on any difference between them."""
+
+    beta1: float = Field(0.9, gt=0, lt=1)
+    """Adam's first-moment decay."""
+    beta2: float = Field(0.999, gt=0, lt=1)
+    """Adam's second-moment decay. 0.999 for our recipes: the value the native quickstart was verified with
+    (docs/performance.md); the slime launch passed a hard-coded 0.98 before, so slime runs now use 0.999."""
+    eps: float = Field(1e-8, gt=0)
+    """Adam's epsilon."""
+    lr_schedule: Literal["constant"] = "constant"
+    """Learning-rate schedule over RL steps. Only `constant`: an RL run has no known length to decay over."""
+    lr_warmup_steps: int = Field(0, ge=0, le=0)
+    """Linear warm-up steps. Only 0 is accepted until both engines implement a warm-up the same way."""
+    master_dtype: Literal["float32"] = "float32"
+    """Precision of the master weights the optimizer updates (the model computes in `model.dtype`)."""
+    moment_dtype: Literal["float32"] = "float32"
+    """Precision of Adam's two moments."""
+
+
 class AlgoConfig(_Model):
     """The learner's objective and data gates (DESIGN section 6)."""
 
@@ -150,6 +171,8 @@ class AlgoConfig(_Model):
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
+    optim: OptimConfig = OptimConfig()
+    """AdamW's betas, epsilon, schedule and state precision (both engines)."""
     temperature: float = 1.0
     """Sampling temperature; the learner divides logits by it too, so ratios compare like with like."""
     top_p: float = Field(1.0, gt=0, le=1)

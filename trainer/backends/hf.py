@@ -67,7 +67,8 @@ class HFBackend(Backend):
         algo = cfg.algo
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
-            lr=algo.lr, weight_decay=algo.weight_decay, betas=(0.9, 0.999), eps=1e-8,
+            lr=algo.lr, weight_decay=algo.weight_decay, betas=(algo.optim.beta1, algo.optim.beta2),
+            eps=algo.optim.eps,
         )
         self._check_head(self.model)
 

@@ -118,7 +118,8 @@ class MegatronRank:
                 m.grad = torch.zeros_like(m)
         on_cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(self.masters, lr=algo.lr, weight_decay=algo.weight_decay,
-                                           betas=(0.9, 0.999), eps=1e-8, fused=on_cuda or None,
+                                           betas=(algo.optim.beta1, algo.optim.beta2), eps=algo.optim.eps,
+                                           fused=on_cuda or None,
                                            foreach=None if on_cuda else True)
         # which grads this rank counts in the global norm: its TP shards, and replicated ones on rank 0
         self._counted = [bool(getattr(p, "tensor_model_parallel", False)) or self.tp_rank == 0 for p in self.params]

@@ -2,7 +2,7 @@
 
 Everything here is data-driven from `RecipeConfig`; the GSM8K quickstart and the PaperSearchQA fleet differ
 only in their recipe values (the fleet's --save-interval 4, --eps-clip 10000 --eps-clip-high 19
---eps-clip-c 20 are its recipe's numbers, not code). Facts about slime's flags: research/slime.md.
+--eps-clip-c 20 are its recipe's numbers, not code). What slime does with each flag: docs/slime.md.
 
 Trainer-only mode. The learner needs no SGLang engine: rollouts come from the bucket. Two slime modes give
 that. `--rollout-num-gpus 0` (slime PR #2057, 2026-06-12, in v0.3.1) keeps slime's router and short-circuits
@@ -180,7 +180,7 @@ def _lfm2_moe(cfg: RecipeConfig, c: Mapping[str, Any]) -> list[str]:
     return model_flags(c, rotary_base(cfg, c))
 
 
-#: HF model_type -> Megatron model flags (STYLE rule 7: one registry; unknown types are refused)
+#: HF model_type -> Megatron model flags (one registry; unknown types are refused)
 MODEL_ARGS = {"qwen2": _qwen2_like, "qwen3": _qwen2_like, "llama": _qwen2_like, "lfm2_moe": _lfm2_moe}
 
 
@@ -212,7 +212,7 @@ def model_params(c: Mapping[str, Any]) -> int | None:
     heads = int(c["num_attention_heads"])
     kv, d = int(c.get("num_key_value_heads") or heads), h // heads
     attention = 2 * h * heads * d + 2 * h * kv * d + 2 * d
-    conv = 3 * h * h + h * h + 3 * h * int(c.get("conv_L_cache", 3))
+    conv = 3 * h * h + h * h + h * int(c.get("conv_L_cache", 3))  # in_proj (B, C, x), out_proj, depthwise taps
     dense_ffn, experts = 3 * h * int(c["intermediate_size"]), int(c["num_experts"])
     moe_ffn = experts * 3 * h * int(c["moe_intermediate_size"]) + experts * (h + 1)
     kinds = c.get("layer_types") or ["conv"] * n

@@ -6,7 +6,9 @@ The session copies slime, applies our patch set to the copy, and runs this file 
 slime's own code, not a copy of it:
   * the patch set: every probe holds on the copy and the patched actor imports with the hook call in it;
   * both resolved launches (gsm8k, psqa) through slime's real `parse_args` (sglang, Megatron and slime
-    parsers, slime's and Megatron's validation);
+    parsers, slime's and Megatron's validation); every flag spelled as one of those parsers defines it;
+    every function path a callable that takes the call slime makes at its call site (read off its code);
+  * both models built by slime's own model provider on the parsed args (meta device);
   * the rollout function's output through slime's RolloutManager._get_rollout_data and
     _convert_samples_to_train_data, which calls our reward post-process;
   * slime's policy_loss_function with our TIS hook and pg-loss reducer, against the objective it must be
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -42,12 +45,49 @@ from infra import slime_launch  # noqa: E402
 from infra.patches import probes  # noqa: E402
 
 PARSE = """
-import pickle, sys
+import argparse, pickle, sys
+known = set()
+_add = argparse._ActionsContainer.add_argument
+def _record(self, *names, **kw):  # every option string sglang's, Megatron's and slime's parsers define
+    known.update(n for n in names if n.startswith("-"))
+    return _add(self, *names, **kw)
+argparse._ActionsContainer.add_argument = _record
 sys.argv = ["train.py", *{argv!r}]
 from slime.utils.arguments import parse_args
 args = parse_args()
 with open({out!r}, "wb") as f:
     pickle.dump({{k: v for k, v in vars(args).items() if _ok(v)}}, f)
+with open({out!r} + ".flags", "wb") as f:
+    pickle.dump(sorted(known), f)
+"""
+#: slime's own model provider on the parsed args, the model on the meta device (its real size needs no
+#: memory); the CPU stand-ins: CPU initialization, the fusions of Transformer Engine and apex off, MoE's
+#: allgather dispatcher for alltoall (which needs CUDA streams; the same routing), and for
+#: a launch on slime's Transformer Engine spec the local spec instead, whose torch norms need
+#: persist_layer_norm off (TE's norms do not read it)
+BUILD = """
+import pickle, sys, torch
+from argparse import Namespace
+from tests import megatron_cpu
+megatron_cpu.init_distributed()
+with open({out!r}, "rb") as f:
+    args = Namespace(**pickle.load(f))
+args.use_cpu_initialization = True
+args.apply_rope_fusion = False  # Transformer Engine's (the slime image has it)
+args.gradient_accumulation_fusion = False  # apex's (the slime image has it)
+if args.moe_token_dispatcher_type == "alltoall":
+    args.moe_token_dispatcher_type = "allgather"  # alltoall needs CUDA streams; the same routing
+    args.variable_seq_lengths = False  # which allgather refuses (it only shapes the dispatch)
+if args.spec is None:
+    args.transformer_impl = "local"
+    args.no_persist_layer_norm = True
+from megatron.training.arguments import core_transformer_config_from_args
+from slime.backends.megatron_utils.model_provider import get_model_provider_func
+with torch.device("meta"):
+    model = get_model_provider_func(args)(pre_process=True, post_process=True)
+shapes = {{n: tuple(p.shape) for n, p in model.named_parameters()}}
+with open({out!r} + ".model", "wb") as f:
+    pickle.dump({{"shapes": shapes, "local_stand_in": args.transformer_impl == "local"}}, f)
 """
 PARSE_PRE = "def _ok(v):\n    import pickle\n    try:\n        pickle.dumps(v)\n        return True\n    except Exception:\n        return False\n"
 
@@ -88,7 +128,12 @@ def parsed(tmp_path_factory):
                              capture_output=True, text=True, timeout=600, env={**os.environ, "WORLD_SIZE": "1",
                                                                                   "RANK": "0"})
         out[recipe] = (argv, res, pickle.loads(dump.read_bytes()) if dump.exists() else None)
+        flags = Path(str(dump) + ".flags")
+        known[recipe] = pickle.loads(flags.read_bytes()) if flags.exists() else []
     return out
+
+
+known: dict[str, list[str]] = {}  # recipe -> every option string the parse defined (filled by `parsed`)
 
 
 @pytest.mark.parametrize("recipe", ["gsm8k", "psqa"])
@@ -107,6 +152,126 @@ def test_launch_parses_and_validates_in_slime(parsed, recipe):
     assert args["global_batch_size"] == args["rollout_batch_size"] * args["n_samples_per_prompt"]
     if "--spec" in argv:
         assert list(args["spec"]) == argv[argv.index("--spec") + 1: argv.index("--spec") + 3]
+
+
+@pytest.mark.parametrize("recipe", ["gsm8k", "psqa"])
+def test_every_flag_we_pass_is_one_slime_or_megatron_defines(parsed, recipe):
+    """Megatron's parse ignores unknown flags and slime drops them silently, and argparse takes a prefix
+    of a real flag as that flag: each flag of the launch must be spelled exactly as a parser defines it."""
+    argv = parsed[recipe][0]
+    assert len(known[recipe]) > 500, "the parse recorded no parser definitions"
+    unknown = [a for a in argv if a.startswith("--") and a not in known[recipe]]
+    assert not unknown, f"flags no parser of slime, Megatron or sglang defines (dropped silently): {unknown}"
+
+
+#: launch flag -> where slime calls the function it names, and the callee there (for call_rollout_fn, the
+#: function is its first argument); read off slime's tree (the patched copy: the after-train hook is ours)
+HOOK_CALLS = {
+    "--rollout-function-path": ("slime/ray/rollout.py", "call_rollout_fn", "self.generate_rollout"),
+    "--custom-reward-post-process-path": ("slime/ray/rollout.py", "self.custom_reward_post_process_func", None),
+    "--custom-tis-function-path": ("slime/backends/megatron_utils/loss.py", "tis_func", None),
+    "--custom-pg-loss-reducer-function-path": ("slime/backends/megatron_utils/loss.py",
+                                               "custom_pg_loss_reducer_func", None),
+    "--rollout-data-postprocess-path": ("slime/backends/megatron_utils/actor.py", "self.rollout_data_postprocess", None),
+    slime_launch.AFTER_TRAIN_FLAG: ("slime/backends/megatron_utils/actor.py", "self.after_train_hook", None),
+}
+
+
+def _slime_calls(path: str, callee: str, first: str | None) -> list[tuple[int, set[str]]]:
+    """(positional count, keyword names) of each call of `callee` in slime's file; `**name` resolved
+    through a dict literal assigned to that name in the same file."""
+    import ast
+
+    tree = ast.parse((SLIME / path).read_text())
+    dicts = {t.id: {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+             for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+             for t in node.targets if isinstance(t, ast.Name)}
+    calls = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or ast.unparse(node.func) != callee:
+            continue
+        pos = list(node.args)
+        if first is not None:
+            if not pos or ast.unparse(pos[0]) != first:
+                continue
+            pos = pos[1:]
+        kws: set[str] = set()
+        for kw in node.keywords:
+            kws |= {kw.arg} if kw.arg is not None else dicts.get(ast.unparse(kw.value), {"<unknown **>"})
+        calls.append((len(pos), kws))
+    return calls
+
+
+@pytest.mark.parametrize("recipe", ["gsm8k", "psqa"])
+def test_every_hook_we_name_is_a_callable_slime_can_call(parsed, recipe):
+    """Each function path the launch passes loads through slime's load_function to a callable whose
+    signature takes the call slime makes at its call site; the --spec hook as slime's provider calls it."""
+    from slime.utils.misc import load_function
+
+    argv = parsed[recipe][0]
+    bad = []
+    for flag, (path, callee, first) in HOOK_CALLS.items():
+        assert flag in argv, f"{recipe}: the launch no longer passes {flag}"
+        calls = _slime_calls(path, callee, first)
+        if not calls:
+            bad.append(f"{flag}: slime calls no {callee} in {path} any more")
+            continue
+        try:
+            fn = load_function(argv[argv.index(flag) + 1])
+        except Exception as e:  # noqa: BLE001 (what slime's load would raise at its first call)
+            bad.append(f"{flag} {argv[argv.index(flag) + 1]}: {type(e).__name__}: {e}")
+            continue
+        for npos, kws in calls:
+            try:
+                inspect.signature(fn).bind(*range(npos), **dict.fromkeys(kws))
+            except TypeError as e:
+                bad.append(f"{flag}: {fn.__module__}.{fn.__name__}{inspect.signature(fn)} cannot take slime's "
+                           f"call in {path} ({npos} positional, keywords {sorted(kws)}): {e}")
+    if "--spec" in argv:
+        from megatron.core.transformer.spec_utils import import_module
+
+        spec = import_module(argv[argv.index("--spec") + 1: argv.index("--spec") + 3])
+        calls = _slime_calls("slime/backends/megatron_utils/model_provider.py", "transformer_layer_spec", None)
+        assert calls and callable(spec)
+        for npos, kws in calls:
+            try:
+                inspect.signature(spec).bind(*range(npos), **dict.fromkeys(kws))
+            except TypeError as e:
+                bad.append(f"--spec: {e}")
+    assert not bad, bad
+
+
+@pytest.fixture(scope="module")
+def built(parsed, tmp_path_factory):
+    """recipe -> (the build process, parameter shapes) of the model slime's provider builds from the launch."""
+    out = {}
+    for recipe in ("gsm8k", "psqa"):
+        argv, res, args = parsed[recipe]
+        root = tmp_path_factory.mktemp(f"build-{recipe}")
+        dump = root / "args.pkl"
+        dump.write_bytes(pickle.dumps(args))
+        proc = subprocess.run([sys.executable, "-c", BUILD.format(out=str(dump))], capture_output=True, text=True,
+                              timeout=900, env={**os.environ, "WORLD_SIZE": "1", "RANK": "0"})
+        model = Path(str(dump) + ".model")
+        out[recipe] = (proc, pickle.loads(model.read_bytes()) if model.exists() else None)
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["gsm8k", "psqa"])
+def test_slimes_provider_builds_the_launched_model(built, recipe):
+    """slime's get_model_provider_func on the launch's parsed args builds the model (psqa through our
+    --spec, as on the GPU; gsm8k on the local stand-in for slime's Transformer Engine spec), with the
+    parameters of the HF model (infra.slime_launch.model_params, the disk estimate's count)."""
+    proc, got = built[recipe]
+    assert proc.returncode == 0 and got is not None, proc.stderr[-3000:]
+    from trainer.config import resolve
+
+    cfg = resolve(recipe, env={"DRL_RUN": f"compat-{recipe}"}, overrides={"train.engine": "slime"})
+    hf = slime_launch.KNOWN_HF_CONFIGS[cfg.model.hf_id]
+    count = sum(math.prod(s) for s in got["shapes"].values())
+    assert count == slime_launch.model_params(hf), (count, slime_launch.model_params(hf))
+    assert got["local_stand_in"] is (recipe == "gsm8k")
+    print(f"{recipe}: slime's provider built {count / 1e9:.3f} B parameters in {len(got['shapes'])} tensors")
 
 
 def _manager(args: Namespace):

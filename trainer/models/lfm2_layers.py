@@ -1,5 +1,6 @@
 """LFM2's megatron-core building blocks: the gated short convolution, a router whose expert bias is a
-frozen weight, and the per-layer block spec (conv or GQA attention; dense SwiGLU or sigmoid-routed MoE).
+frozen weight, and the per-layer block spec (conv or GQA attention; dense SwiGLU or sigmoid-routed MoE whose
+experts run on grouped GEMMs, lfm2_experts.py; linears that add dW into weight.main_grad, fused_linear.py).
 
 The conv block replaces self-attention inside megatron's TransformerLayer, so norms, residuals, the MLP /
 MoE and the checkpoint machinery are megatron's own. Shapes follow megatron: hidden states are [s, b, h].
@@ -36,6 +37,9 @@ from megatron.core.transformer.utils import (
     ensure_metadata_has_dp_cp_group,
     make_sharded_tensors_for_checkpoint,
 )
+
+from .fused_linear import linear_classes
+from .lfm2_experts import GroupedExperts
 
 # megatron-core 0.16.1 (moe_utils.py) binds `te_general_gemm` only when Transformer Engine imports, then
 # tests it for None in the router's gating GEMM: without TE every MoE forward raises NameError. Bind it to
@@ -81,10 +85,11 @@ class Lfm2ShortConv(MegatronModule):
         if h % tp:
             raise ValueError(f"hidden_size={h} is not divisible by tensor_parallel={tp}")
         self.layer_number, self.kernel_size = layer_number, kernel_size
-        self.in_proj = tensor_parallel.ColumnParallelLinear(
+        column, row = linear_classes()  # megatron's, adding dW into weight.main_grad where the learner sets it
+        self.in_proj = column(
             h, 3 * h, config=config, init_method=config.init_method, bias=False, gather_output=False,
             stride=3, skip_bias_add=True)
-        self.out_proj = tensor_parallel.RowParallelLinear(
+        self.out_proj = row(
             h, h, config=config, init_method=config.output_layer_init_method, bias=False,
             input_is_parallel=True, skip_bias_add=True)
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
@@ -127,14 +132,34 @@ class FrozenBiasRouter(TopKRouter):
             self.expert_bias = torch.nn.Parameter(bias, requires_grad=False)
 
 
-def _with_router(mlp: Any, router: type) -> Any:
-    """The MoE feed-forward spec with our router. megatron-core <= 0.18 gives a ModuleSpec; 0.19 gives a
-    builder, `partial(MoELayer, submodules=MoESubmodules(...))`: both carry the same submodules dataclass."""
-    if isinstance(mlp, functools.partial):
-        subs = dataclasses.replace(mlp.keywords["submodules"], router=router)
-        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
-    return ModuleSpec(module=mlp.module, params=dict(mlp.params or {}),
-                      submodules=dataclasses.replace(mlp.submodules, router=router))
+def _replace(spec: Any, **changes: Any) -> Any:
+    """A copy of a megatron spec with some submodules replaced. megatron-core <= 0.18 gives ModuleSpecs;
+    0.19 gives builders, `partial(Module, submodules=...)`: both carry the same submodules dataclass."""
+    if isinstance(spec, functools.partial):
+        subs = dataclasses.replace(spec.keywords["submodules"], **changes)
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": subs})
+    return ModuleSpec(module=spec.module, params=dict(spec.params or {}),
+                      submodules=dataclasses.replace(spec.submodules, **changes))
+
+
+def _with_module(spec: Any, module: type) -> Any:
+    if isinstance(spec, functools.partial):
+        return functools.partial(module, *spec.args, **spec.keywords)
+    return ModuleSpec(module=module, params=dict(spec.params or {}), submodules=spec.submodules)
+
+
+def _moe_spec(mlp: Any, router: type) -> Any:
+    """The MoE feed-forward spec with our router and our grouped-GEMM experts (their linears add dW into
+    weight.main_grad where the learner sets it, as the loop's would)."""
+    column, row = linear_classes()
+    subs = mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+    experts = _replace(_with_module(subs.experts, GroupedExperts), linear_fc1=column, linear_fc2=row)
+    return _replace(mlp, router=router, experts=experts)
+
+
+def _dense_spec(mlp: Any) -> Any:
+    column, row = linear_classes()
+    return _replace(mlp, linear_fc1=column, linear_fc2=row)
 
 
 def block_spec(layer_types: list[str], num_dense_layers: int, num_experts: int | None, kernel_size: int,
@@ -147,18 +172,18 @@ def block_spec(layer_types: list[str], num_dense_layers: int, num_experts: int |
     for i, kind in enumerate(layer_types):
         base = dense if (moe is None or i < num_dense_layers) else moe
         sub = base.submodules
-        mlp = sub.mlp
-        if base is moe:
-            mlp = _with_router(mlp, FrozenBiasRouter)
+        mlp = _moe_spec(sub.mlp, FrozenBiasRouter) if base is moe else _dense_spec(sub.mlp)
         if kind == "conv":
             operator = ModuleSpec(module=Lfm2ShortConv, params={"kernel_size": kernel_size})
             keys = {"pre_mlp_layernorm.": sub.sharded_state_dict_keys_map.get("pre_mlp_layernorm.", "pre_mlp_layernorm.")}
         else:
             operator = sub.self_attention
+            column, row = linear_classes()
+            attn = {"linear_qkv": column, "linear_proj": row}
             if core_attention is not None:
-                operator = ModuleSpec(module=operator.module, params=dict(operator.params or {}),
-                                      submodules=type(operator.submodules)(**{**vars(operator.submodules),
-                                                                              "core_attention": core_attention}))
+                attn["core_attention"] = core_attention
+            operator = ModuleSpec(module=operator.module, params=dict(operator.params or {}),
+                                  submodules=type(operator.submodules)(**{**vars(operator.submodules), **attn}))
             keys = dict(sub.sharded_state_dict_keys_map)
         layer_sub = type(sub)(**{**vars(sub), "self_attention": operator, "mlp": mlp, "sharded_state_dict_keys_map": keys})
         layers.append(ModuleSpec(module=base.module, submodules=layer_sub))

@@ -138,8 +138,10 @@ class OptimConfig(_Model):
     """Linear warm-up steps. Only 0 is accepted until both engines implement a warm-up the same way."""
     master_dtype: Literal["float32"] = "float32"
     """Precision of the master weights the optimizer updates (the model computes in `model.dtype`)."""
-    moment_dtype: Literal["float32"] = "float32"
-    """Precision of Adam's two moments."""
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of Adam's two moments. `bfloat16` (native engine, megatron backend): stored in bf16, computed in
+    float32 from float32 master weights, as DeepSeek-V3 trained; half their memory (bench/results/lfm2_moments_cpu.json
+    compares the loss curves)."""
 
 
 class AlgoConfig(_Model):
@@ -214,6 +216,11 @@ class TrainConfig(_Model):
     """Padded tokens per forward/backward chunk on one GPU (rows x longest sequence), as slime's
     `--max-tokens-per-gpu` with `--use-dynamic-batch-size`; when set, micro_batch_size is not used. Larger
     chunks mean fewer, larger kernel launches (faster) and more activation memory; the update is the same."""
+    optimizer_offload: float = Field(0.0, ge=0, le=1)
+    """megatron backend (native engine): the share of parameters, largest first, whose float32 master weights and
+    Adam moments live in pinned host memory; each step streams them through the GPU for the update (PCIe time, no
+    CPU arithmetic). 0 keeps every state on the GPU. The GPU then holds per parameter only the bf16 weights, the
+    bf16 reference and the float32 gradient (docs/performance.md)."""
     cuda_graphs: bool = False
     """megatron backend, tensor_parallel 1: replay the training pass's decoder as CUDA graphs, one per
     micro-batch shape (lengths padded to a multiple of 128). Pays where micro-batches are small (the
@@ -233,7 +240,8 @@ class TrainConfig(_Model):
     vocab_chunk: int = Field(8192, ge=1)
     """Vocabulary rows per chunk when computing log-probs (bounds the logits held at once)."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward (hf backend): less memory, about a third more compute."""
+    """Recompute activations in backward (hf backend; megatron backend: each decoder layer's, from its input):
+    less memory, about a third more compute."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk: the newest and the ones before it (2 = newest + one previous)."""
 
@@ -268,6 +276,13 @@ class RecipeConfig(_Model):
     train: TrainConfig = TrainConfig()
     launch: LaunchConfig = LaunchConfig()
     embedded: EmbeddedConfig = EmbeddedConfig()
+
+    @model_validator(mode="after")
+    def _bf16_moments_run_natively(self) -> RecipeConfig:
+        if self.algo.optim.moment_dtype != "float32" and (self.train.engine, self.train.backend) != ("native", "megatron"):
+            raise ValueError("algo.optim.moment_dtype=bfloat16 runs on the native engine's megatron backend only: "
+                             "set train.engine: native and train.backend: megatron, or moment_dtype: float32")
+        return self
 
     @model_validator(mode="after")
     def _objective_runs_natively(self) -> RecipeConfig:

@@ -83,6 +83,7 @@ class MegatronRank:
                 for layer in m.decoder.layers:
                     layer.compile()
         self.reference.eval().requires_grad_(False)
+        self.recompute = set_recompute(self.model, cfg.train.gradient_checkpointing)
         self._setup_optimizer()
         self.fused_wgrad = self._use_main_grads(fused_wgrad)
         self.graphs = self._decoder_graphs(cfg.train.cuda_graphs if cuda_graphs is None else cuda_graphs)
@@ -108,19 +109,30 @@ class MegatronRank:
         load_full_state(self.reference, full)
 
     def _setup_optimizer(self) -> None:
-        algo = self.cfg.algo
+        """The memory plan's optimizer: torch's fused AdamW on float32 masters on the GPU (the default), or
+        MasterAdamW (megatron_optim.py) where algo.optim.moment_dtype or train.optimizer_offload ask for
+        another layout. `self.grads`: the float32 gradients the step reads (None: the params' own .grad)."""
+        from .megatron_optim import MasterAdamW
+
+        algo, o, offload = self.cfg.algo, self.cfg.algo.optim, self.cfg.train.optimizer_offload
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.dtype == torch.float32:
-            self.masters = self.params  # the model's own weights are the master weights
+        self.plan_optimizer = o.moment_dtype != "float32" or offload > 0
+        if self.plan_optimizer:
+            self.optimizer = MasterAdamW(self.params, lr=algo.lr, weight_decay=algo.weight_decay,
+                                         betas=(o.beta1, o.beta2), eps=o.eps, moments=o.moment_dtype, offload=offload)
+            self.masters, self.grads = self.optimizer.masters, self.optimizer.grads
+        elif self.dtype == torch.float32:
+            self.masters, self.grads = self.params, None  # the model's own weights are the master weights
         else:
             self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
             for m in self.masters:
                 m.grad = torch.zeros_like(m)
-        on_cuda = self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(self.masters, lr=algo.lr, weight_decay=algo.weight_decay,
-                                           betas=(algo.optim.beta1, algo.optim.beta2), eps=algo.optim.eps,
-                                           fused=on_cuda or None,
-                                           foreach=None if on_cuda else True)
+            self.grads = [m.grad for m in self.masters]
+        if not self.plan_optimizer:
+            on_cuda = self.device.type == "cuda"
+            self.optimizer = torch.optim.AdamW(self.masters, lr=algo.lr, weight_decay=algo.weight_decay,
+                                               betas=(o.beta1, o.beta2), eps=o.eps, fused=on_cuda or None,
+                                               foreach=None if on_cuda else True)
         # which grads this rank counts in the global norm: its TP shards, and replicated ones on rank 0
         self._counted = [bool(getattr(p, "tensor_model_parallel", False)) or self.tp_rank == 0 for p in self.params]
 
@@ -129,9 +141,9 @@ class MegatronRank:
         backward accumulates there (`fused`: None = where the GEMM can add in float32, probed once)."""
         from trainer.models.fused_linear import fused_wgrad_available, is_main_grad_linear
 
-        if self.masters is self.params or not (fused_wgrad_available(self.device) if fused is None else fused):
+        if self.grads is None or not (fused_wgrad_available(self.device) if fused is None else fused):
             return False
-        master_grad = {id(p): m.grad for p, m in zip(self.params, self.masters, strict=True)}
+        master_grad = {id(p): g for p, g in zip(self.params, self.grads, strict=True)}
         weights = [m.weight for m in self.model.modules() if is_main_grad_linear(m)]
         if not weights:  # a layer spec without our linears (megatron's stock spec, LFM2): unfused throughout
             return False
@@ -147,9 +159,10 @@ class MegatronRank:
         from .megatron_graphs import DecoderGraphs
 
         sites = self._rope_sites.get(id(self.model), [])
-        if not wanted or self.tp_size > 1 or not sites:
+        if not wanted or self.tp_size > 1 or not sites or self.recompute:
             if wanted:
-                log.info("train.cuda_graphs needs tensor_parallel 1 and the sdpa attention; running eagerly")
+                log.info("train.cuda_graphs needs tensor_parallel 1, the sdpa attention and no "
+                         "gradient_checkpointing; running eagerly")
             return None
         return DecoderGraphs(self.model, sites, lambda t: self._rope_tables(self.model, t, self.dtype),
                              capture=self.device.type == "cuda")
@@ -157,9 +170,9 @@ class MegatronRank:
     def _accumulate(self) -> None:
         """Add this micro-batch's bf16 gradients into the float32 master gradients (one multi-tensor
         launch, not one per parameter) and free them."""
-        if self.masters is self.params:
+        if self.grads is None:
             return  # float32 model: autograd accumulates in place
-        pairs = [(m.grad, p.grad) for m, p in zip(self.masters, self.params, strict=True) if p.grad is not None]
+        pairs = [(g, p.grad) for g, p in zip(self.grads, self.params, strict=True) if p.grad is not None]
         if pairs:
             torch._foreach_add_([m for m, _ in pairs], [g for _, g in pairs])
         for p in self.params:
@@ -180,6 +193,10 @@ class MegatronRank:
         if graphs is not None and (out := graphs(emb)) is not None:
             return out
         sites = self._rope_sites.get(id(model), [])
+        if sites and self.recompute and model is self.model and torch.is_grad_enabled():
+            for site in sites:  # the backward recomputes each layer: its rope tables must still be there
+                site.rope = self._rope_tables(model, t, emb.dtype)
+            return model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=None)
         if sites:  # our SDPA attention: causal, rope applied inside it
             with fused_rope(sites, self._rope_tables(model, t, emb.dtype)):
                 return model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=None)
@@ -229,7 +246,7 @@ class MegatronRank:
     def _grad_norm(self) -> torch.Tensor:
         import torch.distributed as dist
 
-        grads = [m.grad if m.grad is not None else torch.zeros_like(m) for m in self.masters]
+        grads = self.grads or [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         norms = torch._foreach_norm(grads)
         counted = [n for n, c in zip(norms, self._counted, strict=True) if c]
         sq = torch.stack(counted).pow(2).sum() if counted else torch.zeros((), device=self.device)
@@ -257,9 +274,9 @@ class MegatronRank:
         if math.isfinite(out["grad_norm"]):
             coef = self.cfg.algo.grad_clip / (norm + 1e-6)
             if float(coef) < 1.0:
-                torch._foreach_mul_([m.grad for m in self.masters if m.grad is not None], coef)
+                torch._foreach_mul_(self.grads or [p.grad for p in self.params if p.grad is not None], coef)
             self.optimizer.step()
-            if self.masters is not self.params:
+            if not self.plan_optimizer and self.masters is not self.params:
                 with torch.no_grad():
                     torch._foreach_copy_(self.params, self.masters)
         else:  # one bad batch must not poison the weights; the step is skipped and reported
@@ -269,10 +286,10 @@ class MegatronRank:
         return out
 
     def _zero_grads(self) -> None:
-        if self.masters is self.params:
+        if self.grads is None:
             self.optimizer.zero_grad(set_to_none=True)
         else:
-            torch._foreach_zero_([m.grad for m in self.masters])
+            torch._foreach_zero_(self.grads)
 
     # -- publishing and checkpoints ----------------------------------------------------------------------
     def state_dict_hf(self, on_device: bool = False) -> dict[str, torch.Tensor]:
@@ -289,8 +306,10 @@ class MegatronRank:
         return {k: _owned(v.to(device=device, dtype=self.publish_dtype), live) for k, v in hf.items()}
 
     def save_checkpoint(self, path: Path) -> None:
-        torch.save({"tp_size": self.tp_size, "masters": [m.detach() for m in self.masters],
-                    "optimizer": self.optimizer.state_dict()}, Path(path) / f"megatron_tp{self.tp_rank:02d}.pt")
+        state = self.optimizer.state_dict()  # MasterAdamW's holds the masters
+        masters = state["masters"] if self.plan_optimizer else [m.detach() for m in self.masters]
+        torch.save({"tp_size": self.tp_size, "masters": masters, "optimizer": state},
+                   Path(path) / f"megatron_tp{self.tp_rank:02d}.pt")
 
     def load_checkpoint(self, path: Path) -> None:
         file = Path(path) / f"megatron_tp{self.tp_rank:02d}.pt"
@@ -298,11 +317,36 @@ class MegatronRank:
         if state["tp_size"] != self.tp_size:
             raise ValueError(f"{file} was written with tensor_parallel={state['tp_size']}; "
                              f"resume with train.tensor_parallel={state['tp_size']}")
+        if self.plan_optimizer != ("exp_avg_sq" in state["optimizer"]):
+            raise ValueError(f"{file} was written under another algo.optim.moment_dtype / train.optimizer_offload "
+                             "plan; resume with the plan it was written with")
+        if self.plan_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+            return
         with torch.no_grad():
             torch._foreach_copy_(self.masters, state["masters"])
             if self.masters is not self.params:
                 torch._foreach_copy_(self.params, self.masters)
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def set_recompute(model: Any, on: bool) -> bool:
+    """Recompute each decoder layer's activations in backward from its input (torch's non-reentrant
+    checkpoint), or stop doing so; only while gradients are recorded. Returns `on`."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.decoder.layers:
+        layer.__dict__.pop("forward", None)  # back to the class's forward
+        if on:
+            plain = layer.forward
+
+            def forward(*args: Any, _f: Any = plain, **kwargs: Any) -> Any:
+                if torch.is_grad_enabled():
+                    return checkpoint(_f, *args, use_reentrant=False, **kwargs)
+                return _f(*args, **kwargs)
+
+            layer.forward = forward
+    return on
 
 
 def _owned(t: torch.Tensor, live: set[int]) -> torch.Tensor:

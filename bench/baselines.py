@@ -2,7 +2,7 @@
 
 - `full_sync`: the whole state as safetensors, zstd level 1 (what a worker downloads without patches).
 - `sparse_plain`: every changed position as int64 plus its raw new value, zstd level 1.
-- `pulse_style`: the published PULSE codec's layout (research/algorithms.md 6.2): per tensor a 2-D view,
+- `pulse_style`: the published PULSE codec's layout (docs/pulse.md): per tensor a 2-D view,
   changed (row, col) sorted, rows delta-coded, cols absolute at a row change else delta-coded, each stream
   in the narrowest integer type that holds it, raw new values, one buffer compressed with zstd level 1.
   Encoders return bytes; decoders rebuild the new state from the old one, so round trips are checked too.

@@ -6,7 +6,7 @@ Two ways a learner holds its weights, both published as bf16:
                 bf16 ulp rounds away entirely: the PULSE paper's setting)
 For each consecutive pair of published states and each plane (bf16, int8g64): sparsity, our patch size
 against the full state and against three baselines in the same run (full sync: safetensors + zstd-1; plain
-sparse: int64 positions + raw values, zstd-1; PULSE-style: research/algorithms.md 6.2), bits per changed
+sparse: int64 positions + raw values, zstd-1; PULSE-style: docs/pulse.md), bits per changed
 word, and encode / apply throughput in GB of plane weights per second of one thread's CPU time (the
 publisher's and follower's case: base digest already known; best of REPS runs) plus cold numbers (both
 states hashed, one run).

@@ -40,7 +40,7 @@ class Row(BaseModel):
 
 
 class Profile(BaseModel):
-    """What a launch profile requires (DESIGN sections 1 and 6; the fleet's values from its recipe)."""
+    """What a launch profile requires (the run paths in README.md; the fleet's values from its recipe)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 

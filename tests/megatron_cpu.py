@@ -1,6 +1,6 @@
 """Test-only shims that let megatron-core run on a CPU-only torch (CI has no GPU).
 
-megatron-core has no CPU path: a few calls assume CUDA (research/megatron_and_r2.md, Part 1d). These
+megatron-core has no CPU path: a few calls assume CUDA (on CUDA streams and devices). These
 replacements live here, in tests, and nowhere in the product: the product runs on a CUDA host.
 
 - `torch.cuda.current_device` -> the CPU device (rotary `inv_freq`, the global memory buffer, DCP saver);

@@ -1,6 +1,6 @@
-"""The contract is slim and proves it (STYLE rule 1): in a fresh venv holding only pyproject's core
+"""The contract is slim and proves it: in a fresh venv holding only pyproject's core
 dependencies and the project itself (--no-deps), every core module of worker_contract imports, and
-neither torch, transformers, ray, megatron nor our trainer/infra packages get loaded."""
+neither torch, transformers, ray, megatron nor our trainer and infra packages get loaded."""
 
 from __future__ import annotations
 

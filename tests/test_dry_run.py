@@ -25,7 +25,7 @@ KEY_ID = "dryrun-KEYID-55aa66bb"
 CREDS = {"R2_ACCOUNT_ID": "acct-dry", "R2_ACCESS_KEY_ID": KEY_ID, "R2_SECRET_ACCESS_KEY": SECRET,
          "R2_BUCKET": "stoa-dry"}
 
-#: flag -> value (None: a switch) the quickstart launch must carry (issue 7 / DESIGN section 6)
+#: flag -> value (None: a switch) the quickstart launch must carry (docs/objective.md)
 GSM8K_FLAGS = {
     "--rollout-num-gpus": "0",
     "--rollout-function-path": "trainer.slime_plugin.rollout.generate_rollout",

@@ -1,4 +1,4 @@
-"""Bucket keys: the one module that builds and parses them (DESIGN section 4)."""
+"""Bucket keys: the one module that builds and parses them (docs/contract.md)."""
 
 from __future__ import annotations
 

@@ -215,7 +215,7 @@ def test_gpu_box_check_passes_over_ssh(sshd_server, tmp_path):  # noqa: F811
 
 
 def test_task_flags_are_frozen():
-    """STYLE rule 4: the task flags are tested; a new knob belongs in the recipe, not here."""
+    """The task flags are tested; a new knob belongs in the recipe, not here."""
     from infra import remote_tasks
 
     common = {"run", "host", "local", "ssh_key", "remote_dir"}

@@ -1,9 +1,9 @@
-"""trainer/slime_plugin against the argument and Sample shapes slime uses (research/slime.md), with a real
+"""trainer/slime_plugin against the argument and Sample shapes slime uses (docs/slime.md), with a real
 file bucket: run.json and the v1 anchor published by the launch's own step, real worker records, and a
 stand-in SGLang `/generate` server on 127.0.0.1 for the held-out eval.
 
 slime is not installed here, so the plugin uses its local twins of slime's types; the checks below are
-the ones slime's own plugin contract test makes (tests/plugin_contracts in slime), plus ours.
+the ones slime's own plugin contract test makes (slime's plugin_contracts tests), plus ours.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def test_dppo_gate_equals_the_learners_gate(box, plugin):
 
 # -- the two engines optimise one objective ---------------------------------------------------------------
 def _slime_policy_loss(args, mb: list[int], logp, mu, ref, adv, masks, mask_sums):
-    """slime's `policy_loss_function` for the flags the slime engine passes (research/slime.md section 3,
+    """slime's `policy_loss_function` for the flags the slime engine passes (docs/slime.md,
     slime 624b824a `backends/megatron_utils/loss.py`), on one micro-batch of samples `mb`: the ratio to
     the rollout log-probs (--use-rollout-logprobs), dual-clip PPO (`ppo_utils.compute_policy_loss`), our
     TIS hook (--get-mismatch-metrics --custom-tis-function-path), `sum_of_sample_mean` rebuilt with the

@@ -1,12 +1,12 @@
-"""The learner's objective (DESIGN section 6; formulas in research/algorithms.md sections 1-4).
+"""The learner's objective (derived in docs/objective.md).
 
 Per token: dual-clip PPO on the ratio to the behaviour log-probs the worker recorded, gated by the
 asymmetric DPPO mask (a token loses its gradient only once it has moved past the divergence threshold in
 the direction its advantage pushes), plus `kl_coef` times the k3 estimate of KL to the frozen reference.
 Advantages are Dr.GRPO (reward minus group mean).
 
-Two reducers, the ones slime applies for the flags the slime engine passes (research/slime.md section 3),
-so both engines optimise the same number (tests/test_engines_agree.py):
+Two reducers, the ones slime applies for the flags the slime engine passes (docs/slime.md),
+so both engines optimise the same number (tests/test_slime_plugin.py::test_engines_agree_on_loss_and_gradient):
 - the policy term: Dr.GRPO, the masked token losses summed and divided by a constant (rows x max_len);
 - the KL term: a per-sequence token mean over the tokens the gate keeps, divided by the sequence's
   trained tokens (its loss mask), then the mean over sequences: slime's `sum_of_sample_mean` rebuilt with

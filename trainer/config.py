@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
 
-#: recipe name -> file under runs/ (STYLE rule 7: one registry; unknown names are refused with this list)
+#: recipe name -> file under runs/ (one registry; unknown names are refused with this list)
 RECIPES: dict[str, str] = {
     "gsm8k": "gsm8k.yaml",
     "psqa": "psqa-decoupled/recipe.yaml",
@@ -29,7 +29,7 @@ class _Model(BaseModel):
 
 
 class ContractConfig(_Model):
-    """The cross-host contract every worker must match (DESIGN section 3)."""
+    """The cross-host contract every worker must match (docs/r2-setup.md section 5)."""
 
     n_samples: int = Field(8, ge=1, le=1024)
     """DRL_N_SAMPLES: group size. A group of any other size is dropped with a counted reason."""
@@ -111,7 +111,7 @@ class EmbeddedConfig(_Model):
 
 
 class GateConfig(_Model):
-    """The asymmetric DPPO gate (research/algorithms.md section 1.3)."""
+    """The asymmetric DPPO gate (docs/objective.md)."""
 
     divergence: Literal["tv", "kl"] = "tv"
     """Binary-TV or Binary-KL between the behaviour and current token probability."""
@@ -145,7 +145,7 @@ class OptimConfig(_Model):
 
 
 class AlgoConfig(_Model):
-    """The learner's objective and data gates (DESIGN section 6)."""
+    """The learner's objective and data gates (docs/objective.md)."""
 
     objective: Literal["recipe", "ppo", "no_is"] = "recipe"
     """The policy-gradient term. `recipe`: the DPPO gate and dual-clip PPO on the ratio to the behaviour

@@ -1,6 +1,6 @@
 """Who holds a version in the bucket: the trainer (run key), a squatter, or nobody; squatters are reclaimed.
 
-Anyone with bucket credentials can write any key, but only the trainer can sign (DESIGN section 7).
+Anyone with bucket credentials can write any key, but only the trainer can sign (docs/reliability.md).
 Objects at a version none of which the run key signed for that version (a garbage or foreign-signed patch,
 a replayed patch of another version, a foreign-signed anchor manifest with its shards) are squatters: they
 are deleted and the version is published create-only (`forged_versions_reclaimed`). What the run key

@@ -1,4 +1,4 @@
-"""The env contract (DESIGN section 3): parse and validate `DRL_*`, load credentials, keep secrets secret.
+"""The env contract (docs/r2-setup.md section 5): parse and validate `DRL_*`, load credentials, keep secrets secret.
 
 Credentials come from an env file (default `.r2env` in the repo root) that must be private (mode 0600),
 and from the environment, which wins over the file. Secret values are held as `SecretStr` (their repr is
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from . import layout
 
 DEFAULT_ENV_FILE = ".r2env"
-#: the four values a joiner needs to reach the bucket (DESIGN section 3)
+#: the four values a joiner needs to reach the bucket (docs/r2-setup.md section 5)
 R2_VARS = ("R2_ACCOUNT_ID", "R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY", "R2_BUCKET")
 #: variables whose values are secrets wherever they come from
 SECRET_VARS = frozenset({"R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID",
@@ -159,7 +159,7 @@ def load_env(env: Mapping[str, str] | None = None, env_file: str | Path | None =
 
 # -- the contract -------------------------------------------------------------------------------------
 class EnvContract(BaseModel):
-    """The cross-host values of DESIGN section 3, validated. Secrets repr as asterisks."""
+    """The cross-host values of docs/r2-setup.md section 5, validated. Secrets repr as asterisks."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 

@@ -1,4 +1,4 @@
-"""The join card: exactly what a worker needs to join a run, handed over out of band (DESIGN section 3).
+"""The join card: exactly what a worker needs to join a run, handed over out of band (docs/r2-setup.md section 5).
 
 The contract values come from the run's published `run.json` (the authority a worker checks itself
 against); the bucket values and the retriever URL come from the operator's environment. Secrets print as

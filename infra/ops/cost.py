@@ -1,6 +1,6 @@
 """An estimate of what a run costs in Cloudflare R2: storage (GB-month) and class A / class B operations.
 
-R2 bills storage and operations, never egress (research/megatron_and_r2.md, Part 2b). We cannot read the
+R2 bills storage and operations, never egress (docs/r2-setup.md section 7). We cannot read the
 account's bill from the bucket, so this module rebuilds the run's operations from what the bucket holds
 (every object was at least one PUT, a large one a multipart upload) plus the documented polling habits of
 the learner and the workers. Every assumption is a field of `UsageAssumptions`, printed with the estimate.

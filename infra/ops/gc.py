@@ -1,7 +1,7 @@
 """`invoke gc --run <id> --keep-anchors K`: delete what no joiner can need any more.
 
 A joiner starts from the anchor the pointer names (the newest at or below it) and applies patches up to
-the pointer (DESIGN section 4). Keeping the newest K anchors at or below the pointer (always including the
+the pointer (docs/contract.md). Keeping the newest K anchors at or below the pointer (always including the
 pointer's own), and every patch after the oldest of them, keeps every kept anchor a valid starting point.
 The pointer is read verified under run.json's key: a forged pointer never steers a deletion. gc deletes only:
 - anchors older than the oldest kept anchor (every key under their prefix, manifest first, so a half-deleted

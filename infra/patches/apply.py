@@ -15,7 +15,7 @@ For each patch, in name order:
 After applying, every patch must be found in the tree (the reverse check, or after a three-way merge every
 line it adds in place), every patched Python file must compile, and every probe must hold (the hook is
 called, the value is passed on: not only the text applied), or the run stops. Each patch file starts with a
-header (STYLE rule 12): `Upstream:`, `Fits:`, `Need:`, `Can go:`; a patch without one is refused.
+header: `Upstream:`, `Fits:`, `Need:`, `Can go:`; a patch without one is refused.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _header(path: Path) -> dict[str, str]:
             fields[current] += " " + line.strip()
     missing = [f[:-1] for f in HEADER_FIELDS if f[:-1] not in fields]
     if missing:
-        raise ValueError(f"{path}: the patch header lacks {', '.join(missing)} (STYLE rule 12); add them")
+        raise ValueError(f"{path}: the patch header lacks {', '.join(missing)}; add them")
     return fields
 
 

@@ -1,4 +1,4 @@
-"""Learner backends, one registry (STYLE rule 7): `get_backend(name)` returns the class.
+"""Learner backends, one registry: `get_backend(name)` returns the class.
 
     hf        transformers; CPU and one GPU (trainer/backends/hf.py)
     megatron  megatron-core; GPU scale (trainer/backends/megatron.py)

@@ -1,6 +1,6 @@
 """The learner backend interface: what the learner loop needs from a model, whatever runs it.
 
-Two backends implement it and register in `trainer.backends` (STYLE rule 7): `hf` (transformers; CPU
+Two backends implement it and register in `trainer.backends`: `hf` (transformers; CPU
 and one GPU) and `megatron` (megatron-core; GPU scale). A backend:
 - loads from an HF directory (config.json, safetensors) and keeps a frozen reference copy;
 - gives per-token log-probs of the response tokens of a `TrainBatch`, with logits divided by the run's

@@ -2,7 +2,7 @@
 
 slime calls the hook on every train rank after it recomputed the policy's log-probs of the step's samples
 (`rollout_data["log_probs"]`, at the weights the actor holds before training on them) and before it trains
-(research/slime.md section 1.6). The rollout side knows which worker sampled each group and at which
+(docs/slime.md). The rollout side knows which worker sampled each group and at which
 version: the rollout function writes that per rollout id (`rows_file`). With both, the same
 trainer.audit.WorkerAudit the native learner runs compares each audited worker's recorded log-probs with
 the learner's, under the same names (`worker/<id>/logprob_mismatch`, `flagged`, `audited_tokens`); the

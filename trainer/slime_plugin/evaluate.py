@@ -4,7 +4,7 @@ The trainer box runs no generator of its own (the workers sample), so evaluation
 SGLang-compatible `/generate` endpoint: `DRL_EVAL_ENDPOINT` if set, else slime's router when it has one
 (`--rollout-num-gpus 0` launches the router; an external engine registered there serves it). Each
 completion is scored with the same `Task.reward` the workers use, and returned in slime's eval shape:
-`{task: {"rewards", "truncated", "samples"}}` (research/slime.md section 1.3).
+`{task: {"rewards", "truncated", "samples"}}` (docs/slime.md).
 """
 
 from __future__ import annotations

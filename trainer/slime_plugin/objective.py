@@ -6,7 +6,7 @@ behaviour log-probs (`--use-rollout-logprobs`) and the low_var_kl (k3) term to t
 but its policy loss passes it on only from 78156c53c (2026-08-12); before that (5c530c156, the image the
 operator's guide names, included) our patch 0002 makes it pass it, applied only where slime's code drops
 it (infra/patches/probes.py reads the call), so the loss below is dual-clip on every slime we launch on
-(`nox -s slime_compat`, docs/slime.md). We plug in the rest (research/slime.md sections 1.3 and 3):
+(`nox -s slime_compat`, docs/slime.md). We plug in the rest (docs/slime.md):
 
 * `drgrpo_rewards` (`--custom-reward-post-process-path`): Dr.GRPO advantages, reward minus group mean,
   with `algo.group_advantages` (as the native batch); called on the rollout side with the flat list of samples.
@@ -23,7 +23,7 @@ it (infra/patches/probes.py reads the call), so the loss below is dual-clip on e
 The KL term is slime's own: k3 (`low_var_kl`) reduced by `sum_of_sample_mean`, which slime rebuilds with
 the masks our gate returns over the per-sample mask totals, so it is the per-sequence mean over the tokens
 the gate keeps. `algo.policy_loss` reduces it the same way, so both engines optimise one objective
-(tests/test_engines_agree.py checks loss and gradient).
+(tests/test_slime_plugin.py::test_engines_agree_on_loss_and_gradient checks loss and gradient).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The hook is added to slime by our patch 0001 (infra/patches): slime calls `after
 model)` on every train rank right after the actor trained on a rollout. No slime commit has it upstream
 (an unpatched slime accepts the flag, since Megatron's parser ignores unknown ones, and never calls it), so
 the patch step checks the call site after applying (infra/patches/probes.py). Why this hook and no stock one
-(research/slime.md section 2.4): with no rollout engines (`--rollout-num-gpus 0`, `--debug-train-only`)
+(docs/slime.md): with no rollout engines (`--rollout-num-gpus 0`, `--debug-train-only`)
 `update_weights()` returns before any weight-sync hook; `--save-hf` writes an HF copy only every
 `--save-interval` steps (the fleet recipe runs without it); and the stock before-train-step hook would
 publish each version one step late and never the last one.

@@ -1,7 +1,7 @@
 """`--rollout-function-path trainer.slime_plugin.rollout.generate_rollout`: the bucket feeds slime.
 
 slime calls `generate_rollout(args, rollout_id, data_source, evaluation=False)` in its RolloutManager
-actor once per step (research/slime.md section 1.2). We ignore slime's data source: the prompts were
+actor once per step (docs/slime.md). We ignore slime's data source: the prompts were
 chosen and sampled by the workers. The bucket rollout source (trainer/rollouts.py) validates every record,
 drops what is stale (beyond the staleness bound, counted from the signed pointer) and caps reuse; we
 convert its batch into exactly `rollout_batch_size` contiguous groups of `n_samples_per_prompt` Samples,

@@ -1,7 +1,7 @@
 """slime's rollout types, imported lazily; local twins with the same fields when slime is absent.
 
 The twins follow `slime/utils/types.py::Sample` and `slime/rollout/base_types.py` at slime 624b824a
-(research/slime.md section 1.3-1.4) field for field, so code and tests written against them behave the
+(docs/slime.md) field for field, so code and tests written against them behave the
 same inside the slime image, where the real classes are used.
 """
 

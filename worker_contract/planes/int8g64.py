@@ -1,5 +1,5 @@
 """The `int8g64` plane: MLX affine quantization, 8 bits, groups of 64, bit-identical to
-`mlx.core.quantize(w, group_size=64, bits=8)` / `mlx.core.dequantize` on the CPU (research/algorithms.md 7).
+`mlx.core.quantize(w, group_size=64, bits=8)` / `mlx.core.dequantize` on the CPU (docs/pulse.md, Planes).
 
 Per group of 64 consecutive elements along the last axis, all arithmetic in float32 (IEEE, true division):
     hi, lo = max, min;  s0 = max((hi - lo) / 255, 1e-7)

@@ -1,4 +1,4 @@
-"""Store clients: `open_store(url)` picks a backend by URL scheme (STYLE rule 7: one registry).
+"""Store clients: `open_store(url)` picks a backend by URL scheme (one registry).
 
     file:///abs/path   a directory standing in for a bucket (embedded default, tests)
     r2://<bucket>      Cloudflare R2 (endpoint from R2_ACCOUNT_ID, region auto)

@@ -1,6 +1,6 @@
 """Tasks shared by worker and trainer: prompt format, data, answer extraction and reward.
 
-One registry (STYLE rule 7): `get_task(name)` returns the task a run's `run.json` names; an unknown name
+One registry: `get_task(name)` returns the task a run's `run.json` names; an unknown name
 is refused with the list of known ones. A worker scores its samples and the trainer scores its held-out
 evaluation with the same `Task.reward`, so the two can never disagree on what "correct" means.
 
@@ -42,7 +42,7 @@ def _psqa() -> Task:
     return PsqaTask()
 
 
-#: task name -> factory (STYLE rule 7). Add a task by writing its module and one line here.
+#: task name -> factory. Add a task by writing its module and one line here.
 TASKS: dict[str, Callable[[], Task]] = {
     "gsm8k": _gsm8k,
     "arithmetic": _arithmetic,

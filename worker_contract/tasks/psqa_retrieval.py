@@ -1,6 +1,6 @@
 """The retriever's wire format and a stdlib HTTP client (PaperSearchQA search tool).
 
-One module owns this wire format (STYLE rule 2): the server (`infra/retriever/`) and every worker import
+One module owns this wire format (one module owns a wire format): the server (`infra/retriever/`) and every worker import
 these types. API, documented for users in docs/retriever.md:
 
     GET  /health                              -> HealthResponse

@@ -10,7 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TOP = ("worker_contract", "trainer", "infra", "entrypoints", "tests", "bench", "docs", "runs", ".ci")
 #: a path under one of the top-level folders, as prose names it (`trainer/algo.py`, docs/pulse.md, ...)
-PATH_RE = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*[\w/])" % "|".join(re.escape(t) for t in TOP))
+_TOPS = "|".join(re.escape(t) for t in TOP)
+PATH_RE = re.compile(rf"(?<![\w./-])((?:{_TOPS})/[\w./-]*[\w/])")
 #: citations of files that live outside the repository
 OUTSIDE_RE = re.compile(r"DESIGN(?:\.md)? section|STYLE(?:\.md)? rule|STYLE\.md|DESIGN\.md|research/\w+\.md|\.\./shared")
 #: paths written at run time or on a GPU box, not in the tree

@@ -1,19 +1,16 @@
-"""One native learner step of LFM2.5-8B-A1B shapes (random weights) on one GPU: memory, step time, MFU.
+"""The fleet model's native learner step on one GPU: LFM2.5-8B-A1B shapes (random weights), the fleet
+recipe's batch and memory plan; peak memory, step time, tokens/s, MFU, and the plan's candidates.
 
-    python -m bench.lfm2_step [--layers 8] [--rows 64 --prompt 128 --response 384]
-    python -m bench.lfm2_step --tiny --device cpu      # a smoke run (tests/test_lfm2_step.py, megatron CPU shims)
+    python -m bench.lfm2_step                            # 24 layers, psqa's batch: 64 rows of 256 + 4096
+    python -m bench.lfm2_step --tiny --device cpu        # a smoke run (tests/test_lfm2_step.py)
 
-The model is LFM2.5-8B-A1B's architecture (infra/slime_launch.KNOWN_HF_CONFIGS: hidden 2048, 32 experts,
-top-4, vocab 65536, attention at 6 of 24 layers) cut to `--layers` layers, random weights (norms and router
-randomised), saved as bf16 HF safetensors and loaded by the megatron backend as the learner loads any model;
-then the quickstart's step through `MegatronBackend.train_step` (reference log-probs, policy forward and
-backward, AdamW) on 64 rows of 128 + 384 tokens in 16384-token micro-batches, median of 3 steps after 2.
-MFU counts the parameters a token passes through (the experts it is routed to, not all 32):
-8 x active parameters x tokens / step time / the bf16 matmul rate measured here.
-
-Memory of the whole model on one GPU is estimated from the measured run: the learner holds, per parameter,
-bf16 weights (2 bytes), float32 master weights (4), float32 gradients (4), AdamW's two moments (8) and the
-bf16 reference copy (2): 20 bytes; activations are the measured peak less that, scaled by depth.
+The model is built from infra/slime_launch.KNOWN_HF_CONFIGS (norms, router and expert bias randomised),
+saved as bf16 HF safetensors and loaded by the megatron backend under runs/psqa-decoupled's train section
+(`--set key=value` overrides). Parts (`--parts`): `optim`, the optimizer candidates (bench/lfm2_optim.py);
+`step`, the recipe's step (reference log-probs, forward, backward, optimizer); `compare`, the same step on
+`--compare-rows` rows with the experts' loop instead of grouped GEMMs, and with recompute. MFU counts the
+parameters a token passes through (top-k of the experts): 8 x active x tokens / time / rate, against the
+bf16 matmul rate measured here and the H200's dense bf16 spec (989 TFLOP/s).
 """
 
 from __future__ import annotations
@@ -30,7 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 HF_ID = "LiquidAI/LFM2.5-8B-A1B"
-STATE_BYTES_PER_PARAM = 20
+#: the H200's dense bf16 tensor-core peak by its datasheet (TFLOP/s)
+SPEC_TFLOPS = 989.0
 
 
 #: the smoke shape (`--tiny`): the architecture's features at a size a CPU steps in seconds
@@ -103,75 +101,188 @@ def make_model_dir(layers: int, out: Path, device: str = "cuda", tiny: bool = Fa
     return {"layers": layers, **counts}
 
 
-def step(model_dir: Path, args, counts: dict, rate: float) -> dict:
-    import torch
-
-    from bench.megatron_gpu import synthetic_batch
-    from trainer.algo import policy_loss
-    from trainer.backends.base import micro_batches
-    from trainer.backends.megatron import MegatronBackend
+def recipe(args):
+    """runs/psqa-decoupled resolved for the native engine's megatron backend, with `--set` overrides."""
     from trainer.config import resolve
 
-    cuda = args.device == "cuda"
-    cfg = resolve("gsm8k", env={}, overrides={"model.dtype": "bfloat16" if cuda else "float32",
-                                             "train.max_tokens_per_gpu": args.max_tokens_per_gpu})
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
+    over = {"train.engine": "native", "train.backend": "megatron",
+            "model.dtype": "bfloat16" if args.device == "cuda" else "float32"}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            over[key] = json.loads(value)
+        except json.JSONDecodeError:
+            over[key] = value
+    return resolve("psqa", env={}, overrides=over)
+
+
+def _loss_fn(algo):
+    from trainer.algo import policy_loss
+
+    return lambda lp, mb: policy_loss(lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo)
+
+
+class _Timer:
+    """Wall time of the optimizer's step inside train_step (synchronised around it on a GPU)."""
+
+    def __init__(self, rank, sync):
+        self.times: list[float] = []
+        inner = rank.optimizer.step
+
+        def timed(*a, **k):
+            sync()
+            t0 = time.perf_counter()
+            out = inner(*a, **k)
+            sync()
+            self.times.append(time.perf_counter() - t0)
+            return out
+
+        rank.optimizer.step = timed
+
+
+def run_steps(backend, batch, cfg, n_warm: int, n: int, sync, label: str) -> dict:
+    """`n_warm` + `n` learner steps (reference log-probs, then train_step); medians of the last `n`."""
+    import torch
+
+    rank = backend._local
+    timer = getattr(rank, "_bench_timer", None) or _Timer(rank, sync)
+    rank._bench_timer = timer
+    fn = _loss_fn(cfg.algo)
+    rows = []
+    if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    backend = MegatronBackend.load(model_dir, cfg, device=args.device)
-    load_s = time.perf_counter() - t0
-    loaded_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
-    batch = synthetic_batch(args.rows, args.prompt, args.response, backend.vocab_size)
-    algo = cfg.algo
-
-    def fn(lp, mb):
-        return policy_loss(lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo)
-
-    times = []
-    for i in range(2 + args.steps):
+    for i in range(n_warm + n):
         sync()
         t0 = time.perf_counter()
         batch.ref_logp = backend.logprobs(batch, reference=True)
+        sync()
+        t1 = time.perf_counter()
         metrics = backend.train_step(batch, fn)
         sync()
-        dt = time.perf_counter() - t0
-        print(f"  lfm2 {counts['layers']} layers step {i}: {dt:.3f} s loss {metrics['loss']:.4g}", flush=True)
-        if i >= 2:
-            times.append(dt)
-    tokens = args.rows * (args.prompt + args.response)
-    t = statistics.median(times)
-    return {"load_s": load_s, "loaded_gib": loaded_gib, "step_s": t, "steps_s": times, "tokens": tokens,
-            "tokens_per_s": tokens / t, "mfu_active": 8 * counts["active_params"] * tokens / t / (rate * 1e12),
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "micro_batches": len(micro_batches(batch, cfg.train)), "loss": metrics["loss"],
-            "grad_norm": metrics["grad_norm"]}
+        t2 = time.perf_counter()
+        rows.append({"step_s": t2 - t0, "ref_s": t1 - t0, "train_s": t2 - t1, "optimizer_s": timer.times[-1]})
+        print(f"  {label} step {i}: {t2 - t0:.3f} s (reference {t1 - t0:.3f}, optimizer {timer.times[-1]:.3f}) "
+              f"loss {metrics['loss']:.4g}", flush=True)
+    timed = rows[n_warm:] or rows
+    out = {k: statistics.median(r[k] for r in timed) for k in rows[0]}
+    out.update(steps=rows, loss=metrics["loss"], grad_norm=metrics["grad_norm"])
+    if torch.cuda.is_available():
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
 
-def extrapolate(measured: dict, full: dict, layers_measured: int, layers_full: int) -> dict:
-    """The whole model's peak on one GPU from the measured cut: 20 bytes per parameter plus activations
-    scaled by depth (the measured peak less the measured model's states)."""
-    states = STATE_BYTES_PER_PARAM * measured["params"] / 2**30
-    act = max(0.0, measured["peak_mem_gib"] - states)
-    full_states = STATE_BYTES_PER_PARAM * full["params"] / 2**30
-    return {"states_gib": full_states, "activations_gib": act * layers_full / layers_measured,
-            "peak_gib": full_states + act * layers_full / layers_measured}
+def rates(out: dict, tokens: int, active: float, rate: float) -> dict:
+    flops = 8 * active * tokens / out["step_s"]
+    return {"tokens": tokens, "tokens_per_s": tokens / out["step_s"], "mfu_measured": flops / (rate * 1e12),
+            "mfu_spec": flops / (SPEC_TFLOPS * 1e12)}
+
+
+def plan_placement(rank) -> dict:
+    """Where the plan put the optimizer's states, read off the optimizer's own tensors."""
+    import torch
+
+    opt = rank.optimizer
+    if not hasattr(opt, "bytes_by_place"):
+        return {"optimizer": type(opt).__name__, "masters_on": str(rank.masters[0].device)}
+    host = sorted(opt.on_host)
+    return {"optimizer": type(opt).__name__, **{f"{k}_gib": v / 2**30 for k, v in opt.bytes_by_place().items()},
+            "moment_dtype": str(opt.moment_dtype), "host_params": len(host), "all_params": len(opt.params),
+            "host_states_pinned": all(opt.masters[i].is_pinned() for i in host) if torch.cuda.is_available() else None,
+            "grads_on": str(opt.grads[0].device)}
+
+
+def compare(backend, args, cfg, counts, rate, sync) -> dict:
+    """The recipe's step on fewer rows: grouped GEMMs, the experts' loop, and grouped with recompute."""
+    from bench.megatron_gpu import synthetic_batch
+    from trainer.backends.megatron_rank import set_recompute
+    from trainer.models.lfm2_experts import set_grouped
+
+    rank = backend._local
+    batch = synthetic_batch(args.compare_rows, args.prompt, args.response, backend.vocab_size, seed=1)
+    tokens = args.compare_rows * (args.prompt + args.response)
+    out = {}
+    for label, grouped, recompute in (("grouped", True, False), ("loop", False, False),
+                                      ("grouped+recompute", True, True)):
+        set_grouped(rank.model, grouped)
+        set_grouped(rank.reference, grouped)
+        rank.recompute = set_recompute(rank.model, recompute)
+        try:
+            r = run_steps(backend, batch, cfg, 1, 1, sync, label)
+            r.update(rates(r, tokens, counts["active_params"], rate))
+        except Exception as e:  # an OOM is a result too
+            r = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        out[label] = r
+        gc.collect()
+    set_grouped(rank.model, True)
+    set_grouped(rank.reference, True)
+    rank.recompute = set_recompute(rank.model, cfg.train.gradient_checkpointing)
+    return out
+
+
+def measure(args, result: dict, save) -> None:
+    import torch
+
+    from bench.megatron_gpu import synthetic_batch
+    from trainer.backends.base import micro_batches
+    from trainer.backends.megatron import MegatronBackend
+
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    cfg = recipe(args)
+    result["train"] = cfg.train.model_dump()
+    result["optim"] = cfg.algo.optim.model_dump()
+    parts = set(args.parts.split(","))
+    if "optim" in parts:
+        from bench import lfm2_optim
+
+        result["optimizer_candidates"] = lfm2_optim.run(args.optim_elements, args.device, result["full"]["params"])
+        save()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
+        t0 = time.perf_counter()
+        counts = make_model_dir(args.layers, Path(tmp) / "lfm2", args.device, args.tiny)
+        counts["build_s"] = time.perf_counter() - t0
+        result["measured"] = counts
+        save()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        backend = MegatronBackend.load(Path(tmp) / "lfm2", cfg, device=args.device)
+        counts["load_s"] = time.perf_counter() - t0
+    rank = backend._local
+    counts["loaded_gib"] = torch.cuda.memory_allocated() / 2**30 if cuda else None
+    counts["plan"] = plan_placement(rank)
+    save()
+    if "step" in parts:
+        batch = synthetic_batch(args.rows, args.prompt, args.response, backend.vocab_size)
+        counts["micro_batches"] = len(micro_batches(batch, cfg.train))
+        r = run_steps(backend, batch, cfg, 1, args.steps, sync, f"lfm2 {args.layers} layers")
+        r.update(rates(r, args.rows * (args.prompt + args.response), counts["active_params"], result["matmul_bf16_tflops"]))
+        result["step"] = r
+        save()
+        del batch
+    if "compare" in parts:
+        result["compare"] = compare(backend, args, cfg, counts, result["matmul_bf16_tflops"], sync)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lfm2_step", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small shape and batch (smoke run on a CPU)")
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--response", type=int, default=384)
-    ap.add_argument("--max-tokens-per-gpu", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=64, help="8 groups x 8 episodes")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--response", type=int, default=4096, help="the psqa recipe's max_new_tokens")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
+    ap.add_argument("--parts", default="optim,step,compare")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
+    ap.add_argument("--compare-rows", type=int, default=8)
+    ap.add_argument("--optim-elements", type=float, default=1.0e9, help="parameters of each optimizer candidate")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "lfm2_step.json"))
     args = ap.parse_args(argv)
     if args.tiny:
-        args.layers, args.rows, args.prompt, args.response, args.max_tokens_per_gpu = 4, 4, 8, 24, 64
+        args.layers, args.rows, args.prompt, args.response, args.compare_rows = 4, 4, 8, 24, 2
+        args.optim_elements = 2e7
+        args.set = ["train.micro_batch_size=2", *args.set]
     sys.path.insert(0, str(REPO))
     import torch
 
@@ -182,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device == "cuda"
     rate = matmul_tflops(args.device)  # NaN off CUDA
     init_parallel(0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu"))
-    result: dict = {"machine": machine_info(), "args": vars(args), "matmul_bf16_tflops": rate,
+    result: dict = {"command": "python -m bench.lfm2_step " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "machine": machine_info(), "args": vars(args), "matmul_bf16_tflops": rate,
+                    "spec_bf16_tflops": SPEC_TFLOPS,
                     "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None}
     out = Path(args.out)
 
@@ -199,27 +312,19 @@ def main(argv: list[str] | None = None) -> int:
                                                      if "inv_freq" not in k and not k.endswith("lm_head.weight")},
                                                     full_cfg)}
     del meta
-    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
-        t0 = time.perf_counter()
-        counts = make_model_dir(args.layers, Path(tmp) / "lfm2", args.device, args.tiny)
-        counts["build_s"] = time.perf_counter() - t0
-        result["measured"] = counts
-        save()
-        try:
-            result["measured"].update(step(Path(tmp) / "lfm2", args, counts, rate))
-        except Exception as e:  # an OOM is a result too
-            import traceback
+    try:
+        measure(args, result, save)
+    except Exception as e:  # an OOM is a result too
+        import traceback
 
-            result["measured"]["error"] = f"{type(e).__name__}: {str(e)[:600]}"
-            result["measured"]["traceback"] = traceback.format_exc()[-3000:]
-            if cuda:
-                result["measured"]["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    if "step_s" in result["measured"] and cuda:
-        result["full_estimate"] = extrapolate(result["measured"], result["full"], args.layers, 24)
-        result["fits_one_gpu"] = result["full_estimate"]["peak_gib"] < 0.95 * result["gpu_memory_gib"]
+        result["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        result["traceback"] = traceback.format_exc()[-3000:]
+        if cuda:
+            result["peak_mem_gib_at_error"] = torch.cuda.max_memory_allocated() / 2**30
     save()
-    print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1, default=str), flush=True)
-    return 0
+    print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "traceback")}, indent=1,
+                     default=str)[:6000], flush=True)
+    return 0 if "error" not in result else 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""bench.lfm2_step runs its whole path (random LFM2-MoE saved as HF, loaded by the megatron backend, the
-quickstart's learner step) on a tiny shape on the CPU, so the GPU call measures rather than debugs."""
+"""bench.lfm2_step runs its whole path (the optimizer candidates, a random LFM2-MoE saved as HF and loaded by
+the megatron backend under the psqa recipe's plan, its learner step, the grouped / loop / recompute
+comparison) on a tiny shape on the CPU, so the GPU call measures rather than debugs."""
 
 from __future__ import annotations
 
@@ -21,12 +22,19 @@ def test_lfm2_step_bench_runs_tiny_on_cpu(dist, tmp_path):
     from bench import lfm2_step
 
     out = tmp_path / "lfm2_step.json"
-    assert lfm2_step.main(["--tiny", "--device", "cpu", "--steps", "1", "--out", str(out)]) == 0
+    rc = lfm2_step.main(["--tiny", "--device", "cpu", "--steps", "1", "--out", str(out),
+                         "--set", "train.optimizer_offload=0.5", "--set", "algo.optim.moment_dtype=bfloat16"])
     result = json.loads(out.read_text())
-    m = result["measured"]
-    assert "error" not in m, m.get("traceback")
-    assert m["layers"] == 4 and m["micro_batches"] >= 2 and m["step_s"] > 0
+    assert rc == 0, result.get("traceback")
+    m, step = result["measured"], result["step"]
+    assert m["layers"] == 4 and m["micro_batches"] >= 2 and step["step_s"] > 0 and step["optimizer_s"] > 0
     assert 0 < m["active_params"] < m["params"]  # top-2 of 8 experts: a token passes through fewer weights
+    assert m["plan"]["optimizer"] == "MasterAdamW" and m["plan"]["host_gib"] > 0
+    assert m["plan"]["moment_dtype"] == "torch.bfloat16"
+    assert set(result["compare"]) == {"grouped", "loop", "grouped+recompute"}
+    assert all("error" not in v for v in result["compare"].values()), result["compare"]
+    assert all("error" not in v for v in result["optimizer_candidates"].values())
+    assert result["command"].startswith("python -m bench.lfm2_step --tiny")
     # the real shapes, counted without building them: 8.34 B parameters, 1.56 B per token
     full = lfm2_step.lfm2_config(24)
     assert full.num_experts == 32 and full.num_experts_per_tok == 4

@@ -26,6 +26,23 @@ def git_commit() -> str:
         return "unknown"
 
 
+def provenance() -> dict:
+    """The tree a run measures: HEAD, `git status --porcelain` (untracked files too) and whether it is clean.
+    Where there is no git (a tree copied without .git) the commit is STOA_COMMIT or 'unknown' and `clean` is
+    None: not known, never assumed."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=RESULTS.parent, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    head, status = git("rev-parse", "HEAD"), git("status", "--porcelain")
+    if head is None or status is None:
+        return {"commit": os.environ.get("STOA_COMMIT", "unknown"), "status_porcelain": None, "clean": None}
+    return {"commit": head, "status_porcelain": status, "clean": status == ""}
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -13,21 +13,23 @@ on (the first k steps' groups come from the base), and every cell asserts that f
 Held-out accuracy is greedy decoding on the task's test split with the published weights read back
 through the verifying reconstructor, as a worker holds them.
 
-    python -m bench.staleness --preset gpu --jobs 8            # the sweep on one GPU, 8 cells at a time
+    python -m bench.staleness --preset power --seeds 5 --jobs 16   # the sweep with power (docs/performance.md)
+    python -m bench.staleness --preset gpu --jobs 8            # the 25 M model on one GPU, 8 cells at a time
     python -m bench.staleness --preset cpu --lags 0,4,16 --seeds 3
     python -m bench.staleness --preset gpu --objectives recipe --lags 8,16   # part of a sweep: same --out
 
 Results go to bench/results/staleness_<preset>.json after every cell (a rerun skips cells already
-there, so a sweep can be split over calls), the figure to docs/staleness_<preset>.png.
+there, so a sweep can be split over calls, at one commit only), the figure to docs/staleness_<preset>.png;
+bench/staleness_stats.py holds the intervals, the paired differences, the table and the figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
-import statistics
 import sys
 import threading
 import time
@@ -41,7 +43,8 @@ from pydantic import BaseModel, ConfigDict
 
 from trainer.config import AlgoConfig, EmbeddedBaseConfig, RecipeConfig, resolve
 
-from .common import RESULTS, machine_info
+from . import staleness_stats as stats
+from .common import RESULTS, git_commit, machine_info, provenance
 
 REPO = Path(__file__).resolve().parent.parent
 OBJECTIVES: tuple[str, ...] = tuple(AlgoConfig.model_fields["objective"].annotation.__args__)
@@ -83,6 +86,11 @@ PRESETS: dict[str, Preset] = {
         steps=3, eval_every=0, eval_problems=4),
     # the embedded run's own base and recipe on the CPU (0.85 M parameters: it plateaus within ~20 steps)
     "cpu": Preset(steps=40, eval_every=10, eval_problems=200),
+    # the sweep with power: the embedded recipe's shipped base (24.5% held-out), which RL lifts by 25-30 points
+    # within 30 steps, at lr 1e-4 (3.3x the recipe's), so the policy moves far enough per version that PPO's
+    # clip range acts on stale groups; float32 on one CPU core per cell (on CUDA the workers would sample this
+    # width-128 model in bf16, another model: docs/embedded.md), 16 cells at a time on a 16-core box
+    "power": Preset(recipe={"algo.lr": 1e-4}, steps=30, eval_every=5, eval_problems=400),
     # a base large enough that staleness shows (25 M parameters), built and supervised on the GPU; few, wide
     # layers, because a step of this size is launch-bound: its time goes with the number of layers
     "gpu": Preset(
@@ -163,7 +171,7 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
     torch.set_num_threads(preset.threads)
     torch.manual_seed(cell.seed)
     cfg = cell_recipe(cell, preset, base_dir, sets)
-    root = Path(work) / cell.name
+    root = Path(work) / f"{cell.name}-{os.getpid()}"  # two sweeps sharing --work never share a bucket
     shutil.rmtree(root, ignore_errors=True)  # a cell's own scratch bucket, from an interrupted attempt
     url = f"file://{(root / 'bucket').resolve()}"
     store = open_store(url)
@@ -189,11 +197,22 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
     _, base_acc = heldout()
     curve: list[list[float]] = [[0, base_acc]]
     steps: list[dict] = []
+    clock = {"setup_s": time.monotonic() - t0, "sync_s": 0.0, "sample_s": 0.0, "train_s": 0.0, "publish_s": 0.0,
+             "eval_s": 0.0}
+
+    def tick(key: str, since: float) -> float:
+        now = time.monotonic()
+        clock[key] += now - since
+        return now
+
     for step in range(1, preset.steps + 1):
+        t = time.monotonic()
         held = worker.sync()
+        t = tick("sync_s", t)
         problems = [train[rng.randrange(len(train))] for _ in range(cfg.algo.groups_per_step)]
         for record in worker.sample_groups(problems):
             worker.upload(record)
+        t = tick("sample_s", t)
         batch = source.next_batch(version)
         if batch is None or len(batch.groups) != cfg.algo.groups_per_step:
             raise RuntimeError(f"{cell.name} step {step}: the source assembled no full batch "
@@ -209,11 +228,14 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
                                                    "clip_dual_frac", "ratio_max", "ratio_min", "kl_mean")
                if k in m},
         })
+        t = tick("train_s", t)
         version = publisher.publish(backend.state_dict_hf())
+        t = tick("publish_s", t)
         if step == preset.steps or (preset.eval_every and step % preset.eval_every == 0):
             evaluated, acc = heldout()
             assert evaluated == version, (evaluated, version)
             curve.append([step, acc])
+            tick("eval_s", t)
     lags = sorted({s["learner_version"] - v for s in steps for v in s["group_versions"]})
     if lags != [cell.lag]:  # the cell measures nothing if its groups were not exactly k versions old
         raise RuntimeError(f"{cell.name}: the learner used groups {lags} versions old, not {cell.lag}")
@@ -221,9 +243,11 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
     tail = rewards[-max(1, len(rewards) // 4):]
     shutil.rmtree(root, ignore_errors=True)
     return {
-        "cell": cell.name, "objective": cell.objective, "lag": cell.lag, "seed": cell.seed,
-        "steps": preset.steps, "base_accuracy": base_acc, "final_accuracy": curve[-1][1], "curve": curve,
+        "cell": cell.name, "objective": cell.objective, "lag": cell.lag, "seed": cell.seed, "commit": git_commit(),
+        "steps": preset.steps, "base_accuracy": base_acc, "final_accuracy": curve[-1][1],
+        "last3_accuracy": stats.last3(curve), "best_accuracy": max(a for _, a in curve[1:]), "curve": curve,
         "lags_seen": lags, "train_reward_last_quarter": sum(tail) / len(tail),
+        **stats.cell_fractions(steps, cell.objective), "time_s": {k: round(v, 2) for k, v in clock.items()},
         "gate_drop_frac_mean": _mean(s.get("gate_drop_frac") for s in steps),
         "ratio_max": max((s.get("ratio_max", 0.0) for s in steps), default=0.0),
         "audit": audit.metrics(), "drops": dict(source.drops), "wall_s": round(time.monotonic() - t0, 1), "per_step": steps,
@@ -234,58 +258,6 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
 def _mean(values) -> float | None:
     vals = [v for v in values if v is not None]
     return sum(vals) / len(vals) if vals else None
-
-
-def summarize(cells: list[dict]) -> dict:
-    """Per objective and lag: mean, sample std, min, max and n of the final accuracy, and the mean's change
-    against the same objective at lag 0."""
-    out: dict[str, dict[str, dict]] = {}
-    for c in cells:
-        out.setdefault(c["objective"], {}).setdefault(str(c["lag"]), {"finals": []})["finals"].append(
-            c["final_accuracy"])
-    for rows in out.values():
-        for row in rows.values():
-            f = row.pop("finals")
-            row.update(mean=statistics.fmean(f), std=statistics.stdev(f) if len(f) > 1 else 0.0,
-                       min=min(f), max=max(f), n=len(f))
-        ref = rows.get("0")
-        for row in rows.values():
-            row["vs_lag0"] = row["mean"] - ref["mean"] if ref else None
-    return out
-
-
-def plot(summary: dict, cells: list[dict], path: Path, title: str) -> Path:
-    """Final accuracy against forced lag: mean and std per objective, every seed as a dot, the base dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lags = sorted({int(k) for rows in summary.values() for k in rows})
-    pos = {k: i for i, k in enumerate(lags)}
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for j, obj in enumerate(o for o in OBJECTIVES if o in summary):
-        rows = summary[obj]
-        ks = sorted(int(k) for k in rows)
-        xs = [pos[k] + (j - 1) * 0.08 for k in ks]
-        means = [100 * rows[str(k)]["mean"] for k in ks]
-        stds = [100 * rows[str(k)]["std"] for k in ks]
-        line = ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=obj)
-        dots = [(pos[c["lag"]] + (j - 1) * 0.08, 100 * c["final_accuracy"]) for c in cells if c["objective"] == obj]
-        ax.scatter(*zip(*dots, strict=True), s=8, alpha=0.4, color=line[0].get_color())
-    base = statistics.fmean(c["base_accuracy"] for c in cells)
-    ax.axhline(100 * base, ls="--", lw=1, color="grey", label="base")
-    ax.set_xticks(range(len(lags)), [str(k) for k in lags])
-    ax.set_xlabel("forced staleness k (versions behind the learner)")
-    ax.set_ylabel("held-out accuracy after the run (%)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def build_base(preset: Preset, work: Path, log=print) -> tuple[str, dict]:
@@ -385,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             return _usage(f"--plot-only: {out} does not exist")
         draw(json.loads(out.read_text()), figure)
         return 0
+    if preset.device == "cpu":  # every cell in float32 on the CPU: the workers would take a GPU (bf16) if seen
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ.setdefault("OMP_NUM_THREADS", str(preset.threads))
     if preset.device.startswith("cuda"):
         import torch
 
@@ -397,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    prov = provenance()  # before anything is written: the tree the cells run from
+    print(f"commit {prov['commit']}, tree {'clean' if prov['clean'] else 'NOT clean: ' + prov['status_porcelain']}",
+          flush=True)
     print(f"building (or reusing) the {args.preset} base under {work}/cache ...", flush=True)
     base_dir, base_report = build_base(preset, work)
     print(f"base {base_dir}: {base_report['params'] / 1e6:.2f} M parameters, held-out "
@@ -410,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         if old.get("settings") != settings:
             return _usage(f"{out} holds a sweep with other settings ({old.get('settings')}); pass --fresh to "
                           "start it over or --out for another file")
+        if old.get("provenance", {}).get("commit") != prov["commit"]:
+            return _usage(f"{out} holds cells of commit {old.get('provenance', {}).get('commit')}, this tree is "
+                          f"{prov['commit']}: one file holds one commit (pass --fresh or another --out)")
         doc = old
     done = {c["cell"] for c in doc["cells"]}
     # seed-major: a sweep cut short by --budget-s still holds whole seeds of every (objective, k)
@@ -417,14 +398,15 @@ def main(argv: list[str] | None = None) -> int:
                         for o in objectives) if c.name not in done]
     print(f"{len(todo)} cells to run ({len(done)} already in {out}), {args.jobs} at a time, "
           f"{preset.steps} steps each", flush=True)
-    doc.update(machine=machine_info(), base_model=base_report,
-               command="python -m bench.staleness " + " ".join(sys.argv[1:] if argv is None else argv))
+    command = "python -m bench.staleness " + " ".join(sys.argv[1:] if argv is None else argv)
+    doc.update(machine=machine_info(), base_model=base_report, provenance=prov, command=command,
+               commands=[*doc.get("commands", []), command])
     failures = 0
 
     def record(result: dict) -> None:
         doc["cells"] = [c for c in doc["cells"] if c["cell"] != result["cell"]] + [result]
         doc["cells"].sort(key=lambda c: (OBJECTIVES.index(c["objective"]), c["lag"], c["seed"]))
-        doc["summary"] = summarize(doc["cells"])
+        doc["summary"] = stats.summarize(doc["cells"])
         _write(out, doc)
         n = len(doc["cells"])
         print(f"[{n}] {result['cell']}: held-out {100 * result['base_accuracy']:.1f}% -> "
@@ -466,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"cell {cell.name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     doc["wall_s_last_call"] = round(time.monotonic() - t0, 1)
     if doc["cells"]:
-        doc["summary"] = summarize(doc["cells"])
+        doc["summary"] = stats.summarize(doc["cells"])
         _write(out, doc)
         draw(doc, figure)
         print(f"results {out}; figure {figure}", flush=True)
@@ -475,23 +457,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def draw(doc: dict, figure: Path) -> None:
     """The figure and the table of a results document."""
-    s, counts = doc["settings"], [row["n"] for rows in doc["summary"].values() for row in rows.values()]
+    s, counts = doc["settings"], [row["final"]["n"] for rows in doc["summary"].values() for row in rows.values()]
     seeds = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
-    title = (f"{s['preset']}: {doc['base_model']['params'] / 1e6:.1f} M-parameter base, {s['steps']} learner steps "
-             f"of {s['groups_per_step']}x{s['n_samples']}, {seeds} seeds per point (mean, std; dots = seeds)")
-    plot(doc["summary"], doc["cells"], figure, title)
-    print_table(doc["summary"])
-
-
-def print_table(summary: dict) -> None:
-    lags = sorted({int(k) for rows in summary.values() for k in rows})
-    print("objective  " + "".join(f"{'k=' + str(k):>16}" for k in lags))
-    for obj in (o for o in OBJECTIVES if o in summary):
-        cells = []
-        for k in lags:
-            row = summary[obj].get(str(k))
-            cells.append(f"{100 * row['mean']:7.1f} ±{100 * row['std']:4.1f} n{row['n']}" if row else " " * 16)
-        print(f"{obj:<10} " + "".join(f"{c:>16}" for c in cells))
+    title = (f"{s['preset']}: {doc['base_model']['params'] / 1e6:.2f} M-parameter base, {s['steps']} learner steps "
+             f"of {s['groups_per_step']}x{s['n_samples']}, lr {s['lr']:g}, {seeds} seeds per point "
+             f"(mean, 95% CI; dots = seeds); commit {doc.get('provenance', {}).get('commit', '?')[:7]}")
+    stats.plot(doc["summary"], doc["cells"], figure, title, OBJECTIVES)
+    print(stats.table(doc["summary"], OBJECTIVES))
 
 
 if __name__ == "__main__":

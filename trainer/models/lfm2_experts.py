@@ -7,7 +7,8 @@ per projection ([E, 2I, h] and [E, h, I]) whose slices are the per-expert parame
 reads them in place. Backward: d(input) and the weight gradients are grouped GEMMs too; where the learner
 gives a weight `main_grad` (its float32 master gradient) the gradient is added there and not returned.
 Where torch has no grouped GEMM, or it refuses a layout, the same products run one expert at a time
-(numerically the same maths); `grouped = False` runs megatron's loop, to compare.
+(numerically the same maths); `grouped = False` runs megatron's loop, to compare, and so do experts
+sharded by tensor or expert parallelism (the slime engine at scale).
 """
 
 from __future__ import annotations
@@ -150,10 +151,11 @@ class GroupedExperts(SequentialMLP):
         cfg = self.config
         if not (cfg.gated_linear_unit and cfg.activation_func is F.silu) or cfg.add_bias_linear:
             raise ValueError("GroupedExperts: LFM2's SwiGLU experts without biases only")
-        if self.tp_group.size() > 1 or self.ep_group.size() > 1:
-            raise ValueError("GroupedExperts: expert tensor/expert parallelism is not supported; "
-                             "use tensor_parallel 1 for LFM2-MoE")
-        pack(self)
+        # sharded experts need megatron's per-expert reductions, which the grouped products skip: its loop
+        self.can_group = self.tp_group.size() == 1 and self.ep_group.size() == 1
+        self.grouped = self.can_group
+        if self.can_group:
+            pack(self)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor, **kwargs: Any):
@@ -174,6 +176,6 @@ def set_grouped(model: torch.nn.Module, on: bool) -> int:
     n = 0
     for m in model.modules():
         if isinstance(m, GroupedExperts):
-            m.grouped = on
+            m.grouped = on and m.can_group
             n += 1
     return n

@@ -135,3 +135,27 @@ def test_recompute_gives_the_same_step(dist, tmp_path):
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     for p, q in zip(plain._local.params, again._local.params, strict=True):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_with_main_grads(dist, tmp_path):
+    """bf16 compute with weight gradients accumulated into the float32 masters' `main_grad` (as on a GPU),
+    under recompute: the recomputed forward's saved weight is a fresh tensor, so the gradient must reach the
+    parameter's own main_grad, and the step equals the one without recompute."""
+    from trainer.backends.megatron import MegatronBackend
+
+    model = tmp_path / "hf"
+    _tiny_hf(model, dtype=torch.float32)
+    batch = megatron_cpu.random_batch(4, 96)
+    steps = []
+    for recompute in (False, True):
+        cfg = resolve("psqa", env={}, overrides={"train.backend": "megatron", "train.engine": "native",
+                                                 "model.hf_id": None, "algo.lr": 1e-3,
+                                                 "train.gradient_checkpointing": recompute})
+        backend = MegatronBackend.load(model, cfg, device="cpu", attention="sdpa", compute_dtype=torch.bfloat16,
+                                       fused_wgrad=True)
+        assert backend._local.fused_wgrad and backend._local.recompute == recompute
+        steps.append((_step(backend, batch), [p.detach().clone() for p in backend._local.masters]))
+    (a, wa), (b, wb) = steps
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-2) and a["grad_norm"] > 0
+    assert max((p - q).abs().max().item() for p, q in zip(wa, wb, strict=True)) < 1e-4

@@ -80,6 +80,9 @@ def _linear_into_main_grad():
         @staticmethod
         def forward(ctx, x, weight, bias, allreduce_dgrad, tp_group):
             ctx.save_for_backward(x, weight)
+            # the parameter's own main_grad, held here: under recompute (non-reentrant checkpoint) the saved
+            # weight comes back as a fresh tensor without the attribute
+            ctx.main_grad = weight.main_grad
             ctx.has_bias, ctx.allreduce_dgrad, ctx.tp_group = bias is not None, allreduce_dgrad, tp_group
             out = torch.matmul(x, weight.t())
             return out + bias if bias is not None else out
@@ -92,7 +95,7 @@ def _linear_into_main_grad():
             if ctx.allreduce_dgrad and ctx.tp_group is not None and dist.get_world_size(ctx.tp_group) > 1:
                 handle = dist.all_reduce(grad_x, group=ctx.tp_group, async_op=True)
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
-            accumulate_wgrad(weight.main_grad, g2, x.reshape(-1, x.shape[-1]))
+            accumulate_wgrad(ctx.main_grad, g2, x.reshape(-1, x.shape[-1]))
             grad_b = g2.sum(0) if ctx.has_bias else None
             if handle is not None:
                 handle.wait()

@@ -148,6 +148,7 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
     from .slime_launch import BoxPaths
 
     paths = BoxPaths(remote_dir=remote_dir, run=run)
+    _refuse_live_run(Path(remote_dir).resolve(), run, "stop")
     jobs, note = _ray_jobs(run)
     pid = alive_pid(paths.pid_file)
     out = {"run": run, "ray_jobs": [j.submission_id for _, j in jobs], "pid": pid, "stopped": False}
@@ -189,13 +190,63 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
 SHIPPED_MARK = ".stoa-tree.sha256"
 
 
+#: the lock a running `make gsm8k RUN=<run>` holds on its run dir (trainer/embedded.py `_lock_run`)
+RUN_LOCK = ".lock"
+
+
+def lock_run_dir(state_dir: str | Path, *, create: bool = False):
+    """An exclusive flock on the run dir's lock file, held while the returned file stays open (the lock
+    `make gsm8k` takes), or None when a live process holds it. Without the file (and `create`, or without
+    the run dir) nothing can hold it: a stand-in with nothing to release."""
+    import fcntl
+
+    path = Path(state_dir) / RUN_LOCK
+    if not path.exists() and not (create and Path(state_dir).is_dir()):
+        return _NoLock()
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+class _NoLock:
+    """Nothing to hold: the run dir has no lock file (no process of the run ever locked it)."""
+
+    def close(self) -> None:
+        pass
+
+
+def run_is_live(state_dir: str | Path) -> bool:
+    """Whether a process of the run holds its run dir's lock right now."""
+    lock = lock_run_dir(state_dir)
+    if lock is None:
+        return True
+    lock.close()
+    return False
+
+
 def _other_live_runs(root: Path, run: str) -> list[str]:
     """Other runs of this tree whose trainer is alive (their Ray and credentials must stay)."""
     runs_dir = root / ".stoa" / "runs"
     if not runs_dir.is_dir():
         return []
     return sorted(d.name for d in runs_dir.iterdir()
-                  if d.name != run and alive_pid(d / "trainer.pid") is not None)
+                  if d.name != run and (alive_pid(d / "trainer.pid") is not None or run_is_live(d)))
+
+
+def _refuse_live_run(root: Path, run: str, what: str) -> None:
+    """A run whose lock is held by a process that is not the detached trainer `stop` can end (a `make gsm8k`
+    in a terminal): refuse, so its key, metrics and checkpoints are never deleted under it."""
+    from .slime_launch import BoxPaths
+
+    paths = BoxPaths(remote_dir=str(root), run=run)
+    if alive_pid(paths.pid_file) is None and run_is_live(paths.state_dir):
+        raise ValueError(f"run {run} is running on this machine (another process holds {paths.state_dir}/"
+                         f"{RUN_LOCK}, e.g. make gsm8k RUN={run}); {what} refused: stop it first (Ctrl-C where "
+                         "it runs) and try again")
 
 
 def _run_paths(root: Path, run: str) -> list[Path]:
@@ -218,6 +269,7 @@ def teardown_actions(remote_dir: str, run: str, *, purge: bool = False) -> list[
     root = Path(remote_dir).resolve()
     if not root.is_dir():
         raise ValueError(f"--remote-dir {remote_dir} is not a directory on this machine")
+    _refuse_live_run(root, run, "teardown")
     others = _other_live_runs(root, run)
     actions = [f"stop the trainer of run {run} (its Ray jobs and its process group)"]
     if (root / RAY_MARKER).exists() and not others:
@@ -247,6 +299,21 @@ def teardown(remote_dir: str, run: str, *, purge: bool = False, dry_run: bool = 
             log(f"would {a} [dry run]")
         return {"run": run, "actions": actions, "dry_run": True}
     stop(remote_dir, run, log=log)
+    from .slime_launch import BoxPaths
+
+    lock = lock_run_dir(BoxPaths(remote_dir=str(root), run=run).state_dir, create=True)  # held while deleting
+    if lock is None:  # started since the plan was made
+        _refuse_live_run(root, run, "teardown")
+        raise ValueError(f"run {run} started again while tearing down; teardown stopped before deleting anything")
+    try:
+        _teardown_stopped(root, run, actions, purge, log)
+    finally:
+        lock.close()
+    return {"run": run, "actions": actions, "dry_run": False}
+
+
+def _teardown_stopped(root: Path, run: str, actions: list[str], purge: bool, log) -> None:
+    """The deleting half of teardown, with the run stopped and its lock held by us."""
     if any(a.startswith("ray stop") for a in actions) and shutil.which("ray"):
         subprocess.run(["ray", "stop"], check=False)
         (root / RAY_MARKER).unlink(missing_ok=True)
@@ -262,7 +329,6 @@ def teardown(remote_dir: str, run: str, *, purge: bool = False, dry_run: bool = 
             else:
                 continue
             log(f"deleted {p}")
-    return {"run": run, "actions": actions, "dry_run": False}
 
 
 def main(argv: list[str] | None = None) -> int:

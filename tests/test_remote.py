@@ -286,3 +286,37 @@ def test_box_launch_over_ssh_reaches_the_on_box_sequence(sshd_server, tmp_path):
     assert "[1/8] check_box FAILED" in e.value.stderr and "nvidia-smi: not found" in e.value.stderr
     assert "[1/8] check_box ..." in e.value.stdout
     assert SECRET not in e.value.stdout + e.value.stderr
+
+
+def test_teardown_refuses_a_run_that_holds_its_lock(tmp_path):
+    """A `make gsm8k RUN=R` in a terminal holds .stoa/runs/R/.lock (trainer/embedded.py's own lock, taken here
+    by a real child process): `invoke teardown --local --purge --yes` and `invoke stop` refuse in one
+    sentence (exit 2) and delete nothing; once that process is gone, teardown purges the run."""
+    import subprocess
+
+    run_id = "live-lock-run"
+    state = tmp_path / ".stoa" / "runs" / run_id
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from trainer.embedded import EmbeddedPaths, _lock_run; "
+         f"p = EmbeddedPaths(Path({str(tmp_path / '.stoa')!r}), {run_id!r}); p.run_dir.mkdir(parents=True); "
+         "p.key_file.write_text('key'); p.metrics.write_text('{}'); lock = _lock_run(p); assert lock; "
+         "print('locked', flush=True); time.sleep(300)"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    invoke = str(Path(sys.executable).with_name("invoke"))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for argv in (["teardown", "--purge", "--yes"], ["teardown", "--dry-run"], ["stop", "--yes"]):
+            res = subprocess.run([invoke, *argv, "--run", run_id, "--local", "--remote-dir", str(tmp_path)],
+                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+            assert res.returncode == 2, (argv, res.stdout, res.stderr)
+            assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+            assert f"run {run_id} is running on this machine" in res.stderr and "refused" in res.stderr
+            assert (state / "trainer.key").read_text() == "key" and (state / "metrics.jsonl").exists()
+    finally:
+        holder.terminate()  # the test started it; end it by PID
+        holder.wait(timeout=30)
+    res = subprocess.run([invoke, "teardown", "--purge", "--yes", "--run", run_id, "--local", "--remote-dir",
+                          str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert not state.exists()

@@ -157,3 +157,43 @@ def test_nothing_to_do_on_a_young_run(store):
     build_run(store, RUN, pointer=3, anchor_interval=4, workers={"w": [1, 2, 3]})
     plan = plan_gc(store, RUN, keep_anchors=2)
     assert plan.keys == [] and plan.bytes_freed == 0
+
+
+def test_gc_after_a_resume_that_anchored_inside_the_collected_rollouts(file_store):
+    """136 steps as an embedded run takes them: anchors every 20 versions, a resume at v134 (a new publisher
+    anchors where it starts), the pointer at v138 and rollouts at every version. The rollouts sampled at the
+    pointer's anchor (v134) are below pointer - staleness and go; gc's own check once took them for objects
+    the pointer names and stopped with an AssertionError (exit 70)."""
+    from opsbucket import manifest_for, record
+
+    run = "ops-gc-long"
+    key = signing.generate_private_key()
+    manifest = manifest_for(run, staleness=3, anchor_interval=20, key=key)
+    from worker_contract.manifest import create_or_resume
+
+    create_or_resume(file_store, manifest, resume=False)
+    policy = TinyPolicy()
+    pub = Publisher(file_store, manifest, key, anchor_interval=20, progress=False)
+    assert pub.publish_anchor(policy.state()) == 1
+    for v in range(2, 134):
+        policy.step()
+        assert pub.publish(policy.state()) == v
+    resumed = Publisher(file_store, manifest, key, anchor_interval=20, progress=False)  # a rerun of the run
+    assert resumed.publish_anchor(policy.state()) == 134
+    for v in range(135, 139):
+        policy.step()
+        assert resumed.publish(policy.state()) == v
+    for v in range(1, 139):
+        file_store.put_if_absent(layout.rollout_key(run, v, "w1", f"g{v:04d}"), record(run, "w1", f"g{v:04d}", v, 0.0))
+    assert anchor_versions(file_store, run) == [1, 21, 41, 61, 81, 101, 121, 134]
+    args = [sys.executable, "-m", "invoke", "gc", "--run", run, "--keep-anchors", "2", "--store", file_store.url]
+    out = subprocess.run([*args, "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"would delete {layout.rollout_version_prefix(run, 134)}" in out.stdout
+    plan = plan_gc(file_store, run, 2)
+    assert plan.pointer_anchor == 134 and plan.kept_anchors == [121, 134]
+    assert {layout.parse_rollout_key(k).version for k in plan.rollout_keys} == set(range(1, 135))
+    assert subprocess.run([*args, "--yes"], cwd=REPO, capture_output=True, text=True, timeout=120).returncode == 0
+    assert anchor_versions(file_store, run) == [121, 134]
+    assert verify_run(file_store, run, out=lambda _l: None)
+    assert Reconstructor(file_store, run, plane="bf16", n_samples=8).join()[0] == 138

@@ -9,9 +9,9 @@ The pointer is read verified under run.json's key: a forged pointer never steers
 - patches below the oldest kept anchor (nobody starting at a kept anchor needs them; the patch that made
   the anchor itself stays, so nothing at or above a kept anchor is touched);
 - rollouts sampled more than the staleness bound before the pointer (the learner drops those anyway).
-Invariants, checked before anything is deleted: nothing at or above the newest kept anchor, nothing the
-pointer names, never run.json, the pointer, stats or anything outside these three prefixes. The pointer only
-moves forward, so a plan made from an older pointer is only more conservative.
+Invariants, checked before anything is deleted: no weights at or above the newest kept anchor or that the
+pointer names, no rollout inside the window, never run.json, the pointer, stats or anything outside these
+three prefixes. The pointer only moves forward, so a plan made from an older pointer is only more conservative.
 """
 
 from __future__ import annotations
@@ -160,10 +160,10 @@ def check_plan(plan: GcPlan) -> None:
         assert key.startswith(allowed), f"gc planned to delete {key}, outside anchors/versions/rollouts"
         v = _version_in(key, plan.run)
         assert v is not None, f"gc planned to delete {key}, which names no version"
-        assert v not in (plan.pointer_version, plan.pointer_anchor), f"gc planned to delete {key}, which the pointer names"
-        if not key.startswith(layout.rollouts_prefix(plan.run)):
+        if not key.startswith(layout.rollouts_prefix(plan.run)):  # weights: the pointer names two versions
+            assert v not in (plan.pointer_version, plan.pointer_anchor), f"gc planned to delete {key}, which the pointer names"
             assert v < newest_kept, f"gc planned to delete {key}, at or above the newest kept anchor"
-        else:
+        else:  # rollouts sampled at the pointer's anchor (a resume anchors inside the window's tail) may go
             assert v < plan.pointer_version - plan.staleness, f"gc planned to delete {key}, inside the window"
 
 

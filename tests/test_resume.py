@@ -324,3 +324,42 @@ def test_learner_killed_during_and_between_steps_resumes_with_every_invariant(mo
     assert all(layout.parse_rollout_key(k).version < low for k in set(uses) - set(final.ledger["uses"]))
     assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert list(home.iterdir()) == []
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(model_dir, tmp_path):
+    """The newest checkpoint's model.pt cut in half (a full disk, a copy cut short): resuming takes the previous
+    one, says so in one sentence, and restores its weights exactly; a checkpoint saved before sizes were
+    recorded is caught by its load failing instead; with every checkpoint damaged, one sentence refusal."""
+    cfg = recipe()
+    a = get_backend("hf").load(model_dir, cfg, device="cpu")
+    _step(a, cfg, 0)
+    checkpoint.save(tmp_path, checkpoint.TrainerState(step=1, ledger={}, last_published_version=2), a)
+    at_step1 = {k: v.clone() for k, v in a.state_dict_hf().items()}
+    _step(a, cfg, 1)
+    newest = checkpoint.save(tmp_path, checkpoint.TrainerState(step=2, ledger={}, last_published_version=3), a)
+    model_pt = newest / "model.pt"
+    with open(model_pt, "r+b") as f:
+        f.truncate(model_pt.stat().st_size // 2)
+
+    b = get_backend("hf").load(model_dir, cfg, device="cpu")
+    path = checkpoint.latest(tmp_path)
+    state = checkpoint.load(path, b)  # what resume does: the newest checkpoint that is intact
+    assert state.step == 1 and path.name == "step-0000000001"
+    skipped: list[str] = []
+    assert checkpoint.latest(tmp_path, skipped) == path
+    assert len(skipped) == 1 and "step-0000000002 is damaged (model.pt is" in skipped[0], skipped
+    assert "falling back to the previous one" in skipped[0]
+    assert all(torch.equal(at_step1[k], v) for k, v in b.state_dict_hf().items())
+
+    # an older checkpoint with no recorded sizes: the load itself fails, and load_latest goes on past it
+    meta = json.loads((newest / "state.json").read_text())
+    del meta["files"]
+    (newest / "state.json").write_text(json.dumps(meta))
+    assert checkpoint.latest(tmp_path) == newest
+    skipped = []
+    path, state = checkpoint.load_latest(tmp_path, get_backend("hf").load(model_dir, cfg, device="cpu"), skipped)
+    assert state.step == 1 and len(skipped) == 1 and "does not load" in skipped[0], skipped
+
+    (tmp_path / "step-0000000001" / "rng.pt").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="every checkpoint under .* is damaged"):
+        checkpoint.load_latest(tmp_path, b, [])

@@ -37,6 +37,10 @@ _NAME_RE = re.compile(r"^step-(\d{10})$")
 _TMP_PREFIX = ".tmp-"
 
 
+class CheckpointError(ValueError):
+    """No checkpoint of the run can be loaded, though it has some."""
+
+
 @dataclass
 class TrainerState:
     step: int
@@ -97,7 +101,7 @@ def save(root: str | Path, state: TrainerState, backend: Backend, *, keep: int =
         torch.save(capture_rng(), tmp / "rng.pt")
         meta = {"format": FORMAT, "step": state.step, "ledger": state.ledger,
                 "last_published_version": state.last_published_version, "extra": state.extra,
-                "saved_at": time.time()}
+                "saved_at": time.time(), "files": _file_sizes(tmp)}
         (tmp / "state.json").write_text(json.dumps(meta))  # last: its presence marks the files complete
         _fsync_tree(tmp)
         final = step_dir(root, state.step)
@@ -139,14 +143,40 @@ def read_state(path: str | Path) -> TrainerState:
                         last_published_version=meta["last_published_version"], extra=meta.get("extra", {}))
 
 
-def latest(root: str | Path) -> Path | None:
-    """The newest checkpoint whose state reads back, or None."""
-    for path in reversed(list_checkpoints(root)):
+def _file_sizes(path: Path) -> dict[str, int]:
+    """Every file of a checkpoint directory and its size (recorded in state.json, checked before a load)."""
+    return {Path(d, n).relative_to(path).as_posix(): os.path.getsize(os.path.join(d, n))
+            for d, _, names in os.walk(path) for n in names if n != "state.json"}
+
+
+def damage(path: str | Path) -> str | None:
+    """Why the checkpoint at `path` cannot be loaded as saved (a file missing or of another size than was
+    written: a truncated copy, a full disk), or None. Checkpoints saved before sizes were recorded pass."""
+    path = Path(path)
+    try:
+        files = json.loads((path / "state.json").read_text()).get("files", {})
+        read_state(path)
+    except (OSError, ValueError, KeyError) as e:
+        return f"its state.json does not read back ({type(e).__name__})"
+    for name, size in sorted(files.items()):
         try:
-            read_state(path)
+            found = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if found != size:
+            return f"{name} is {found:,} bytes, {size:,} were written"
+    return None
+
+
+def latest(root: str | Path, skipped: list[str] | None = None) -> Path | None:
+    """The newest intact checkpoint (see `damage`), or None; each newer damaged one is described in
+    `skipped` (one sentence each)."""
+    for path in reversed(list_checkpoints(root)):
+        why = damage(path)
+        if why is None:
             return path
-        except (OSError, ValueError, KeyError):
-            continue
+        if skipped is not None:
+            skipped.append(f"checkpoint {path} is damaged ({why}); falling back to the previous one")
     return None
 
 
@@ -157,3 +187,22 @@ def load(path: str | Path, backend: Backend) -> TrainerState:
     backend.load_checkpoint(path)
     restore_rng(torch.load(path / "rng.pt", weights_only=True))
     return state
+
+
+def load_latest(root: str | Path, backend: Backend, skipped: list[str]) -> tuple[Path, TrainerState] | None:
+    """Load the newest checkpoint that is intact and loads, falling back past damaged ones (each described
+    in `skipped`, to be said to the user); None when there is none (a fresh start). When every one is
+    damaged, a CheckpointError: starting over from the base under a run that went on would be wrong."""
+    candidates = list(reversed(list_checkpoints(root)))
+    for path in candidates:
+        why = damage(path)
+        if why is None:
+            try:  # damage the sizes cannot see (bits flipped in place) shows as the loader's own error
+                return path, load(path, backend)
+            except Exception as e:  # noqa: BLE001 - torch, pickle and safetensors raise many kinds
+                why = f"it does not load: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        skipped.append(f"checkpoint {path} is damaged ({why}); falling back to the previous one")
+    if candidates:
+        raise CheckpointError(f"every checkpoint under {root} is damaged ({'; '.join(skipped)}): restore one, "
+                              "or choose a new RUN to start fresh")
+    return None

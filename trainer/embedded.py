@@ -211,11 +211,15 @@ def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
     return store, start.manifest, start.fingerprint
 
 
-def _steps_done(paths: EmbeddedPaths) -> int:
-    """Steps in the run's newest checkpoint (0 for a new run)."""
+def _steps_done(paths: EmbeddedPaths, say=lambda _line: None) -> int:
+    """Steps in the run's newest intact checkpoint (0 for a new run); `say` gets one line per damaged newer
+    one the learner will fall back past."""
     from . import checkpoint
 
-    path = checkpoint.latest(paths.run_dir / "checkpoints")
+    skipped: list[str] = []
+    path = checkpoint.latest(paths.run_dir / "checkpoints", skipped)
+    for line in skipped:
+        say(line)
     return checkpoint.read_state(path).step if path is not None else 0
 
 
@@ -274,7 +278,7 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
     from .models import IdentityMismatch
     from .plots import plot_run
 
-    done = _steps_done(paths)
+    done = _steps_done(paths, lambda line: console.print(line, style="yellow", markup=False, highlight=False))
     if done >= cfg.train.num_steps:
         console.print(f"run {cfg.run!r} already took {done} steps (embedded.max_steps={cfg.train.num_steps}): "
                       f"nothing to do. Its metrics: {paths.metrics}; choose a new RUN to start fresh")

@@ -126,10 +126,11 @@ class LearnerActor:
         from . import checkpoint
 
         checkpoint.clean_partial(self.ckpt_root)
-        path = checkpoint.latest(self.ckpt_root)
-        last_published = None
-        if path is not None:
-            state = checkpoint.load(path, self.backend)
+        skipped: list[str] = []  # damaged newer checkpoints: the driver says so
+        found = checkpoint.load_latest(self.ckpt_root, self.backend, skipped)
+        path, last_published = (found[0], None) if found else (None, None)
+        if found is not None:
+            state = found[1]
             self.step = self.saved_step = state.step
             last_published = state.last_published_version
             ray.get(self.source.load_ledger_state.remote(state.ledger))
@@ -145,7 +146,7 @@ class LearnerActor:
         self.current = version
         self.publishing.collect()
         return {"step": self.step, "version": version, "pointer_before": pointer,
-                "resumed_from": str(path) if path else None}
+                "resumed_from": str(path) if path else None, "skipped_checkpoints": skipped}
 
     # -- the step ----------------------------------------------------------------------------------
     def train_one(self, timeout_s: float) -> dict | None:
@@ -269,6 +270,8 @@ def run_learner(
             cfg.model_dump_json(), str(model_dir), str(run_dir), source, spec, mjson, key_to_pem(key), threads,
             "cuda" if tp_ranks else None)
         info = ray.get(learner.setup.remote())
+        for line in info.get("skipped_checkpoints", []):
+            log.warning("%s", line)
         log.info("learner at step %d, published anchor v%d%s", info["step"], info["version"],
                  f" (resumed from {info['resumed_from']})" if info["resumed_from"] else "")
         logger = MetricsLogger(run_dir, manifest.run, config=cfg.model_dump(mode="json"))

@@ -142,3 +142,32 @@ def test_invoke_task(published, tmp_path):
     assert stat.S_IMODE(out.stat().st_mode) == 0o600 and "Join card for run card-run" in out.read_text()
     r = _invoke("joincard", "--run", "ghost", "--store", store.url)
     assert r.returncode == 2 and "has no run.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_revealed_card_never_lands_in_the_tree(moto_server, s3_bucket, tmp_path):
+    """docs/r2-setup.md's `invoke joincard --format env --reveal --out card.env`, run from the checkout: the
+    card goes to ~/.stoa/cards/card.env (0600), not into the tree, and an --out path inside the repository
+    is refused in one sentence (exit 2) while a redacted card may go there."""
+    env = moto_server.env()
+    store = S3Store(s3_bucket, endpoint=env["DRL_S3_ENDPOINT"], access_key=env["AWS_ACCESS_KEY_ID"],
+                    secret_key=env["AWS_SECRET_ACCESS_KEY"])
+    create_or_resume(store, make_manifest("tree-card"), resume=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**env, "HOME": str(home), "DRL_STORE": ""}
+    secret = env["AWS_SECRET_ACCESS_KEY"]
+    args = ["joincard", "--run", "tree-card", "--store", f"s3://{s3_bucket}", "--format", "env", "--reveal"]
+    r = _invoke(*args, "--out", "card.env", env=env)
+    card = home / ".stoa" / "cards" / "card.env"
+    assert r.returncode == 0, r.stderr
+    assert str(card) in r.stdout and not (REPO / "card.env").exists()
+    assert stat.S_IMODE(card.stat().st_mode) == 0o600 and secret in card.read_text()
+    assert stat.S_IMODE(card.parent.stat().st_mode) == 0o700
+    for inside in ("./card.env", str(REPO / "runs" / "card.env")):
+        r = _invoke(*args, "--out", inside, env=env)
+        assert r.returncode == 2 and "inside the repository" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and secret not in r.stdout + r.stderr
+        assert not (REPO / "card.env").exists() and not (REPO / "runs" / "card.env").exists()
+    redacted = tmp_path / "redacted" / "card.env"
+    r = _invoke(*args[:-1], "--out", str(redacted), env=env)
+    assert r.returncode == 0 and secret not in redacted.read_text()

@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -63,6 +64,29 @@ def test_tree_leaves_venv_state_git_and_credentials_home(tmp_path):
     real = deploy.tree_files(REPO_ROOT)
     assert "trainer/config.py" in real and "infra/launch_gpu.py" in real
     assert not [f for f in real if f.startswith((".venv/", ".git/", ".stoa/")) or f.endswith(".r2env")]
+
+
+def test_only_tracked_files_travel_and_never_a_secret_name(tmp_path):
+    """In a git checkout only what git tracks is shipped: a card.env written by joincard, an SSH key, a .env
+    and cloud credentials dropped in the tree stay home, and a secret-like name stays home even when tracked
+    (a key committed by mistake); the .example templates travel."""
+    root = make_repo(tmp_path / "repo")
+    shutil.rmtree(root / ".git")
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=root,  # noqa: E731
+                                    check=True, capture_output=True)
+    git("init", "-q")
+    for name in ("keys/id_ed25519", "prod.env", ".r2env.example", "runs/launch_fleet.env.example"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x\n")
+    git("add", "pyproject.toml", "run.sh", "trainer/a.py", "trainer/b.py", "keys/id_ed25519", "prod.env",
+        ".r2env.example", "runs/launch_fleet.env.example")
+    git("commit", "-q", "-m", "tree")
+    for name in ("card.env", "id_ed25519", ".env", "credentials.json", "notes.txt", "trainer/new.py"):
+        (root / name).write_text("SECRET\n")
+    files = deploy.tree_files(root)
+    assert files == [".r2env.example", "pyproject.toml", "run.sh", "runs/launch_fleet.env.example", "trainer/a.py",
+                     "trainer/b.py"]
+    assert deploy.build_tarball(root).files == files
 
 
 def _modes_watch(paths: list[Path], stop_evt: threading.Event, seen: list[str]) -> None:

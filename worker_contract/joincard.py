@@ -188,10 +188,34 @@ def write_card(text: str, out: str | Path) -> Path:
     return out
 
 
+#: where a card given by bare name (`--out card.env`) is written: never inside a checkout
+CARDS_DIR = Path("~/.stoa/cards")
+
+
+def card_path(out: str | Path, repo_root: str | Path, *, secret: bool) -> Path:
+    """Where `--out` writes: a bare file name under ~/.stoa/cards/ (mode 0700), any other path as given.
+    A card holding a secret is refused inside `repo_root`: files there are one `git add` (or one shipped
+    tree) away from leaving the machine."""
+    given = Path(out).expanduser()
+    if "/" not in str(out):  # `card.env`, not `./card.env` (Path drops the "./")
+        cards = CARDS_DIR.expanduser()
+        cards.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return cards / given.name
+    path = (Path.cwd() / given).resolve()
+    root = Path(repo_root).resolve()
+    if secret and path.is_relative_to(root):
+        raise JoinCardError(f"--out {out} is inside the repository {root}, and a revealed card holds the secret "
+                            f"key: write it outside the tree (a bare name such as --out {given.name} goes to "
+                            f"{CARDS_DIR / given.name})")
+    return path
+
+
 def joincard(repo_root: str | Path, *, run: str | None = None, store: str | None = None,
              env_file: str | None = None, fmt: str = "text", reveal: bool = False, out: str | None = None,
-             retriever_url: str | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """The `invoke joincard` flow: load the environment, open the store, build and render (and write) the card."""
+             retriever_url: str | None = None, environ: Mapping[str, str] | None = None,
+             wrote: list[Path] | None = None) -> str:
+    """The `invoke joincard` flow: load the environment, open the store, build and render (and write) the card
+    (where: `card_path`, appended to `wrote`)."""
     if fmt not in FORMATS:
         raise JoinCardError(f"--format={fmt!r} is not a card format; use one of: {', '.join(FORMATS)}")
     env = envmod.load_env(environ, env_file=env_file, repo_root=repo_root)
@@ -200,5 +224,8 @@ def joincard(repo_root: str | Path, *, run: str | None = None, store: str | None
     card = build_card(open_store(url, env), run, env, retriever_url=retriever_url)
     text = render(card, fmt, reveal)
     if out:
-        write_card(text, out)
+        secret = reveal and any(is_secret for _, _, is_secret in card.entries())
+        path = write_card(text, card_path(out, repo_root, secret=secret))
+        if wrote is not None:
+            wrote.append(path)
     return text

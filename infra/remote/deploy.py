@@ -30,9 +30,20 @@ TREE_FILES = ".stoa-tree.files"
 ENV_FILE = ".r2env"
 
 
+#: file names that hold secrets by convention (SSH keys, cloud credentials, env files, keystores)
+SECRET_NAMES = frozenset({"id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", "id_ecdsa_sk", "id_ed25519_sk",
+                          "credentials", "credentials.json", "credentials.csv", ".netrc", ".pgpass", ".pypirc",
+                          ".npmrc", ".git-credentials", "authorized_keys", "known_hosts"})
+SECRET_SUFFIXES = (".key", ".pem", ".env", ".p12", ".pfx", ".jks", ".keystore", ".ppk", ".kdbx", ".gpg", ".asc")
+
+
 def is_private_file(name: str) -> bool:
-    """Credential and key files stay home; `.r2env` travels only through `ship_credentials`."""
-    return (name.startswith(".r2env") and not name.endswith(".example")) or name.endswith((".key", ".pem"))
+    """Credential, key and env files stay home, tracked or not (`.r2env` travels only through
+    `ship_credentials`); only their `.example` templates travel."""
+    if name.endswith(".example"):
+        return False
+    return (name in SECRET_NAMES or name.startswith((".r2env", ".env", "id_rsa", "id_ed25519", "id_ecdsa"))
+            or name.endswith(SECRET_SUFFIXES) or (name.startswith("service-account") and name.endswith(".json")))
 
 
 def _shippable(rel: str) -> bool:
@@ -42,10 +53,11 @@ def _shippable(rel: str) -> bool:
 
 
 def _git_files(root: Path) -> list[str] | None:
-    """Tracked and untracked-but-not-ignored files when `root` is a git checkout (its .gitignore rules)."""
+    """The files git tracks when `root` is a git checkout: an untracked file (a card.env written here, a
+    key dropped in) never travels; `git add` a new file to ship it."""
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.resolve().parent)}
     try:
-        res = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+        res = subprocess.run(["git", "ls-files", "-z", "--cached"], cwd=root,
                              env=env, capture_output=True, check=False)
     except OSError:
         return None
@@ -55,8 +67,8 @@ def _git_files(root: Path) -> list[str] | None:
 
 
 def tree_files(root: str | Path) -> list[str]:
-    """The trainer-side tree: what git would track (or every file, outside git), less excluded dirs,
-    private files and bytecode."""
+    """The trainer-side tree: the files git tracks (or every file, outside git), less excluded dirs,
+    secret-like names (`is_private_file`) and bytecode."""
     root = Path(root)
     listed = _git_files(root)
     if listed is not None:

@@ -39,6 +39,6 @@ def publish_base_anchor(cfg: RecipeConfig, paths: BoxPaths, env: Mapping[str, st
                        progress=progress)
     if start.base_version is None:
         return (f"run.json exists, pointer at v{start.pointer}: base already published "
-                f"(trainer key {start.fingerprint})")
+                f"(trainer key {start.fingerprint})" + (f"; {start.reclaimed}" if start.reclaimed else ""))
     return (f"v{start.base_version} anchor ({start.anchor_bytes / 1e6:.0f} MB, {cfg.contract.plane}) in {cfg.store}; "
             f"trainer key {start.fingerprint}")

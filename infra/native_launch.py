@@ -106,7 +106,8 @@ def step_publish_run(cfg: RecipeConfig, paths: BoxPaths, env: Mapping[str, str] 
 
     store = open_run_store(cfg, paths, env)
     start = create_run(cfg, store, paths.hf_dir(cfg.model.hf_id), paths.key_file, publish_base=False)
-    return f"run.json of {cfg.run} in {cfg.store}; trainer key {start.fingerprint} (the join card's)"
+    return (f"run.json of {cfg.run} in {cfg.store}; trainer key {start.fingerprint} (the join card's)"
+            + (f"; {start.reclaimed}" if start.reclaimed else ""))
 
 
 def _learner_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

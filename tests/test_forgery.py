@@ -374,3 +374,84 @@ def test_a_follower_passes_keys_the_layout_does_not_make(pub):
     restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
     assert restarted.publish_anchor(pub.state) == 4
     assert pub.rec.follow()[0] == 4
+
+
+@pytest.mark.integration
+def test_a_bumped_pointer_neither_crashes_workers_nor_outlives_a_trainer_start(tmp_path, tiny_model_dir):  # noqa: F811
+    """The genuine pointer with its version bumped (what anyone with worker credentials can write): a joining
+    worker, a real process, says so in one sentence and waits for a valid pointer (with a short --wait it
+    exits 2 with one line, never a traceback); a trainer that starts (trainer.run_init.create_run, what every
+    launch runs) reclaims the pointer to its newest signed version and says so; the waiting worker then joins
+    there and uploads."""
+    import signal
+
+    from test_worker import RUN as WRUN
+    from test_worker import _spawn
+
+    from tests.worker_fixtures import publish_run
+    from trainer.run_init import create_run
+    from worker_contract.signing import save_private_key
+    from worker_contract.store.file import FileStore
+
+    store = FileStore(tmp_path / "bucket")
+    cfg, man, pub, model = publish_run(store, tiny_model_dir, WRUN, n_samples=4)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    assert pub.publish(model.state_dict()) == 2
+    altered = json.loads(store.get(layout.pointer_key(WRUN)))
+    altered["version"] += 5  # the trainer's signature over other contents
+    store.put(layout.pointer_key(WRUN), json.dumps(altered).encode())
+
+    quick = _spawn(store, tiny_model_dir, "--wait", "2")
+    _, err = quick.communicate(timeout=120)
+    assert quick.returncode == 2, err
+    assert "Traceback" not in err and "worker error: run 'wk-run' had no valid pointer within 2 s" in err, err
+    assert len([line for line in err.splitlines() if "worker error" in line]) == 1
+
+    p = _spawn(store, tiny_model_dir, "--wait", "300")
+    try:
+        time.sleep(3)
+        assert p.poll() is None
+        key_file = tmp_path / "trainer.key"
+        save_private_key(pub.key, key_file)
+        start = create_run(cfg, store, tiny_model_dir, key_file, publish_base=False)
+        assert start.reclaimed and "reclaimed it: the signed pointer names v2 (anchor v1)" in start.reclaimed
+        ptr = read_pointer(store, WRUN, man.trainer_public_key)[0]
+        assert (ptr.version, ptr.anchor_version) == (2, 1)
+        assert create_run(cfg, store, tiny_model_dir, key_file, publish_base=False).reclaimed is None
+        deadline = time.monotonic() + 180
+        while not store.list_keys(layout.rollouts_prefix(WRUN)):
+            assert p.poll() is None, p.communicate()[1]
+            assert time.monotonic() < deadline, "no record within 180 s of the reclaim"
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:  # the test started it; end it by PID
+            p.kill()
+            p.wait()
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert err.count("not joining until the trainer writes a valid pointer") == 1, err
+    assert "joined run 'wk-run' at v2" in err
+
+
+def test_reclaim_on_start_names_the_newest_complete_signed_chain(pub, caplog):
+    """Over a forged pointer a starting trainer names the newest version reached from a signed anchor through
+    signed, chained patches: not a squatter's patch (v4 signed by another key), not the trainer's patch
+    replayed under another number, not a version whose chain has a gap (v6, no v5). A valid pointer, or none,
+    is left alone."""
+    restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
+    assert restarted.reclaim_pointer() is None
+    squat(pub, 4, "patch signed by another key")
+    squat(pub, 5, "the trainer's patch of another version")
+    pub.store.put_if_absent(layout.patch_key(RUN, 7), pub.evil_patch(6, 7, key=pub.key))  # v6 missing: a gap
+    pub.store.put(layout.pointer_key(RUN), forged_pointers(pub)["genuine signature, altered version"])
+    with caplog.at_level("WARNING", logger="trainer.publish_pointer"):
+        said = restarted.reclaim_pointer()
+    assert said and "reclaimed it: the signed pointer names v3 (anchor v1)" in said and said in caplog.text
+    assert (pub.pointer().version, pub.pointer().anchor_version) == (3, 1)
+    assert restarted.forged_pointer_reclaimed == 1 and restarted.reclaim_pointer() is None
+    assert pub.rec.follow() is None and pub.rec.version == 3  # the follower's version: nothing moved back
+    pub.store.delete(layout.pointer_key(RUN))
+    assert restarted.reclaim_pointer() is None

@@ -208,6 +208,10 @@ def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
 
     store = open_store(cfg.store)
     start = create_run(cfg, store, model_dir, paths.key_file, publish_base=False)  # the learner publishes v1
+    if start.reclaimed:
+        from rich.console import Console
+
+        Console(stderr=True).print(start.reclaimed, style="yellow", markup=False, highlight=False)
     return store, start.manifest, start.fingerprint
 
 

@@ -107,6 +107,11 @@ class Publisher:
         return self.pointer.floor() or None
 
     # -- writing ---------------------------------------------------------------------------------------
+    def reclaim_pointer(self) -> str | None:
+        """On start: a `current.json` that does not verify is rewritten to the newest version whose signed
+        chain is complete (trainer/publish_pointer.py); returns the sentence saying so, None if it verified."""
+        return self.pointer.reclaim()
+
     def publish_anchor(self, state: Mapping[str, Any]) -> int:
         """A full anchor at pointer + 1 (1 for the first), or the next free version; returns the version."""
         t0 = time.monotonic()

@@ -31,6 +31,7 @@ class RunStart:
     base_version: int | None  # the v1 anchor this call published; None when it published none
     pointer: int | None  # with publish_base: the pointer the run already had (None: it had none)
     anchor_bytes: int = 0
+    reclaimed: str | None = None  # a forged pointer found on start and reclaimed: the sentence saying so
 
 
 def run_manifest(cfg: RecipeConfig, identity: Any, public_key: str) -> RunManifest:
@@ -62,15 +63,17 @@ def create_run(cfg: RecipeConfig, store: Any, model_dir: str | Path, key_file: s
     pub_b64 = public_key_b64(key)
     manifest = create_or_resume(store, run_manifest(cfg, identity, pub_b64), resume=True)
     check_model_identity(identity, manifest=manifest)
-    if not publish_base:
-        return RunStart(manifest, key, fingerprint(pub_b64), base_version=None, pointer=None)
-    from .models.hf_io import iter_tensors, safetensors_files
     from .publisher import Publisher
 
     pub = Publisher(store, manifest, key, anchor_interval=cfg.train.anchor_interval, progress=progress)
+    reclaimed = pub.reclaim_pointer()  # a forged pointer would keep every worker from joining until a step
+    if not publish_base:
+        return RunStart(manifest, key, fingerprint(pub_b64), base_version=None, pointer=None, reclaimed=reclaimed)
+    from .models.hf_io import iter_tensors, safetensors_files
+
     current = pub.current_version()
     if current is not None:
-        return RunStart(manifest, key, fingerprint(pub_b64), base_version=None, pointer=current)
+        return RunStart(manifest, key, fingerprint(pub_b64), base_version=None, pointer=current, reclaimed=reclaimed)
     version = pub.publish_anchor(dict(iter_tensors(safetensors_files(model_dir))))
     return RunStart(manifest, key, fingerprint(pub_b64), base_version=version, pointer=None,
-                    anchor_bytes=int((pub.last_stats or {}).get("anchor_bytes", 0)))
+                    anchor_bytes=int((pub.last_stats or {}).get("anchor_bytes", 0)), reclaimed=reclaimed)

@@ -33,6 +33,11 @@ class SyncError(RuntimeError):
     """Weight sync failed at some step; the last good state is kept."""
 
 
+class PointerRefused(SyncError):
+    """`current.json` does not verify under the run's key (anyone with bucket credentials can write it): no
+    version to join or follow until the trainer writes a valid one."""
+
+
 class Reconstructor:
     def __init__(self, store: Store, run: str, *, plane: str, n_samples: int | None = None,
                  public_key: str | None = None, progress: JoinProgress | None = None):
@@ -119,7 +124,7 @@ class Reconstructor:
         try:
             return read_pointer(self.store, self.run, self.public_key)[0]
         except PointerError as e:
-            raise SyncError(str(e)) from None
+            raise PointerRefused(str(e)) from None
 
     def _load_anchor(self, version: int):
         def bytes_progress(done: int, total: int) -> None:

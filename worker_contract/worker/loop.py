@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .. import layout
 from ..env import parse_env
 from ..manifest import ContractMismatch, RunManifest, load_manifest
-from ..reconstruct import SyncError
+from ..reconstruct import PointerRefused, SyncError
 from ..schema import RolloutRecord, Sample, SamplingParams, encode_record
 from ..signing import fingerprint
 from ..store import NotFound, PreconditionFailed, Store, StoreError, open_store
@@ -251,15 +251,30 @@ class Worker:
         self.rec = Reconstructor(self.store, self.s.run, plane=self.plane, n_samples=self.n_samples,
                                  public_key=manifest.trainer_public_key)  # the key checked above, kept
 
+        refused: list[str] = []  # why the pointer did not verify, said once
+
         def join():
             try:
                 return self.rec.join(self.s.lag_versions)
+            except PointerRefused as e:  # a forged current.json: wait for the trainer's own (it reclaims it)
+                if not refused:
+                    log.warning("run %r: %s does not verify under the trainer's key (%s); not joining until the "
+                                "trainer writes a valid pointer", self.s.run, layout.pointer_key(self.s.run), e)
+                refused[:] = [str(e)]
+                raise NotFound(str(e)) from None
             except SyncError as e:
                 if "no weights yet" in str(e):
                     raise NotFound(str(e)) from None
                 raise
 
-        joined = self._wait_for("its first weights", join, stop)
+        try:
+            joined = self._wait_for("its first weights", join, stop)
+        except TimeoutError:
+            if not refused:
+                raise
+            raise TimeoutError(f"run {self.s.run!r} had no valid pointer within {self.s.wait_timeout_s:.0f} s: "
+                               f"{layout.pointer_key(self.s.run)} does not verify under the trainer's key "
+                               f"({refused[0]}); the trainer rewrites it when it starts or publishes") from None
         if joined is None:
             return False
         self.policy = self._make_policy(model_dir, manifest)

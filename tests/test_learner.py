@@ -175,7 +175,7 @@ def _listeners(procs) -> set[tuple[str, int]]:
 
 
 @pytest.mark.integration
-def test_learner_loop_on_ray_trains_publishes_and_reports(model_dir, tmp_path, monkeypatch):
+def test_learner_loop_on_ray_trains_publishes_and_reports(model_dir, tmp_path, monkeypatch, caplog):
     """The whole loop once (Ray start costs seconds and about a GB, so one test covers it): steps run,
     versions are published and visible, metrics and stats land, the dashboard and every other Ray
     listener are on loopback only, nothing is written to the home directory, no Ray process outlives it."""
@@ -224,13 +224,24 @@ def test_learner_loop_on_ray_trains_publishes_and_reports(model_dir, tmp_path, m
     stats = {v: json.loads(store.get(layout.stats_key("e2e", v))) for v in range(1, 5)}
     assert stats[1]["kind"] == "anchor" and stats[4]["step"] == 3 and stats[4]["publish"]["patch_bytes"] > 0
     assert sum(stats[v]["drops"].get("malformed", 0) for v in stats) == 1  # deltas add up to the total
-    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-0000000002", "step-0000000003"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-0000000002",
+                                                                                     "step-0000000003"]
 
     listeners = set().union(*(ls for _, ls in seen))
     assert ("127.0.0.1", port) in listeners and len(listeners) > 3  # the dashboard, GCS, raylet, agents
     assert {ip for ip, _ in listeners} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listeners  # loopback only
     assert list(home.iterdir()) == []  # no ~/.ray/auth_token, nothing else either
     assert not [p for p in psutil.Process().children(recursive=True) if "ray" in p.name().lower()]
+
+    # the newest checkpoint cut short (a full disk): the next session resumes from the previous one, says so
+    model_pt = tmp_path / "run" / "checkpoints" / "step-0000000003" / "model.pt"
+    with open(model_pt, "r+b") as f:
+        f.truncate(model_pt.stat().st_size // 3)
+    with caplog.at_level("WARNING", logger="trainer.learner"):
+        again = run_learner(recipe(num_steps=4), store, man, key, model_dir, tmp_path / "run", batch_wait_s=1.0,
+                            torch_threads=1)
+    assert "step-0000000003 is damaged (model.pt is" in caplog.text and "falling back" in caplog.text
+    assert again.step == 4 and again.first_version == 5 and again.resumed_from.endswith("step-0000000002")
 
 
 def test_stores_reach_actors_by_pickle_or_by_url(s3_store, moto_server, tmp_path):

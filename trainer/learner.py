@@ -269,7 +269,14 @@ def run_learner(
         learner = ray.remote(num_cpus=0, num_gpus=gpus)(LearnerActor).remote(
             cfg.model_dump_json(), str(model_dir), str(run_dir), source, spec, mjson, key_to_pem(key), threads,
             "cuda" if tp_ranks else None)
-        info = ray.get(learner.setup.remote())
+        try:
+            info = ray.get(learner.setup.remote())
+        except ray.exceptions.RayTaskError as e:
+            from .checkpoint import CheckpointError
+
+            if isinstance(e.cause, CheckpointError):  # no checkpoint loads: one sentence, not Ray's traceback
+                raise CheckpointError(str(e.cause)) from None
+            raise
         for line in info.get("skipped_checkpoints", []):
             log.warning("%s", line)
         log.info("learner at step %d, published anchor v%d%s", info["step"], info["version"],

@@ -69,10 +69,13 @@ def soak(session: nox.Session) -> None:
     if os.path.exists(partial):
         os.remove(partial)
     # the commit the run starts on (the tree may move on while it runs); empty outside a git checkout
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
+    clean = "" if status.returncode else ("1" if not status.stdout.strip() else "0")
     session.run(PY, "-m", "pytest", "-m", "soak", *args,
                 env={"DRL_SOAK_TRIALS": trials, "DRL_SOAK_RESULTS": os.path.abspath(partial),
-                     "DRL_SOAK_COMMIT": commit})
+                     "DRL_SOAK_COMMIT": commit, "DRL_SOAK_CLEAN": clean,
+                     "DRL_SOAK_COMMAND": " ".join(["nox", "-s", "soak", "--", trials, *args])})
     os.replace(partial, out)
     session.log(f"soak figures written to {out}")
 

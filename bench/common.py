@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,8 +41,24 @@ def provenance() -> dict:
 
     head, status = git("rev-parse", "HEAD"), git("status", "--porcelain")
     if head is None or status is None:
-        return {"commit": os.environ.get("STOA_COMMIT", "unknown"), "status_porcelain": None, "clean": None}
+        # the sender's word for a copied tree: STOA_COMMIT (the full hash) and STOA_CLEAN=1 where its
+        # `git status --porcelain` was empty when it was sent
+        clean = True if os.environ.get("STOA_CLEAN") == "1" and os.environ.get("STOA_COMMIT") else None
+        return {"commit": os.environ.get("STOA_COMMIT", "unknown"), "status_porcelain": "" if clean else None,
+                "clean": clean}
     return {"commit": head, "status_porcelain": status, "clean": status == ""}
+
+
+def command(argv: list[str] | None = None, module: str | None = None) -> str:
+    """The command line that ran this benchmark. With argv (what the benchmark's main got; tests call main
+    in-process): `python -m <module> <argv>`. Without: this process's own, `python -m <its module> ...` or
+    `python <script> ...`."""
+    if argv is not None:
+        return shlex.join(["python", "-m", module or "unknown", *argv])
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None:
+        return shlex.join(["python", "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]])
+    return shlex.join(["python", *sys.argv])
 
 
 def cpu_name() -> str:
@@ -54,8 +72,9 @@ def cpu_name() -> str:
 
 
 def machine_info() -> dict:
+    prov = provenance()
     info = {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "commit": git_commit(),
+            "platform": platform.platform(), "commit": prov["commit"], "clean": prov["clean"],
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         import torch
@@ -74,8 +93,13 @@ def machine_info() -> dict:
     return info
 
 
-def write_result(name: str, result: dict, path: str | Path | None = None) -> Path:
+def write_result(name: str, result: dict, path: str | Path | None = None, argv: list[str] | None = None) -> Path:
+    """bench/results/<name>.json with the tree (commit, clean, status), the machine and the command line
+    (`argv` as the benchmark's main got it, else sys.argv): what tests/test_bench_results.py asks of every file."""
     out = Path(path) if path else RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": name, "machine": machine_info(), **result}, indent=2) + "\n")
+    caller = sys._getframe(1).f_globals.get("__name__")
+    doc = {"benchmark": name, **provenance(), "machine": machine_info(), "command": command(argv, caller),
+           **result}
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return out

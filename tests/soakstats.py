@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import Any
 TRIALS_ENV = "DRL_SOAK_TRIALS"
 RESULTS_ENV = "DRL_SOAK_RESULTS"
 COMMIT_ENV = "DRL_SOAK_COMMIT"
+CLEAN_ENV = "DRL_SOAK_CLEAN"  # "1" or "0": whether the tree was clean when the session started
+COMMAND_ENV = "DRL_SOAK_COMMAND"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -34,7 +35,7 @@ def soak_trials(default: int) -> int:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -49,9 +50,13 @@ def record(section: str, figures: dict[str, Any]) -> None:
     data = json.loads(p.read_text()) if p.exists() else {}
     data.setdefault("format", 1)
     data.setdefault("started_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    from bench.common import machine_info, provenance
+
     data["commit"] = os.environ.get(COMMIT_ENV) or _commit()  # the session names the commit it started on
-    data["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
-                       "cpus": os.cpu_count()}
+    clean = os.environ.get(CLEAN_ENV)
+    data["clean"] = {"1": True, "0": False}.get(clean) if clean else provenance()["clean"]
+    data["command"] = os.environ.get(COMMAND_ENV) or "python -m pytest -m soak"
+    data["machine"] = {k: v for k, v in machine_info().items() if k not in ("commit", "clean")}
     data.setdefault("sections", {})[section] = {**figures, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                         time.gmtime())}
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -199,6 +199,8 @@ def load_latest(root: str | Path, backend: Backend, skipped: list[str]) -> tuple
         if why is None:
             try:  # damage the sizes cannot see (bits flipped in place) shows as the loader's own error
                 return path, load(path, backend)
+            except ValueError:
+                raise  # the checkpoint is whole but of another plan (tensor_parallel, optimizer): say that
             except Exception as e:  # noqa: BLE001 - torch, pickle and safetensors raise many kinds
                 why = f"it does not load: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         skipped.append(f"checkpoint {path} is damaged ({why}); falling back to the previous one")

@@ -1,0 +1,98 @@
+"""Every bench/results/*.json names the commit that ran it, the machine and the exact command.
+
+The forms accepted (bench/common.provenance and write_result write them; docs/performance.md says so):
+- `commit` (top level, else in `machine`): 40 hex digits, or "unknown" only beside a `provenance_note` that says why;
+- `clean` (top level, else in `machine`): true, or a `provenance_note` (a dirty or unknown tree is said, never hidden); a `-dirty` commit
+  in `machine` counts as not clean;
+- `machine`: a dict naming the CPU or the GPU; `command`: the command line, or "unknown" with the note;
+- `provenance_recovered`: where a field was added after the run (from git history), a dict field -> how.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench import common
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+HEX40 = re.compile(r"[0-9a-f]{40}")
+
+
+def problems(doc: object) -> list[str]:
+    """What a result document lacks, as short phrases; empty when its provenance is complete."""
+    if not isinstance(doc, dict):
+        return ["not a JSON object"]
+    out, note = [], doc.get("provenance_note")
+    if note is not None and not (isinstance(note, str) and len(note.strip()) >= 20):
+        out.append("provenance_note must be a sentence")
+    has_note = isinstance(note, str) and len(note.strip()) >= 20
+    machine = doc.get("machine")
+    inner = machine if isinstance(machine, dict) else {}
+    commit = doc.get("commit", inner.get("commit"))  # bench.common.machine_info carries them too
+    if commit == "unknown":
+        if not has_note:
+            out.append("commit 'unknown' without a provenance_note")
+    elif not (isinstance(commit, str) and HEX40.fullmatch(commit)):
+        out.append(f"commit {commit!r} is not 40 hex digits")
+    if machine == "unknown":
+        if not has_note:
+            out.append("machine 'unknown' without a provenance_note")
+    elif not (isinstance(machine, dict) and (machine.get("cpu") or machine.get("gpu"))):
+        out.append("machine does not name a CPU or GPU")
+    elif isinstance(commit, str) and HEX40.fullmatch(commit):
+        named = str(machine.get("commit") or "unknown").removesuffix("-dirty")
+        if named != "unknown" and not commit.startswith(named):
+            out.append(f"machine.commit {named!r} is not commit {commit[:12]}")
+    command = doc.get("command")
+    if command == "unknown":
+        if not has_note:
+            out.append("command 'unknown' without a provenance_note")
+    elif not (isinstance(command, str) and command.strip()) and not (
+            isinstance(command, list) and command and all(isinstance(c, str) and c for c in command)):
+        out.append("no command")
+    dirty = str(inner.get("commit", "")).endswith("-dirty")
+    if (doc.get("clean", inner.get("clean")) is not True or dirty) and not has_note:
+        out.append("tree not recorded clean (clean is not true) and no provenance_note")
+    recovered = doc.get("provenance_recovered")
+    if recovered is not None and not (isinstance(recovered, dict) and recovered
+                                      and all(isinstance(v, str) and v for v in recovered.values())):
+        out.append("provenance_recovered must map each recovered field to how it was recovered")
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_every_result_file_names_commit_machine_and_command(path: Path) -> None:
+    assert not problems(json.loads(path.read_text())), f"{path.name}: {problems(json.loads(path.read_text()))}"
+
+
+def test_the_check_refuses_what_it_should() -> None:
+    good = {"commit": "a" * 40, "clean": True, "machine": {"cpu": "x"}, "command": "python -m bench.x"}
+    assert problems(good) == []
+    note = "recorded after the run from the commit that added the file"
+    assert problems({**good, "commit": "a" * 7}) and problems({**good, "command": ""})
+    assert problems({k: v for k, v in good.items() if k != "machine"})
+    assert problems({**good, "commit": "unknown"}) and not problems({**good, "commit": "unknown",
+                                                                       "provenance_note": note})
+    assert problems({**good, "clean": False}) and not problems({**good, "clean": False, "provenance_note": note})
+    assert problems({**good, "machine": {"cpu": "x", "commit": "b" * 40}})
+    assert problems({**good, "machine": {"cpu": "x", "commit": "a" * 40 + "-dirty"}})
+    assert problems({**good, "provenance_recovered": {"commit": ""}})
+    inner = {"machine": {"cpu": "x", "commit": "a" * 40, "clean": True}, "command": "python -m bench.x"}
+    assert problems(inner) == [] and problems({**inner, "machine": {**inner["machine"], "clean": None}})
+
+
+def test_write_result_records_provenance(tmp_path: Path) -> None:
+    """What write_result writes passes the check on a clean tree and says `clean: false` on a dirty one."""
+    out = common.write_result("probe", {"x": 1}, tmp_path / "probe.json", argv=["--x", "1"])
+    doc = json.loads(out.read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=RESULTS.parent, capture_output=True,
+                          text=True).stdout.strip()
+    assert doc["commit"] == head and doc["command"].endswith("--x 1") and doc["machine"]["cpu"]
+    assert isinstance(doc["clean"], bool) and isinstance(doc["status_porcelain"], str)
+    assert problems(doc) == ([] if doc["clean"] else
+                             ["tree not recorded clean (clean is not true) and no provenance_note"])

@@ -141,9 +141,6 @@ def _native_plan(cfg: RecipeConfig, paths: BoxPaths, *, host: str | None, env: M
                  store: str) -> LaunchPlan:
     from . import native_launch as nl
 
-    if cfg.task == "psqa":
-        raise ValueError("the psqa recipe runs on the slime engine (ENGINE=slime) until the native engine is "
-                         "measured at its model's size (docs/performance.md)")
     hf_config, source = hf_config_for(cfg, paths)
     if hf_config is not None and cfg.model.rotary_base is not None:
         rotary_base(cfg, hf_config)  # a recipe value that differs from rope_theta is refused outright

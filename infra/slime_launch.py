@@ -276,14 +276,20 @@ def objective_args(cfg: RecipeConfig) -> list[str]:
 
 def optimizer_args(cfg: RecipeConfig) -> list[str]:
     """AdamW from the recipe's `algo.optim` (the native learner reads the same fields); fp32 master weights
-    and moments are Megatron's defaults, so `master_dtype` / `moment_dtype` add no flag."""
-    a, o = cfg.algo, cfg.algo.optim
-    return [
+    and moments are Megatron's defaults. The memory plan maps to Megatron's own: bf16 moments through its
+    precision-aware optimizer, `train.optimizer_offload` through its CPU offload of that share."""
+    a, o, offload = cfg.algo, cfg.algo.optim, cfg.train.optimizer_offload
+    args = [
         "--optimizer", "adam", "--lr", _num(a.lr), "--lr-decay-style", o.lr_schedule,
         "--lr-warmup-iters", str(o.lr_warmup_steps), "--weight-decay", _num(a.weight_decay),
         "--adam-beta1", _num(o.beta1), "--adam-beta2", _num(o.beta2), "--adam-eps", _num(o.eps),
         "--clip-grad", _num(a.grad_clip), "--seed", str(cfg.train.seed),
     ]
+    if o.moment_dtype == "bfloat16":
+        args += ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    if offload > 0:
+        args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", _num(offload)]
+    return args
 
 
 def perf_args(cfg: RecipeConfig, hf_config: Mapping[str, Any] | None = None) -> list[str]:
@@ -299,6 +305,8 @@ def perf_args(cfg: RecipeConfig, hf_config: Mapping[str, Any] | None = None) -> 
         args.append("--sequence-parallel")
     if cfg.model.dtype == "bfloat16":
         args.append("--bf16")
+    if cfg.train.gradient_checkpointing:  # as the native learner: every decoder layer recomputed in backward
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return args + ["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
                    "--attention-softmax-in-fp32", "--attention-backend", "flash"]
 

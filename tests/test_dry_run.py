@@ -118,16 +118,32 @@ def test_remote_dry_run_never_touches_the_box(clean_env, sshd_server):  # noqa: 
 
 def test_fleet_recipe_reuses_the_generator_with_its_values(clean_env, monkeypatch):
     monkeypatch.setenv("DRL_KV_MODE", "paged_prefix")
-    cfg = resolve("psqa", env={"DRL_RUN": "dry-psqa", "DRL_KV_MODE": "paged_prefix"})
+    cfg = resolve("psqa", env={"DRL_RUN": "dry-psqa", "DRL_KV_MODE": "paged_prefix"}, overrides=SLIME)
     lines: list[str] = []
     assert launch_on_this_box(cfg, dry_run=True, out=lines.append) == 0
     plan = parse_plan("\n".join(lines))
     args = plan.slime_args
+    # the recipe's memory plan, in Megatron's words: bf16 moments, the whole optimizer offloaded
+    assert _flag(args, "--exp-avg-sq-dtype") == "bf16" and _flag(args, "--optimizer-offload-fraction") == "1"
     assert (_flag(args, "--save-interval"), _flag(args, "--eps-clip"), _flag(args, "--eps-clip-high"),
             _flag(args, "--eps-clip-c")) == ("4", "10000", "19", "20")
     assert "--save-hf" not in args
     assert _flag(args, "--rollout-max-response-len") == "4096"
     assert plan.env["DRL_PULSE_PLANE"] == "int8g64" and plan.env["DRL_KV_MODE"] == "paged_prefix"
+
+
+def test_fleet_recipe_defaults_to_the_native_engine(clean_env, monkeypatch):
+    """The fleet model fits one H200 on the native engine (docs/performance.md): the default psqa plan runs
+    trainer.native with the recipe's memory plan, and no slime flags."""
+    monkeypatch.setenv("DRL_KV_MODE", "paged_prefix")
+    cfg = resolve("psqa", env={"DRL_RUN": "dry-psqa-native", "DRL_KV_MODE": "paged_prefix"})
+    assert cfg.train.engine == "native" and cfg.algo.optim.moment_dtype == "bfloat16"
+    assert cfg.train.optimizer_offload == 1.0
+    lines: list[str] = []
+    assert launch_on_this_box(cfg, dry_run=True, out=lines.append) == 0
+    plan = parse_plan("\n".join(lines))
+    assert plan.slime_args == [] and "trainer.native" in " ".join(plan.command)
+    assert plan.recipe["train"]["optimizer_offload"] == 1.0
 
 
 def test_make_level_dry_run_output_parses(clean_env, monkeypatch):

@@ -74,8 +74,9 @@ def _backend(tmp_path, **over):
     model = tmp_path / "hf"
     if not model.exists():
         _tiny_hf(model, dtype=torch.float32)
+    plain = {"algo.optim.moment_dtype": "float32", "train.optimizer_offload": 0.0}  # the recipe's plan only if asked
     cfg = resolve("psqa", env={}, overrides={"train.backend": "megatron", "train.engine": "native", "model.dtype": "float32",
-                                             "model.hf_id": None, "algo.lr": 1e-3, **over})
+                                             "model.hf_id": None, "algo.lr": 1e-3, **plain, **over})
     return MegatronBackend.load(model, cfg, device="cpu", attention="sdpa")
 
 
@@ -119,9 +120,12 @@ def test_the_plan_reaches_the_optimizer(dist, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(masters, opt.masters, strict=True)) and opt.step_count == 1
     with pytest.raises(ValueError, match="another algo.optim.moment_dtype"):
         _backend(tmp_path)._local.load_checkpoint(tmp_path)
-    with pytest.raises(ValueError, match="native engine's megatron backend"):
+    with pytest.raises(ValueError, match="not on train.backend: hf"):
         resolve("psqa", env={}, overrides={"algo.optim.moment_dtype": "bfloat16", "train.backend": "hf",
-                                           "train.engine": "native"})
+                                           "train.engine": "native", "train.optimizer_offload": 0})
+    with pytest.raises(ValueError, match="optimizer_offload runs on the megatron backend"):
+        resolve("psqa", env={}, overrides={"algo.optim.moment_dtype": "float32", "train.backend": "hf",
+                                           "train.engine": "native", "train.optimizer_offload": 0.5})
 
 
 def test_recompute_gives_the_same_step(dist, tmp_path):

@@ -51,7 +51,8 @@ def python_hiding(root: Path, modules: list[str]) -> str:
 
 def test_engine_per_recipe_and_from_the_command_line():
     assert resolve("gsm8k", {}, {"run": "e-1"}).train.engine == "native"
-    assert resolve("psqa", {}, {"run": "e-1"}).train.engine == "slime"
+    assert resolve("psqa", {}, {"run": "e-1"}).train.engine == "native"  # measured to fit one H200
+    assert resolve("psqa", {}, {"run": "e-1", "train.engine": "slime"}).train.engine == "slime"
     assert resolve("gsm8k", {}, {"run": "e-1", "train.engine": "slime"}).train.engine == "slime"
     with pytest.raises(ValueError, match="engine"):
         resolve("gsm8k", {}, {"run": "e-1", "train.engine": "nemo"})

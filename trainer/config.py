@@ -217,7 +217,8 @@ class TrainConfig(_Model):
     `--max-tokens-per-gpu` with `--use-dynamic-batch-size`; when set, micro_batch_size is not used. Larger
     chunks mean fewer, larger kernel launches (faster) and more activation memory; the update is the same."""
     optimizer_offload: float = Field(0.0, ge=0, le=1)
-    """megatron backend (native engine): the share of parameters, largest first, whose float32 master weights and
+    """megatron backend (native engine; slime: Megatron's --optimizer-offload-fraction): the share of parameters,
+    largest first, whose float32 master weights and
     Adam moments live in pinned host memory; each step streams them through the GPU for the update (PCIe time, no
     CPU arithmetic). 0 keeps every state on the GPU. The GPU then holds per parameter only the bf16 weights, the
     bf16 reference and the float32 gradient (docs/performance.md)."""
@@ -279,9 +280,12 @@ class RecipeConfig(_Model):
 
     @model_validator(mode="after")
     def _bf16_moments_run_natively(self) -> RecipeConfig:
-        if self.algo.optim.moment_dtype != "float32" and (self.train.engine, self.train.backend) != ("native", "megatron"):
-            raise ValueError("algo.optim.moment_dtype=bfloat16 runs on the native engine's megatron backend only: "
-                             "set train.engine: native and train.backend: megatron, or moment_dtype: float32")
+        if self.algo.optim.moment_dtype != "float32" and (self.train.engine, self.train.backend) == ("native", "hf"):
+            raise ValueError("algo.optim.moment_dtype=bfloat16 runs on the megatron backend (native engine) or on "
+                             "slime, not on train.backend: hf: set train.backend: megatron, or moment_dtype: float32")
+        if self.train.optimizer_offload > 0 and (self.train.engine, self.train.backend) == ("native", "hf"):
+            raise ValueError("train.optimizer_offload runs on the megatron backend (native engine) or on slime, not "
+                             "on train.backend: hf: set train.backend: megatron, or train.optimizer_offload: 0")
         return self
 
     @model_validator(mode="after")

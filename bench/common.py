@@ -53,12 +53,25 @@ def command(argv: list[str] | None = None, module: str | None = None) -> str:
     """The command line that ran this benchmark. With argv (what the benchmark's main got; tests call main
     in-process): `python -m <module> <argv>`. Without: this process's own, `python -m <its module> ...` or
     `python <script> ...`."""
-    if argv is not None:
-        return shlex.join(["python", "-m", module or "unknown", *argv])
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if argv is not None:
+        if module in (None, "__main__") and spec is not None:
+            module = spec.name.removesuffix(".__main__")
+        return shlex.join(["python", "-m", module or "unknown", *argv])
     if spec is not None:
         return shlex.join(["python", "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]])
     return shlex.join(["python", *sys.argv])
+
+
+def validation_problems(task, n: int) -> list:
+    """`n` problems to stop or choose a supervised base on, never the test split (whose accuracy is what RL's
+    held-out figures report): training problems from index 10**8 on, which supervision cycling through the
+    training split from index 0 never reaches. Only for a generated training split of at least 10**9."""
+    train = task.dataset("train")
+    if len(train) < 10**9:
+        raise ValueError(f"the {task.name} training split has {len(train)} problems: carve its validation "
+                         "problems out before supervising on it")
+    return train[10**8:10**8 + n]
 
 
 def cpu_name() -> str:

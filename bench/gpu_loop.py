@@ -19,7 +19,8 @@ stop everything by PID at the end (`infra.boxops.stop`). The models are built on
   run as `python -m bench.coin_task`): random weights answer nothing, so the arithmetic task's reward is 0
   everywhere, the gradient 0 and every patch empty, where a coin per sample gives Adam a gradient to
   normalise and patches of a real step's size (`--tput-task arithmetic` keeps the real task). Measured:
-  learner steps per hour, busy share (step time over wall time less the time spent waiting for rollouts),
+  learner steps per hour, busy share while fed (step time over wall time less the time spent waiting for
+  rollouts) beside the window's share (time in steps over the whole window) and the steps in the window,
   the time publishing blocks each step (`publish/blocking_s`: the weights' snapshot and the hand-off to the
   publish thread), patch bytes per step, a following reconstructor's lag from a new pointer to applied
   weights, a cold join's time, and the workers' sampled tokens per second.
@@ -43,7 +44,7 @@ import time
 from pathlib import Path
 
 from .coin_task import NAME as COIN
-from .common import RESULTS, machine_info
+from .common import RESULTS, command, machine_info, provenance, validation_problems
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = REPO / ".stoa" / "gpu_loop"
@@ -66,8 +67,10 @@ def _log(msg: str) -> None:
 # -- models built on the spot ---------------------------------------------------------------------------
 def build_learning_base(out: Path, *, max_steps: int, target: float, eval_every: int = 50,
                         eval_problems: int = 200) -> dict:
-    """A Qwen2 of ~25M parameters supervised on the GPU until greedy held-out accuracy first reaches
-    `target` (or `max_steps`): partly right, as the embedded base is, so RL has signal and room."""
+    """A Qwen2 of ~25M parameters supervised on the GPU until greedy accuracy on a validation split (training
+    problems the supervision never reaches) first reaches `target` (or `max_steps`): partly right, as the
+    embedded base is, so RL has signal and room. The test split, which RL's held-out figures use, is scored
+    once at the end and never chooses when to stop."""
     import random
 
     import torch
@@ -88,22 +91,24 @@ def build_learning_base(out: Path, *, max_steps: int, target: float, eval_every:
     model = build_model(tok, cfg).to("cuda")
     params = sum(p.numel() for p in model.parameters())
     sft = SFTSteps(model, tok, task, cfg)
-    test = task.dataset("test")[:eval_problems]
+    val = validation_problems(task, eval_problems)
     curve, step = [], 0
     model.train()  # `evaluate` puts it back in training mode
     for step in range(1, max_steps + 1):
         loss = sft.step(step)  # counted from 1, so batch 0 is never used (kept: the recorded runs did so)
         if step % eval_every == 0:
-            acc = evaluate(model, tok, task, test, max_new_tokens=48)
-            curve.append({"step": step, "loss": round(loss.item(), 4), "heldout": acc})
-            _log(f"base: supervised step {step}, loss {loss.item():.3f}, greedy held-out {100 * acc:.1f}%")
+            acc = evaluate(model, tok, task, val, max_new_tokens=48)
+            curve.append({"step": step, "loss": round(loss.item(), 4), "validation": acc})
+            _log(f"base: supervised step {step}, loss {loss.item():.3f}, greedy validation {100 * acc:.1f}%")
             if acc >= target:
                 break
+    test_acc = evaluate(model, tok, task, task.dataset("test")[:eval_problems], max_new_tokens=48)
     model.eval()
     model.to("cpu").save_pretrained(out)
     tok.save_pretrained(out)
     return {"path": str(out), "params": params, "sft_steps": step, "sft_seconds": round(time.monotonic() - t0, 1),
-            "curve": curve, "config": cfg.model_dump(mode="json")}
+            "curve": curve, "stopped_on": f"validation ({eval_problems} training problems the supervision never reaches)",
+            "test_accuracy": test_acc, "config": cfg.model_dump(mode="json")}
 
 
 def build_random_qwen(out: Path, hf_id: str = "Qwen/Qwen2.5-1.5B-Instruct") -> dict:
@@ -281,13 +286,15 @@ def summary_learning(rows: list[dict], evals: list[dict], rl_s: float, workers: 
     first = evals[0]["eval/accuracy"] if evals else None
     best = max((e["eval/accuracy"] for e in evals), default=None)
     last = evals[-1]["eval/accuracy"] if evals else None
+    last3 = _mean([e["eval/accuracy"] for e in evals[-3:]])  # what the run ended at, less one lucky evaluation
     mism = [v for r in rows for k, v in r.items() if k.endswith("/logprob_mismatch")]
     reused = [r.get("rollout/reused_frac", 0.0) for r in rows]
     return {
         "rl_seconds": round(rl_s, 1), "workers": workers, "steps": rows[-1]["step"] if rows else 0,
-        "heldout_first": first, "heldout_best": best, "heldout_last": last,
+        "heldout_first": first, "heldout_best": best, "heldout_last": last, "heldout_mean_last3": last3,
         "gain_best_points": None if first is None else round(100 * (best - first), 2),
         "gain_last_points": None if first is None else round(100 * (last - first), 2),
+        "gain_mean_last3_points": None if first is None else round(100 * (last3 - first), 2),
         "evals": [{k: e.get(k) for k in ("step", "eval/version", "eval/accuracy", "eval/seconds")} for e in evals],
         "train_reward_first20": _mean([r.get("rollout/raw_reward") for r in rows[:20]]),
         "train_reward_last20": _mean([r.get("rollout/raw_reward") for r in rows[-20:]]),
@@ -393,7 +400,7 @@ def part_throughput(args) -> dict:
                       batch_groups=bg, module=module)
         first_join = _joined_at(root / "worker-1.log", t_w, 300)
         follower.start()
-        t_run = time.monotonic()
+        t_run, t_run_at = time.monotonic(), time.time()
         groups_before = len(store.list_keys(layout.rollouts_prefix(run)))
         joined_late = False
         while time.monotonic() - t_run < args.tput_seconds and time.monotonic() < end_by:
@@ -410,7 +417,7 @@ def part_throughput(args) -> dict:
                 _log(f"cold join after step {cold['after_steps']}: {cold['seconds']} s")
             if rows and int(time.monotonic() - t_run) % 30 < 2:
                 _log(f"throughput {time.monotonic() - t_run:.0f} s: step {rows[-1]['step']}")
-        wall = time.monotonic() - t_run
+        wall, t_end_at = time.monotonic() - t_run, time.time()
         workers["groups_uploaded_in_window"] = len(store.list_keys(layout.rollouts_prefix(run))) - groups_before
     finally:
         follower.stop_evt.set()
@@ -418,7 +425,7 @@ def part_throughput(args) -> dict:
         procs.stop(timeout_s=20)
     rows = [r for r in read_rows(metrics) if "train/grad_norm" in r]
     workers["sampling_tokens_per_s"] = _worker_log_rates(root)
-    result.update(summary_throughput(rows, wall, args.gpu_workers, first_join, cold, follower))
+    result.update(summary_throughput(rows, wall, args.gpu_workers, first_join, cold, follower, (t_run_at, t_end_at)))
     result["workers"] = workers
     length = result.get("response_len_mean") or 0.0
     if wall > 0:  # everything the workers uploaded in the window, used or not (stale groups included)
@@ -439,7 +446,9 @@ def _worker_log_rates(root: Path) -> dict[str, float]:
     return out
 
 
-def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, cold: dict, follower) -> dict:
+def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, cold: dict, follower,
+                       window_at: tuple[float, float] | None = None) -> dict:
+    """`wall`: the window's length; `window_at`: its start and end (epoch seconds, as the rows' `time`)."""
     steps = rows[1:]  # the first step's row carries the learner's warm-up
     # wall time between two rows, less the time the learner waited for rollouts: its time while fed
     fed = [b["time"] - a["time"] - b.get("learner/wait_s", 0.0) for a, b in zip(rows, rows[1:], strict=False)]
@@ -451,8 +460,12 @@ def summary_throughput(rows: list[dict], wall: float, workers: int, first_join, 
     patches = list({r.get("publish/version"): r["publish/patch_bytes"] for r in steps
                     if r.get("publish/changed") is not None and r.get("publish/patch_bytes") is not None}.values())
     window = rows[-1]["time"] - rows[0]["time"] if len(rows) > 1 else None
+    inside = [r for r in rows if window_at is None or window_at[0] <= r["time"] <= window_at[1]]
+    in_steps = sum(r.get("train/step_time_s", 0.0) for r in inside)
     return {
         "workers": workers, "wall_s": round(wall, 1), "steps": len(rows),
+        # the whole window, waits for rollouts included: what the GPU learner did with the time it had
+        "steps_in_window": len(inside), "busy_share_window": round(in_steps / wall, 4) if wall > 0 else None,
         "steps_per_hour_measured": round(3600 * (len(rows) - 1) / window, 1) if window else None,
         "steps_per_hour_fed": round(3600 / statistics.fmean(fed), 1) if fed else None,
         "busy_share_fed": round(busy, 4) if busy is not None else None,
@@ -532,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("DRL_MIN_FREE_GB", "20")  # the device's disk is 64 GB; a rented box keeps 100
     os.environ.setdefault("DRL_RAY_DASHBOARD", "0")
-    result: dict = {"machine": machine_info(), "args": vars(args)}
+    result: dict = {**provenance(), "command": command(argv, "bench.gpu_loop"),
+                    "machine": machine_info(), "args": vars(args)}
     out = Path(args.out)
     for part in args.parts.split(","):
         t0 = time.monotonic()

@@ -60,8 +60,9 @@ class Preset(BaseModel):
     """The base model to build (None = the recipe's embedded base)."""
     sft_candidates: tuple[int, ...] = ()
     """Supervised step counts to try for the base (each a cached base of its own): the sweep takes the one
-    whose held-out accuracy is nearest the middle of `sft_target_accuracy`, so RL has signal and room
-    whatever the model's size (empty: `base.sft_steps` as it is)."""
+    whose validation accuracy (training problems it never saw; never the test split) is nearest the middle
+    of `sft_target_accuracy`, so RL has signal and room whatever the model's size (empty: `base.sft_steps`
+    as it is)."""
     recipe: dict[str, Any] = {}
     """Dotted recipe values on top of the GSM8K recipe's embedded ones."""
     steps: int
@@ -267,22 +268,42 @@ def build_base(preset: Preset, work: Path, log=print) -> tuple[str, dict]:
 
     cfg = resolve("gsm8k", env={}, overrides=preset.recipe, embedded=True)
     base_cfg = preset.base or cfg.embedded.base
-    reports = []
+    reports, val = [], {}
     lo, hi = base_cfg.sft_target_accuracy
+    task = get_task(cfg.task)
     for steps in sorted(preset.sft_candidates) or (base_cfg.sft_steps,):
-        if reports and reports[-1].heldout_accuracy >= (lo + hi) / 2:
+        if reports and val[reports[-1].path] >= (lo + hi) / 2:
             break  # more supervision only raises it further
         candidate = base_cfg.model_copy(update={"sft_steps": steps})
-        report = ensure_base(candidate, get_task(cfg.task), work / "cache", max_new_tokens=cfg.algo.max_new_tokens,
+        report = ensure_base(candidate, task, work / "cache", max_new_tokens=cfg.algo.max_new_tokens,
                              eval_problems=preset.eval_problems, log=log, device=preset.device)
         reports.append(report)
+        # the candidate is chosen on validation problems, never on the test split the cells report
+        val[report.path] = (_validation_accuracy(report.path, task, preset, cfg.algo.max_new_tokens)
+                            if preset.sft_candidates else report.heldout_accuracy)
         if preset.sft_candidates:
-            log(f"base candidate: {steps} supervised steps, held-out {100 * report.heldout_accuracy:.1f}%")
-    best = min(reports, key=lambda r: abs(r.heldout_accuracy - (lo + hi) / 2))
-    if not lo <= best.heldout_accuracy <= hi:
-        log(f"warning: the base's held-out accuracy {100 * best.heldout_accuracy:.1f}% is outside "
-            f"{100 * lo:.0f}-{100 * hi:.0f}%: RL has {'little signal' if best.heldout_accuracy < lo else 'little room'}")
-    return best.path, {**best.model_dump(), "candidates": [[r.sft_steps, r.heldout_accuracy] for r in reports]}
+            log(f"base candidate: {steps} supervised steps, validation {100 * val[report.path]:.1f}%, "
+                f"held-out {100 * report.heldout_accuracy:.1f}%")
+    best = min(reports, key=lambda r: abs(val[r.path] - (lo + hi) / 2))
+    if not lo <= val[best.path] <= hi:
+        log(f"warning: the base's accuracy {100 * val[best.path]:.1f}% is outside "
+            f"{100 * lo:.0f}-{100 * hi:.0f}%: RL has {'little signal' if val[best.path] < lo else 'little room'}")
+    return best.path, {**best.model_dump(), "chosen_on": "validation" if preset.sft_candidates else "fixed steps",
+                       "validation_accuracy": val[best.path] if preset.sft_candidates else None,
+                       "candidates": [[r.sft_steps, r.heldout_accuracy, val[r.path]] for r in reports]}
+
+
+def _validation_accuracy(path: str, task, preset: Preset, max_new_tokens: int) -> float:
+    """Greedy accuracy of a base on bench.common.validation_problems (as many as the preset's held-out)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.basemodel import evaluate
+
+    from .common import validation_problems
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").to(preset.device)
+    return evaluate(model, AutoTokenizer.from_pretrained(path), task, validation_problems(task, preset.eval_problems),
+                    max_new_tokens=max_new_tokens)
 
 
 def _parse_ints(text: str, what: str) -> list[int]:

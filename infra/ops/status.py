@@ -226,9 +226,11 @@ def read_stats(store: Store, run: str, pointer: int) -> dict[int, dict]:
     for o in store.list(layout.stats_prefix(run), start_after=start):
         try:
             v = int(o.key.rsplit("/", 1)[1].split(".")[0][1:])
-            out[v] = json.loads(store.get(o.key))
+            data = json.loads(store.get(o.key))
         except (ValueError, NotFound):
             continue
+        if isinstance(data, dict):  # anything else is not the trainer's (anyone with credentials can write)
+            out[v] = data
     return out
 
 
@@ -236,7 +238,10 @@ def recent_patch_sizes(store: Store, run: str, pointer: int) -> dict[int, int]:
     start = layout.patch_key(run, pointer - RECENT_PUBLISHES) if pointer - RECENT_PUBLISHES >= 2 else None
     out = {}
     for o in store.list(layout.versions_prefix(run), start_after=start):
-        v = layout.patch_version_of(o.key)
+        try:
+            v = layout.patch_version_of(o.key)
+        except ValueError:
+            continue  # a stray object, not a patch the trainer wrote
         if v is not None:
             out[v] = o.size
     return out
@@ -269,7 +274,8 @@ def consumed_staleness(stats: dict[int, dict]) -> dict[int, int]:
     out: Counter[int] = Counter()
     prefix = "rollout/staleness_hist/"
     for s in stats.values():
-        for k, v in (s.get("metrics") or {}).items():
+        metrics = s.get("metrics")
+        for k, v in (metrics if isinstance(metrics, dict) else {}).items():
             if k.startswith(prefix) and k[len(prefix):].isdigit() and isinstance(v, int | float):
                 out[int(k[len(prefix):])] += int(v)
     return dict(sorted((lag, n) for lag, n in out.items() if n))
@@ -284,7 +290,8 @@ def add_learner_counts(workers: list[WorkerSeen], stats: dict[int, dict]) -> Non
         if isinstance(ws, dict):
             drops = ws.get("drops")
             w.used = int(ws["used"]) if isinstance(ws.get("used"), int | float) else None
-            w.dropped = sum(int(n) for n in drops.values()) if isinstance(drops, dict) else None
+            w.dropped = (sum(int(n) for n in drops.values() if isinstance(n, int | float))
+                         if isinstance(drops, dict) else None)
             mismatch = ws.get("logprob_mismatch")
             w.logprob_mismatch = float(mismatch) if isinstance(mismatch, int | float) else None
             w.flagged = ws["flagged"] if isinstance(ws.get("flagged"), bool) else None

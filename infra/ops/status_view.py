@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from .status import RunStatus
+
+#: the console width off a terminal: wider than any table, so none is folded or cut (`| less -S`, files)
+OFF_TERMINAL_WIDTH = 1000
 
 
 def human_bytes(n: float | None) -> str:
@@ -203,7 +208,9 @@ def show_status(store, run: str, *, watch: bool = False, as_json: bool = False, 
 
     from .status import collect_status
 
-    console = Console()
+    # Off a terminal (a pipe, a file) rich would fold every table into 80 columns and cut its cells short;
+    # there each table keeps its natural width instead (none of them expands to the console's).
+    console = Console() if sys.stdout.isatty() else Console(width=OFF_TERMINAL_WIDTH)
     state = {"bytes_at": 0.0}
     record_times: dict[str, float] = {}  # rollout records are immutable: their times are read once
 

@@ -106,12 +106,13 @@ def machine_info() -> dict:
     return info
 
 
-def write_result(name: str, result: dict, path: str | Path | None = None, argv: list[str] | None = None) -> Path:
+def write_result(name: str, result: dict, path: str | Path | None = None, argv: list[str] | None = None,
+                 module: str | None = None) -> Path:
     """bench/results/<name>.json with the tree (commit, clean, status), the machine and the command line
     (`argv` as the benchmark's main got it, else sys.argv): what tests/test_bench_results.py asks of every file."""
     out = Path(path) if path else RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    caller = sys._getframe(1).f_globals.get("__name__")
+    caller = module or sys._getframe(1).f_globals.get("__name__")
     doc = {"benchmark": name, **provenance(), "machine": machine_info(), "command": command(argv, caller),
            **result}
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")

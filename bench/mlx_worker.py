@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": cfg.algo.max_new_tokens, "temperature": cfg.algo.temperature,
         "mlx": mx.__version__, "mlx_device": str(mx.default_device()), "torch_threads": 1,
         "wall_s": round(time.monotonic() - t0, 1), "planes": planes, "memory": memory_rows(),
-    }, args.out)
+    }, args.out, argv=argv)
     print(f"written {path}")
     return 0
 

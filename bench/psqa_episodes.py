@@ -96,11 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from bench.common import write_result
 
-    result = {"command": "python -m bench.psqa_episodes " + " ".join(argv or sys.argv[1:]),
-              "settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget, "top_k_docs": 3,
+    result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget, "top_k_docs": 3,
                            "temperature": 1.0},
               "archs": {arch: run(arch, a.groups, a.n, a.budget) for arch in ("lfm2_moe", "lfm2")}}
-    print(write_result("psqa_episodes", result))
+    print(write_result("psqa_episodes", result, argv=argv))
     return 0
 
 

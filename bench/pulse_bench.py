@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.common import write_result
 
     result = run(args.steps, args.layers, args.hidden, args.vocab)
-    print(f"wrote {write_result('pulse', result, args.out)}")
+    print(f"wrote {write_result('pulse', result, args.out, argv=argv)}")
     ok = all(p["summary"]["all_exact"] for s in result["scenarios"].values() for p in s["planes"].values())
     return 0 if ok else 1
 

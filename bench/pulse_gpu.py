@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({result['ratio_full_over_patch']:.0f}x smaller than the state), plane {result['plane_s']:.3f} s, "
           f"publisher encode {result['encode_s']:.3f} s (device work alone {result['device_s']:.3f} s), "
           f"exact {result['exact']}")
-    print(f"wrote {write_result('pulse_gpu', result, args.out)}")
+    print(f"wrote {write_result('pulse_gpu', result, args.out, argv=argv)}")
     return 0 if result["exact"] else 1
 
 

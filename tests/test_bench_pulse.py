@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,10 @@ def test_pulse_gpu_bench_runs_on_cpu_tiny(tmp_path, plane):
     assert data["exact"] is True and data["shape"] == "tiny" and data["plane"] == plane and 0.9 < data["sparsity"] < 1
     assert data["encoder"] == "torch" and data["gpu"] is None and data["hash_threads"] == 2
     assert data["machine"]["commit"] and data["encode_s"] >= data["plane_s"] >= 0 and data["patch_bytes"] > 0
+    # what tests/test_bench_results.py asks of every result file (the tree here may be dirty: said, not hidden)
+    assert re.fullmatch(r"[0-9a-f]{40}", data["commit"]) and isinstance(data["clean"], bool)
+    assert data["command"] == ("python -m bench.pulse_gpu --device cpu --shape tiny --plane " + plane
+                               + " --hash-threads 2 --out " + str(out))
 
 
 def test_pulse_gpu_bench_refuses_without_cuda():
@@ -45,6 +50,7 @@ def test_pulse_cpu_bench_runs_on_a_tiny_model(tmp_path):
                 "--out", str(out)])
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
+    assert data["command"].startswith("python -m bench.pulse_bench --steps 1 ") and data["machine"]["cpu"]
     for scen in data["scenarios"].values():
         for plane in ("bf16", "int8g64"):
             s = scen["planes"][plane]["summary"]

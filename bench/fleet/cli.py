@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
               "ok": all(r["ok"] for r in runs)}
     if args.compare:
         result["compare"] = {"option": args.compare[0], "before": args.compare[1][0], "after": args.compare[1][1]}
-    out = write_result("fleet", result, args.out)
+    out = write_result("fleet", result, args.out, argv=argv, module="bench.fleet")
     print(f"fleet figures written to {out}")
     for r in runs:
         for problem in r["accounting"]["problems"] + r["versions"]["problems"]:

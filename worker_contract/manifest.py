@@ -11,7 +11,7 @@ import json
 import time
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import layout
 from .store import PreconditionFailed, Store
@@ -98,8 +98,17 @@ class ContractMismatch(ValueError):
 
 
 def load_manifest(store: Store, run: str) -> RunManifest:
-    """The published manifest; `NotFound` if the run has none."""
-    return RunManifest.from_bytes(store.get(layout.manifest_key(run)))
+    """The published manifest; `NotFound` if the run has none, a one-line ValueError naming the object if it
+    is not a run manifest (anyone with the bucket's credentials can overwrite it)."""
+    key = layout.manifest_key(run)
+    data = store.get(key)
+    try:
+        return RunManifest.from_bytes(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ValueError(f"{key} in {store.url} is not a valid run manifest ({where + ': ' if where else ''}"
+                         f"{err['msg']}); the trainer writes it once: check the store and the run id") from None
 
 
 def format_diff(diff: list[tuple[str, object, object]], left: str, right: str) -> str:

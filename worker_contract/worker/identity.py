@@ -40,17 +40,29 @@ def local_identity(model_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ContractMismatch(f"{path} is missing: --model must be an HF model directory (config.json, "
                                "tokenizer.json)")
-    cfg = json.loads(path.read_text())
-    heads = int(cfg["num_attention_heads"])
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ContractMismatch(f"{path} is not valid JSON ({e}): --model must be an HF model directory") from None
+    if not isinstance(cfg, dict):
+        raise ContractMismatch(f"{path} must hold a JSON object, got {type(cfg).__name__}: --model must be an HF "
+                               "model directory")
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in sizes if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)]
+    if missing:
+        raise ContractMismatch(f"{path} lacks integer field(s) {', '.join(missing)}: --model must be the HF "
+                               "directory of a decoder LM (config.json, tokenizer.json)")
+    heads = cfg["num_attention_heads"]
     archs = cfg.get("architectures") or [f"{cfg.get('model_type', '?')}ForCausalLM"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
     return {
-        "architecture": archs[0],
+        "architecture": str(archs[0]) if isinstance(archs, list) else str(archs),
         "rope_theta": rope_theta(cfg),
-        "vocab_size": int(cfg["vocab_size"]),
-        "hidden_size": int(cfg["hidden_size"]),
-        "num_layers": int(cfg["num_hidden_layers"]),
+        "vocab_size": cfg["vocab_size"],
+        "hidden_size": cfg["hidden_size"],
+        "num_layers": cfg["num_hidden_layers"],
         "num_attention_heads": heads,
-        "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
+        "num_key_value_heads": kv_heads if isinstance(kv_heads, int) else heads,
         "tokenizer_digest": tokenizer_digest(model_dir),
         "chat_template_digest": model_digests.chat_template_digest(model_dir),
     }

@@ -170,11 +170,16 @@ def read_manifest(store: Store, run: str) -> RunManifest:
     """run.json, with a contract version this worker does not speak reported as a mismatch."""
     import json
 
-    raw = store.get(layout.manifest_key(run))
+    key = layout.manifest_key(run)
+    raw = store.get(key)
     try:
-        version = json.loads(raw).get("contract_version")
+        data = json.loads(raw)
     except ValueError:
-        version = None
+        data = None
+    if not isinstance(data, dict):
+        raise ValueError(f"{key} in {store.url} is not a valid run manifest (not a JSON object); the trainer "
+                         "writes it once: check the store and the run id")
+    version = data.get("contract_version")
     if version != layout.CONTRACT_VERSION:
         raise ContractMismatch(f"run {run!r} has contract_version={version!r}; this worker speaks "
                                f"contract_version={layout.CONTRACT_VERSION}: upgrade the worker")

@@ -147,12 +147,10 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
         overrides["launch.remote_dir"] = args.remote_dir
     if args.worker:  # make passes an unset WORKER as ""; a bad name is refused by the recipe's schema
         overrides["embedded.worker_backend"] = args.worker
+        overrides["embedded.worker_backends"] = []  # every local worker on that backend (psqa mixes torch and mlx)
     if args.engine:  # make passes an unset ENGINE as ""; a bad name is refused by the recipe's schema
         overrides["train.engine"] = args.engine
     try:
-        if mode == "embedded" and args.recipe != "gsm8k":
-            raise ValueError(f"the {args.recipe} recipe has no embedded run: give HOST=user@box (a GPU box), or "
-                             "run it on a GPU box with R2 credentials")
         if mode == "embedded" and args.engine == "slime":
             raise ValueError("ENGINE=slime runs slime's train.py on a GPU box with the slime image: give "
                              "HOST=user@box, or leave ENGINE unset for the embedded run here")

@@ -90,6 +90,37 @@ def test_model_option_uses_the_model_overrides(tmp_path):
     assert f"use the model at {tmp_path} (MODEL=)" in p.stdout
 
 
+def test_psqa_without_host_dry_runs_the_embedded_miniature():
+    """`make psqa RUN=x` with no HOST, GPU or R2: the fleet recipe's contract and objective, sizes scaled down,
+    the retriever on loopback, one torch and one MLX worker with the psqa environment, the native learner."""
+    run = "launch-dry-psqa"
+    p = _launch("--recipe", "psqa", "--run", run, env={"DRL_DRY_RUN": "1"})
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "# mode: embedded" in out and "the PaperSearchQA miniature" in out
+    cfg = _config_of(out)
+    assert cfg["task"] == "psqa" and cfg["contract"] == {"n_samples": 8, "plane": "int8g64", "kv_mode": "paged_prefix"}
+    algo = cfg["algo"]
+    assert (algo["eps_clip"], algo["eps_clip_high"], algo["eps_clip_c"]) == (10000, 19, 20)
+    assert algo["gate"] == {"divergence": "tv", "delta_low": 0.2, "delta_high": 0.2}
+    assert (algo["staleness"], algo["reuse_cap"], algo["kl_coef"]) == (3, 2, 0.001)
+    emb = cfg["embedded"]["overrides"]
+    assert algo["groups_per_step"] == emb["algo.groups_per_step"] < 8
+    assert algo["max_new_tokens"] == emb["algo.max_new_tokens"] < 4096 and algo["lr"] == emb["algo.lr"]
+    assert cfg["train"]["engine"] == "native" and cfg["train"]["backend"] == "hf"
+    assert "python -m infra.retriever serve --corpus" in out and "--host 127.0.0.1" in out
+    assert "--backend torch" in out and "--backend mlx" in out and "--worker-id local-2" in out
+    assert "--retriever-url <retriever URL> --retriever-tier medium --max-turns 2" in out
+    assert "DRL_KV_MODE=paged_prefix DRL_RETRIEVER_URL=<retriever URL>" in out and "DRL_PULSE_PLANE=int8g64" in out
+    assert "trainer.psqa_base.ensure_psqa_base" in out and "cover-EM pass@1" in out
+    assert "python -m trainer.embedded learner" in out
+    assert not (REPO / ".stoa" / "runs" / run).exists()
+    # WORKER= puts every local worker on one backend
+    p = _launch("--recipe", "psqa", "--run", run, "--worker", "torch", env={"DRL_DRY_RUN": "1"})
+    assert p.returncode == 0, p.stderr
+    assert "2 torch workers" in p.stdout and "--backend mlx" not in p.stdout
+
+
 def test_remote_dry_run_shows_the_plan_and_no_secret():
     p = _launch("--recipe", "gsm8k", "--run", "launch-dry-4", "--host", "root@127.0.0.1",
                 env={"DRL_DRY_RUN": "1", **R2})
@@ -104,7 +135,6 @@ def test_remote_dry_run_shows_the_plan_and_no_secret():
 @pytest.mark.parametrize("args,needle", [
     (["--recipe", "gsm9k", "--run", "x1"], "unknown recipe 'gsm9k'; known recipes: gsm8k, psqa"),
     (["--recipe", "gsm8k", "--run", "Bad Run"], "DRL_RUN='Bad Run' is not a valid run id"),
-    (["--recipe", "psqa", "--run", "p1"], "the psqa recipe has no embedded run: give HOST=user@box"),
     (["--recipe", "gsm8k", "--run", "m1", "--model", "/nonexistent/model"], "is not an HF model directory"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(args, needle):

@@ -84,6 +84,27 @@ class EmbeddedBaseConfig(_Model):
     """Seed of the supervised data and init."""
 
 
+class EmbeddedPsqaConfig(_Model):
+    """The embedded psqa run's pieces (trainer/embedded_psqa.py): generated corpus, retriever, base, evaluation."""
+
+    entities: int = Field(3000, ge=10)
+    """Abstracts of the generated corpus (trainer/psqa_synth.py), three facts and three questions each."""
+    heldout_entities: int = Field(200, ge=1)
+    """Entities whose questions are held out for evaluation (never trained on)."""
+    seed: int = 0
+    """Seed of the generated corpus."""
+    retriever_tier: Literal["light", "medium", "heavy"] = "medium"
+    """The local workers' --retriever-tier (all use the run's retriever on 127.0.0.1)."""
+    max_turns: int = Field(2, ge=1)
+    """Tool calls one episode may make (workers' --max-turns and the held-out evaluation)."""
+    top_k: int = Field(3, ge=1)
+    """Documents per search in the held-out evaluation (the workers' search tool returns 3)."""
+    eval_k: int = Field(1, ge=1)
+    """Samples per held-out question (pass@1 is their mean cover-EM)."""
+    base: dict[str, Any] = {}
+    """trainer/psqa_base.py's PsqaBaseConfig fields that differ from its defaults (the base built here)."""
+
+
 class EmbeddedConfig(_Model):
     """How the embedded default (no GPU host, no R2 credentials) runs the loop on one machine."""
 
@@ -92,6 +113,11 @@ class EmbeddedConfig(_Model):
     worker_backend: Literal["torch", "mlx"] = "torch"
     """The local workers' backend (WORKER=): torch (the reference worker) or mlx (the MLX worker, as on a Mac;
     mlx[cpu] here)."""
+    worker_backends: list[Literal["torch", "mlx"]] = []
+    """One backend per local worker (e.g. [torch, mlx]); when set it replaces `workers` x `worker_backend`
+    (WORKER= clears it)."""
+    psqa: EmbeddedPsqaConfig = EmbeddedPsqaConfig()
+    """The psqa recipe's embedded pieces (unused by other tasks)."""
     max_steps: int = 40
     """Learner steps before the run stops on its own."""
     time_budget_s: float = 600.0

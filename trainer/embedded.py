@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import REPO_ROOT, RecipeConfig
-from .localprocs import Child, Processes, per_worker_cap, start_learner, start_workers
+from .localprocs import Child, Processes, per_worker_cap, start_learner, start_workers, worker_backends
 
 STOA_DIR = REPO_ROOT / ".stoa"
 
@@ -90,6 +90,8 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
     py = "python"
     if cfg.model.path:
         base = f"use the model at {cfg.model.path} (MODEL=); task {cfg.task}"
+    elif cfg.task == "psqa":
+        base = ""  # trainer/embedded_psqa.py's plan says how its base is built
     else:
         from worker_contract.tasks import get_task
 
@@ -99,25 +101,35 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
                 f"Qwen2 {b.num_layers}x{b.hidden_size}, {b.sft_steps} supervised steps on generated problems")
     w = [f"  {i + 1}. {py} -m worker_contract.worker --store {paths.store_url} --run {cfg.run} --model <base> "
          f"--worker-id local-{i + 1} --threads 1 --max-groups-per-version {per_worker_cap(cfg)} "
-         f"--backend {cfg.embedded.worker_backend}   "
+         f"--backend {backend}   "
          f"(DRL_N_SAMPLES={cfg.contract.n_samples} "
          f"DRL_PULSE_PLANE={cfg.contract.plane} DRL_TRAINER_KEY_FINGERPRINT=<fingerprint of trainer.key>; "
          f"log {paths.run_dir}/worker-{i + 1}.log)"
-         for i in range(cfg.embedded.workers)]
-    return [
-        "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the whole loop on this machine",
-        f"1. {base}",
+         for i, backend in enumerate(worker_backends(cfg))]
+    backends = worker_backends(cfg)
+    kinds = " and ".join(f"{backends.count(b)} {b}" for b in dict.fromkeys(backends))
+    middle = [
         f"2. run.json in the file bucket {paths.bucket} (created, or resumed with an identical contract); "
         f"signing key {paths.key_file} (0600)",
         f"3. learner: {py} -m trainer.embedded learner (Ray on 127.0.0.1 only; publishes the first "
         f"anchor, then {cfg.train.num_steps} steps of {cfg.algo.groups_per_step} groups x {cfg.contract.n_samples}; "
         f"log {paths.run_dir}/learner.log)",
-        f"4. {cfg.embedded.workers} {cfg.embedded.worker_backend} workers:", *w,
-        f"5. held-out evaluation every {cfg.embedded.eval_every} steps on {cfg.embedded.eval_problems} test "
-        f"problems of task {cfg.task}, in this process",
+        f"4. {kinds} workers:", *w,
+    ]
+    tail = [
         f"6. stop after {cfg.train.num_steps} steps or {cfg.embedded.time_budget_s:.0f} s; Ctrl-C stops every "
         "process cleanly; a rerun of the same RUN resumes",
         f"7. metrics {paths.metrics}; plots in {paths.run_dir}/plots/",
+    ]
+    if cfg.task == "psqa":
+        from . import embedded_psqa
+
+        return embedded_psqa.plan_lines(cfg, paths, middle, tail)
+    return [
+        "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the whole loop on this machine",
+        f"1. {base}", *middle,
+        f"5. held-out evaluation every {cfg.embedded.eval_every} steps on {cfg.embedded.eval_problems} test "
+        f"problems of task {cfg.task}, in this process", *tail,
     ]
 
 
@@ -254,9 +266,16 @@ def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR) -> i
         console.print(f"[red]run {cfg.run!r} is already running on this machine[/] (lock {paths.run_dir}/.lock); "
                       "stop it first, or choose another RUN")
         return 2
+    services = None
+    if cfg.task == "psqa":  # the generated corpus and the retriever (trainer/embedded_psqa.py)
+        from .embedded_psqa import PsqaServices
+
+        services = PsqaServices(cfg, paths)
     try:
-        return _run_locked(cfg, paths, console)
+        return _run_locked(cfg, paths, console, services)
     finally:
+        if services is not None:
+            services.stop()  # last: workers finishing a group and the final evaluation still search
         lock.close()
 
 
@@ -273,7 +292,7 @@ def _lock_run(paths: EmbeddedPaths):
     return f
 
 
-def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
+def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console, services=None) -> int:
     from worker_contract.manifest import ContractMismatch, RunExists
     from worker_contract.tasks import get_task
 
@@ -287,7 +306,11 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
         console.print(f"run {cfg.run!r} already took {done} steps (embedded.max_steps={cfg.train.num_steps}): "
                       f"nothing to do. Its metrics: {paths.metrics}; choose a new RUN to start fresh")
         return 0
-    cfg, model_dir = prepare_model(cfg, paths, console)
+    if services is not None:
+        services.start(console)
+        cfg, model_dir = services.prepare_model(cfg, console)
+    else:
+        cfg, model_dir = prepare_model(cfg, paths, console)
     try:
         store, manifest, key_fingerprint = publish_contract(cfg, paths, model_dir)
     except (ContractMismatch, RunExists, IdentityMismatch) as e:
@@ -296,18 +319,27 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
     procs = Processes()
     interrupts = _Interrupts(procs)
     old = {s: signal.signal(s, interrupts) for s in (signal.SIGINT, signal.SIGTERM)}
-    evaluator = HeldoutEvaluator(store, cfg.run, cfg.contract.plane, model_dir, get_task(cfg.task),
-                                 problems=cfg.embedded.eval_problems, max_new_tokens=cfg.algo.max_new_tokens,
-                                 temperature=cfg.embedded.eval_temperature, metrics_path=paths.metrics)
-    state = RunState(run=cfg.run, max_steps=cfg.train.num_steps, budget_s=cfg.embedded.time_budget_s)
+    if services is not None:
+        evaluator = services.evaluator(cfg, store, model_dir)
+    else:
+        evaluator = HeldoutEvaluator(store, cfg.run, cfg.contract.plane, model_dir, get_task(cfg.task),
+                                     problems=cfg.embedded.eval_problems, max_new_tokens=cfg.algo.max_new_tokens,
+                                     temperature=cfg.embedded.eval_temperature, metrics_path=paths.metrics)
+    state = RunState(run=cfg.run, max_steps=cfg.train.num_steps, budget_s=cfg.embedded.time_budget_s,
+                     recipe=cfg.name)
     for row in MetricsTail(paths.metrics).read():  # earlier sessions of this run
         state.update(row)
     state.session_first_step = None
     tail = MetricsTail(paths.metrics)
     tail.offset = paths.metrics.stat().st_size if paths.metrics.exists() else 0
     try:
-        learner = start_learner(procs, cfg, paths, model_dir)
-        workers = start_workers(procs, cfg, paths, model_dir, key_fingerprint)
+        if services is not None:
+            learner = start_learner(procs, cfg, paths, model_dir, services.env())
+            workers = start_workers(procs, cfg, paths, model_dir, key_fingerprint, services.worker_flags(),
+                                    services.env())
+        else:
+            learner = start_learner(procs, cfg, paths, model_dir)
+            workers = start_workers(procs, cfg, paths, model_dir, key_fingerprint)
         evaluator.start()
         reason, rc = _watch(cfg, state, tail, evaluator, learner, workers, procs, interrupts, console,
                             panel, status_line)
@@ -324,6 +356,8 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> int:
         for row in tail.read():
             state.update(row)
     plots = plot_run(paths.metrics, paths.run_dir / "plots")
+    if services is not None and (paths.run_dir / "plots" / "psqa_eval.png").exists():
+        plots.append(paths.run_dir / "plots" / "psqa_eval.png")
     if evaluator.version is not None:
         state.version = evaluator.version
     summary(console, state, paths=paths, plots=plots, stop_reason=reason, store_url=cfg.store)

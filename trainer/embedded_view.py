@@ -52,9 +52,14 @@ class RunState:
     drops: dict[str, float] = field(default_factory=dict)
     workers: dict[str, float] = field(default_factory=dict)
     phase: str = "starting the learner and workers"
+    recipe: str = "gsm8k"
+    search: dict[str, float] = field(default_factory=dict)
+    """psqa: the latest train-side (rollout/*) and held-out (eval/*) search rate and share of correct answers
+    found after a search."""
 
     def update(self, row: dict) -> bool:
         """Fold one metrics row in; True if it was a learner step row."""
+        self.search.update({k: float(row[k]) for k in SEARCH_KEYS if row.get(k) is not None})
         if "eval/accuracy" in row:
             self.evals.append((row.get("step"), int(row.get("eval/version") or 0), float(row["eval/accuracy"])))
             return False
@@ -86,6 +91,21 @@ class RunState:
         return ordered[0][2], ordered[-1][2]
 
 
+SEARCH_KEYS = ("rollout/search_rate", "rollout/correct_after_search", "eval/search_rate",
+               "eval/correct_after_search")
+
+
+def _search_rows(state: RunState) -> list[tuple[str, str]]:
+    """psqa: (label, value) rows for the search rate and the correct answers found after a search."""
+    if not state.search:
+        return []
+    g = state.search.get
+    return [("search rate", f"held-out {_pct(g('eval/search_rate'))}, train {_pct(g('rollout/search_rate'))} "
+             "(episodes with at least one search)"),
+            ("correct after a search", f"held-out {_pct(g('eval/correct_after_search'))}, train "
+             f"{_pct(g('rollout/correct_after_search'))} (of the correct answers)")]
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -107,7 +127,9 @@ def panel(state: RunState):
     t.add_row("step", f"{state.step} / {state.max_steps}   ({elapsed:.0f} s of {state.budget_s:.0f} s)")
     t.add_row("train reward", f"{_pct(state.recent_reward())} (mean of the last 5 steps)")
     delta = f", {100 * (last - base):+.1f} points" if base is not None and last is not None else ""
-    t.add_row("held-out accuracy", f"{_pct(last)}   (base {_pct(base)}{delta}; {len(state.evals)} evals)")
+    t.add_row(_acc_label(state), f"{_pct(last)}   (base {_pct(base)}{delta}; {len(state.evals)} evals)")
+    for label, value in _search_rows(state):
+        t.add_row(label, value)
     t.add_row("version", f"v{state.version}" if state.version else "-")
     t.add_row("groups received", f"{int(state.accepted)}   by worker: " +
               (", ".join(f"{w} {int(g)}" for w, g in sorted(state.workers.items())) or "-"))
@@ -115,10 +137,16 @@ def panel(state: RunState):
     return Panel(t, title=f"stoa embedded run [bold]{state.run}[/]", border_style="cyan")
 
 
+def _acc_label(state: RunState) -> str:
+    return "held-out cover-EM" if state.recipe == "psqa" else "held-out accuracy"
+
+
 def status_line(state: RunState) -> str:
     base, last = state.heldout()
+    search = (f"  search {_pct(state.search.get('eval/search_rate'))} held-out / "
+              f"{_pct(state.search.get('rollout/search_rate'))} train" if state.search else "")
     return (f"step {state.step}/{state.max_steps}  reward {_pct(state.recent_reward())}  held-out {_pct(last)} "
-            f"(base {_pct(base)})  v{state.version}  groups {int(state.accepted)}  drops {_drops(state)}")
+            f"(base {_pct(base)}){search}  v{state.version}  groups {int(state.accepted)}  drops {_drops(state)}")
 
 
 def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: str, store_url: str) -> None:
@@ -135,7 +163,9 @@ def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: 
     t.add_row("train reward", f"{_pct(sum(r0) / len(r0) if r0 else None)} -> {_pct(state.recent_reward())} "
               "(first 5 steps -> last 5)")
     delta = f" ({100 * (last - base):+.1f} points)" if base is not None and last is not None else ""
-    t.add_row("held-out accuracy", f"{_pct(base)} -> {_pct(last)}{delta}")
+    t.add_row(_acc_label(state), f"{_pct(base)} -> {_pct(last)}{delta}")
+    for label, value in _search_rows(state):
+        t.add_row(label, value)
     t.add_row("groups received", f"{int(state.accepted)} (accepted into the learner's pool)")
     t.add_row("drops", _drops(state))
     t.add_row("wall time", f"{time.monotonic() - state.started:.0f} s")
@@ -144,5 +174,5 @@ def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: 
         t.add_row("plot", str(p))
     t.add_row("logs", str(paths.run_dir / "learner.log") + ", worker-*.log")
     t.add_row("check", f"python -m worker_contract verify --store {store_url} --run {state.run}")
-    t.add_row("resume", f"make gsm8k RUN={state.run}")
+    t.add_row("resume", f"make {state.recipe} RUN={state.run}")
     console.print(t)

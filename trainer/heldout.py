@@ -90,8 +90,9 @@ class HeldoutEvaluator:
                 return None
             self._policy.load(self._dense(state))
             t0 = time.monotonic()
-            acc = self._score()
-            row = {"step": self._step_of(version), "time": time.time(), "eval/accuracy": acc,
+            scored = self._score()  # the accuracy, or a task's eval/* fields (trainer/embedded_psqa.py)
+            fields = scored if isinstance(scored, dict) else {"eval/accuracy": scored}
+            row = {"step": self._step_of(version), "time": time.time(), **fields,
                    "eval/version": version, "eval/problems": len(self.problems),
                    "eval/seconds": round(time.monotonic() - t0, 2)}
             self.results.append(row)

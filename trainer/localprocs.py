@@ -98,18 +98,25 @@ def child_env(cfg: RecipeConfig) -> dict[str, str]:
     return env
 
 
-def start_learner(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path) -> Child:
+def start_learner(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path,
+                  extra_env: dict[str, str] | None = None) -> Child:
     recipe = paths.run_dir / "recipe.json"
     recipe.write_text(cfg.model_dump_json(indent=2))
     argv = [sys.executable, "-m", "trainer.embedded", "learner", "--recipe-json", str(recipe),
             "--model-dir", str(model_dir), "--run-dir", str(paths.run_dir)]
-    return procs.start("learner", argv, child_env(cfg), paths.run_dir / "learner.log")
+    return procs.start("learner", argv, {**child_env(cfg), **(extra_env or {})}, paths.run_dir / "learner.log")
+
+
+def worker_backends(cfg: RecipeConfig) -> list[str]:
+    """The local workers' backends, one per worker: `embedded.worker_backends`, else `workers` x `worker_backend`."""
+    e = cfg.embedded
+    return list(e.worker_backends) or [e.worker_backend] * e.workers
 
 
 def per_worker_cap(cfg: RecipeConfig) -> int:
     """Groups a local worker samples per version: together the workers make one step's batch per version,
     so on a shared CPU they do not burn cycles on groups that would go stale before the learner uses them."""
-    return max(1, -(-cfg.algo.groups_per_step // cfg.embedded.workers))
+    return max(1, -(-cfg.algo.groups_per_step // len(worker_backends(cfg))))
 
 
 def worker_env(cfg: RecipeConfig, trainer_key_fingerprint: str) -> dict[str, str]:
@@ -122,13 +129,19 @@ def worker_env(cfg: RecipeConfig, trainer_key_fingerprint: str) -> dict[str, str
     return {**child_env(cfg), "DRL_TRAINER_KEY_FINGERPRINT": trainer_key_fingerprint, "CUDA_VISIBLE_DEVICES": ""}
 
 
-def start_workers(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path,
-                  trainer_key_fingerprint: str) -> list[Child]:
+def worker_argv(cfg: RecipeConfig, model_dir: Path | str, i: int, backend: str,
+                extra_args: list[str] | None = None) -> list[str]:
+    """The command line of local worker `i` (1-based), as started and as the dry run prints it."""
+    return [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
+            "--model", str(model_dir), "--worker-id", f"local-{i}", "--threads", "1", "--log-every", "30",
+            "--max-groups-per-version", str(per_worker_cap(cfg)), "--backend", backend, *(extra_args or [])]
+
+
+def start_workers(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path, trainer_key_fingerprint: str,
+                  extra_args: list[str] | None = None, extra_env: dict[str, str] | None = None) -> list[Child]:
     out = []
-    for i in range(1, cfg.embedded.workers + 1):
-        argv = [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
-                "--model", str(model_dir), "--worker-id", f"local-{i}", "--threads", "1", "--log-every", "30",
-                "--max-groups-per-version", str(per_worker_cap(cfg)), "--backend", cfg.embedded.worker_backend]
-        out.append(procs.start(f"worker-{i}", argv, worker_env(cfg, trainer_key_fingerprint),
+    for i, backend in enumerate(worker_backends(cfg), start=1):
+        env = {**worker_env(cfg, trainer_key_fingerprint), **(extra_env or {})}
+        out.append(procs.start(f"worker-{i}", worker_argv(cfg, model_dir, i, backend, extra_args), env,
                                paths.run_dir / f"worker-{i}.log"))
     return out

@@ -48,6 +48,8 @@ class EvalPoint(BaseModel):
     """Fraction of episodes that called the search tool at least once."""
     searches_per_episode: float
     """Mean tool calls per episode."""
+    correct_after_search: float = 0.0
+    """Share of the correct episodes that searched before answering (answers found through the tool)."""
     response_tokens: float
     """Mean response length in tokens (sampled plus tool tokens)."""
     seconds: float
@@ -70,10 +72,14 @@ def evaluate(problems: Sequence, task, encode_prompt: Callable, generate_batch, 
 
     t0 = time.monotonic()
     p1 = pk = searched = calls = tokens = 0.0
+    correct_total = correct_searched = 0
     for problem in problems:
         prompt = encode_prompt(task.messages(problem))
         eps = run_episodes([prompt] * k, generate_batch, encode, search, max_new_tokens, max_turns)
-        correct = sum(task.reward(ep.text, problem) >= 1.0 for ep in eps)
+        right = [task.reward(ep.text, problem) >= 1.0 for ep in eps]
+        correct = sum(right)
+        correct_total += correct
+        correct_searched += sum(r and bool(ep.searches) for r, ep in zip(right, eps, strict=True))
         p1 += correct / k
         pk += pass_at_k(k, correct, k)
         searched += sum(bool(ep.searches) for ep in eps) / k
@@ -81,7 +87,9 @@ def evaluate(problems: Sequence, task, encode_prompt: Callable, generate_batch, 
         tokens += sum(len(ep.response_ids) for ep in eps) / k
     n = max(len(problems), 1)
     return EvalPoint(version=version, questions=len(problems), k=k, pass1=p1 / n, pass_k=pk / n,
-                     search_rate=searched / n, searches_per_episode=calls / n, response_tokens=tokens / n,
+                     search_rate=searched / n, searches_per_episode=calls / n,
+                     correct_after_search=correct_searched / correct_total if correct_total else 0.0,
+                     response_tokens=tokens / n,
                      seconds=time.monotonic() - t0, model=model)
 
 

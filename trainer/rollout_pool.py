@@ -228,6 +228,13 @@ class GroupPool:
         }
         for lag in range(self.staleness + 1):
             m[f"rollout/staleness_hist/{lag}"] = float(sum(g.lag == lag for g in groups))
+        if any(g.record.task == "psqa" for g in groups):  # search episodes: a tool turn is a mask-0 span
+            samples = [s for g in groups for s in g.record.samples]
+            searched = [0 in s.loss_mask for s in samples]
+            right = [s.reward >= 1.0 for s in samples]
+            m["rollout/search_rate"] = sum(searched) / len(samples)
+            m["rollout/correct_after_search"] = (sum(a and b for a, b in zip(right, searched, strict=True))
+                                                 / sum(right)) if any(right) else 0.0
         return m
 
     # -- checkpoint state ------------------------------------------------------------------------------

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="psqa runs: memory tier auto, light (15-23 GB: shared retriever only), medium or heavy "
                         "(may use a local index on 127.0.0.1) (default: $DRL_RETRIEVER_TIER, else auto: by "
                         "this machine's memory)")
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="psqa runs: tool calls one search episode may make (default 4)")
     p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the run's first weights")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines")
     args = p.parse_args(argv)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed, threads=args.threads, max_groups_per_version=args.max_groups_per_version,
         wait_timeout_s=args.wait, log_every_s=args.log_every, lag_versions=args.lag_versions,
         backend=args.backend, mlx_dtype=args.mlx_dtype, batch_groups=args.batch_groups,
-        retriever_url=args.retriever_url, retriever_tier=args.retriever_tier,
+        retriever_url=args.retriever_url, retriever_tier=args.retriever_tier, max_turns=args.max_turns,
     ).items() if v is not None}
     try:
         Worker(WorkerSettings(**settings)).run(stop)

@@ -1,0 +1,205 @@
+"""The embedded psqa run's own pieces (`make psqa RUN=<id>` with no HOST, GPU or R2), around trainer/embedded.py.
+
+    PsqaServices    the generated corpus (trainer/psqa_synth.py), the real retriever service on 127.0.0.1
+                    (`python -m infra.retriever serve`, a child process started first and stopped last), the
+                    base (trainer/psqa_base.py, or MODEL=), the workers' search flags and environment
+    PsqaHeldoutEvaluator   held-out cover-EM pass@1, search rate and the share of correct answers found after a
+                    search, through trainer/psqa_eval's `evaluate` on test questions never trained on
+The retriever is started by module name, as the workers are: trainer/ imports only worker_contract, and a
+process of its own is what the fleet runs too (one service, many clients), so nothing here imports infra.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .config import RecipeConfig
+from .heldout import HeldoutEvaluator
+from .localprocs import Processes, child_env
+
+#: the retriever service's entry point, started as a process (never imported: trainer/ does not import infra)
+RETRIEVER_MODULE = "infra.retriever"
+
+
+def data_dir(cfg: RecipeConfig, paths) -> Path:
+    p = cfg.embedded.psqa
+    return paths.cache / f"psqa-data-{p.entities}-{p.heldout_entities}-{p.seed}"
+
+
+def ensure_data(cfg: RecipeConfig, paths) -> Path:
+    """corpus.jsonl / train.jsonl / test.jsonl, written once (seeded, the same bytes on every machine)."""
+    from .psqa_synth import write_dataset
+
+    out = data_dir(cfg, paths)
+    if not (out / "test.jsonl").exists():
+        p = cfg.embedded.psqa
+        tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
+        write_dataset(tmp, n_entities=p.entities, heldout_entities=p.heldout_entities, seed=p.seed)
+        try:
+            tmp.rename(out)
+        except OSError:  # another launcher wrote it first: the same bytes
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the retriever binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def retriever_argv(corpus: Path | str, port: int | str) -> list[str]:
+    return [sys.executable, "-m", RETRIEVER_MODULE, "serve", "--corpus", str(corpus), "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
+def worker_flags(cfg: RecipeConfig, url: str) -> list[str]:
+    p = cfg.embedded.psqa
+    return ["--retriever-url", url, "--retriever-tier", p.retriever_tier, "--max-turns", str(p.max_turns)]
+
+
+def worker_env(cfg: RecipeConfig, url: str, data: Path) -> dict[str, str]:
+    """What a psqa worker adds to the local workers' environment: the contract's KV mode, the retriever, the data."""
+    return {"DRL_KV_MODE": cfg.contract.kv_mode or "paged_prefix", "DRL_RETRIEVER_URL": url,
+            "DRL_PSQA_DIR": str(data)}
+
+
+def build_base(cfg: RecipeConfig, paths, data: Path, search, console) -> Path:
+    """The one call to trainer/psqa_base.py: the small LFM2-MoE supervised into the search format (cached)."""
+    from .psqa_base import PsqaBaseConfig, ensure_psqa_base
+
+    model_dir, report = ensure_psqa_base(data, paths.cache, search, cfg=PsqaBaseConfig(**cfg.embedded.psqa.base),
+                                         log=console.print, show_progress=True)
+    console.print(f"base model {model_dir}: {report.params / 1e6:.2f} M parameters, held-out cover-EM "
+                  f"{100 * report.pass1:.1f}%, search rate {100 * report.search_rate:.0f}%")
+    return Path(model_dir)
+
+
+class PsqaServices:
+    """The data and the retriever of one embedded psqa session; `stop` after every other child has stopped."""
+
+    def __init__(self, cfg: RecipeConfig, paths):
+        self.cfg, self.paths = cfg, paths
+        self.procs = Processes()
+        self.data: Path | None = None
+        self.url: str | None = None
+
+    def start(self, console, timeout_s: float = 120.0) -> None:
+        from worker_contract.tasks.psqa_retrieval import RetrieverClient, RetrieverError
+
+        self.data = ensure_data(self.cfg, self.paths)
+        port = free_port()
+        child = self.procs.start("retriever", retriever_argv(self.data / "corpus.jsonl", port), child_env(self.cfg),
+                                 self.paths.run_dir / "retriever.log")
+        self.url = f"http://127.0.0.1:{port}"
+        client, deadline = RetrieverClient(self.url, timeout_s=2.0, retries=0), time.monotonic() + timeout_s
+        while True:
+            try:
+                docs = client.health().documents
+                break
+            except RetrieverError:
+                if not child.alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"the retriever did not come up at {self.url}:\n{child.tail()}") from None
+                time.sleep(0.3)
+        console.print(f"retriever {self.url}: {docs} generated abstracts (log {child.log})")
+
+    def search(self, k: int = 3):
+        from worker_contract.tasks.psqa_retrieval import RetrieverClient, search_tool
+
+        return search_tool(RetrieverClient(self.url), k=k, strict=True)
+
+    def prepare_model(self, cfg: RecipeConfig, console) -> tuple[RecipeConfig, Path]:
+        if cfg.model.path:
+            return cfg, Path(cfg.model.path)
+        model_dir = build_base(cfg, self.paths, self.data, self.search(), console)
+        return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(model_dir)})}), model_dir
+
+    def task(self):
+        from worker_contract.tasks.psqa import PsqaTask
+
+        return PsqaTask(str(self.data))
+
+    def evaluator(self, cfg: RecipeConfig, store, model_dir: Path) -> PsqaHeldoutEvaluator:
+        e = cfg.embedded
+        return PsqaHeldoutEvaluator(store, cfg.run, cfg.contract.plane, model_dir, self.task(),
+                                    problems=e.eval_problems, max_new_tokens=cfg.algo.max_new_tokens,
+                                    temperature=e.eval_temperature, metrics_path=self.paths.metrics,
+                                    search=self.search(e.psqa.top_k), k=e.psqa.eval_k, max_turns=e.psqa.max_turns,
+                                    out_dir=self.paths.run_dir / "plots")
+
+    def worker_flags(self) -> list[str]:
+        return worker_flags(self.cfg, self.url)
+
+    def env(self) -> dict[str, str]:
+        """The psqa variables of every child (learner and workers)."""
+        return worker_env(self.cfg, self.url, self.data)
+
+    def stop(self) -> None:
+        self.procs.stop(timeout_s=10.0)
+
+
+class PsqaHeldoutEvaluator(HeldoutEvaluator):
+    """HeldoutEvaluator (a verified join, float32 on the CPU) scoring search episodes with psqa_eval.evaluate;
+    each point also goes to <out_dir>/psqa_eval.jsonl and its curve to psqa_eval.png."""
+
+    def __init__(self, *args, search, k: int, max_turns: int, out_dir: Path, seed: int = 0, **kw):
+        super().__init__(*args, **kw)
+        from .psqa_eval import heldout_subset
+
+        self.problems = heldout_subset(self.task.dataset("test"), len(self.problems), seed)
+        self.search, self.k, self.max_turns, self.out_dir, self.seed = search, k, max_turns, Path(out_dir), seed
+
+    def _score(self) -> dict:
+        import torch
+
+        from .psqa_eval import append_point, evaluate, hf_generate_batch, plot_curve
+
+        p, version = self._policy, self._rec.version
+        tok = p.tokenizer
+        gen = torch.Generator().manual_seed(self.seed + version)
+        temperature = self.temperature if self.temperature is not None else 1e-4  # None: (near) greedy
+        with torch.no_grad():
+            point = evaluate(self.problems, self.task, p.prompt_ids, hf_generate_batch(
+                p.model, tok, temperature=temperature, generator=gen), p.encode, self.search, k=self.k,
+                max_new_tokens=self.max_new_tokens, max_turns=self.max_turns, version=version)
+        append_point(self.out_dir, point)
+        plot_curve(self.out_dir)
+        return {"eval/accuracy": point.pass1, "eval/search_rate": point.search_rate,
+                "eval/correct_after_search": point.correct_after_search, "eval/pass_k": point.pass_k,
+                "eval/searches_per_episode": point.searches_per_episode,
+                "eval/response_tokens": point.response_tokens}
+
+
+def plan_lines(cfg: RecipeConfig, paths, middle: list[str], tail: list[str]) -> list[str]:
+    """What the embedded psqa run will do, for the dry run (`middle`: trainer/embedded.py's run.json, learner and
+    worker lines; `tail`: its stop and metrics lines)."""
+    p, e = cfg.embedded.psqa, cfg.embedded
+    data = data_dir(cfg, paths)
+    base = (f"use the model at {cfg.model.path} (MODEL=)" if cfg.model.path else
+            f"build and cache (or reuse) the base under {paths.cache}/psqa-base-<digest>: trainer.psqa_base."
+            f"ensure_psqa_base, a small LFM2-MoE supervised into the search format "
+            f"(PsqaBaseConfig{'(' + ', '.join(f'{k}={v!r}' for k, v in p.base.items()) + ')' if p.base else ' defaults'})")
+    py = "python"
+    return [
+        "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the PaperSearchQA miniature on this "
+        "machine",
+        f"0. data {data}: {'reuse' if (data / 'test.jsonl').exists() else 'write'} the generated corpus "
+        f"(trainer.psqa_synth.write_dataset: {p.entities} abstracts, {p.heldout_entities} entities held out)",
+        f"0. retriever: {py} -m {RETRIEVER_MODULE} serve --corpus {data}/corpus.jsonl --host 127.0.0.1 --port "
+        f"<a free port>   (log {paths.run_dir}/retriever.log; started first, stopped last; its URL is "
+        "DRL_RETRIEVER_URL)",
+        f"1. {base}",
+        *middle,
+        f"   every worker: {' '.join(worker_flags(cfg, '<retriever URL>'))}   "
+        f"(DRL_KV_MODE={cfg.contract.kv_mode} DRL_RETRIEVER_URL=<retriever URL> DRL_PSQA_DIR={data})",
+        f"5. held-out evaluation every {e.eval_every} steps: cover-EM pass@1 (k={p.eval_k}, temperature "
+        f"{e.eval_temperature}), search rate and correct answers found after a search, on {e.eval_problems} test "
+        f"questions (trainer.psqa_eval.evaluate, at most {p.max_turns} searches of top {p.top_k}), in this process; "
+        f"curve {paths.run_dir}/plots/psqa_eval.png",
+        *tail,
+    ]

@@ -11,6 +11,8 @@ differs in its details, so the figure is a guide, not a promise.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,3 +69,69 @@ def tokens_that_fit(cfg: Mapping[str, Any], train: Any, gpu_gib: float) -> int:
     params = dense_params(cfg) or 0
     room = USABLE * gpu_gib * GIB * max(1, int(train.tensor_parallel)) - params * BYTES_PER_PARAM - LOGITS_BYTES
     return max(0, int(room / _activation_bytes_per_token(cfg)) // 1024 * 1024)
+
+
+# -- mixture-of-experts models on the megatron backend, under the recipe's memory plan -------------------------
+# Fitted to LFM2.5-8B-A1B's measured peaks on one H200 (bench/results/lfm2_step_h200_6b93c03*.json, 17408 tokens
+# per micro-batch): per token x layer x hidden unit, logits included, 67 bytes of activations without recompute
+# and 24 with it. Per parameter the GPU always holds the bf16 policy and reference and the float32 gradient
+# (8 bytes); the float32 master (4) and the two moments (2 x 2 or 2 x 4) stay there unless offloaded.
+MOE_ACTIVATION_BYTES = {False: 67, True: 24}
+#: the plans tried for a card, fastest first as measured (14.2 s offload 1.0, 15.9 s offload 0.5 + recompute,
+#: 17.1 s offload 1.0 + recompute): (optimizer_offload, gradient_checkpointing), bf16 moments throughout
+MOE_PLANS = ((0.0, False), (0.5, False), (1.0, False), (1.0, True))
+#: the cards users rent, in GiB as nvidia-smi reports them (80 GB H100/A100, 141 GB H200, 180 GB B200)
+CARDS = {"80 GB": 79.6, "141 GB": 139.8, "180 GB": 178.4}
+
+
+def total_params(cfg: Mapping[str, Any]) -> int | None:
+    """Parameters of any architecture transformers knows, counted on the meta device (no memory, no download)."""
+    return _total_params(json.dumps(dict(cfg), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _total_params(cfg_json: str) -> int | None:
+    cfg = json.loads(cfg_json)
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(**dict(cfg))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # an unknown model_type or an incomplete config: no estimate, said by the caller
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+def is_moe(cfg: Mapping[str, Any]) -> bool:
+    return any(k in cfg for k in ("num_experts", "num_local_experts"))
+
+
+def moe_peak_gib(cfg: Mapping[str, Any], params: int, tokens: int, *, offload: float, recompute: bool,
+                 moment_bytes: int = 2, tp: int = 1) -> float:
+    """Estimated peak GiB per GPU of a mixture-of-experts model under a memory plan (constants above)."""
+    state = params * (8 + (1 - offload) * (4 + 2 * moment_bytes))
+    act = tokens * MOE_ACTIVATION_BYTES[recompute] * int(cfg["num_hidden_layers"]) * int(cfg["hidden_size"])
+    return (state + act) / max(1, tp) / GIB
+
+
+def moe_plan_for(cfg: Mapping[str, Any], params: int, tokens: int, gpu_gib: float, tp: int = 1):
+    """The fastest plan of MOE_PLANS that fits `gpu_gib` (with its estimate), or None."""
+    for offload, recompute in MOE_PLANS:
+        est = moe_peak_gib(cfg, params, tokens, offload=offload, recompute=recompute, tp=tp)
+        if est <= USABLE * gpu_gib:
+            return offload, recompute, est
+    return None
+
+
+def moe_tokens_that_fit(cfg: Mapping[str, Any], params: int, gpu_gib: float, tp: int = 1) -> int:
+    """The largest token budget (a multiple of 1024) of the leanest plan (all offloaded, recompute) in `gpu_gib`."""
+    room = USABLE * gpu_gib * GIB * max(1, tp) - params * 8
+    per_token = MOE_ACTIVATION_BYTES[True] * int(cfg["num_hidden_layers"]) * int(cfg["hidden_size"])
+    return max(0, int(room / per_token) // 1024 * 1024)
+
+
+def describe_plan(offload: float, recompute: bool) -> str:
+    return (f"train.optimizer_offload: {offload:g}, train.gradient_checkpointing: {str(recompute).lower()}, "
+            "algo.optim.moment_dtype: bfloat16")

@@ -42,7 +42,7 @@ def _checks():
         (e.check_credentials, both, None), (e.check_store, both, None), (e.check_bucket, both, None),
         (e.check_run_id, both, None), (e.check_base_anchor, both, None),
         (e.check_ssh, both, "host"),
-        (e.check_gpu, both, "box"), (e.check_gpu_memory, quick, "box"), (e.check_disk, both, "box"), (e.check_ray_dashboard, both, "box"),
+        (e.check_gpu, both, "box"), (e.check_gpu_memory, both, "box"), (e.check_disk, both, "box"), (e.check_ray_dashboard, both, "box"),
         (e.check_slime, both, "box"),
     ]
 

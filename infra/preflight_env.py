@@ -169,11 +169,13 @@ def check_gpu(ctx: Context) -> Row:
 def check_gpu_memory(ctx: Context) -> Row:
     """The learner's micro-batches fit the box's GPU, by an estimate (infra/learner_memory.py): a warning,
     since an out-of-memory error would only come after the download, the conversion and the launch."""
-    from infra.learner_memory import USABLE, learner_peak_gib, tokens_per_micro_batch, tokens_that_fit
+    from infra.learner_memory import USABLE, is_moe, learner_peak_gib, tokens_per_micro_batch, tokens_that_fit
 
     cfg, src = hf_config(ctx)
     gpu = ctx.facts.get("gpu_gib")
     train, new_tokens = ctx.cfg.train, ctx.cfg.algo.max_new_tokens
+    if cfg is not None and gpu is not None and is_moe(cfg):
+        return _moe_gpu_memory(ctx, cfg, gpu)
     est = learner_peak_gib(cfg, train, new_tokens) if cfg is not None else None
     if gpu is None or est is None:
         why = "no GPU memory from nvidia-smi" if gpu is None else f"no dense-decoder estimate ({src})"
@@ -186,6 +188,38 @@ def check_gpu_memory(ctx: Context) -> Row:
                 f"<= {USABLE * gpu:.0f} GiB ({USABLE:.0%})",
                 f"set train.max_tokens_per_gpu: {fit} in the recipe (the largest that fits by this estimate), "
                 "or rent a GPU with more memory", warn=True)
+
+
+def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
+    """A mixture-of-experts model (the fleet model) under the recipe's memory plan, and the plan that fits each
+    card users rent (infra/learner_memory.py, fitted to the H200 measurements)."""
+    from infra import learner_memory as lm
+
+    train, algo = ctx.cfg.train, ctx.cfg.algo
+    params = lm.total_params(cfg)
+    if params is None:
+        return _row("box.gpu_memory", False, f"not estimated: transformers cannot build {cfg.get('model_type')!r}",
+                    "the learner's estimate within the GPU", "check the model's config.json", warn=True)
+    tokens, tp = lm.tokens_per_micro_batch(train, algo.max_new_tokens), train.tensor_parallel
+    moment_bytes = 2 if algo.optim.moment_dtype == "bfloat16" else 4
+    est = lm.moe_peak_gib(cfg, params, tokens, offload=train.optimizer_offload,
+                          recompute=train.gradient_checkpointing, moment_bytes=moment_bytes, tp=tp)
+    cards = []
+    for card, gib in lm.CARDS.items():
+        plan = lm.moe_plan_for(cfg, params, tokens, gib, tp)
+        cards.append(f"{card}: offload {plan[0]:g}{' + recompute' if plan[1] else ''} (~{plan[2]:.0f} GiB)" if plan
+                     else f"{card}: none at this batch (recompute and full offload fit "
+                          f"{lm.moe_tokens_that_fit(cfg, params, gib, tp)} tokens per micro-batch)")
+    fit = lm.moe_plan_for(cfg, params, tokens, gpu, tp)
+    fix = (f"set {lm.describe_plan(fit[0], fit[1])} in the recipe (~{fit[2]:.0f} GiB)" if fit else
+           f"lower train.micro_batch_size or set train.max_tokens_per_gpu: "
+           f"{lm.moe_tokens_that_fit(cfg, params, gpu, tp)} with the leanest plan, or rent a larger GPU")
+    plan = (f"offload {train.optimizer_offload:g}, {'recompute' if train.gradient_checkpointing else 'no recompute'}, "
+            f"{algo.optim.moment_dtype} moments")
+    return _row("box.gpu_memory", est <= lm.USABLE * gpu,
+                f"~{est:.0f} GiB per GPU ({params / 1e9:.1f} B parameters, {plan}) at {tokens} tokens per "
+                f"micro-batch; the GPU has {gpu:.0f} GiB. Plans by card: {'; '.join(cards)}",
+                f"<= {lm.USABLE * gpu:.0f} GiB ({lm.USABLE:.0%})", fix, warn=True)
 
 
 def check_disk(ctx: Context) -> Row:

@@ -410,7 +410,7 @@ def test_fleet_env_example_passes_out_of_the_box(moto_server, s3_store, tmp_path
     out = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "profile fleet" in out.stdout and " 0 FAIL" in out.stdout
-    for row in ("contract.kv_mode", "recipe.save_interval", "recipe.dual_clip", "recipe.no_save_hf", "bucket"):
+    for row in ("engine", "contract.kv_mode", "model.rotary_base", "bucket"):  # the native engine's rows
         assert f"PASS  {row}" in out.stdout
     sourced = subprocess.run(["bash", "-c", f"set -a; . {example}; set +a; env"], capture_output=True, text=True,
                              env={"PATH": os.environ["PATH"], "HOME": os.environ["HOME"]}).stdout
@@ -502,7 +502,7 @@ def test_fleet_dry_run_piped_into_preflight(moto_server, s3_store, sshd_server, 
     key, box = str(sshd_server.client_key), tmp_path / "box"
     env = {**moto_server.env(), "PATH": os.environ["PATH"], "HOME": str(tmp_path), "DRL_STORE": s3_store.url}
     script = (f"set -a; . {example}; set +a; DRL_DRY_RUN=1 {sys.executable} -m entrypoints.launch --recipe psqa "
-              f'--run "$DRL_RUN" --host {sshd_server.host} --ssh-key {key} --remote-dir {box} '
+              f'--run "$DRL_RUN" --engine slime --host {sshd_server.host} --ssh-key {key} --remote-dir {box} '
               f"| {sys.executable} -m infra.preflight --ssh-key {key}")
     out = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     rows = {line.split()[1]: line.split()[0] for line in out.stdout.splitlines()
@@ -604,3 +604,21 @@ def test_a_plan_whose_recipe_has_top_p_below_1_is_refused_in_one_line(file_store
     assert main([], stdin=io.StringIO(render_plan(plan)), env={"PATH": os.environ["PATH"]}) == 2
     err = capsys.readouterr().err
     assert "algo.top_p=0.9" in err and "top_p: 1.0" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("gpu", "status", "seen"), [
+    ("NVIDIA H200, 143771 MiB", "PASS", "~119 GiB per GPU (8.3 B parameters, offload 1, no recompute"),
+    ("NVIDIA H100 80GB HBM3, 81559 MiB", "WARN", "the GPU has 80 GiB"),
+    ("NVIDIA B200, 183359 MiB", "PASS", "the GPU has 179 GiB")])
+def test_fleet_model_gpu_memory_by_card(file_store, tmp_path, gpu, status, seen):
+    """The fleet model's row estimates its peak under the recipe's memory plan (fitted to the H200 measurements:
+    115.6 GiB with the whole optimizer offloaded at 17408 tokens, ~119 at the nominal 18432) and names the plan
+    that fits each card users rent."""
+    plan = make_plan("fleet", file_store.url, remote_dir=str(tmp_path))
+    rows, text = report(plan, "fleet", run_box=local_box(make_gpu_shim(tmp_path, gpu)))
+    row = next(r for r in rows if r.check == "box.gpu_memory")
+    assert row.status == status and seen in row.seen, text
+    assert "80 GB: none at this batch" in row.seen and "141 GB: offload 1 (~" in row.seen, row.seen
+    assert "180 GB: offload 0.5 (~" in row.seen, row.seen
+    if status == "WARN":
+        assert "train.max_tokens_per_gpu" in row.fix

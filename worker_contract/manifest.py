@@ -38,6 +38,9 @@ class RunManifest(BaseModel):
     """HF architecture class, e.g. Qwen2ForCausalLM."""
     rope_theta: float
     """Rotary base; must equal the HF config's and the Megatron checkpoint's."""
+    rope_scaling: dict[str, str | int | float] | None = None
+    """Rope scaling (llama3: rope_type, factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings); None for plain RoPE. Must equal the HF config's."""
     vocab_size: int = Field(ge=1)
     """Embedding rows; token ids at or above it are refused."""
     hidden_size: int = Field(ge=1)

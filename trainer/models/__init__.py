@@ -1,4 +1,4 @@
-"""The learner's models on megatron-core (Qwen2, LFM2), their HF name mappings, weight loading and the
+"""The learner's models on megatron-core (Qwen2, Llama, LFM2), their HF name mappings, weight loading and the
 model-identity gate: the learner builds and loads its model from here, and the converter (infra/convert/)
 writes checkpoints with the same mappings.
 

@@ -41,6 +41,11 @@ class Architecture:
         """Full megatron tensors -> HF tensors (the exact inverse of hf_to_megatron)."""
         raise NotImplementedError
 
+    def rotary_inv_freq(self, cfg: Mapping[str, Any], inv_freq: Any) -> Any:
+        """The rotary inverse frequencies the model uses, from megatron's plain ones (`inv_freq`, [d/2]
+        float32); overridden where the architecture scales them (Llama 3.x)."""
+        return inv_freq
+
     def layer_spec(self, cfg: Mapping[str, Any], attention: str = "auto") -> Any:
         """The transformer layer spec (or per-layer block spec) GPTModel is built with; one spec for every
         layer by default, overridden by hybrid architectures (LFM2)."""

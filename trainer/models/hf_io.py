@@ -47,16 +47,45 @@ def load_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     return cfg
 
 
-def rope_theta_of(cfg: Mapping[str, Any], source: str = "config.json") -> float:
-    """The rotary base: `rope_parameters.rope_theta` (transformers 5) or top-level `rope_theta` (4.x)."""
+#: the fields of llama3 rope scaling (Llama 3.1 / 3.2 / 3.3), all required, as transformers reads them
+LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_params(cfg: Mapping[str, Any], source: str) -> Mapping[str, Any]:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(params, Mapping):
         raise ConvertError(f"{source}: rope_parameters={params!r} must be an object")
+    return params
+
+
+def rope_scaling_of(cfg: Mapping[str, Any], source: str = "config.json") -> dict[str, Any] | None:
+    """None for plain RoPE; for Llama 3.x scaling {"rope_type": "llama3", factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings} (`rope_parameters` in transformers 5,
+    `rope_scaling` in 4.x). Any other rope type is refused."""
+    params = _rope_params(cfg, source)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise ConvertError(
-            f"{source}: rope_type={rope_type!r} is not supported (only plain RoPE); convert a model without rope scaling"
-        )
+    if rope_type in (None, "default"):
+        return None
+    if rope_type != "llama3":
+        raise ConvertError(f"{source}: rope_type={rope_type!r} is not supported (plain RoPE or llama3 only); "
+                           "convert a model with one of those")
+    out: dict[str, Any] = {"rope_type": "llama3"}
+    for f in LLAMA3_FIELDS:
+        v = params.get(f)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            raise ConvertError(f"{source}: llama3 rope scaling needs a positive number for {f}, got {v!r}")
+        out[f] = int(v) if f == "original_max_position_embeddings" else float(v)
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ConvertError(f"{source}: llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
+                           f"{out['high_freq_factor']} <= {out['low_freq_factor']}")
+    return out
+
+
+def rope_theta_of(cfg: Mapping[str, Any], source: str = "config.json") -> float:
+    """The rotary base: `rope_parameters.rope_theta` (transformers 5) or top-level `rope_theta` (4.x); the
+    rope type must be one we build (rope_scaling_of)."""
+    params = _rope_params(cfg, source)
+    rope_scaling_of(cfg, source)
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         raise ConvertError(f"{source} has no rope_theta (neither top level nor in rope_parameters)")
@@ -65,8 +94,11 @@ def rope_theta_of(cfg: Mapping[str, Any], source: str = "config.json") -> float:
     return float(theta)
 
 
-def refuse_unsupported(cfg: Mapping[str, Any], checks: list[tuple[bool, str]]) -> None:
-    """Every failed (ok, why) check in one ConvertError, then the rotary base must be readable."""
+def refuse_unsupported(cfg: Mapping[str, Any], checks: list[tuple[bool, str]], *, rope_scaling: bool = False) -> None:
+    """Every failed (ok, why) check in one ConvertError, then the rotary base must be readable; rope
+    scaling only where the architecture builds it (`rope_scaling`)."""
+    scaling = rope_scaling_of(cfg)
+    checks = [*checks, (rope_scaling or scaling is None, f"rope_type={(scaling or {}).get('rope_type')!r} (plain RoPE only)")]
     bad = [why for ok, why in checks if not ok]
     if bad:
         raise ConvertError(f"config.json (model_type {cfg.get('model_type')}) has unsupported settings: {'; '.join(bad)}")

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from worker_contract import model_digests
 
-from .hf_io import ConvertError, load_hf_config, rope_theta_of
+from .hf_io import ConvertError, load_hf_config, rope_scaling_of, rope_theta_of
 
 IDENTITY_FILE = "model_identity.json"
 IDENTITY_VERSION = 1
@@ -28,6 +28,7 @@ IDENTITY_VERSION = 1
 MANIFEST_FIELDS: dict[str, str] = {
     "architecture": "architecture",
     "rope_theta": "rope_theta",
+    "rope_scaling": "rope_scaling",
     "vocab_size": "vocab_size",
     "hidden_size": "hidden_size",
     "num_layers": "num_layers",
@@ -55,6 +56,8 @@ class ModelIdentity(BaseModel):
     """HF model_type, the key of the conversion registry (e.g. qwen2)."""
     rope_theta: float
     """Rotary base from the HF config; the only accepted value for --rotary-base / model.rotary_base."""
+    rope_scaling: dict[str, str | int | float] | None = None
+    """Rope scaling from the HF config (hf_io.rope_scaling_of: llama3's four parameters), None for plain RoPE."""
     vocab_size: int
     """Embedding rows of the HF model (token ids at or above are invalid)."""
     padded_vocab_size: int
@@ -135,6 +138,7 @@ def identity_from_config(
         architecture=str(archs[0]) if archs else f"{cfg['model_type']}ForCausalLM",
         model_type=str(cfg["model_type"]),
         rope_theta=rope_theta_of(cfg),
+        rope_scaling=rope_scaling_of(cfg),
         vocab_size=vocab,
         padded_vocab_size=padded,
         hidden_size=int(cfg["hidden_size"]),

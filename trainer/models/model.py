@@ -62,6 +62,8 @@ def build_model(cfg: Mapping[str, Any], *, padded_vocab_size: int | None = None,
         persist_layer_norm=False,
     )
     model = GPTModel(tc, arch.layer_spec(cfg, attention), **arch.gpt_model_kwargs(cfg, vocab))
+    # one place sets the rotary frequencies: megatron's own rope and our fused-rope tables both read them
+    model.rotary_pos_emb.inv_freq = arch.rotary_inv_freq(cfg, model.rotary_pos_emb.inv_freq)
     # the local spec builds torch RMSNorm without a dtype (fp32 weights); make the whole model one dtype
     return model.to(device=device, dtype=dtype)
 

@@ -66,6 +66,8 @@ def split_qkv(qkv: Any, nh: int, ng: int, d: int) -> tuple[Any, Any, Any]:
 
 class Qwen2(Architecture):
     model_types = ("qwen2",)
+    #: the fused QKV's tensors (Qwen2 has query/key/value biases)
+    qkv_kinds: tuple[str, ...] = ("weight", "bias")
 
     def validate(self, cfg: Mapping[str, Any]) -> None:
         nh, ng, d = _shape(cfg)
@@ -124,7 +126,7 @@ class Qwen2(Architecture):
             h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
             for hs, ms in _DIRECT.items():
                 out[m + ms] = take(h + hs)
-            for kind in ("weight", "bias"):
+            for kind in self.qkv_kinds:
                 q, k, v = (take(f"{h}self_attn.{p}_proj.{kind}") for p in "qkv")
                 out[f"{m}self_attention.linear_qkv.{kind}"] = interleave_qkv(q, k, v, nh, ng, d)
             gate, up = take(h + "mlp.gate_proj.weight"), take(h + "mlp.up_proj.weight")
@@ -143,7 +145,7 @@ class Qwen2(Architecture):
             h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
             for hs, ms in _DIRECT.items():
                 out[h + hs] = mg[m + ms]
-            for kind in ("weight", "bias"):
+            for kind in self.qkv_kinds:
                 q, k, v = split_qkv(mg[f"{m}self_attention.linear_qkv.{kind}"], nh, ng, d)
                 out.update({f"{h}self_attn.q_proj.{kind}": q, f"{h}self_attn.k_proj.{kind}": k,
                             f"{h}self_attn.v_proj.{kind}": v})

@@ -12,12 +12,13 @@ from typing import Any
 from .arch import Architecture
 from .hf_io import ConvertError
 from .lfm2 import Lfm2
+from .llama import Llama
 from .qwen2 import Qwen2
 
 
 def _registry() -> dict[str, Architecture]:
     out: dict[str, Architecture] = {}
-    for arch in (Qwen2(), Lfm2()):
+    for arch in (Qwen2(), Llama(), Lfm2()):
         for mt in arch.model_types:
             out[mt] = arch
     return out

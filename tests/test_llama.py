@@ -1,0 +1,170 @@
+"""Llama through the architecture registry: forward parity with transformers' LlamaForCausalLM (tiny random
+config, fp32, CPU), plain RoPE and Llama 3.x rope scaling, through megatron's rope and our fused-rope
+tables; the exact HF <-> Megatron name round trip; rope scaling in the model identity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import megatron_cpu
+
+#: Llama 3.1's scaling, with the original context shrunk so the tiny model's 16 frequencies fall in all
+#: three bands (kept, blended, divided)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def make_tiny_llama(out: Path | None = None, *, scaling: dict | None = None, tied: bool = False,
+                    vocab: int = 128, dtype=None, seed: int = 0):
+    """A random LlamaForCausalLM (norms random too), saved with a tokenizer when `out` is given."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    rope = {"rope_type": "default", "rope_theta": 500000.0, **(scaling or {})}
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_parameters=rope,
+                      tie_word_embeddings=tied, max_position_embeddings=256, rms_norm_eps=1e-5)
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.5)
+    if dtype is not None:
+        model = model.to(dtype)
+    if out is not None:
+        out = Path(out)
+        model.save_pretrained(out)
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def dist():
+    megatron_cpu.init_distributed()
+    yield
+    megatron_cpu.shutdown_distributed()
+
+
+def _saved(model, tmp_path):
+    from safetensors.torch import load_file
+
+    model.save_pretrained(tmp_path)
+    return load_file(tmp_path / "model.safetensors"), json.loads((tmp_path / "config.json").read_text())
+
+
+def _megatron(cfg, state, attention="sdpa"):
+    from trainer.models.model import build_model, load_full_state
+    from trainer.models.registry import get_architecture
+
+    model = build_model(cfg, dtype=torch.float32, attention=attention, fused=False, device="cpu")
+    load_full_state(model, get_architecture(cfg).hf_to_megatron(state, cfg, cfg["vocab_size"]))
+    return model.eval()
+
+
+def _fused_rope_logits(model, ids):
+    """Logits through our SDPA attention with the rope tables handed in (the learner's path)."""
+    from trainer.backends.megatron_graphs import fused_rope
+    from trainer.backends.megatron_rank import MegatronRank
+
+    t = ids.shape[1]
+    sites = [m for m in model.modules() if getattr(m, "fuses_rope", False)]
+    assert sites
+    emb = model.embedding(input_ids=ids, position_ids=torch.arange(t)[None].expand_as(ids))
+    with fused_rope(sites, MegatronRank._rope_tables(model, t, torch.float32)):
+        hidden = model.decoder(hidden_states=emb, attention_mask=None, rotary_pos_emb=None)
+    return model.output_layer(hidden, weight=model.shared_embedding_or_output_weight()
+                              if model.share_embeddings_and_output_weights else None)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3], ids=["plain", "llama3"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_forward_parity_with_transformers(dist, tmp_path, scaling, tied):
+    torch.set_num_threads(2)
+    hf = make_tiny_llama(scaling=scaling, tied=tied)
+    state, cfg = _saved(hf, tmp_path)
+    assert not any(k.endswith("_proj.bias") for k in state)
+    ids = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(40)[None].expand(3, -1)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        mg = _megatron(cfg, state)
+        out = mg(ids, pos, attention_mask=None)
+        fused = _fused_rope_logits(mg, ids)
+    for got in (out, fused):
+        assert got.shape == ref.shape
+        diff = (got - ref).abs().max().item()
+        assert diff < 1e-5, f"max |logit diff| {diff}"
+    lp_ref, lp = ref.log_softmax(-1), out.log_softmax(-1)
+    tok = ids[:, 1:, None]
+    assert (lp[:, :-1].gather(-1, tok) - lp_ref[:, :-1].gather(-1, tok)).abs().max().item() < 1e-5
+    # the scaling is seen: the other rope variant's megatron model does not match transformers
+    rope = {"rope_theta": 500000.0, **LLAMA3} if scaling is None else {"rope_type": "default", "rope_theta": 500000.0}
+    other = {**cfg, "rope_parameters": rope}
+    with torch.no_grad():
+        assert (_megatron(other, state)(ids, pos, attention_mask=None) - ref).abs().max().item() > 1e-3
+
+
+def test_inv_freq_is_transformers_bit_for_bit():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from trainer.models.llama import llama3_inv_freq
+
+    for theta, dim, params in ((500000.0, 128, {**LLAMA3, "original_max_position_embeddings": 8192}),
+                               (500000.0, 64, {**LLAMA3, "factor": 32.0}), (10000.0, 32, LLAMA3)):
+        cfg = LlamaConfig(hidden_size=dim * 4, num_attention_heads=4, head_dim=dim,
+                          rope_parameters={**params, "rope_theta": theta})
+        ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+        plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # megatron's
+        assert torch.equal(llama3_inv_freq(plain, **params), ref)
+
+
+def test_name_round_trip_is_exact_and_biases_are_refused(dist, tmp_path):
+    from trainer.models.hf_io import ConvertError
+    from trainer.models.model import full_state
+    from trainer.models.registry import get_architecture
+
+    for tied in (False, True):
+        state, cfg = _saved(make_tiny_llama(scaling=LLAMA3, tied=tied), tmp_path / str(tied))
+        arch = get_architecture(cfg)
+        back = arch.megatron_to_hf(full_state(_megatron(cfg, state)), cfg)
+        assert set(back) == set(state)
+        assert all(torch.equal(back[k], state[k]) for k in state)
+    for bad, why in (({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias"),
+                     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+                     ({"rope_parameters": {**LLAMA3, "rope_theta": 1e4, "low_freq_factor": None}}, "low_freq_factor")):
+        with pytest.raises(ConvertError, match=why):
+            arch.validate({**cfg, **bad})
+    # Qwen2 does not build rope scaling: refused, not silently plain
+    qwen = megatron_cpu.make_tiny_qwen2(tmp_path / "qwen")
+    qcfg = json.loads((tmp_path / "qwen" / "config.json").read_text())
+    with pytest.raises(ConvertError, match="llama3"):
+        get_architecture(qcfg).validate({**qcfg, "rope_parameters": {**LLAMA3, "rope_theta": 1e6}})
+    del qwen
+
+
+def test_identity_records_and_compares_rope_scaling(tmp_path):
+    from trainer.models import IdentityMismatch, check_model_identity, identity_from_hf
+
+    make_tiny_llama(tmp_path / "a", scaling=LLAMA3)
+    make_tiny_llama(tmp_path / "b", scaling={**LLAMA3, "factor": 4.0})
+    make_tiny_llama(tmp_path / "c")
+    a, b, c = (identity_from_hf(tmp_path / n) for n in "abc")
+    assert a.rope_scaling == LLAMA3 and c.rope_scaling is None and a.rope_theta == 500000.0
+    assert a.architecture == "LlamaForCausalLM" and a.model_type == "llama"
+    for other in (b, c):
+        with pytest.raises(IdentityMismatch, match="rope_scaling"):
+            check_model_identity(a, checkpoint=other)
+        with pytest.raises(IdentityMismatch, match="rope_scaling"):
+            check_model_identity(a, manifest=other.manifest_values())
+    assert check_model_identity(a, manifest=a.manifest_values()) is a

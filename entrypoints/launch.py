@@ -111,10 +111,11 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
     if not shown:
         out("(no DRL_* contract or R2_* variables set)")
     if mode == "embedded":
+        from infra.retriever import serve_argv
         from trainer.embedded import plan_lines
 
         out("# will run:")
-        for line in plan_lines(cfg, paths):
+        for line in plan_lines(cfg, paths, retriever_argv=serve_argv):
             out(line)
 
 
@@ -177,9 +178,10 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
     if dry:
         dry_run(cfg, mode, why, env, out)
         return 0
+    from infra.retriever import serve_argv
     from trainer.embedded import run_embedded
 
-    return run_embedded(cfg)
+    return run_embedded(cfg, retriever_argv=serve_argv)  # psqa: the retriever child's command (trainer names no infra)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,6 +70,7 @@ def _leftovers(root: Path) -> list[str]:
 def _run(root: Path, run: str, model: Path, **over) -> tuple[int, str]:
     from rich.console import Console
 
+    from infra.retriever import serve_argv
     from trainer.embedded import run_embedded
 
     tiny = {"run": run, "model.path": str(model), "algo.groups_per_step": 2, "algo.max_new_tokens": 48,
@@ -77,7 +78,8 @@ def _run(root: Path, run: str, model: Path, **over) -> tuple[int, str]:
             "embedded.psqa.heldout_entities": 30, "train.save_interval": 2}
     cfg = resolve("psqa", env={}, overrides={**tiny, **over}, embedded=True)
     buf = io.StringIO()
-    return run_embedded(cfg, console=Console(file=buf, width=160), root=root), buf.getvalue()
+    rc = run_embedded(cfg, console=Console(file=buf, width=160), root=root, retriever_argv=serve_argv)
+    return rc, buf.getvalue()
 
 
 @pytest.mark.slow

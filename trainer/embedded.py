@@ -83,8 +83,8 @@ def gsm8k_data_available() -> bool:
     return True
 
 
-def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
-    """What `run_embedded` will do, for the dry run."""
+def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> list[str]:
+    """What `run_embedded` will do, for the dry run (`retriever_argv`: as run_embedded takes it)."""
     from .basemodel import config_digest
 
     py = "python"
@@ -124,7 +124,7 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
     if cfg.task == "psqa":
         from . import embedded_psqa
 
-        return embedded_psqa.plan_lines(cfg, paths, middle, tail)
+        return embedded_psqa.plan_lines(cfg, paths, middle, tail, retriever_argv)
     return [
         "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the whole loop on this machine",
         f"1. {base}", *middle,
@@ -251,10 +251,12 @@ class _Interrupts:
             self.procs.signal_all(signal.SIGKILL)
 
 
-def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR) -> int:
+def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR, retriever_argv=None) -> int:
     """The embedded run, start to summary; the exit status of `make gsm8k` (0 ok, 1 failed, 130 Ctrl-C).
 
-    `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default)."""
+    `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default).
+    `retriever_argv` (psqa): (corpus, port) -> the retriever's command, infra.retriever.serve_argv (trainer/
+    names no infra module; entrypoints/launch.py passes it)."""
     from rich.console import Console
 
     console = console or Console()
@@ -270,7 +272,10 @@ def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR) -> i
     if cfg.task == "psqa":  # the generated corpus and the retriever (trainer/embedded_psqa.py)
         from .embedded_psqa import PsqaServices
 
-        services = PsqaServices(cfg, paths)
+        if retriever_argv is None:
+            raise ValueError("the embedded psqa run needs the retriever's command: pass "
+                             "retriever_argv=infra.retriever.serve_argv (python -m entrypoints.launch does)")
+        services = PsqaServices(cfg, paths, retriever_argv)
     try:
         return _run_locked(cfg, paths, console, services)
     finally:

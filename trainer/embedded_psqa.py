@@ -5,24 +5,23 @@
                     base (trainer/psqa_base.py, or MODEL=), the workers' search flags and environment
     PsqaHeldoutEvaluator   held-out cover-EM pass@1, search rate and the share of correct answers found after a
                     search, through trainer/psqa_eval's `evaluate` on test questions never trained on
-The retriever is started by module name, as the workers are: trainer/ imports only worker_contract, and a
-process of its own is what the fleet runs too (one service, many clients), so nothing here imports infra.
+The retriever is a process of its own, as in the fleet (one service, many clients); its command comes from
+the caller (`retriever_argv`: entrypoints/launch.py passes infra.retriever.serve_argv), because trainer/ may
+neither import nor name infra (tests/test_import_rules.py), and a process boundary keeps its index out of
+the launcher's memory. The launcher owns it like every other child: started first, stopped last.
 """
 
 from __future__ import annotations
 
 import shutil
 import socket
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .config import RecipeConfig
 from .heldout import HeldoutEvaluator
 from .localprocs import Processes, child_env
-
-#: the retriever service's entry point, started as a process (never imported: trainer/ does not import infra)
-RETRIEVER_MODULE = "infra.retriever"
 
 
 def data_dir(cfg: RecipeConfig, paths) -> Path:
@@ -53,9 +52,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def retriever_argv(corpus: Path | str, port: int | str) -> list[str]:
-    return [sys.executable, "-m", RETRIEVER_MODULE, "serve", "--corpus", str(corpus), "--host", "127.0.0.1",
-            "--port", str(port)]
+#: (corpus JSONL, port) -> the command serving it on 127.0.0.1 (infra.retriever.serve_argv)
+RetrieverArgv = Callable[[Path, int], list[str]]
 
 
 def worker_flags(cfg: RecipeConfig, url: str) -> list[str]:
@@ -83,8 +81,8 @@ def build_base(cfg: RecipeConfig, paths, data: Path, search, console) -> Path:
 class PsqaServices:
     """The data and the retriever of one embedded psqa session; `stop` after every other child has stopped."""
 
-    def __init__(self, cfg: RecipeConfig, paths):
-        self.cfg, self.paths = cfg, paths
+    def __init__(self, cfg: RecipeConfig, paths, retriever_argv: RetrieverArgv):
+        self.cfg, self.paths, self.retriever_argv = cfg, paths, retriever_argv
         self.procs = Processes()
         self.data: Path | None = None
         self.url: str | None = None
@@ -94,7 +92,7 @@ class PsqaServices:
 
         self.data = ensure_data(self.cfg, self.paths)
         port = free_port()
-        child = self.procs.start("retriever", retriever_argv(self.data / "corpus.jsonl", port), child_env(self.cfg),
+        child = self.procs.start("retriever", self.retriever_argv(self.data / "corpus.jsonl", port), child_env(self.cfg),
                                  self.paths.run_dir / "retriever.log")
         self.url = f"http://127.0.0.1:{port}"
         client, deadline = RetrieverClient(self.url, timeout_s=2.0, retries=0), time.monotonic() + timeout_s
@@ -175,7 +173,8 @@ class PsqaHeldoutEvaluator(HeldoutEvaluator):
                 "eval/response_tokens": point.response_tokens}
 
 
-def plan_lines(cfg: RecipeConfig, paths, middle: list[str], tail: list[str]) -> list[str]:
+def plan_lines(cfg: RecipeConfig, paths, middle: list[str], tail: list[str],
+               retriever_argv: RetrieverArgv | None) -> list[str]:
     """What the embedded psqa run will do, for the dry run (`middle`: trainer/embedded.py's run.json, learner and
     worker lines; `tail`: its stop and metrics lines)."""
     p, e = cfg.embedded.psqa, cfg.embedded
@@ -184,14 +183,14 @@ def plan_lines(cfg: RecipeConfig, paths, middle: list[str], tail: list[str]) -> 
             f"build and cache (or reuse) the base under {paths.cache}/psqa-base-<digest>: trainer.psqa_base."
             f"ensure_psqa_base, a small LFM2-MoE supervised into the search format "
             f"(PsqaBaseConfig{'(' + ', '.join(f'{k}={v!r}' for k, v in p.base.items()) + ')' if p.base else ' defaults'})")
-    py = "python"
+    serve = (" ".join(["python", *retriever_argv(data / "corpus.jsonl", 0)[1:]]).replace("--port 0", "--port <a free port>")
+             if retriever_argv else "(the caller's retriever command)")
     return [
         "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the PaperSearchQA miniature on this "
         "machine",
         f"0. data {data}: {'reuse' if (data / 'test.jsonl').exists() else 'write'} the generated corpus "
         f"(trainer.psqa_synth.write_dataset: {p.entities} abstracts, {p.heldout_entities} entities held out)",
-        f"0. retriever: {py} -m {RETRIEVER_MODULE} serve --corpus {data}/corpus.jsonl --host 127.0.0.1 --port "
-        f"<a free port>   (log {paths.run_dir}/retriever.log; started first, stopped last; its URL is "
+        f"0. retriever: {serve}   (log {paths.run_dir}/retriever.log; started first, stopped last; its URL is "
         "DRL_RETRIEVER_URL)",
         f"1. {base}",
         *middle,

@@ -104,6 +104,6 @@ def test_a_variant_objective_on_the_slime_engine_is_refused_in_one_sentence():
     from trainer.config import resolve
 
     with pytest.raises(ValueError, match=r"algo.objective='no_is' runs on the native engine only") as e:
-        resolve("psqa", env={}, overrides={"algo.objective": "no_is"})
+        resolve("psqa", env={}, overrides={"algo.objective": "no_is", "train.engine": "slime"})
     assert "\n" not in str(e.value)
     assert resolve("psqa", env={}, overrides={"algo.objective": "no_is", "train.engine": "native"}).algo.objective == "no_is"

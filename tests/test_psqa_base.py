@@ -24,7 +24,7 @@ from worker_contract.tasks.psqa import TurnOutput, run_episodes, tool_turn_text
 from worker_contract.tasks.psqa_retrieval import format_hits
 
 TINY = PsqaBaseConfig(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, moe_intermediate_size=32,
-                      vocab_size=300, tokenizer_traces=60, sft_steps=4, sft_batch_size=4, eval_questions=2,
+                      vocab_size=300, tokenizer_traces=60, sft_steps=4, short_steps=2, sft_batch_size=4, eval_questions=2,
                       max_new_tokens=48)
 
 

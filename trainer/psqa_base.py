@@ -52,7 +52,7 @@ class PsqaBaseConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    hidden_size: int = 96
+    hidden_size: int = 128
     """Width of the model."""
     layer_types: tuple[str, ...] = ("conv", "full_attention", "conv", "full_attention")
     """LFM2 block kinds, one per layer (short convolutions and attention, as the fleet model mixes them)."""
@@ -62,20 +62,24 @@ class PsqaBaseConfig(BaseModel):
     """Key/value heads."""
     num_dense_layers: int = 1
     """Leading layers with a dense SwiGLU instead of experts."""
-    intermediate_size: int = 256
+    intermediate_size: int = 320
     """Dense SwiGLU width."""
     num_experts: int = 4
     """Experts per MoE layer."""
     experts_per_token: int = 2
     """Experts each token is routed to."""
-    moe_intermediate_size: int = 96
+    moe_intermediate_size: int = 128
     """Each expert's SwiGLU width."""
-    vocab_size: int = 640
+    vocab_size: int = 1500
     """Byte-level BPE vocabulary (specials and the six psqa tags come on top)."""
     tokenizer_traces: int = 1500
     """Train traces the tokenizer is trained on."""
-    sft_steps: int = 700
+    sft_steps: int = 1000
     """Supervised steps."""
+    short_steps: int = 750
+    """Supervised steps first taken on traces whose prompt is the question alone (no instruction): a third
+    of the tokens, so the copying the format needs (entity into the query, answer out of the documents)
+    is learned at a third of the cost, then carried over to the full prompt."""
     sft_batch_size: int = 32
     """Traces per supervised step."""
     sft_lr: float = 3e-3
@@ -188,7 +192,7 @@ class TraceSource:
         for p in self.train:
             self.answers.setdefault(p.category, []).append(p.answer)
         self._docs: dict[str, str] = {}
-        self._prompts: dict[str, list[int]] = {}
+        self._prompts: dict[tuple[str, bool], list[int]] = {}
         self.tokenizer = None
 
     def documents(self, problem: PsqaProblem) -> str:
@@ -209,12 +213,18 @@ class TraceSource:
         return (f"{turns}<|im_start|>assistant\n{SEARCH_OPEN} {search_query(problem)} {SEARCH_CLOSE}"
                 f"{tool_turn_text(self.documents(problem))}{ANSWER_OPEN} {problem.answer} {ANSWER_CLOSE}<|im_end|>")
 
-    def trace(self, problem: PsqaProblem) -> Trace:
+    def trace(self, problem: PsqaProblem, short: bool = False) -> Trace:
         documents, guess = self.draw(problem)
-        if problem.id not in self._prompts:
-            self._prompts[problem.id] = prompt_ids(self.tokenizer, self.task, problem)
+        key = (problem.id, short)
+        if key not in self._prompts:
+            if short:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": f"Question: {problem.question}"}],
+                                                          tokenize=False, add_generation_prompt=True)
+                self._prompts[key] = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                self._prompts[key] = prompt_ids(self.tokenizer, self.task, problem)
         return make_trace(self.tokenizer, self.task, problem, documents=documents, guess=guess,
-                          prompt=self._prompts[problem.id])
+                          prompt=self._prompts[key])
 
 
 def batch_tensors(traces: Sequence[Trace], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -267,7 +277,8 @@ class _Steps(SFTSteps):
         self.order = random.Random(cfg.seed + 1)
 
     def step(self, index: int) -> torch.Tensor:
-        batch = [self.source.trace(self.order.choice(self.source.train)) for _ in range(self.cfg.sft_batch_size)]
+        short = index < self.cfg.short_steps
+        batch = [self.source.trace(self.order.choice(self.source.train), short) for _ in range(self.cfg.sft_batch_size)]
         ids, labels, attn = batch_tensors(batch, self.tokenizer.pad_token_id)
         loss = self.model(input_ids=ids, attention_mask=attn, labels=labels).loss
         self.opt.zero_grad(set_to_none=True)
@@ -339,9 +350,19 @@ def ensure_psqa_base(data_dir: str | Path, cache_dir: str | Path, search: Search
         return out, PsqaBaseReport.model_validate_json((out / "base.json").read_text())
     from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "causal_conv1d falls back to PyTorch" and the like would tear a panel
+    try:
+        return _build(cfg, task, train, test, search, digest, out, log, show_progress)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _build(cfg: PsqaBaseConfig, task: PsqaTask, train: list[PsqaProblem], test: list[PsqaProblem], search: Search,
+           digest: str, out: Path, log: Callable[[str], None], show_progress: bool) -> tuple[Path, PsqaBaseReport]:
     from .psqa_eval import heldout_subset
 
-    hf_logging.disable_progress_bar()
     with _one_thread():
         t0 = time.time()
         source = TraceSource(task, train, search, cfg)

@@ -61,8 +61,8 @@ gsm8k:  ## run the GSM8K job: embedded default on this machine, or HOST=user@box
 	$(call need_run,gsm8k RUN=<run-id> [HOST=user@box] [MODEL=/path/to/hf-model])
 	$(LAUNCH) --recipe gsm8k
 
-psqa:  ## run the PaperSearchQA fleet reference on HOST=user@box
-	$(call need_run,psqa RUN=<run-id> HOST=user@box)
+psqa:  ## run the PaperSearchQA job: its embedded miniature on this machine, or HOST=user@box for the fleet reference
+	$(call need_run,psqa RUN=<run-id> [HOST=user@box] [MODEL=/path/to/lfm2-moe])
 	$(LAUNCH) --recipe psqa
 
 test: setup  ## install what the tests need and run them (nox -s tests)

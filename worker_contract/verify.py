@@ -2,8 +2,9 @@
 
 For each version up to the pointer: its patch (signature, base and result digests, applied to the previous
 version's state) and its anchor (signature, shard and tensor digests), and that both agree where a version
-has both. A version with no complete objects is an interrupted attempt that the pointer skipped; it is
-reported, and only a failure if something needed it. Finally the pointer's signature and digest.
+has both. A version with no complete objects is an interrupted attempt that the pointer skipped, or, below
+the oldest anchor left, collected (`invoke gc` deletes what no joiner can need; a run's first anchor is v1);
+it is reported, and only a failure if something needed it. Finally the pointer's signature and digest.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bo
         return True
     anchors = _versions(store, layout.anchors_prefix(run), layout.anchor_version_of)
     patches = _versions(store, layout.versions_prefix(run), layout.patch_version_of)
-    failures, skipped = 0, 0
+    failures, skipped, collected = 0, 0, 0
+    oldest = min(anchors) if anchors else None  # every version below it is gone on purpose: gc collected it
     state, digest = None, None
     for v in range(1, pointer.version + 1):
         notes, ok = [], True
@@ -60,7 +62,9 @@ def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bo
             try:
                 patch = store.get(layout.patch_key(run, v))
                 header = verify_patch_signature(patch, key)
-                if state is None and v in anchors:
+                if state is None and v in anchors and v == oldest and v > 1:
+                    notes.append(f"patch signed (its base v{v - 1} was collected; entered from the anchor)")
+                elif state is None and v in anchors:
                     notes.append("patch signed (its base is not reachable; entered from the anchor)")
                 elif state is None:
                     raise PatchError("its base is not reachable (no earlier chain and no anchor here)")
@@ -94,8 +98,12 @@ def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bo
             state = None
             if v == pointer.version:
                 ok = False
-            skipped += 1
-            notes.append("no complete objects (an interrupted attempt the pointer skipped)")
+            if oldest is not None and v < oldest:
+                collected += 1
+                notes.append(f"collected (below the oldest anchor v{oldest}, where every joiner starts)")
+            else:
+                skipped += 1
+                notes.append("no complete objects (an interrupted attempt the pointer skipped)")
         failures += not ok
         out(f"v{v:<6} {'ok  ' if ok else 'FAIL'} {'; '.join(notes)}")
     if state is None or digest != pointer.result_digest:
@@ -106,6 +114,7 @@ def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bo
         out(f"FAIL current.json names anchor v{pointer.anchor_version}, which is not a complete anchor")
     beyond = sorted(v for v in anchors | patches if v > pointer.version)
     out(f"run {run!r}: pointer v{pointer.version}, {len(anchors)} anchors, {len(patches)} patches, "
-        f"{skipped} skipped, {len(beyond)} beyond the pointer, {failures} failures"
+        f"{skipped} skipped, " + (f"{collected} collected, " if collected else "")
+        + f"{len(beyond)} beyond the pointer, {failures} failures"
         + (": OK" if not failures else ": FAILED"))
     return failures == 0

@@ -168,3 +168,60 @@ def test_identity_records_and_compares_rope_scaling(tmp_path):
         with pytest.raises(IdentityMismatch, match="rope_scaling"):
             check_model_identity(a, manifest=other.manifest_values())
     assert check_model_identity(a, manifest=a.manifest_values()) is a
+
+
+def _torch_logprobs(model, prompt, response, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0].numpy()
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3], ids=["plain", "llama3"])
+def test_torch_and_mlx_workers_sample_the_same_llama(tmp_path, scaling):
+    """Both workers join one run of a tiny Llama; each one's sampled log-probs are the other's, and a
+    worker whose config has other rope scaling is refused."""
+    import threading
+
+    import numpy as np
+
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from tests.worker_fixtures import publish_run, save_tiny_llama
+    from worker_contract.manifest import ContractMismatch
+    from worker_contract.store.file import FileStore
+    from worker_contract.tasks import get_task
+    from worker_contract.worker.loop import Worker, WorkerSettings
+    from worker_contract.worker.mlx_model import rope_types
+
+    model_dir = save_tiny_llama(tmp_path / "llama", rope_scaling=scaling)
+    store = FileStore(tmp_path / "bucket")
+    _, manifest, _, _ = publish_run(store, model_dir, "llama-run", n_samples=3, plane="bf16")
+    assert manifest.rope_scaling == scaling and manifest.architecture == "LlamaForCausalLM"
+
+    def worker(backend, d=model_dir):
+        s = WorkerSettings(store=store.url, run="llama-run", model_dir=str(d), worker_id=f"{backend}-1", seed=0,
+                           threads=1, backend=backend, mlx_dtype="float32")
+        return Worker(s, env={"DRL_N_SAMPLES": "3", "DRL_PULSE_PLANE": "bf16"})
+
+    mw, tw = worker("mlx"), worker("torch")
+    assert mw.setup(threading.Event()) and tw.setup(threading.Event())
+    assert rope_types(mw.policy.model) == {"llama3" if scaling else "default"}
+    problem = get_task("arithmetic").dataset("train")[0]
+    import mlx.core as mx
+
+    def mlx_logprobs(prompt, response, temperature):
+        logits = mw.policy.model(mx.array([prompt + response]))[0, len(prompt) - 1:-1].astype(mx.float32) / temperature
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return np.array(mx.take_along_axis(logp, mx.array(response)[:, None], axis=-1)[:, 0])
+
+    for w, other in ((mw, lambda p, r, t: _torch_logprobs(tw.policy.model, p, r, t)), (tw, mlx_logprobs)):
+        rec = w.sample_group(problem)
+        assert len(rec.samples) == 3 and sum(len(s.response_ids) for s in rec.samples) > 3
+        for s in rec.samples:
+            np.testing.assert_allclose(s.behavior_logprobs, other(rec.prompt_ids, s.response_ids,
+                                                                  manifest.temperature), atol=2e-4)
+    # a worker whose model has other rope scaling is not the run's model
+    wrong = save_tiny_llama(tmp_path / "wrong", rope_scaling=None if scaling else LLAMA3)
+    for backend in ("torch", "mlx"):
+        with pytest.raises(ContractMismatch, match="rope_scaling"):
+            worker(backend, wrong).setup(threading.Event())

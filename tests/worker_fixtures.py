@@ -60,3 +60,26 @@ def publish_run(store, model_dir, run: str, *, n_samples: int, max_new_tokens: i
     pub = Publisher(store, manifest, key, anchor_interval=10, progress=False)
     pub.publish_anchor(model.state_dict())
     return cfg, manifest, pub, model
+
+
+def save_tiny_llama(out: Path, *, rope_scaling: dict | None = None) -> Path:
+    """A 1-layer Llama (64 wide, 2 heads of 32, 1 KV head, tied) with save_tiny_qwen2's tokenizer; with
+    `rope_scaling` (llama3's four fields) its rotary frequencies are Llama 3.x's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.basemodel import _render, build_tokenizer
+
+    torch.set_num_threads(1)
+    task = get_task("arithmetic")
+    train = task.dataset("train")
+    tok = build_tokenizer([_render(task, train[i]) for i in range(300)], 300)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0, **(rope_scaling or {})},
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+        architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

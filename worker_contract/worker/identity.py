@@ -34,6 +34,19 @@ def rope_theta(cfg: Mapping[str, Any]) -> float | None:
     return None if theta is None else float(theta)
 
 
+def rope_scaling(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Llama 3.x's rope scaling as run.json records it (rope_type and its four numbers), None for plain."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, Mapping) or params.get("rope_type", params.get("type", "default")) in (None, "default"):
+        return None
+    out: dict[str, Any] = {k: v for k, v in params.items() if k != "rope_theta"}
+    out["rope_type"] = out.pop("type", out.get("rope_type"))
+    for k in ("factor", "low_freq_factor", "high_freq_factor"):
+        if isinstance(out.get(k), int | float) and not isinstance(out.get(k), bool):
+            out[k] = float(out[k])
+    return out
+
+
 def local_identity(model_dir: str | Path) -> dict[str, Any]:
     """The identity fields of run.json, read from a local HF directory (config.json + tokenizer files)."""
     path = Path(model_dir) / "config.json"
@@ -58,6 +71,7 @@ def local_identity(model_dir: str | Path) -> dict[str, Any]:
     return {
         "architecture": str(archs[0]) if isinstance(archs, list) else str(archs),
         "rope_theta": rope_theta(cfg),
+        "rope_scaling": rope_scaling(cfg),
         "vocab_size": cfg["vocab_size"],
         "hidden_size": cfg["hidden_size"],
         "num_layers": cfg["num_hidden_layers"],

@@ -297,7 +297,7 @@ class Worker:
                 import mlx.core  # noqa: F401
                 import mlx_lm  # noqa: F401
 
-                from .mlx_model import MlxPolicy, rope_bases
+                from .mlx_model import MlxPolicy, rope_bases, rope_types
             except ImportError as e:
                 raise ContractMismatch(f"the MLX worker needs mlx and mlx-lm ({e}): pip install "
                                        "'stoa-trainer[mlx]'") from None
@@ -309,6 +309,10 @@ class Worker:
             if manifest.rope_theta is not None and bases != {float(manifest.rope_theta)}:
                 raise ContractMismatch(f"the MLX model built from {model_dir} uses RoPE base(s) {sorted(bases)}, "
                                        f"run.json has rope_theta={manifest.rope_theta}")
+            want = {(manifest.rope_scaling or {}).get("rope_type", "default")}
+            if rope_types(policy.model) != want:
+                raise ContractMismatch(f"the MLX model built from {model_dir} uses RoPE {sorted(rope_types(policy.model))}, "
+                                       f"run.json has rope_scaling={manifest.rope_scaling}")
             return policy
         from .model import PolicyModel
 

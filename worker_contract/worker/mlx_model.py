@@ -33,15 +33,18 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _mlx_config(cfg: dict) -> dict:
-    """config.json as mlx-lm's ModelArgs read it. transformers 5 writes rope_theta inside
-    `rope_parameters`, which mlx-lm's qwen2 does not read (it would silently use its 1e6 default), and
-    writes no LFM2 `block_dim`, which mlx-lm's lfm2 requires."""
+    """config.json as mlx-lm's ModelArgs read it. transformers 5 writes rope_theta (and Llama 3.x's
+    scaling) inside `rope_parameters`, which mlx-lm does not read (it would silently use its defaults),
+    and writes no LFM2 `block_dim`, which mlx-lm's lfm2 requires."""
     cfg = dict(cfg)
     params = cfg.get("rope_parameters") or {}
     if isinstance(params, Mapping) and "rope_theta" in params:
-        if params.get("rope_type", "default") != "default":
-            raise ValueError(f"the MLX worker supports default RoPE only; config.json has rope_type "
-                             f"{params.get('rope_type')!r}")
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "llama3" and cfg.get("model_type") == "llama":
+            cfg["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+        elif rope_type != "default":
+            raise ValueError(f"the MLX worker supports default RoPE (and llama3 on Llama) only; config.json "
+                             f"has rope_type {rope_type!r}")
         cfg["rope_theta"] = params["rope_theta"]
     if cfg.get("model_type") == "lfm2":  # transformers' LFM2 block width is hidden_size; it omits block_dim
         cfg.setdefault("block_dim", cfg["hidden_size"])
@@ -58,6 +61,9 @@ def build_model(model_dir: str | Path):
     cfg = _mlx_config(cfg)
     model_cls, args_cls = _get_classes(cfg)
     model = model_cls(args_cls.from_dict(cfg))
+    for _, m in model.named_modules():  # mlx-lm's Llama 3 RoPE keeps only its scaled frequencies
+        if type(m).__name__ == "Llama3RoPE":
+            m.base = float(cfg["rope_theta"])
     model.eval()
     return model, arch, cfg
 
@@ -65,6 +71,13 @@ def build_model(model_dir: str | Path):
 def rope_bases(model) -> set[float]:
     """The RoPE bases the built model uses (checked against run.json's rope_theta)."""
     return {float(m.base) for _, m in model.named_modules() if "RoPE" in type(m).__name__ and hasattr(m, "base")}
+
+
+def rope_types(model) -> set[str]:
+    """The RoPE variants the built model uses: "llama3" (Llama 3.x scaling) or "default" (checked against
+    run.json's rope_scaling)."""
+    return {"llama3" if type(m).__name__ == "Llama3RoPE" else "default"
+            for _, m in model.named_modules() if "RoPE" in type(m).__name__}
 
 
 def resolve_dtype(dtype: str) -> str:

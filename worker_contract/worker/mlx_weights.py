@@ -10,6 +10,7 @@ SwitchGLU tensors) change. numpy in, numpy out, so the mapping is testable witho
 | architecture (config.json)    | mlx-lm model | differences from the HF names                                   |
 |-------------------------------|--------------|-----------------------------------------------------------------|
 | Qwen2ForCausalLM              | qwen2        | none (`rotary_emb.inv_freq` buffers dropped)                    |
+| LlamaForCausalLM              | llama        | none (`rotary_emb.inv_freq` buffers dropped)                    |
 | Lfm2ForCausalLM               | lfm2         | `conv.conv.weight` [h, 1, L] -> [h, L, 1]                         |
 | Lfm2MoeForCausalLM            | lfm2_moe     | conv as LFM2; `feed_forward.{w1,w3,w2}` -> `{gate,up,down}_proj`; |
 |                               |              | `experts.E.wN.*` stacked over E into `switch_mlp.<proj>.*`      |
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 import numpy as np
 
 #: config.json architecture -> mlx-lm model module (mlx_lm.models.<name>)
-MLX_MODELS = {"Qwen2ForCausalLM": "qwen2", "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe"}
+MLX_MODELS = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe"}
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT = re.compile(r"(model\.layers\.\d+\.feed_forward\.)experts\.(\d+)\.(w[123])\.(weight|scales|biases)")
 _FUSED = re.compile(r"(model\.layers\.\d+\.feed_forward\.)experts\.(gate_up_proj|down_proj)")
@@ -47,7 +48,7 @@ def to_mlx(architecture: str, state: Mapping[str, np.ndarray]) -> dict[str, np.n
     for name, a in state.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        if kind != "qwen2" and name.endswith("conv.conv.weight") and a.ndim == 3 and a.shape[1] == 1:
+        if kind not in ("qwen2", "llama") and name.endswith("conv.conv.weight") and a.ndim == 3 and a.shape[1] == 1:
             a = np.ascontiguousarray(a.transpose(0, 2, 1))  # torch Conv1d [out, in/groups, L] -> mlx [out, L, in]
         if kind == "lfm2_moe":
             if m := _EXPERT.fullmatch(name):

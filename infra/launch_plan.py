@@ -16,7 +16,7 @@ import json
 import shlex
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PLAN_VERSION = 1
 BEGIN_MARKER = "----- BEGIN STOA LAUNCH PLAN -----"
@@ -152,5 +152,7 @@ def parse_plan(text: str) -> LaunchPlan:
         raise PlanError(f"plan_version={data.get('plan_version')!r}; this tool reads version {PLAN_VERSION}")
     try:
         return LaunchPlan.model_validate(data)
-    except ValueError as e:
-        raise PlanError(f"the launch plan does not validate: {e}") from None
+    except ValidationError as e:  # one line: each field and what is wrong with it
+        what = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'the plan'}: {err['msg']}" for err in e.errors())
+        raise PlanError(f"the launch plan does not validate ({what}); produce it again with DRL_DRY_RUN=1 "
+                        "make gsm8k RUN=<id> HOST=user@box") from None

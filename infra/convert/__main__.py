@@ -39,6 +39,10 @@ def recipe_rotary_base(recipe: str | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import warnings
+
+    # megatron-core warns at import about every optional fusion it lacks (Apex, Transformer Engine): not ours
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from infra.convert import convert, export_hf, plan
     from trainer.models import ConvertError, IdentityMismatch, check_model_identity, identity_from_hf
 

@@ -42,15 +42,28 @@ def parse_row(row: dict, line_no: int) -> dict[str, str]:
 
 
 def iter_jsonl(path: str | Path, limit: int | None = None) -> Iterator[dict[str, str]]:
-    """Stream documents from a JSONL corpus file (never loads the file whole)."""
+    """Stream documents from a JSONL corpus file (never loads the file whole); a line that is not a JSON
+    object, or a file that is not UTF-8 text, is a ValueError naming the file and the line."""
     with open(path, encoding="utf-8") as f:
         n = 0
-        for line_no, line in enumerate(f):
-            if limit is not None and n >= limit:
-                return
-            if line.strip():
-                yield parse_row(json.loads(line), line_no)
+        try:
+            for line_no, line in enumerate(f):
+                if limit is not None and n >= limit:
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no + 1} is not JSON ({e.msg}): the corpus is JSONL, one "
+                                     "object per line") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{line_no + 1} is a JSON {type(row).__name__}, not an object: the corpus "
+                                     'is JSONL, one {"id", "contents"} or {"title", "abstract"} object per line')
+                yield parse_row(row, line_no)
                 n += 1
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not UTF-8 text: the corpus is JSONL, one JSON object per line") from None
 
 
 def download_corpus(cache_dir: str | None = None, revision: str | None = None) -> Path:

@@ -86,9 +86,9 @@ def save(model: Any, root: str | Path, iteration: int | str = RELEASE, *, tracke
         dist_checkpointing.save(state, str(d))
     except AssertionError as e:  # megatron's writer calls torch.cuda.* unconditionally
         if "CUDA" in str(e):
-            raise RuntimeError(
+            raise ConvertError(  # the machine, not the code: one sentence, exit 2 (infra.convert)
                 "megatron-core's torch_dist writer needs a CUDA build of torch; run the conversion on the GPU host"
-            ) from e
+            ) from None
         raise
     dist.barrier()
     if tracker and dist.get_rank() == 0:

@@ -47,7 +47,8 @@ FLAG_NAMES = {"run": "RUN (--run)", "model.path": "MODEL (--model)", "launch.rem
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m entrypoints.launch", description=__doc__.split("\n\n")[0],
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", required=True, help="recipe name (runs/): gsm8k, psqa")
+    ap.add_argument("--recipe", required=True, help="recipe name (runs/): gsm8k, psqa; or the path of a recipe "
+                    "YAML file, validated the same way")
     ap.add_argument("--run", default=None, help="run id, the bucket prefix (default: DRL_RUN)")
     ap.add_argument("--host", default=None, help="user@gpu-box: launch the real trainer there over SSH")
     ap.add_argument("--model", default=None, help="a local HF model directory to train instead of the default")
@@ -122,14 +123,14 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
 def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
            out: Callable[[str], None] = print) -> int:
     args = parse_args(argv)
-    from trainer.config import REPO_ROOT, recipe_path, resolve
+    from trainer.config import REPO_ROOT, load_recipe_file, recipe_path, resolve
     from worker_contract import layout
     from worker_contract.env import EnvError, default_store_url, load_env, parse_env
 
     for name in ("run", "host", "model", "ssh_key", "remote_dir"):  # make passes an unset variable as ""
         setattr(args, name, getattr(args, name) or None)
     try:
-        recipe_path(args.recipe)
+        recipe_tree = load_recipe_file(recipe_path(args.recipe))
         env = load_env(env, repo_root=REPO_ROOT)
         contract = parse_env(env)  # the one validation of the contract variables, DRL_DRY_RUN included
         args.run = args.run or contract.require_run()
@@ -152,6 +153,10 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
     if args.engine:  # make passes an unset ENGINE as ""; a bad name is refused by the recipe's schema
         overrides["train.engine"] = args.engine
     try:
+        if mode == "embedded" and "embedded" not in recipe_tree:  # no embedded: section, no run on this machine
+            raise ValueError(f"the {recipe_tree.get('name', args.recipe)} recipe has no embedded run: give "
+                             "HOST=user@box (a GPU box), or "
+                             "run it on a GPU box with R2 credentials")
         if mode == "embedded" and args.engine == "slime":
             raise ValueError("ENGINE=slime runs slime's train.py on a GPU box with the slime image: give "
                              "HOST=user@box, or leave ENGINE unset for the embedded run here")

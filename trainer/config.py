@@ -323,9 +323,18 @@ class RecipeConfig(_Model):
 
 
 def recipe_path(name: str) -> Path:
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
-    return RUNS_DIR / RECIPES[name]
+    """A registered recipe's file, or `name` itself when it is a path to a recipe YAML (`--recipe my.yaml`),
+    validated like the registered ones."""
+    if name in RECIPES:
+        return RUNS_DIR / RECIPES[name]
+    path = Path(name).expanduser()
+    if "/" in name or path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ValueError(f"recipe file {name!r} {'is not a file' if path.exists() else 'does not exist'}: "
+                             f"give a recipe YAML file or one of the recipes {', '.join(sorted(RECIPES))}")
+        return path.resolve()
+    raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}, or the path of a "
+                     "recipe YAML file")
 
 
 def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -361,8 +370,10 @@ _CONTRACT_ATTR = {"DRL_RUN": "run", "DRL_STORE": "store", "DRL_N_SAMPLES": "n_sa
 def load_recipe_file(path: str | Path) -> dict[str, Any]:
     """A recipe YAML as a mapping; a file that does not parse is a ValueError naming the file and the line."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text: a recipe is a YAML file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

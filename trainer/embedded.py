@@ -4,7 +4,7 @@
 
 1. the base: a small Qwen2 built and fine-tuned on the spot (trainer/basemodel.py, cached under
    .stoa/cache/), or the model given with MODEL=/path;
-2. run.json (created, or resumed with an identical contract) in the file bucket .stoa/bucket/, signed by
+2. run.json (created, or resumed with an identical contract) in the file bucket .stoa/bucket/ (DRL_STORE if set), signed by
    the run's key .stoa/runs/<run>/trainer.key (0600);
 3. processes, each in its own session so Ctrl-C reaches only this one, which then stops them in order:
    the learner (`python -m trainer.embedded learner`: trainer.learner.run_learner, which publishes the
@@ -99,7 +99,9 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> 
         b = cfg.embedded.base
         base = (f"{'reuse the cached' if (d / 'base.json').exists() else 'build and cache the'} base model {d}: "
                 f"Qwen2 {b.num_layers}x{b.hidden_size}, {b.sft_steps} supervised steps on generated problems")
-    w = [f"  {i + 1}. {py} -m worker_contract.worker --store {paths.store_url} --run {cfg.run} --model <base> "
+    store = cfg.store or paths.store_url  # DRL_STORE when set: the store the run really uses
+    where = f"the file bucket {paths.bucket}" if store == paths.store_url else f"the store {store} (DRL_STORE)"
+    w = [f"  {i + 1}. {py} -m worker_contract.worker --store {store} --run {cfg.run} --model <base> "
          f"--worker-id local-{i + 1} --threads 1 --max-groups-per-version {per_worker_cap(cfg)} "
          f"--backend {backend}   "
          f"(DRL_N_SAMPLES={cfg.contract.n_samples} "
@@ -109,7 +111,7 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> 
     backends = worker_backends(cfg)
     kinds = " and ".join(f"{backends.count(b)} {b}" for b in dict.fromkeys(backends))
     middle = [
-        f"2. run.json in the file bucket {paths.bucket} (created, or resumed with an identical contract); "
+        f"2. run.json in {where} (created, or resumed with an identical contract); "
         f"signing key {paths.key_file} (0600)",
         f"3. learner: {py} -m trainer.embedded learner (Ray on 127.0.0.1 only; publishes the first "
         f"anchor, then {cfg.train.num_steps} steps of {cfg.algo.groups_per_step} groups x {cfg.contract.n_samples}; "

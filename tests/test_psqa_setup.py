@@ -100,7 +100,7 @@ def test_fleet_dry_run_plan_passes_the_fleet_profile(tmp_path):
     from trainer.config import resolve
 
     env = {"DRL_RUN": "psqa-dry-1"}
-    cfg = resolve("psqa", env=env)
+    cfg = resolve("psqa", env=env, overrides={"train.engine": "slime"})  # the slime engine's base steps
     store = f"file://{tmp_path / 'bucket'}"
     plan = parse_plan(render_plan(build_plan(cfg, host="root@gpu-box", remote_dir="/root/dRL", env=env, store=store)))
     names = [s.name for s in plan.steps]

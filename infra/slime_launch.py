@@ -142,7 +142,8 @@ def _num(x: float) -> str:
 
 def rotary_base(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> float:
     """The rotary base to launch with: the HF rope_theta; a recipe value that differs is refused."""
-    theta = hf_config.get("rope_theta") or (hf_config.get("rope_scaling") or {}).get("rope_theta")
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    theta = hf_config.get("rope_theta") or params.get("rope_theta")
     if theta is None:
         raise ValueError("the model's config.json has no rope_theta; cannot check the rotary base")
     if cfg.model.rotary_base is not None and float(cfg.model.rotary_base) != float(theta):
@@ -166,12 +167,34 @@ def _qwen2_like(cfg: RecipeConfig, c: Mapping[str, Any]) -> list[str]:
         args.append("--add-qkv-bias")
     if c.get("model_type") == "qwen3":
         args.append("--qk-layernorm")
+    args += _rope_scaling_flags(c)
     kv = c.get("num_key_value_heads", c["num_attention_heads"])
     if kv != c["num_attention_heads"]:
         args += ["--group-query-attention", "--num-query-groups", str(kv)]
     if not c.get("tie_word_embeddings", False):
         args.append("--untie-embeddings-and-output-weights")
     return args
+
+
+#: the llama3 scaling Megatron-LM's --use-rope-scaling applies (megatron-core RotaryEmbedding._apply_scaling
+#: fixes all but the factor)
+_MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_scaling_flags(c: Mapping[str, Any]) -> list[str]:
+    """Llama 3.x's rope scaling as Megatron-LM flags; a scaling those flags cannot express is refused."""
+    from trainer.models.hf_io import rope_scaling_of
+
+    scaling = rope_scaling_of(c)
+    if scaling is None:
+        return []
+    fixed = {k: scaling[k] for k in _MEGATRON_LLAMA3}
+    if c.get("model_type") != "llama" or fixed != _MEGATRON_LLAMA3:
+        raise ValueError(
+            f"model_type={c.get('model_type')!r} with rope scaling {scaling}: slime's Megatron-LM applies llama3 "
+            f"scaling only with {_MEGATRON_LLAMA3} (--use-rope-scaling); use the native engine for this model"
+        )
+    return ["--use-rope-scaling", "--rope-scaling-factor", _num(scaling["factor"])]
 
 
 def _lfm2_moe(cfg: RecipeConfig, c: Mapping[str, Any]) -> list[str]:

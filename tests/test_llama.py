@@ -274,3 +274,33 @@ def test_convert_cli_round_trip(tmp_path):
     assert read_identity(tmp_path / "td").rope_scaling == LLAMA3
     a, b = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_slime_flags_give_megatrons_rope_the_same_frequencies(tmp_path):
+    """The slime launch's Llama flags: no QKV bias, and llama3 scaling as --use-rope-scaling with its factor;
+    megatron-core's rope built from those flags has our frequencies. A scaling the flags cannot express is
+    refused."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from infra import slime_launch as sl
+    from trainer.config import resolve
+    from trainer.models.registry import get_architecture
+
+    megatron_cpu.install()
+    cfg = resolve("gsm8k", env={}, overrides={})
+    llama31 = {**LLAMA3, "original_max_position_embeddings": 8192}
+    for scaling, want in ((None, []), (llama31, ["--use-rope-scaling", "--rope-scaling-factor", "8"])):
+        make_tiny_llama(tmp_path / str(bool(scaling)), scaling=scaling)
+        c = json.loads((tmp_path / str(bool(scaling)) / "config.json").read_text())
+        flags = sl.model_args(cfg, c)
+        assert "--add-qkv-bias" not in flags and "--untie-embeddings-and-output-weights" in flags
+        assert flags[flags.index("--rotary-base") + 1] == "500000"
+        assert [f for f in flags if "rope-scaling" in f or f == "8"] == want
+        rope = RotaryEmbedding(32, 1.0, rotary_base=500000, rope_scaling="--use-rope-scaling" in flags,
+                               rope_scaling_factor=8.0, use_cpu_initialization=True)
+        ours = get_architecture(c).rotary_inv_freq(c, 1.0 / (500000 ** (torch.arange(0, 32, 2).float() / 32)))
+        assert torch.allclose(rope.inv_freq, ours, rtol=1e-6, atol=0)
+    c = json.loads((tmp_path / "True" / "config.json").read_text())
+    c["rope_parameters"]["original_max_position_embeddings"] = 4096
+    with pytest.raises(ValueError, match="use the native engine"):
+        sl.model_args(cfg, c)

@@ -5,11 +5,13 @@ runs them (real processes, the repo's own .venv by path, nothing installed), and
 no traceback, the documented exit status (2 for bad input, 1 for a failed check; make itself exits 2 and
 nox 1 whatever its recipe returned), a one-sentence error that names what to fix, no secret in any output,
 and the clone, its `.stoa` and its `.r2env` unchanged afterwards. One clone serves every row; a row that
-damaged it fails and the next row gets a fresh one.
+damaged it fails and the next row gets a fresh one. Rows on a published run get `pub-run` (the real writers)
+in the clone's bucket, damaged as anyone with the bucket's credentials could.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -67,6 +69,13 @@ class Row:
     may_change: tuple[str, ...] = ()
     """Paths of the clone the row may change, with what is under them (`.venv` for `make clean`)."""
     stdin: str = ""
+    bucket: str | None = None
+    """A published run `pub-run` in the clone's `.stoa/bucket` (the default store), damaged as BUCKET_DAMAGE
+    names ("" leaves it whole)."""
+    without_cuda: bool = False
+    """Only where torch has no CUDA (skipped on a GPU box)."""
+    slow: bool = False
+    """In the slow lane (a row that does seconds of real work)."""
 
 
 def _r2env(text: str, mode: int = 0o600) -> dict[str, tuple[str, int]]:
@@ -76,6 +85,40 @@ def _r2env(text: str, mode: int = 0o600) -> dict[str, tuple[str, int]]:
 def _bad_run_json() -> dict[str, tuple[str, int]]:
     return {".stoa/bucket/seed-run/run.json": ("{not json", 0o644)}
 
+
+PUB = "pub-run"
+
+
+def _json_at(rel: str, text: str):
+    def damage(run_dir: Path) -> None:
+        (run_dir / rel).write_text(text)
+    return damage
+
+
+def _stray(rel: str):
+    def damage(run_dir: Path) -> None:
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text("not the trainer's")
+    return damage
+
+
+#: how a row damages the published run (anyone with the bucket's credentials can write any of these)
+BUCKET_DAMAGE = {
+    "": lambda run_dir: None,
+    "stats-list": _json_at("stats/v0000000011.json", "[1, 2]"),
+    "stats-fields": _json_at("stats/v0000000011.json",
+                             '{"metrics": [1], "drops": [2], "workers": {"w1": {"drops": {"stale": "x"}}}}'),
+    "stray-patch": _stray("versions/vxyz.pulse"),
+    "run-json-list": _json_at("run.json", "[]"),
+    "run-json-garbage": _json_at("run.json", "{not json"),
+}
+#: a recipe file of the user's own: the shipped gsm8k with another staleness
+_GSM8K = (REPO / "runs" / "gsm8k.yaml").read_text()
+MY_RECIPE = {"{tmp}/my-recipe.yaml": (re.sub(r"(?m)^(\s*)staleness:.*$", r"\g<1>staleness: 2", _GSM8K, count=1), 0o644)}
+BAD_RECIPE = {"{tmp}/my-recipe.yaml": (re.sub(r"(?m)^(\s*)staleness:.*$", r"\g<1>staleness: -5", _GSM8K, count=1),
+                                       0o644)}
+PLAN = "----- BEGIN STOA LAUNCH PLAN -----\n{}\n----- END STOA LAUNCH PLAN -----\n"
+W = ["python", "-m", "worker_contract.worker", "--run", PUB, "--store", "{store}", "--wait", "1"]
 
 L = ["python", "-m", "entrypoints.launch", "--recipe", "gsm8k"]
 DRY = {"DRL_DRY_RUN": "1"}
@@ -127,7 +170,11 @@ ROWS = [
     # -- the launcher itself ---------------------------------------------------------------------
     Row("launch-help", [*L[:3], "--help"], rc=0, lines=None, says=("DRL_DRY_RUN", "DRL_RUN", "HOST", "embedded")),
     Row("launch-no-recipe", L[:3], says=("--recipe",)),
-    Row("launch-run-from-env", L, rc=0, lines=None, env={**DRY, "DRL_RUN": "from-env"}, says=("from-env",)),
+    # the run id from DRL_RUN; the plan names DRL_STORE's store, the one the run uses, never .stoa/bucket
+    Row("launch-run-and-store-from-env", L, rc=0, lines=None,
+        env={**DRY, "DRL_RUN": "from-env", "DRL_STORE": "file:///srv/stoa-bucket"},
+        says=("from-env", "--store file:///srv/stoa-bucket", "run.json in the store file:///srv/stoa-bucket"),
+        never=(".stoa/bucket",)),
     Row("launch-old-path", ["python", "-m", "trainer.launch", "--recipe", "nosuch", "--run", "x"],
         says=("nosuch",)),
     # the reader is gone before the first line is written (`true` reads nothing): BrokenPipeError, quietly
@@ -258,11 +305,67 @@ ROWS = [
         says=("box check",)),  # a check that fails on a machine without a GPU: exit 1, rows, no traceback
     Row("status-bad-contract", ["invoke", "status", "--run", "seed-run"], env={"DRL_N_SAMPLES": "8.0"},
         says=("DRL_N_SAMPLES='8.0'",)),
+    # -- a published run, damaged the way anyone with the bucket's credentials could ------------------------
+    Row("status-stats-not-object", ["invoke", "status", "--run", PUB], bucket="stats-list", rc=0, lines=None,
+        says=("pub-run", "v11")),
+    Row("status-stats-odd-fields", ["invoke", "status", "--run", PUB], bucket="stats-fields", rc=0, lines=None,
+        says=("pub-run", "v11")),
+    Row("status-stray-patch-key", ["invoke", "status", "--run", PUB], bucket="stray-patch", rc=0, lines=None,
+        says=("pub-run", "v11")),
+    # off a terminal (COLUMNS unset) the tables keep their width: no header or cell cut to "…"
+    Row("status-piped-keeps-columns", ["bash", "-c", f"invoke status --run {PUB} | cat"], bucket="", rc=0, lines=None,
+        env={"COLUMNS": ""}, says=("worker", "newest", "last seen", "dropped", "versions", "trained on (recent)"),
+        never=("…",)),
+    Row("verify-after-gc", ["bash", "-c", f"invoke gc --run {PUB} --yes >/dev/null && python -m worker_contract "
+                            f"verify --run {PUB}"], bucket="", rc=0, lines=None, may_change=(".stoa/bucket",),
+        says=("v1      ok   collected", "4 collected", ": OK"), never=("interrupted attempt",)),
+    Row("verify-run-json-list", ["python", "-m", "worker_contract", "verify", "--run", PUB], bucket="run-json-list",
+        says=("pub-run/run.json", "not a valid run manifest"), never=("validation error for",)),
+    Row("joincard-run-json-list", ["invoke", "joincard", "--run", PUB], bucket="run-json-list",
+        says=("pub-run/run.json", "not a valid run manifest"), never=("validation error for",)),
+    Row("worker-run-json-list", W, bucket="run-json-list", says=("pub-run/run.json", "not a valid run manifest")),
+    Row("worker-run-json-garbage", W, bucket="run-json-garbage", says=("pub-run/run.json", "not a valid run manifest"),
+        never=("upgrade the worker",)),
+    # a model directory whose config.json is no decoder LM's: the worker's identity refusal (exit 3, docs/mac-worker.md)
+    Row("worker-config-no-sizes", [*W, "--model", "{tmp}/model"], bucket="", rc=3,
+        files={"{tmp}/model/config.json": ('{"model_type": "qwen2"}', 0o644)},
+        says=("config.json", "num_attention_heads")),
+    Row("worker-config-list", [*W, "--model", "{tmp}/model"], bucket="", rc=3,
+        files={"{tmp}/model/config.json": ("[]", 0o644)}, says=("config.json", "JSON object")),
+    # -- files the user names ---------------------------------------------------------------------------
+    Row("retriever-build-corpus-list", ["invoke", "retriever.build", "--out", "{tmp}/idx", "--corpus",
+                                        "{tmp}/c.jsonl"], files={"{tmp}/c.jsonl": ('{"id": 1, "contents": "a b"}\n[1]\n',
+                                                                                   0o644)},
+        says=("c.jsonl:2", "not an object")),
+    Row("retriever-build-corpus-not-json", ["invoke", "retriever.build", "--out", "{tmp}/idx", "--corpus",
+                                            "{tmp}/c.jsonl"], files={"{tmp}/c.jsonl": ("title,abstract\n", 0o644)},
+        says=("c.jsonl:1", "not JSON")),
+    # megatron's torch_dist writer needs a CUDA build of torch; elsewhere convert refuses in a sentence (it imports
+    # megatron-core and builds the model first: 6-12 s, so in the slow lane)
+    Row("convert-without-cuda", ["invoke", "convert", "--hf-dir", "trainer/base_gsm8k", "--out", "{tmp}/out"],
+        says=("CUDA build of torch", "GPU host"), without_cuda=True, slow=True),
+    Row("preflight-plan-list", ["python", "-m", "infra.preflight"], stdin=PLAN.format("[1]"),
+        says=("launch plan does not validate",), never=("errors.pydantic.dev",)),
+    Row("preflight-plan-no-command", ["python", "-m", "infra.preflight"], stdin=PLAN.format('{"plan_version": 1}'),
+        says=("command: Field required",), never=("errors.pydantic.dev",)),
+    Row("launch-recipe-binary", [*L, "--run", "x"], env=DRY, files={"runs/gsm8k.yaml": (b"name: \xff\xfe\n", 0o644)},
+        says=("gsm8k.yaml", "UTF-8")),
+    # -- a recipe file of one's own ---------------------------------------------------------------------
+    Row("launch-recipe-path", ["python", "-m", "entrypoints.launch", "--recipe", "{tmp}/my-recipe.yaml", "--run", "x"],
+        rc=0, lines=None, env=DRY, files=MY_RECIPE, says=("staleness: 2", "mode: embedded")),
+    Row("launch-recipe-path-invalid", ["python", "-m", "entrypoints.launch", "--recipe", "{tmp}/my-recipe.yaml",
+                                       "--run", "x"], env=DRY, files=BAD_RECIPE,
+        says=("my-recipe.yaml", "algo.staleness=-5")),
+    Row("launch-recipe-path-missing", ["python", "-m", "entrypoints.launch", "--recipe", "{tmp}/none.yaml",
+                                       "--run", "x"], env=DRY, says=("none.yaml", "does not exist")),
+    Row("preflight-recipe-path", ["python", "-m", "infra.preflight", "--recipe", "{tmp}/my-recipe.yaml", "--run",
+                                  "x", "--store", "file://{tmp}/bucket"], files=BAD_RECIPE, says=("algo.staleness=-5",)),
 ]
 
 
-def _fill(argv: list[str], tmp: Path, fakepy: Path) -> list[str]:
-    return [a.replace("{tmp}", str(tmp)).replace("{fakepy}", str(fakepy)) for a in argv]
+def _fill(argv: list[str], tmp: Path, fakepy: Path, clone_path: Path | None = None) -> list[str]:
+    store = f"file://{clone_path / '.stoa' / 'bucket'}" if clone_path else "{store}"
+    return [a.replace("{tmp}", str(tmp)).replace("{fakepy}", str(fakepy)).replace("{store}", store) for a in argv]
 
 
 def _copy_working_tree(dst: Path) -> None:
@@ -366,9 +469,10 @@ def message_lines(out: str) -> list[str]:
     return lines or [line for line in out.splitlines() if line.startswith("usage: ")]
 
 
-def _apply_files(path: Path, files: dict) -> dict[str, bytes | None]:
+def _apply_files(path: Path, files: dict, tmp: Path) -> dict[str, bytes | None]:
     saved: dict[str, bytes | None] = {}
     for rel, spec in files.items():
+        rel = rel.replace("{tmp}", str(tmp))  # an absolute path outside the clone (a model, a corpus)
         target = path / rel
         saved[rel] = target.read_bytes() if target.exists() else None
         if spec is None:
@@ -379,12 +483,15 @@ def _apply_files(path: Path, files: dict) -> dict[str, bytes | None]:
             target.write_text(text)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(spec[0])
+            if isinstance(spec[0], bytes):
+                target.write_bytes(spec[0])
+            else:
+                target.write_text(spec[0])
             target.chmod(spec[1])
     return saved
 
 
-def _restore_files(path: Path, saved: dict[str, bytes | None]) -> None:
+def _restore_files(path: Path, saved: dict[str, bytes | None], tmp: Path) -> None:
     for rel, data in saved.items():
         target = path / rel
         if data is None:
@@ -394,21 +501,47 @@ def _restore_files(path: Path, saved: dict[str, bytes | None]) -> None:
     shutil.rmtree(path / ".stoa" / "bucket", ignore_errors=True)
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
-def test_bad_input(row: Row, clone: Clone, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def published(tmp_path_factory) -> Path:
+    """A file bucket holding run `pub-run` as the trainer publishes it (tests/opsbucket.py, the real writers):
+    versions 1..11, anchors v1, v5, v9, stats, two workers' rollouts. Rows copy it; none writes here."""
+    from opsbucket import build_run
+
+    from worker_contract.store.file import FileStore
+
+    root = tmp_path_factory.mktemp("published")
+    build_run(FileStore(str(root)), PUB, pointer=11, anchor_interval=4, workers={"w1": [9, 10, 11], "w2": [10, 11]})
+    return root
+
+
+@functools.cache
+def _has_cuda() -> bool:
+    code = "import torch; print(torch.cuda.is_available())"
+    return subprocess.run([str(VENV / "bin" / "python"), "-c", code], capture_output=True, text=True).stdout.strip() \
+        == "True"
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=[pytest.mark.slow] if r.slow else []) for r in ROWS],
+                         ids=[r.id for r in ROWS])
+def test_bad_input(row: Row, clone: Clone, tmp_path: Path, request) -> None:
+    if row.without_cuda and _has_cuda():
+        pytest.skip("torch has CUDA here: the command does its real work")
     path = clone.ensure()
     fakepy = tmp_path / "fakepy"  # records a call instead of installing anything
     fakepy.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'fakepy.log'}\n")
     fakepy.chmod(0o755)
-    saved = _apply_files(path, row.files)
+    if row.bucket is not None:  # removed again with the rest of .stoa/bucket after the row
+        shutil.copytree(request.getfixturevalue("published"), path / ".stoa" / "bucket", dirs_exist_ok=True)
+        BUCKET_DAMAGE[row.bucket](path / ".stoa" / "bucket" / PUB)
+    saved = _apply_files(path, row.files, tmp_path)
     before = snapshot(path)
     home = tmp_path / "home"
     home.mkdir()
     try:
-        rc, out = run_row(_fill(row.argv, tmp_path, fakepy), path, _env(path, home, row.env), row.stdin)
+        rc, out = run_row(_fill(row.argv, tmp_path, fakepy, path), path, _env(path, home, row.env), row.stdin)
         after = snapshot(path)
     finally:
-        _restore_files(path, saved)
+        _restore_files(path, saved, tmp_path)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)
                      and not any(k == p or k.startswith(p + "/") for p in row.may_change))
     if changed or not (path / ".git").is_dir():

@@ -24,11 +24,13 @@ pytestmark = pytest.mark.slow
 
 def _hf_dirs(root: Path) -> dict[str, Path]:
     from tests.test_lfm2_megatron import _tiny_hf
+    from tests.test_llama import LLAMA3, make_tiny_llama
 
-    dirs = {"lfm2": root / "lfm2", "qwen2": root / "qwen2"}
+    dirs = {"lfm2": root / "lfm2", "qwen2": root / "qwen2", "llama": root / "llama"}
     dirs["lfm2"].mkdir()
     _tiny_hf(dirs["lfm2"])
     megatron_cpu.make_tiny_qwen2(dirs["qwen2"], tied=False, vocab=128, hidden=32, ffn=64)
+    make_tiny_llama(dirs["llama"], scaling=LLAMA3)
     return dirs
 
 

@@ -60,8 +60,9 @@ class Row:
     says: tuple[str, ...] = ()
     """Substrings (case-insensitive) the output must hold: the error names what to fix."""
     env: dict[str, str] = field(default_factory=dict)
-    files: dict[str, tuple[str, int] | None] = field(default_factory=dict)
-    """Files written into the clone before the row (content, mode), or removed (None)."""
+    files: dict[str, tuple[str | bytes, int | None] | str | None] = field(default_factory=dict)
+    """Files written into the clone (or under {tmp}/) before the row: (content, mode), a directory (mode None), a
+    YAML key's line replaced ("key: value"), or removed (None)."""
     never: tuple[str, ...] = ()
     """Substrings the output must not hold (pydantic internals, field names instead of variables)."""
     lines: int | None = 2
@@ -350,6 +351,15 @@ ROWS = [
         says=("command: Field required",), never=("errors.pydantic.dev",)),
     Row("launch-recipe-binary", [*L, "--run", "x"], env=DRY, files={"runs/gsm8k.yaml": (b"name: \xff\xfe\n", 0o644)},
         says=("gsm8k.yaml", "UTF-8")),
+    Row("status-r2env-directory", ["invoke", "status", "--run", "seed-run"], files={".r2env": ("", None)},
+        says=(".r2env is a directory",)),
+    Row("verify-r2env-binary", ["python", "-m", "worker_contract", "verify", "--run", "x"],
+        files={".r2env": (b"R2_BUCKET=\xff\xfe\n", 0o600)}, says=(".r2env is not UTF-8",)),
+    Row("status-endpoint-bad-ipv6", ["invoke", "status", "--run", "seed-run", "--store", "s3://stoa-bucket"],
+        env={**S3_ENV, "DRL_S3_ENDPOINT": "http://[::1"}, says=("DRL_S3_ENDPOINT='http://[::1'", "not a valid URL")),
+    Row("verify-endpoint-bad-port", ["python", "-m", "worker_contract", "verify", "--run", "x", "--store",
+                                     "s3://stoa-bucket"], env={**S3_ENV, "DRL_S3_ENDPOINT": "http://127.0.0.1:abc"},
+        says=("DRL_S3_ENDPOINT='http://127.0.0.1:abc'", "not a valid URL")),
     # -- a recipe file of one's own ---------------------------------------------------------------------
     Row("launch-recipe-path", ["python", "-m", "entrypoints.launch", "--recipe", "{tmp}/my-recipe.yaml", "--run", "x"],
         rc=0, lines=None, env=DRY, files=MY_RECIPE, says=("staleness: 2", "mode: embedded")),
@@ -483,6 +493,10 @@ def _apply_files(path: Path, files: dict, tmp: Path) -> dict[str, bytes | None]:
             target.write_text(text)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
+            if spec[1] is None:  # a directory where a file is expected
+                target.unlink(missing_ok=True)
+                target.mkdir()
+                continue
             if isinstance(spec[0], bytes):
                 target.write_bytes(spec[0])
             else:
@@ -494,6 +508,8 @@ def _apply_files(path: Path, files: dict, tmp: Path) -> dict[str, bytes | None]:
 def _restore_files(path: Path, saved: dict[str, bytes | None], tmp: Path) -> None:
     for rel, data in saved.items():
         target = path / rel
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
         if data is None:
             target.unlink(missing_ok=True)
         else:

@@ -102,7 +102,11 @@ def _parse_env_file(path: Path) -> dict[str, str]:
     an error here may name the line number only, never echo the line (it may hold a secret).
     """
     out: dict[str, str] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise EnvError(f"{path} is not UTF-8 text: it holds KEY=VALUE lines (see .r2env.example)") from None
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -121,6 +125,8 @@ def _parse_env_file(path: Path) -> dict[str, str]:
 def read_env_file(path: str | Path) -> dict[str, str]:
     """Read a credentials file, refusing one that anybody but its owner can read or write."""
     path = Path(path)
+    if path.is_dir():  # (a pipe is fine: --env-file <(pass show r2))
+        raise EnvError(f"{path} is a directory: an env file holds KEY=VALUE lines (see .r2env.example)")
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         raise EnvError(

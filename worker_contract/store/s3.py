@@ -134,6 +134,13 @@ class S3Store(Store):
         endpoint = get("DRL_S3_ENDPOINT")
         if endpoint is not None and not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"DRL_S3_ENDPOINT={endpoint!r} must be an http:// or https:// URL")
+        if endpoint is not None:
+            from urllib.parse import urlsplit
+
+            try:
+                urlsplit(endpoint).port  # noqa: B018 (parses the host and port: '[::1' or ':abc' fail here)
+            except ValueError as e:
+                raise ValueError(f"DRL_S3_ENDPOINT={endpoint!r} is not a valid URL ({e})") from None
         r2_creds = get("R2_ACCESS_KEY_ID") and get("R2_SECRET_ACCESS_KEY")
         return cls(
             p.netloc, scheme="s3", endpoint=endpoint,

@@ -69,10 +69,6 @@ def make_tiny_qwen2(out_dir, *, tied: bool = True, rope_theta: float = 1e6, voca
     """A random Qwen2ForCausalLM saved as an HF directory (safetensors, config.json, tokenizer.json,
     tokenizer_config.json with a chat template). Norm weights and biases are randomised too, so a
     mapping that drops or swaps them changes the logits. Returns the model (eager attention, fp32)."""
-    import json
-    from pathlib import Path
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -87,6 +83,17 @@ def make_tiny_qwen2(out_dir, *, tied: bool = True, rope_theta: float = 1e6, voca
                 p.normal_(1.0 if "norm" in name else 0.0, 0.5)
     if dtype is not None:
         model = model.to(dtype)
+    save_with_tokenizer(model, out_dir, vocab)
+    return model
+
+
+def save_with_tokenizer(model, out_dir, vocab: int) -> None:
+    """`model` saved as an HF directory with a word-level tokenizer of `vocab` tokens and a chat template."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     out = Path(out_dir)
     model.save_pretrained(out)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
@@ -94,7 +101,47 @@ def make_tiny_qwen2(out_dir, *, tied: bool = True, rope_theta: float = 1e6, voca
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"}))
-    return model
+
+
+def saved_state(model, out_dir) -> tuple[dict, dict]:
+    """`model` saved in `out_dir`: its safetensors as read back, and its config.json."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    model.save_pretrained(out_dir)
+    return load_file(Path(out_dir) / "model.safetensors"), json.loads((Path(out_dir) / "config.json").read_text())
+
+
+def megatron_from_hf(cfg, state, attention: str = "sdpa"):
+    """A float32 CPU GPTModel of this HF config holding these HF tensors (through the registry), in eval mode."""
+    from trainer.models.model import build_model, load_full_state
+    from trainer.models.registry import get_architecture
+
+    model = build_model(cfg, dtype=torch.float32, attention=attention, fused=False, device="cpu")
+    load_full_state(model, get_architecture(cfg).hf_to_megatron(state, cfg, cfg["vocab_size"]))
+    return model.eval()
+
+
+def convert_round_trip(hf_dir, tmp_path):
+    """HF -> torch_dist (tmp_path/td) -> HF (tmp_path/back) through the converter CLI in a real process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    code = (
+        "import sys\nfrom tests import megatron_cpu\nmegatron_cpu.install()\nfrom infra.convert.__main__ import main\n"
+        "if __name__ == '__main__':\n"
+        f"    rc = main([{str(hf_dir)!r}, '--out', {str(tmp_path / 'td')!r}, '--quiet', '--dtype', 'bfloat16'])\n"
+        f"    sys.exit(rc or main([{str(hf_dir)!r}, '--out', {str(tmp_path / 'back')!r}, '--to-hf', "
+        f"{str(tmp_path / 'td')!r}, '--quiet']))\n"
+    )
+    script = tmp_path / "run_convert.py"
+    script.write_text(code)
+    return subprocess.run([sys.executable, str(script)], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+                          capture_output=True, text=True, timeout=300)
 
 
 def setup_rank() -> None:

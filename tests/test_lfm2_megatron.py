@@ -5,9 +5,6 @@ converter CLI in a real process."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -55,20 +52,7 @@ def dist():
     megatron_cpu.shutdown_distributed()
 
 
-def _disk_state(model, tmp_path):
-    from safetensors.torch import load_file
-
-    model.save_pretrained(tmp_path)
-    return load_file(tmp_path / "model.safetensors"), json.loads((tmp_path / "config.json").read_text())
-
-
-def _megatron(cfg, state, attention="sdpa"):
-    from trainer.models.model import build_model, load_full_state
-    from trainer.models.registry import get_architecture
-
-    model = build_model(cfg, dtype=torch.float32, attention=attention, fused=False, device="cpu")
-    load_full_state(model, get_architecture(cfg).hf_to_megatron(state, cfg, cfg["vocab_size"]))
-    return model.eval()
+_disk_state, _megatron = megatron_cpu.saved_state, megatron_cpu.megatron_from_hf
 
 
 def test_forward_parity_with_transformers(dist, tmp_path):
@@ -147,17 +131,7 @@ def test_convert_cli_round_trip(tmp_path):
 
     hf_dir = tmp_path / "hf"
     _tiny_hf(hf_dir, dtype=torch.bfloat16)
-    code = (
-        "import sys\nfrom tests import megatron_cpu\nmegatron_cpu.install()\nfrom infra.convert.__main__ import main\n"
-        "if __name__ == '__main__':\n"
-        f"    rc = main([{str(hf_dir)!r}, '--out', {str(tmp_path / 'td')!r}, '--quiet', '--dtype', 'bfloat16'])\n"
-        f"    sys.exit(rc or main([{str(hf_dir)!r}, '--out', {str(tmp_path / 'back')!r}, '--to-hf', "
-        f"{str(tmp_path / 'td')!r}, '--quiet']))\n"
-    )
-    script = tmp_path / "run_convert.py"
-    script.write_text(code)
-    out = subprocess.run([sys.executable, str(script)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                         capture_output=True, text=True, timeout=300)
+    out = megatron_cpu.convert_round_trip(hf_dir, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "td" / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     a, b = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")

@@ -21,7 +21,6 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 def make_tiny_llama(out: Path | None = None, *, scaling: dict | None = None, tied: bool = False,
                     vocab: int = 128, dtype=None, seed: int = 0):
     """A random LlamaForCausalLM (norms random too), saved with a tokenizer when `out` is given."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -38,13 +37,7 @@ def make_tiny_llama(out: Path | None = None, *, scaling: dict | None = None, tie
     if dtype is not None:
         model = model.to(dtype)
     if out is not None:
-        out = Path(out)
-        model.save_pretrained(out)
-        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        tok.save(str(out / "tokenizer.json"))
-        (out / "tokenizer_config.json").write_text(json.dumps(
-            {"chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"}))
+        megatron_cpu.save_with_tokenizer(model, out, vocab)
     return model
 
 
@@ -55,20 +48,7 @@ def dist():
     megatron_cpu.shutdown_distributed()
 
 
-def _saved(model, tmp_path):
-    from safetensors.torch import load_file
-
-    model.save_pretrained(tmp_path)
-    return load_file(tmp_path / "model.safetensors"), json.loads((tmp_path / "config.json").read_text())
-
-
-def _megatron(cfg, state, attention="sdpa"):
-    from trainer.models.model import build_model, load_full_state
-    from trainer.models.registry import get_architecture
-
-    model = build_model(cfg, dtype=torch.float32, attention=attention, fused=False, device="cpu")
-    load_full_state(model, get_architecture(cfg).hf_to_megatron(state, cfg, cfg["vocab_size"]))
-    return model.eval()
+_saved, _megatron = megatron_cpu.saved_state, megatron_cpu.megatron_from_hf
 
 
 def _fused_rope_logits(model, ids):
@@ -248,28 +228,13 @@ def test_native_learner_steps_on_both_backends(dist, tmp_path, scaling):
 def test_convert_cli_round_trip(tmp_path):
     """HF -> torch_dist -> HF through `python -m infra.convert` in a real process: the same tensors back,
     and the identity recorded beside the checkpoint carries the rope scaling."""
-    import os
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
     from trainer.models import read_identity
 
-    repo = Path(__file__).resolve().parent.parent
     hf_dir = tmp_path / "hf"
     make_tiny_llama(hf_dir, scaling=LLAMA3, dtype=torch.bfloat16)
-    code = (
-        "import sys\nfrom tests import megatron_cpu\nmegatron_cpu.install()\nfrom infra.convert.__main__ import main\n"
-        "if __name__ == '__main__':\n"
-        f"    rc = main([{str(hf_dir)!r}, '--out', {str(tmp_path / 'td')!r}, '--quiet', '--dtype', 'bfloat16'])\n"
-        f"    sys.exit(rc or main([{str(hf_dir)!r}, '--out', {str(tmp_path / 'back')!r}, '--to-hf', "
-        f"{str(tmp_path / 'td')!r}, '--quiet']))\n"
-    )
-    script = tmp_path / "run_convert.py"
-    script.write_text(code)
-    out = subprocess.run([sys.executable, str(script)], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
-                         capture_output=True, text=True, timeout=300)
+    out = megatron_cpu.convert_round_trip(hf_dir, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert read_identity(tmp_path / "td").rope_scaling == LLAMA3
     a, b = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")

@@ -156,10 +156,12 @@ def _torch_logprobs(model, prompt, response, temperature):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0].numpy()
 
 
-@pytest.mark.parametrize("scaling", [None, LLAMA3], ids=["plain", "llama3"])
-def test_torch_and_mlx_workers_sample_the_same_llama(tmp_path, scaling):
-    """Both workers join one run of a tiny Llama; each one's sampled log-probs are the other's, and a
-    worker whose config has other rope scaling is refused."""
+@pytest.mark.parametrize(("scaling", "plane"), [(None, "bf16"), (LLAMA3, "bf16"), (LLAMA3, "int8g64")],
+                         ids=["plain", "llama3", "llama3-int8g64"])
+def test_torch_and_mlx_workers_sample_the_same_llama(tmp_path, scaling, plane):
+    """Both workers join one run of a tiny Llama; each one's sampled log-probs are the other's (int8g64:
+    within test_mlx_worker.py's tolerance for the quantized kernels), and a worker whose config has
+    other rope scaling is refused."""
     import threading
 
     import numpy as np
@@ -175,17 +177,18 @@ def test_torch_and_mlx_workers_sample_the_same_llama(tmp_path, scaling):
 
     model_dir = save_tiny_llama(tmp_path / "llama", rope_scaling=scaling)
     store = FileStore(tmp_path / "bucket")
-    _, manifest, _, _ = publish_run(store, model_dir, "llama-run", n_samples=3, plane="bf16")
+    _, manifest, _, _ = publish_run(store, model_dir, "llama-run", n_samples=3, plane=plane)
     assert manifest.rope_scaling == scaling and manifest.architecture == "LlamaForCausalLM"
 
     def worker(backend, d=model_dir):
         s = WorkerSettings(store=store.url, run="llama-run", model_dir=str(d), worker_id=f"{backend}-1", seed=0,
                            threads=1, backend=backend, mlx_dtype="float32")
-        return Worker(s, env={"DRL_N_SAMPLES": "3", "DRL_PULSE_PLANE": "bf16"})
+        return Worker(s, env={"DRL_N_SAMPLES": "3", "DRL_PULSE_PLANE": plane})
 
     mw, tw = worker("mlx"), worker("torch")
     assert mw.setup(threading.Event()) and tw.setup(threading.Event())
     assert rope_types(mw.policy.model) == {"llama3" if scaling else "default"}
+    assert bool(mw.policy._quantized) == (plane == "int8g64")
     problem = get_task("arithmetic").dataset("train")[0]
     import mlx.core as mx
 
@@ -194,12 +197,13 @@ def test_torch_and_mlx_workers_sample_the_same_llama(tmp_path, scaling):
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return np.array(mx.take_along_axis(logp, mx.array(response)[:, None], axis=-1)[:, 0])
 
+    tol = 5e-3 if plane == "int8g64" else 2e-4  # MLX's quantized matmul against the dequantized weights
     for w, other in ((mw, lambda p, r, t: _torch_logprobs(tw.policy.model, p, r, t)), (tw, mlx_logprobs)):
         rec = w.sample_group(problem)
         assert len(rec.samples) == 3 and sum(len(s.response_ids) for s in rec.samples) > 3
         for s in rec.samples:
             np.testing.assert_allclose(s.behavior_logprobs, other(rec.prompt_ids, s.response_ids,
-                                                                  manifest.temperature), atol=2e-4)
+                                                                  manifest.temperature), atol=tol)
     # a worker whose model has other rope scaling is not the run's model
     wrong = save_tiny_llama(tmp_path / "wrong", rope_scaling=None if scaling else LLAMA3)
     for backend in ("torch", "mlx"):

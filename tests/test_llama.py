@@ -273,3 +273,15 @@ def test_slime_flags_give_megatrons_rope_the_same_frequencies(tmp_path):
     c["rope_parameters"]["original_max_position_embeddings"] = 4096
     with pytest.raises(ValueError, match="use the native engine"):
         sl.model_args(cfg, c)
+
+
+def test_workers_read_rope_scaling_as_the_trainer_does():
+    """run.json's rope_scaling comes from the trainer's reading; a worker reads a 4.x Hub config
+    (top-level rope_theta, `rope_scaling`) and a transformers 5 one carrying extra keys the same way."""
+    from trainer.models.hf_io import rope_scaling_of
+    from worker_contract.worker.identity import rope_scaling
+
+    hub = {"rope_theta": 500000.0, "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8192, "factor": 32}}
+    new = {"rope_parameters": {**LLAMA3, "rope_theta": 5e5, "low_freq_factor": 1, "partial_rotary_factor": 1.0}}
+    for cfg in (hub, new, {"rope_theta": 1e4}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}):
+        assert rope_scaling(cfg) == rope_scaling_of(cfg), cfg

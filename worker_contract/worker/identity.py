@@ -35,15 +35,19 @@ def rope_theta(cfg: Mapping[str, Any]) -> float | None:
 
 
 def rope_scaling(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
-    """Llama 3.x's rope scaling as run.json records it (rope_type and its four numbers), None for plain."""
+    """The rope scaling as run.json records it (the trainer's reading): None for plain RoPE; llama3's
+    rope_type and four numbers; any other type as its fields, which then match no run.json."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(params, Mapping) or params.get("rope_type", params.get("type", "default")) in (None, "default"):
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, Mapping) else None
+    if rope_type in (None, "default"):
         return None
-    out: dict[str, Any] = {k: v for k, v in params.items() if k != "rope_theta"}
-    out["rope_type"] = out.pop("type", out.get("rope_type"))
-    for k in ("factor", "low_freq_factor", "high_freq_factor"):
-        if isinstance(out.get(k), int | float) and not isinstance(out.get(k), bool):
-            out[k] = float(out[k])
+    if rope_type != "llama3":
+        return {k: v for k, v in params.items() if k != "rope_theta"}
+    out: dict[str, Any] = {"rope_type": "llama3"}
+    for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        v = params.get(k)
+        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        out[k] = (int(v) if k == "original_max_position_embeddings" else float(v)) if ok else v
     return out
 
 

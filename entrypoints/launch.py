@@ -162,6 +162,10 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
                              "HOST=user@box, or leave ENGINE unset for the embedded run here")
         if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
             raise ValueError(f"MODEL={args.model!r} is not an HF model directory (no config.json there)")
+        if args.model:  # the dry run refuses the config.json the run would refuse
+            from trainer.models.hf_io import load_hf_config
+
+            load_hf_config(args.model)
         cfg = resolve(args.recipe, env, overrides, embedded=mode == "embedded", override_names=FLAG_NAMES)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

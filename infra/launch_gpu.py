@@ -81,7 +81,9 @@ def hf_config_for(cfg: RecipeConfig, paths: BoxPaths) -> tuple[dict[str, Any] | 
     """The model's config.json if it is on this machine, else the built-in facts; and where it came from."""
     candidate = Path(paths.hf_dir(cfg.model.hf_id)) / "config.json"
     if candidate.is_file():
-        return json.loads(candidate.read_text()), str(candidate)
+        from trainer.models.hf_io import load_hf_config
+
+        return load_hf_config(candidate.parent), str(candidate)  # not JSON, not an object: one sentence naming it
     if cfg.model.hf_id in KNOWN_HF_CONFIGS:
         return dict(KNOWN_HF_CONFIGS[cfg.model.hf_id]), (
             f"built-in architecture facts of {cfg.model.hf_id} (on the box: the downloaded config.json)")

@@ -360,6 +360,12 @@ ROWS = [
     Row("verify-endpoint-bad-port", ["python", "-m", "worker_contract", "verify", "--run", "x", "--store",
                                      "s3://stoa-bucket"], env={**S3_ENV, "DRL_S3_ENDPOINT": "http://127.0.0.1:abc"},
         says=("DRL_S3_ENDPOINT='http://127.0.0.1:abc'", "not a valid URL")),
+    # MODEL= whose config.json the run would refuse: the dry run refuses it too, naming the file
+    Row("make-model-config-not-json", ["make", "gsm8k", "RUN=x", "MODEL={tmp}/model"], env=DRY,
+        files={"{tmp}/model/config.json": ("{not json", 0o644)}, says=("config.json is not valid JSON",)),
+    Row("launch-host-model-config-list", [*L, "--run", "x", "--host", "root@203.0.113.7", "--model", "{tmp}/model"],
+        env={**DRY, **S3_ENV, "DRL_STORE": "s3://stoa-bucket"}, files={"{tmp}/model/config.json": ("[]", 0o644)},
+        says=("config.json must hold a JSON object",)),
     # -- a recipe file of one's own ---------------------------------------------------------------------
     Row("launch-recipe-path", ["python", "-m", "entrypoints.launch", "--recipe", "{tmp}/my-recipe.yaml", "--run", "x"],
         rc=0, lines=None, env=DRY, files=MY_RECIPE, says=("staleness: 2", "mode: embedded")),

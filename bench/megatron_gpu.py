@@ -3,6 +3,7 @@
     python -m bench.megatron_gpu                      # parity + learner step, all backends
     python -m bench.megatron_gpu --parts step --variants megatron
     python -m bench.megatron_gpu --tiny --device cpu  # a smoke run (needs megatron's CPU shims installed)
+    python -m bench.megatron_gpu --arch llama          # Llama-3.2-1B shapes with its llama3 rope scaling
 
 1. The bf16 matmul rate, measured here (8192^3, random operands): the MFU denominator.
 2. Parity with random weights: HF Qwen2 logits vs our megatron GPTModel's (same weights through the
@@ -35,6 +36,12 @@ ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                   rope_parameters=ROPE, rms_norm_eps=1e-6, tie_word_embeddings=True)
+#: Llama-3.2-1B's shapes and rope (llama3 scaling, factor 32)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                  rope_parameters=LLAMA3_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=True)
 VARIANTS = ("megatron", "megatron-unfused", "megatron-graphs", "megatron-local", "megatron-compiled", "hf")
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rope_parameters=ROPE, rms_norm_eps=1e-6,
@@ -59,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--response", type=int, default=384)
     p.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the graphs and tp2 parts")
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (smoke run)")
+    p.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2",
+                   help="qwen2: Qwen2.5-1.5B shapes; llama: Llama-3.2-1B shapes with llama3 rope scaling")
     p.add_argument("--profile", action="store_true", help="profile one extra megatron step (kernel table beside --out)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--commit", default=os.environ.get("STOA_COMMIT"), help="commit measured (default: git)")
@@ -122,17 +131,17 @@ def attempt(label: str, fn, *args) -> dict:
     return out
 
 
-def make_model_dir(shape: dict, device: str, out: Path):
-    """A random Qwen2 (norms and biases randomised too) saved as bf16 HF safetensors + a tokenizer."""
+def make_model_dir(shape: dict, device: str, out: Path, arch: str = "qwen2"):
+    """A random Qwen2 or Llama (norms and biases randomised too) saved as bf16 HF safetensors + a tokenizer."""
     import torch
     from tokenizers import Tokenizer, models
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(**shape)
+    cfg = AutoConfig.for_model(arch, **shape)
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
-        model = Qwen2ForCausalLM(cfg).float().eval()
+        model = AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -478,7 +487,9 @@ def run(args, save) -> dict:
     from trainer.backends.megatron import init_parallel
 
     shape = TINY if args.tiny else QWEN25_15B
-    result: dict = {"versions": _versions(), "shape": shape, "config": {k: getattr(args, k) for k in ("rows", "prompt", "response",
+    if args.arch == "llama":
+        shape = {**TINY, "rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 16}} if args.tiny else LLAMA32_1B
+    result: dict = {"versions": _versions(), "arch": args.arch, "shape": shape, "config": {k: getattr(args, k) for k in ("rows", "prompt", "response",
                                                                              "micro_batch", "steps", "device")}}
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32
     rate = matmul_tflops(args.device)
@@ -487,8 +498,8 @@ def run(args, save) -> dict:
     dev = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     init_parallel(0, 1, dev)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "qwen2"
-        hf_model = make_model_dir(shape, args.device, model_dir)
+        model_dir = Path(tmp) / args.arch
+        hf_model = make_model_dir(shape, args.device, model_dir, args.arch)
         n_params = sum(p.numel() for p in hf_model.parameters())  # tied embedding counted once
         result["params"] = n_params
         if "parity" in args.parts:

@@ -112,6 +112,7 @@ BUCKET_DAMAGE = {
     "stray-patch": _stray("versions/vxyz.pulse"),
     "run-json-list": _json_at("run.json", "[]"),
     "run-json-garbage": _json_at("run.json", "{not json"),
+    "pointer-garbage": _json_at("current.json", "{not json"),
 }
 #: a recipe file of the user's own: the shipped gsm8k with another staleness
 _GSM8K = (REPO / "runs" / "gsm8k.yaml").read_text()
@@ -311,6 +312,8 @@ ROWS = [
         says=("pub-run", "v11")),
     Row("status-stats-odd-fields", ["invoke", "status", "--run", PUB], bucket="stats-fields", rc=0, lines=None,
         says=("pub-run", "v11")),
+    Row("status-pointer-garbage", ["invoke", "status", "--run", PUB], bucket="pointer-garbage", rc=0, lines=None,
+        says=("current.json does not verify", "unreadable"), never=("no pointer yet",)),
     Row("status-stray-patch-key", ["invoke", "status", "--run", PUB], bucket="stray-patch", rc=0, lines=None,
         says=("pub-run", "v11")),
     # off a terminal (COLUMNS unset) the tables keep their width: no header or cell cut to "…"

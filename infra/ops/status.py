@@ -342,8 +342,10 @@ def collect_status(
     anchors = anchor_versions(store, run)
     staleness_bound = manifest.staleness if manifest else 3
     workers, rate, hist, consumed, drops, recent, publishes = [], None, {}, {}, {}, {}, []
-    if pointer is None:
+    if pointer is None and not store.exists(layout.pointer_key(run)):
         notes.append("no pointer yet (current.json): the trainer has not published version 1")
+    elif pointer is None:
+        notes.append("current.json is unreadable (the note above says why): nothing beyond run.json is shown")
     else:
         items = recent_rollouts(store, run, pointer - staleness_bound - EXTRA_VERSIONS_BACK, pointer + 1)
         times, partial = _upload_times(store, items, {} if record_times is None else record_times)

@@ -79,7 +79,11 @@ def plot(c, run=None, out=None):
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         raise Exit(f"{metrics} does not exist: run `make gsm8k RUN={run}` first, or check the run id", code=2)
-    for path in plot_run(metrics, Path(out) if out else run_dir / "plots"):
+    paths = plot_run(metrics, Path(out) if out else run_dir / "plots")
+    if not paths:  # empty, or lines that are not the learner's step rows: say so instead of printing nothing
+        raise Exit(f"{metrics} holds no step row with a metric to plot (reward, held-out accuracy, staleness, "
+                   "drops, patch size): nothing written", code=2)
+    for path in paths:
         print(path)
 
 

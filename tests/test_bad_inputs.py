@@ -216,6 +216,8 @@ ROWS = [
     Row("gc-no-store", ["invoke", "gc", "--run", "seed-run", "--keep-anchors", "1"], says=("no store",)),
     Row("plot-no-run", ["invoke", "plot"], says=("--run",)),
     Row("plot-missing-run", ["invoke", "plot", "--run", "nope"], says=("nope",)),
+    Row("plot-metrics-garbage", ["invoke", "plot", "--run", "seed-run"],
+        files={".stoa/runs/seed-run/metrics.jsonl": ("not json\n[1, 2]\n", 0o644)}, says=("metrics.jsonl", "nothing")),
     Row("joincard-no-run", ["invoke", "joincard"], says=("DRL_RUN",)),
     Row("joincard-half-r2env", ["invoke", "joincard", "--run", "seed-run"], files=_r2env(HALF_R2ENV),
         says=("R2_BUCKET",)),

@@ -37,12 +37,30 @@ def _unique(rng: random.Random, n: int, syllables: int, suffix: str, taken: set[
     return out
 
 
-def generate(n_entities: int = 3000, pool: int = 300, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """(corpus, questions): one abstract per entity and one question per (entity, relation)."""
+def _entities(rng: random.Random, n: int, syllables: int, taken: set[str]) -> list[str]:
+    """`n` new names ending in "in", none the tail of another ("rixgorin" in "drixgorin" would put its
+    name in two abstracts)."""
+    out: list[str] = []
+    tails: set[str] = set()
+    while len(out) < n:
+        w = _word(rng, syllables) + "in"
+        if w in taken or w in tails or any(w[i:] in taken for i in range(1, len(w))):
+            continue
+        taken.add(w)
+        tails.update(w[i:] for i in range(1, len(w)))
+        out.append(w)
+    return out
+
+
+def generate(n_entities: int = 3000, pool: int = 300, seed: int = 0,
+             entity_syllables: int = 2) -> tuple[list[dict], list[dict]]:
+    """(corpus, questions): one abstract per entity and one question per (entity, relation). Entities have
+    `entity_syllables` syllables and "in": two keep a name at about three tokens, which the embedded base
+    (trainer/psqa_base.py) copies into its query reliably enough at temperature 1; three made it six."""
     rng = random.Random(seed)
     taken: set[str] = set()
     values = {kind: _unique(rng, pool, 2, _SUFFIX[kind], taken) for _, kind, _ in RELATIONS}
-    entities = _unique(rng, n_entities, 3, "in", taken)
+    entities = _entities(rng, n_entities, entity_syllables, taken)
     corpus, questions = [], []
     for i, e in enumerate(entities):
         facts = {kind: rng.choice(values[kind]) for _, kind, _ in RELATIONS}

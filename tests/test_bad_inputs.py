@@ -490,12 +490,12 @@ def message_lines(out: str) -> list[str]:
     return lines or [line for line in out.splitlines() if line.startswith("usage: ")]
 
 
-def _apply_files(path: Path, files: dict, tmp: Path) -> dict[str, bytes | None]:
-    saved: dict[str, bytes | None] = {}
+def _apply_files(path: Path, files: dict, tmp: Path) -> dict[str, tuple[bytes, int] | None]:
+    saved: dict[str, tuple[bytes, int] | None] = {}
     for rel, spec in files.items():
         rel = rel.replace("{tmp}", str(tmp))  # an absolute path outside the clone (a model, a corpus)
         target = path / rel
-        saved[rel] = target.read_bytes() if target.exists() else None
+        saved[rel] = (target.read_bytes(), stat.S_IMODE(target.stat().st_mode)) if target.is_file() else None
         if spec is None:
             target.unlink(missing_ok=True)
         elif isinstance(spec, str):  # "key: value" replaces that key's line in a YAML file
@@ -516,15 +516,16 @@ def _apply_files(path: Path, files: dict, tmp: Path) -> dict[str, bytes | None]:
     return saved
 
 
-def _restore_files(path: Path, saved: dict[str, bytes | None], tmp: Path) -> None:
+def _restore_files(path: Path, saved: dict[str, tuple[bytes, int] | None], tmp: Path) -> None:
     for rel, data in saved.items():
         target = path / rel
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
         if data is None:
             target.unlink(missing_ok=True)
-        else:
-            target.write_bytes(data)
+        else:  # content and mode: a row's .r2env at 0644 must not reach the next row
+            target.write_bytes(data[0])
+            target.chmod(data[1])
     shutil.rmtree(path / ".stoa" / "bucket", ignore_errors=True)
 
 
@@ -548,17 +549,25 @@ def _has_cuda() -> bool:
         == "True"
 
 
-@pytest.mark.parametrize("row", [pytest.param(r, marks=[pytest.mark.slow] if r.slow else []) for r in ROWS],
-                         ids=[r.id for r in ROWS])
-def test_bad_input(row: Row, clone: Clone, tmp_path: Path, request) -> None:
-    if row.without_cuda and _has_cuda():
-        pytest.skip("torch has CUDA here: the command does its real work")
+#: rows run this many at a time, each worker on its own clone (the rows are independent processes)
+POOL = max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass
+class Outcome:
+    problems: list[str]
+    rc: int
+    out: str
+
+
+def run_one(row: Row, clone: Clone, tmp_path: Path, published: Path | None) -> Outcome:
+    """Run one row in `clone` and say what is wrong with how the command answered."""
     path = clone.ensure()
     fakepy = tmp_path / "fakepy"  # records a call instead of installing anything
     fakepy.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'fakepy.log'}\n")
     fakepy.chmod(0o755)
     if row.bucket is not None:  # removed again with the rest of .stoa/bucket after the row
-        shutil.copytree(request.getfixturevalue("published"), path / ".stoa" / "bucket", dirs_exist_ok=True)
+        shutil.copytree(published, path / ".stoa" / "bucket", dirs_exist_ok=True)
         BUCKET_DAMAGE[row.bucket](path / ".stoa" / "bucket" / PUB)
     saved = _apply_files(path, row.files, tmp_path)
     before = snapshot(path)
@@ -592,7 +601,47 @@ def test_bad_input(row: Row, clone: Clone, tmp_path: Path, request) -> None:
         problems.append(f"changed the clone: {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}")
     if (tmp_path / "fakepy.log").exists():
         problems.append("ran the venv's python before saying usage: " + (tmp_path / "fakepy.log").read_text()[:200])
-    assert not problems, f"{row.id}: " + "; ".join(problems) + f"\n--- output (exit {rc}) ---\n{out[-3000:]}"
+    return Outcome(problems, rc, out)
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory, clone) -> dict[str, Outcome]:
+    """Every row this session selected, run POOL at a time (worker i on clone i, rows in table order); each
+    test then reads its row's outcome. A row whose harness failed says so as its problem."""
+    import threading
+    import traceback
+
+    rows = [it.callspec.params["row"] for it in request.session.items
+            if getattr(it, "originalname", None) == "test_bad_input" and it.module is request.module]
+    rows = [r for r in rows if not (r.without_cuda and _has_cuda())]
+    published = request.getfixturevalue("published") if any(r.bucket is not None for r in rows) else None
+    clones = [clone] + [Clone(tmp_path_factory.mktemp(f"bad-inputs-{i}")) for i in range(1, POOL)]
+    tmps = {r.id: tmp_path_factory.mktemp("row") for r in rows}
+    results: dict[str, Outcome] = {}
+
+    def work(i: int) -> None:
+        for r in rows[i::POOL]:
+            try:
+                results[r.id] = run_one(r, clones[i], tmps[r.id], published)
+            except Exception:
+                clones[i].dirty = True
+                results[r.id] = Outcome([f"the harness failed:\n{traceback.format_exc()}"], -1, "")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(POOL)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=[pytest.mark.slow] if r.slow else []) for r in ROWS],
+                         ids=[r.id for r in ROWS])
+def test_bad_input(row: Row, outcomes: dict[str, Outcome]) -> None:
+    if row.without_cuda and _has_cuda():
+        pytest.skip("torch has CUDA here: the command does its real work")
+    o = outcomes[row.id]
+    assert not o.problems, f"{row.id}: " + "; ".join(o.problems) + f"\n--- output (exit {o.rc}) ---\n{o.out[-3000:]}"
 
 
 def test_run_main_sorts_how_a_command_ended(capsys) -> None:

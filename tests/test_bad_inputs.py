@@ -4,9 +4,9 @@ Make targets, Invoke tasks, the nox sessions that take input and the `python -m`
 runs them (real processes, the repo's own .venv by path, nothing installed), and each row asserts:
 no traceback, the documented exit status (2 for bad input, 1 for a failed check; make itself exits 2 and
 nox 1 whatever its recipe returned), a one-sentence error that names what to fix, no secret in any output,
-and the clone, its `.stoa` and its `.r2env` unchanged afterwards. One clone serves every row; a row that
-damaged it fails and the next row gets a fresh one. Rows on a published run get `pub-run` (the real writers)
-in the clone's bucket, damaged as anyone with the bucket's credentials could.
+and the clone, its `.stoa` and its `.r2env` unchanged afterwards. Rows run a few at a time, each worker
+on its own clone; a row that damaged its clone fails and that worker's next row gets a fresh one. Rows on
+a published run get `pub-run` (the real writers) in the bucket, damaged as a credential holder could.
 """
 
 from __future__ import annotations

@@ -134,3 +134,17 @@ def test_embedded_psqa_loop_with_real_processes_then_resume_and_ctrl_c(tmp_path)
     assert _leftovers(tmp_path) == []  # the retriever too
     v = subprocess.run(verify, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_the_data_cache_follows_the_generator(tmp_path, monkeypatch):
+    """A data set written by an older generator is never reused: its version is in the cache's name."""
+    from trainer import psqa_synth
+    from trainer.config import resolve
+    from trainer.embedded import EmbeddedPaths
+    from trainer.embedded_psqa import data_dir
+
+    cfg = resolve("psqa", env={"DRL_RUN": "cache-1"}, embedded=True)
+    paths = EmbeddedPaths(root=tmp_path, run="cache-1")
+    now = data_dir(cfg, paths)
+    monkeypatch.setattr(psqa_synth, "GENERATOR_VERSION", psqa_synth.GENERATOR_VERSION + 1)
+    assert data_dir(cfg, paths) != now

@@ -25,8 +25,10 @@ from .localprocs import Processes, child_env
 
 
 def data_dir(cfg: RecipeConfig, paths) -> Path:
+    from .psqa_synth import GENERATOR_VERSION  # another generator writes other bytes: another cache dir
+
     p = cfg.embedded.psqa
-    return paths.cache / f"psqa-data-{p.entities}-{p.heldout_entities}-{p.seed}"
+    return paths.cache / f"psqa-data-g{GENERATOR_VERSION}-{p.entities}-{p.heldout_entities}-{p.seed}"
 
 
 def ensure_data(cfg: RecipeConfig, paths) -> Path:

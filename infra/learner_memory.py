@@ -33,7 +33,7 @@ def dense_params(cfg: Mapping[str, Any]) -> int | None:
         vocab, heads = int(cfg["vocab_size"]), int(cfg["num_attention_heads"])
     except (KeyError, TypeError, ValueError):
         return None
-    if any(k in cfg for k in ("num_experts", "num_local_experts", "layer_types")):
+    if is_moe(cfg) or "layer_types" in cfg:
         return None  # mixture-of-experts or hybrid layers: not this formula
     kv = int(cfg.get("num_key_value_heads") or heads)
     d = int(cfg.get("head_dim") or h // heads)
@@ -50,8 +50,9 @@ def tokens_per_micro_batch(train: Any, max_new_tokens: int) -> int:
     return int(train.micro_batch_size) * (NOMINAL_PROMPT + int(max_new_tokens))
 
 
-def _activation_bytes_per_token(cfg: Mapping[str, Any]) -> float:
-    return ACTIVATION_BYTES * int(cfg["num_hidden_layers"]) * int(cfg["hidden_size"])
+def _activation_bytes_per_token(cfg: Mapping[str, Any], per_unit: float = ACTIVATION_BYTES) -> float:
+    """Activation bytes of one token: `per_unit` bytes per layer and hidden unit."""
+    return per_unit * int(cfg["num_hidden_layers"]) * int(cfg["hidden_size"])
 
 
 def learner_peak_gib(cfg: Mapping[str, Any], train: Any, max_new_tokens: int) -> float | None:
@@ -77,6 +78,7 @@ def tokens_that_fit(cfg: Mapping[str, Any], train: Any, gpu_gib: float) -> int:
 # and 24 with it. Per parameter the GPU always holds the bf16 policy and reference and the float32 gradient
 # (8 bytes); the float32 master (4) and the two moments (2 x 2 or 2 x 4) stay there unless offloaded.
 MOE_ACTIVATION_BYTES = {False: 67, True: 24}
+MOE_RESIDENT_BYTES = 8  # per parameter, never offloaded
 #: the plans tried for a card, fastest first as measured (14.2 s offload 1.0, 15.9 s offload 0.5 + recompute,
 #: 17.1 s offload 1.0 + recompute): (optimizer_offload, gradient_checkpointing), bf16 moments throughout
 MOE_PLANS = ((0.0, False), (0.5, False), (1.0, False), (1.0, True))
@@ -91,12 +93,11 @@ def total_params(cfg: Mapping[str, Any]) -> int | None:
 
 @functools.lru_cache(maxsize=8)
 def _total_params(cfg_json: str) -> int | None:
-    cfg = json.loads(cfg_json)
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.for_model(**dict(cfg))
+        config = AutoConfig.for_model(**json.loads(cfg_json))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # an unknown model_type or an incomplete config: no estimate, said by the caller
@@ -111,8 +112,8 @@ def is_moe(cfg: Mapping[str, Any]) -> bool:
 def moe_peak_gib(cfg: Mapping[str, Any], params: int, tokens: int, *, offload: float, recompute: bool,
                  moment_bytes: int = 2, tp: int = 1) -> float:
     """Estimated peak GiB per GPU of a mixture-of-experts model under a memory plan (constants above)."""
-    state = params * (8 + (1 - offload) * (4 + 2 * moment_bytes))
-    act = tokens * MOE_ACTIVATION_BYTES[recompute] * int(cfg["num_hidden_layers"]) * int(cfg["hidden_size"])
+    state = params * (MOE_RESIDENT_BYTES + (1 - offload) * (4 + 2 * moment_bytes))
+    act = tokens * _activation_bytes_per_token(cfg, MOE_ACTIVATION_BYTES[recompute])
     return (state + act) / max(1, tp) / GIB
 
 
@@ -127,9 +128,8 @@ def moe_plan_for(cfg: Mapping[str, Any], params: int, tokens: int, gpu_gib: floa
 
 def moe_tokens_that_fit(cfg: Mapping[str, Any], params: int, gpu_gib: float, tp: int = 1) -> int:
     """The largest token budget (a multiple of 1024) of the leanest plan (all offloaded, recompute) in `gpu_gib`."""
-    room = USABLE * gpu_gib * GIB * max(1, tp) - params * 8
-    per_token = MOE_ACTIVATION_BYTES[True] * int(cfg["num_hidden_layers"]) * int(cfg["hidden_size"])
-    return max(0, int(room / per_token) // 1024 * 1024)
+    room = USABLE * gpu_gib * GIB * max(1, tp) - params * MOE_RESIDENT_BYTES
+    return max(0, int(room / _activation_bytes_per_token(cfg, MOE_ACTIVATION_BYTES[True])) // 1024 * 1024)
 
 
 def describe_plan(offload: float, recompute: bool) -> str:

@@ -10,13 +10,12 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from test_embedded_e2e import _leftovers, _verify, _wait_gone  # the gsm8k loop's run checks
 
 from trainer.config import resolve
 from trainer.rollout_pool import BatchRules, GroupPool, Tally
@@ -51,20 +50,6 @@ def test_a_psqa_batch_reports_its_search_rate_and_the_correct_answers_found_afte
     assert m["rollout/search_rate"] == 3 / 8
     assert m["rollout/correct_after_search"] == 2 / 3  # 3 correct, 2 of them searched
     assert "rollout/search_rate" not in _batch_metrics("gsm8k", [[_sample(1.0, False)] * 4])
-
-
-def _leftovers(root: Path) -> list[str]:
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if str(root) in cmd and p.pid != os.getpid():
-            found.append(f"{p.pid}: {cmd[:200]}")
-    return found
 
 
 def _run(root: Path, run: str, model: Path, **over) -> tuple[int, str]:
@@ -105,9 +90,7 @@ def test_embedded_psqa_loop_with_real_processes_then_resume_and_ctrl_c(tmp_path)
     assert "retriever http://127.0.0.1:" in out
     logs = {p.name: p.read_text() for p in (tmp_path / "runs" / run).glob("worker-*.log")}
     assert "mlx" in logs["worker-2.log"].lower() and "retriever http://127.0.0.1:" in logs["worker-1.log"]
-    verify = [sys.executable, "-m", "worker_contract", "verify", "--store", f"file://{tmp_path}/bucket", "--run", run]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    v = subprocess.run(verify, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    v = _verify(tmp_path, run)
     assert v.returncode == 0, v.stdout + v.stderr
     assert _leftovers(tmp_path) == []
 
@@ -128,11 +111,8 @@ def test_embedded_psqa_loop_with_real_processes_then_resume_and_ctrl_c(tmp_path)
     assert rc == 130 and "stopped by Ctrl-C" in out, out
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if "rollout/raw_reward" in line]
     assert steps[:3] == [1, 2, 3]  # resumed from the first session's checkpoint
-    deadline = time.monotonic() + 30
-    while _leftovers(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _leftovers(tmp_path) == []  # the retriever too
-    v = subprocess.run(verify, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert _wait_gone(tmp_path) == []  # the retriever too
+    v = _verify(tmp_path, run)
     assert v.returncode == 0, v.stdout + v.stderr
 
 

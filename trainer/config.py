@@ -305,11 +305,12 @@ class RecipeConfig(_Model):
     embedded: EmbeddedConfig = EmbeddedConfig()
 
     @model_validator(mode="after")
-    def _bf16_moments_run_natively(self) -> RecipeConfig:
-        if self.algo.optim.moment_dtype != "float32" and (self.train.engine, self.train.backend) == ("native", "hf"):
+    def _memory_plan_needs_megatron(self) -> RecipeConfig:
+        on_hf = (self.train.engine, self.train.backend) == ("native", "hf")
+        if self.algo.optim.moment_dtype != "float32" and on_hf:
             raise ValueError("algo.optim.moment_dtype=bfloat16 runs on the megatron backend (native engine) or on "
                              "slime, not on train.backend: hf: set train.backend: megatron, or moment_dtype: float32")
-        if self.train.optimizer_offload > 0 and (self.train.engine, self.train.backend) == ("native", "hf"):
+        if self.train.optimizer_offload > 0 and on_hf:
             raise ValueError("train.optimizer_offload runs on the megatron backend (native engine) or on slime, not "
                              "on train.backend: hf: set train.backend: megatron, or train.optimizer_offload: 0")
         return self

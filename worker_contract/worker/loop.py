@@ -119,6 +119,8 @@ class WorkerStats:
     """psqa: prefill tokens a worker re-prefilling every turn's context from the start would have fed."""
     searches: int = 0
     """psqa: tool calls made."""
+    search_s: float = 0.0
+    """psqa: seconds spent waiting for the retriever (inside `sampling_s`), failed calls included."""
 
 
 def declared_contract(env: Mapping[str, str]) -> tuple[int, str]:
@@ -243,8 +245,8 @@ class Worker:
         if manifest.task in EPISODE_TASKS:  # refused before any weights are fetched (exit 2)
             from .retrieval import make_search
 
-            self.search = make_search(self.s.retriever_url, self.s.retriever_tier, manifest.run,
-                                      timeout_s=self.s.retriever_timeout_s)
+            self.search = self._timed(make_search(self.s.retriever_url, self.s.retriever_tier, manifest.run,
+                                                  timeout_s=self.s.retriever_timeout_s))
         self.manifest = manifest
         self.task = get_task(manifest.task)
         model_dir = resolve_model_dir(self.s, manifest)
@@ -440,6 +442,16 @@ class Worker:
                                                           for e in eps]))
         return records
 
+    def _timed(self, search):
+        """`search`, adding the seconds each call waits (answered or failed) to stats.search_s."""
+        def timed(query: str) -> str:
+            t0 = time.monotonic()
+            try:
+                return search(query)
+            finally:
+                self.stats.search_s += time.monotonic() - t0
+        return timed
+
     def _group_id(self) -> str:
         return f"g{time.time_ns() // 1_000_000:013d}-{self._rng.getrandbits(32):08x}"
 
@@ -457,8 +469,10 @@ class Worker:
     def _log_progress(self, key: str) -> None:
         recent = self.stats.rewards[-10 * self.n_samples:]
         st = self.stats
-        extra = (f", {st.searches} searches, prefill {st.prefill_extend} tokens (re-prefill would be "
-                 f"{st.prefill_reprefill}), dropped {st.dropped or 0}" if self.search is not None else "")
+        extra = (f", {st.searches} searches ({st.search_s:.1f} s waiting for the retriever, "
+                 f"{100 * st.search_s / max(st.sampling_s, 1e-9):.0f}% of sampling), prefill {st.prefill_extend} "
+                 f"tokens (re-prefill would be {st.prefill_reprefill}), dropped {st.dropped or 0}"
+                 if self.search is not None else "")
         log.info("worker %s: v%d, %d groups, mean reward %.3f over the last %d samples, %.1f tokens/s%s; last %s",
                  self.s.worker_id, self.version, st.groups, sum(recent) / max(1, len(recent)),
                  len(recent), st.tokens / max(st.sampling_s, 1e-9), extra, key)

@@ -13,6 +13,7 @@ from infra.retriever.index import BM25Index
 from trainer import psqa_synth
 from trainer.psqa_base import (
     PsqaBaseConfig,
+    base_digest,
     batch_tensors,
     ensure_psqa_base,
     load_problems,
@@ -85,6 +86,9 @@ def test_the_build_is_deterministic_and_cached(data, built, tmp_path):
     assert hit == again and lines == []  # the cache: nothing built
     other, _ = ensure_psqa_base(d, tmp_path, lambda q: search(q) + " ", cfg=TINY, log=lambda s: None)
     assert other.name != path.name  # what the search tool answers shapes the traces, so the digest
+    train = load_problems(d)[1]
+    assert base_digest(TINY, d, search, train) == path.name.removeprefix("psqa-base-")
+    assert base_digest(TINY, d, search, train, "cuda") != base_digest(TINY, d, search, train)  # other float sums
 
 
 def test_the_directory_loads_in_transformers_and_mlx_lm_with_the_same_greedy_tokens(data, built):

@@ -57,6 +57,36 @@ def test_metrics_on_a_scripted_policy():
     assert point.searches_per_episode == pytest.approx(0.25)
 
 
+def test_questions_batched_together_score_as_one_at_a_time():
+    tok = _tokenizer()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    # each question's policy depends on its own context only: q0 searches then answers right, q1 answers
+    # wrong at once, q2 answers right at once, q3 searches then answers wrong
+    def generate_batch(contexts, budgets):
+        outs = []
+        for ctx in contexts:
+            text = tok.decode(ctx)
+            q = next(i for i in range(4) if f"Question: q{i}" in text)
+            searched = "Doc 1" in text
+            reply = {0: "<answer> DMD </answer>" if searched else "<search> q </search>",
+                     1: "<answer> nope </answer>", 2: "<answer> DMD </answer>",
+                     3: "<answer> x </answer>" if searched else "<search> q </search>"}[q]
+            ids = enc(reply)
+            outs.append(TurnOutput(ids, [-0.1] * len(ids), reply, False))
+        return outs
+
+    problems = [PsqaProblem(id=f"psqa-test-{i}", question=f"q{i}", answer="DMD", golden_answers=("DMD",)) for i in range(4)]
+    encode_prompt = lambda msgs: enc(msgs[0]["content"])  # noqa: E731
+    points = [psqa_eval.evaluate(problems, PsqaTask(), encode_prompt, generate_batch, enc, lambda q: "Doc 1", k=2,
+                                 max_new_tokens=200, max_turns=2, version=1, questions_per_batch=b).model_dump()
+              for b in (1, 3, 16)]
+    for p in points:
+        p.pop("seconds")
+    assert points[0] == points[1] == points[2]
+    assert points[0]["pass1"] == pytest.approx(0.5) and points[0]["search_rate"] == pytest.approx(0.5)
+    assert points[0]["correct_after_search"] == pytest.approx(0.5)
+
+
 def test_cut_at_stop():
     tok = _tokenizer()
     ids = tok.encode("<think> x </think><search> dystrophin </search> junk after", add_special_tokens=False)

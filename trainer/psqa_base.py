@@ -279,7 +279,7 @@ class _Steps(SFTSteps):
     def step(self, index: int) -> torch.Tensor:
         short = index < self.cfg.short_steps
         batch = [self.source.trace(self.order.choice(self.source.train), short) for _ in range(self.cfg.sft_batch_size)]
-        ids, labels, attn = batch_tensors(batch, self.tokenizer.pad_token_id)
+        ids, labels, attn = (t.to(self.model.device) for t in batch_tensors(batch, self.tokenizer.pad_token_id))
         loss = self.model(input_ids=ids, attention_mask=attn, labels=labels).loss
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -299,7 +299,7 @@ def score(model, tokenizer, task: PsqaTask, problems: Sequence[PsqaProblem], sea
 
     from .psqa_eval import hf_generate_batch
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     generate_batch = hf_generate_batch(model, tokenizer, temperature=temperature, generator=gen)
     encode = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     right = {True: 0.0, False: 0.0}
@@ -317,8 +317,12 @@ def score(model, tokenizer, task: PsqaTask, problems: Sequence[PsqaProblem], sea
 
 # ------------------------------------------------------------------------------------------- the build
 
-def base_digest(cfg: PsqaBaseConfig, data_dir: str | Path, search: Search, train: Sequence[PsqaProblem]) -> str:
-    h = hashlib.sha256(json.dumps({"cfg": cfg.model_dump(mode="json"), "build": BUILD_VERSION}, sort_keys=True).encode())
+def base_digest(cfg: PsqaBaseConfig, data_dir: str | Path, search: Search, train: Sequence[PsqaProblem],
+                device: str = "cpu") -> str:
+    spec = {"cfg": cfg.model_dump(mode="json"), "build": BUILD_VERSION}
+    if device != "cpu":  # another device's float sums give other weights (the CPU digest stays as it was)
+        spec["device"] = device
+    h = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
     for name in ("train.jsonl", "test.jsonl"):
         h.update((Path(data_dir) / name).read_bytes())
     for p in list(train)[:PROBE_QUERIES]:
@@ -336,15 +340,16 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
 
 def ensure_psqa_base(data_dir: str | Path, cache_dir: str | Path, search: Search, *,
                      cfg: PsqaBaseConfig | None = None, log: Callable[[str], None] = print,
-                     show_progress: bool = False) -> tuple[Path, PsqaBaseReport]:
+                     show_progress: bool = False, device: str = "cpu") -> tuple[Path, PsqaBaseReport]:
     """(model directory, report) of the base for `cfg` over the data in `data_dir` (train.jsonl, test.jsonl as
     trainer.psqa_synth writes them), built first if it is not cached (atomic: a half-built base is never used).
 
     `search`: query -> the documents' text, exactly what workers' tool turns carry (the run's retriever).
-    `show_progress`: a bar with the time left while building (lines every 30 s off a terminal)."""
+    `show_progress`: a bar with the time left while building (lines every 30 s off a terminal).
+    `device`: where to supervise and score it ("cuda" for the larger bases benchmarks build); saved in float32."""
     cfg = cfg or PsqaBaseConfig()
     task, train, test = load_problems(data_dir)
-    digest = base_digest(cfg, data_dir, search, train)
+    digest = base_digest(cfg, data_dir, search, train, device)
     out = Path(cache_dir) / f"psqa-base-{digest}"
     if (out / "base.json").exists():
         return out, PsqaBaseReport.model_validate_json((out / "base.json").read_text())
@@ -354,13 +359,14 @@ def ensure_psqa_base(data_dir: str | Path, cache_dir: str | Path, search: Search
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "causal_conv1d falls back to PyTorch" and the like would tear a panel
     try:
-        return _build(cfg, task, train, test, search, digest, out, log, show_progress)
+        return _build(cfg, task, train, test, search, digest, out, log, show_progress, device)
     finally:
         hf_logging.set_verbosity(verbosity)
 
 
 def _build(cfg: PsqaBaseConfig, task: PsqaTask, train: list[PsqaProblem], test: list[PsqaProblem], search: Search,
-           digest: str, out: Path, log: Callable[[str], None], show_progress: bool) -> tuple[Path, PsqaBaseReport]:
+           digest: str, out: Path, log: Callable[[str], None], show_progress: bool,
+           device: str = "cpu") -> tuple[Path, PsqaBaseReport]:
     from .psqa_eval import heldout_subset
 
     with _one_thread():
@@ -368,7 +374,7 @@ def _build(cfg: PsqaBaseConfig, task: PsqaTask, train: list[PsqaProblem], test: 
         source = TraceSource(task, train, search, cfg)
         texts = [source.text(p) for p in random.Random(cfg.seed).sample(train, min(cfg.tokenizer_traces, len(train)))]
         tokenizer = source.tokenizer = make_tokenizer(texts, cfg.vocab_size)
-        model = build_model(tokenizer, cfg)
+        model = build_model(tokenizer, cfg).to(device)
         params = sum(p.numel() for p in model.parameters())
         log(f"building the psqa base model: LFM2-MoE {len(cfg.layer_types)}x{cfg.hidden_size}, {cfg.num_experts} "
             f"experts, {params / 1e6:.2f} M parameters, vocab {len(tokenizer)}; {cfg.sft_steps} supervised steps")
@@ -389,7 +395,7 @@ def _build(cfg: PsqaBaseConfig, task: PsqaTask, train: list[PsqaProblem], test: 
                            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
-        model.save_pretrained(tmp)
+        model.to("cpu").save_pretrained(tmp)
         _save_tokenizer(tokenizer, tmp)
         report = PsqaBaseReport(
             path=str(out), params=params, vocab_size=len(tokenizer), sft_steps=cfg.sft_steps,

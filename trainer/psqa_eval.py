@@ -66,16 +66,23 @@ def heldout_subset(problems: Sequence, n: int, seed: int = 0) -> list:
 
 
 def evaluate(problems: Sequence, task, encode_prompt: Callable, generate_batch, encode, search, *, k: int,
-             max_new_tokens: int, max_turns: int, version: int, model: str = "") -> EvalPoint:
-    """Run k episodes per question and reduce them to one curve point."""
+             max_new_tokens: int, max_turns: int, version: int, model: str = "",
+             questions_per_batch: int = 16) -> EvalPoint:
+    """Run k episodes per question and reduce them to one curve point. The episodes of
+    `questions_per_batch` questions run in lockstep (one batched generate call per turn for all of them):
+    the same episodes as one question at a time, in a fraction of the forward passes."""
     from worker_contract.tasks.psqa import pass_at_k, run_episodes
 
     t0 = time.monotonic()
+    answered = []  # (question, its k episodes)
+    for i in range(0, len(problems), questions_per_batch):
+        chunk = list(problems[i:i + questions_per_batch])
+        prompts = [encode_prompt(task.messages(problem)) for problem in chunk for _ in range(k)]
+        eps = run_episodes(prompts, generate_batch, encode, search, max_new_tokens, max_turns)
+        answered += [(problem, eps[j * k:(j + 1) * k]) for j, problem in enumerate(chunk)]
     p1 = pk = searched = calls = tokens = 0.0
     correct_total = correct_searched = 0
-    for problem in problems:
-        prompt = encode_prompt(task.messages(problem))
-        eps = run_episodes([prompt] * k, generate_batch, encode, search, max_new_tokens, max_turns)
+    for problem, eps in answered:
         right = [task.reward(ep.text, problem) >= 1.0 for ep in eps]
         correct = sum(right)
         correct_total += correct

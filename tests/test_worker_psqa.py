@@ -72,12 +72,13 @@ def _worker(store, model_dir, **over):
 
 
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
-def test_uploads_search_episode_groups_the_source_accepts(run_store, model_dir, retriever, backend):
+def test_uploads_search_episode_groups_the_source_accepts(run_store, model_dir, retriever, backend, caplog):
     if backend == "mlx":
         pytest.importorskip("mlx_lm", reason="the MLX worker needs mlx-lm")
     from trainer.rollouts import BatchRules, RecordRules, RolloutSource
 
     store, (cfg, manifest) = run_store
+    caplog.set_level("INFO", logger="worker")
     w = _worker(store, model_dir, retriever_url=retriever.url, retriever_tier="light", max_groups=3, backend=backend)
     stats = w.run(threading.Event())
     assert stats.groups == 3 and not stats.dropped
@@ -89,6 +90,11 @@ def test_uploads_search_episode_groups_the_source_accepts(run_store, model_dir, 
         for s in r.samples:
             assert all(lp == 0.0 for lp, m in zip(s.behavior_logprobs, s.loss_mask, strict=True) if m == 0)
     assert stats.prefill_extend <= stats.prefill_reprefill
+    from bench.psqa_gpu import _WAIT  # the last line says what bench/psqa_gpu.py reads of it
+
+    last = [r.getMessage() for r in caplog.records if "stopping:" in r.getMessage()][-1]
+    m = _WAIT.search(last)
+    assert m and int(m[4]) == stats.searches and float(m[5]) == pytest.approx(stats.search_s, abs=0.06), last
     print(f"{stats.searches} searches; prefill tokens {stats.prefill_extend} extended vs "
           f"{stats.prefill_reprefill} re-prefilled from the start")
 

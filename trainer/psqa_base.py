@@ -292,7 +292,8 @@ class _Steps(SFTSteps):
 # ------------------------------------------------------------------------------------------ evaluation
 
 def score(model, tokenizer, task: PsqaTask, problems: Sequence[PsqaProblem], search: Search, *, k: int,
-          temperature: float, max_new_tokens: int, seed: int = 0, max_turns: int = 4) -> dict[str, float]:
+          temperature: float, max_new_tokens: int, seed: int = 0, max_turns: int = 4,
+          questions_per_batch: int = 16) -> dict[str, float]:
     """Held-out episodes through trainer.psqa_eval's sampler and the task's run_episodes and reward (as
     psqa_eval.evaluate runs them), split by whether the episode searched."""
     from worker_contract.tasks.psqa import run_episodes
@@ -304,9 +305,10 @@ def score(model, tokenizer, task: PsqaTask, problems: Sequence[PsqaProblem], sea
     encode = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     right = {True: 0.0, False: 0.0}
     count = {True: 0, False: 0}
-    for problem in problems:
-        for ep in run_episodes([prompt_ids(tokenizer, task, problem)] * k, generate_batch, encode, search,
-                               max_new_tokens, max_turns):
+    for i in range(0, len(problems), questions_per_batch):  # episodes of several questions in lockstep
+        chunk = [p for p in problems[i:i + questions_per_batch] for _ in range(k)]
+        for problem, ep in zip(chunk, run_episodes([prompt_ids(tokenizer, task, p) for p in chunk], generate_batch,
+                                                   encode, search, max_new_tokens, max_turns), strict=True):
             s = bool(ep.searches)
             count[s] += 1
             right[s] += task.reward(ep.text, problem)

@@ -353,8 +353,11 @@ class Worker:
             if time.monotonic() - last_log >= self.s.log_every_s and key is not None:
                 last_log = time.monotonic()
                 self._log_progress(key)
-        log.info("worker %s stopping: %d groups uploaded, last version v%d", self.s.worker_id,
-                 self.stats.groups, self.version)
+        st = self.stats
+        searched = (f"; {st.searches} searches, {st.search_s:.1f} s waiting for the retriever of {st.sampling_s:.1f} s "
+                    f"sampling" if self.search is not None else "")
+        log.info("worker %s stopping: %d groups uploaded, last version v%d%s", self.s.worker_id, st.groups,
+                 self.version, searched)
         return self.stats
 
     def sync(self) -> int:

@@ -1,0 +1,197 @@
+"""The PaperSearchQA loop on one GPU box: the embedded psqa run (trainer/embedded.py) with a larger model.
+
+    python -m bench.psqa_gpu [--rl-seconds 300] [--workers 4] [--out bench/results/psqa_gpu.json]
+
+1. data: the embedded run's generated corpus and questions (trainer.embedded_psqa.ensure_data).
+2. base: an LFM2-MoE of tens of millions of parameters (`--width`, `--layers`, `--experts`), supervised on
+   the GPU into the search format by trainer.psqa_base (device="cuda"), searching the real retriever service
+   (`python -m infra.retriever serve`) on 127.0.0.1.
+3. RL: `run_embedded` on that base as MODEL= (the recipe's embedded.model_overrides: native engine, hf
+   backend, float32, on the GPU), `--workers` reference workers (bf16 on the GPU; the MLX worker is not
+   carried to the device) searching the run's own retriever, held-out cover-EM on the CPU every
+   `--eval-every` steps on test questions never trained on.
+Measured: held-out cover-EM first, last, mean of the last three and best; learner steps per hour; each
+worker's seconds waiting for the retriever, against its sampling time and the RL window (its log lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .common import RESULTS, command, machine_info, provenance
+
+REPO = Path(__file__).resolve().parent.parent
+ROOT = REPO / ".stoa" / "psqa_gpu"
+#: a worker's last line (worker_contract/worker/loop.py, `run`)
+_WAIT = re.compile(r"worker (\S+) stopping: (\d+) groups uploaded, last version v(\d+); (\d+) searches, ([\d.]+) s "
+                   r"waiting for the retriever of ([\d.]+) s sampling")
+
+
+def _log(msg: str) -> None:
+    print(f"[psqa_gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def base_config(args):
+    from trainer.psqa_base import PsqaBaseConfig
+
+    kinds = ("conv", "conv", "full_attention")
+    return PsqaBaseConfig(
+        hidden_size=args.width, layer_types=tuple(kinds[i % 3] for i in range(args.layers)),
+        num_heads=max(1, args.width // 64), num_kv_heads=max(1, args.width // 256), intermediate_size=args.width * 3,
+        num_experts=args.experts, experts_per_token=2, moe_intermediate_size=args.width, sft_steps=args.sft_steps,
+        short_steps=args.sft_steps * 3 // 4, sft_lr=args.sft_lr, sft_batch_size=32, eval_questions=100)
+
+
+def build_base(cfg, paths, args) -> tuple[Path, dict]:
+    """The data, then the base on the GPU against a retriever of our own (stopped before the run starts its own)."""
+    from infra.retriever import serve_argv
+    from trainer.embedded_psqa import ensure_data, free_port
+    from trainer.psqa_base import ensure_psqa_base
+    from worker_contract.tasks.psqa_retrieval import RetrieverClient, RetrieverError, search_tool
+
+    data = ensure_data(cfg, paths)
+    port = free_port()
+    log = open(ROOT / "base-retriever.log", "w")
+    proc = subprocess.Popen(serve_argv(data / "corpus.jsonl", port), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = RetrieverClient(f"http://127.0.0.1:{port}", timeout_s=5.0, retries=0)
+        for _ in range(600):
+            try:
+                client.health()
+                break
+            except RetrieverError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the retriever exited {proc.returncode}: see {log.name}") from None
+                time.sleep(0.2)
+        model_dir, report = ensure_psqa_base(data, paths.cache, search_tool(client, k=3, strict=True),
+                                             cfg=base_config(args), log=_log, device=args.device)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    _log(f"base {model_dir}: {report.params / 1e6:.1f} M parameters, built in {report.build_seconds} s, cover-EM "
+         f"{100 * report.pass1:.1f}% (T=1), greedy {100 * report.greedy_pass1:.1f}%, search rate "
+         f"{100 * report.search_rate:.0f}%")
+    return model_dir, report.model_dump(mode="json")
+
+
+def worker_waits(run_dir: Path) -> list[dict]:
+    """Each worker's last line: groups, searches, seconds waiting for the retriever and sampling."""
+    out = []
+    for path in sorted(run_dir.glob("worker-*.log")):
+        lines = list(_WAIT.finditer(path.read_text(errors="replace")))
+        if lines:  # the last session's line
+            m = lines[-1]
+            out.append({"worker": m[1], "groups": int(m[2]), "version": int(m[3]), "searches": int(m[4]),
+                        "search_wait_s": float(m[5]), "sampling_s": float(m[6]),
+                        "search_share_of_sampling": round(float(m[5]) / max(float(m[6]), 1e-9), 4)})
+    return out
+
+
+def summarize(rows: list[dict], waits: list[dict], rl_s: float) -> dict:
+    evals = sorted((r for r in rows if "eval/accuracy" in r), key=lambda r: r["eval/version"])
+    steps = [r for r in rows if "train/step_time_s" in r]
+    acc = [e["eval/accuracy"] for e in evals]
+    first = acc[0] if acc else None
+    last3 = sum(acc[-3:]) / len(acc[-3:]) if acc else None
+    span = (steps[-1]["time"] - steps[0]["time"]) if len(steps) > 1 and "time" in steps[0] else None
+    wait = sum(w["search_wait_s"] for w in waits)
+    return {
+        "rl_seconds": round(rl_s, 1), "steps": steps[-1]["step"] if steps else 0,
+        "learner_steps_per_hour": round(3600 * (len(steps) - 1) / span, 1) if span else None,
+        "step_time_s_median": sorted(r["train/step_time_s"] for r in steps)[len(steps) // 2] if steps else None,
+        "heldout_first": first, "heldout_last": acc[-1] if acc else None, "heldout_mean_last3": last3,
+        "heldout_best": max(acc) if acc else None,
+        "gain_last_points": None if first is None else round(100 * (acc[-1] - first), 2),
+        "gain_mean_last3_points": None if first is None else round(100 * (last3 - first), 2),
+        "gain_best_points": None if first is None else round(100 * (max(acc) - first), 2),
+        "evals": [{k: e.get(k) for k in ("step", "eval/version", "eval/accuracy", "eval/search_rate",
+                                          "eval/correct_after_search", "eval/seconds")} for e in evals],
+        "workers": waits,
+        "worker_search_wait_share_of_window": round(wait / (len(waits) * rl_s), 4) if waits and rl_s else None,
+        "train_reward_first10": _mean([r.get("rollout/raw_reward") for r in steps[:10]]),
+        "train_reward_last10": _mean([r.get("rollout/raw_reward") for r in steps[-10:]]),
+    }
+
+
+def _mean(xs) -> float | None:
+    xs = [float(x) for x in xs if x is not None]
+    return round(sum(xs) / len(xs), 5) if xs else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.psqa_gpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rl-seconds", type=float, default=300.0, help="RL time budget (embedded.time_budget_s)")
+    ap.add_argument("--workers", type=int, default=4, help="reference workers, on the GPU")
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--sft-steps", type=int, default=1200)
+    ap.add_argument("--sft-lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=None, help="RL learning rate (default: the recipe's)")
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--eval-problems", type=int, default=200)
+    ap.add_argument("--groups-per-step", type=int, default=None, help="default: the recipe's embedded value")
+    ap.add_argument("--device", default="cuda", help="where the base is supervised; cpu only for a smoke run")
+    ap.add_argument("--run", default=None, help="run id (default psqa-gpu-<time>)")
+    ap.add_argument("--out", default=str(RESULTS / "psqa_gpu.json"))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: bench.psqa_gpu needs a CUDA GPU (the base is supervised and the learner steps there)",
+              file=sys.stderr)
+        return 2
+    from rich.console import Console
+
+    from infra.retriever import serve_argv
+    from trainer.config import resolve
+    from trainer.embedded import EmbeddedPaths, run_embedded
+
+    ROOT.mkdir(parents=True, exist_ok=True)
+    run = args.run or f"psqa-gpu-{int(time.time())}"
+    over = {"run": run, "embedded.time_budget_s": args.rl_seconds, "embedded.max_steps": 100000,
+            "embedded.eval_every": args.eval_every, "embedded.eval_problems": args.eval_problems,
+            "embedded.worker_backends": ["torch"] * args.workers}
+    paths = EmbeddedPaths(ROOT, run)
+    cfg = resolve("psqa", {}, over, embedded=True)
+    t0 = time.monotonic()
+    model_dir, base = build_base(cfg, paths, args)
+    over["model.path"] = str(model_dir)
+    if args.lr is not None:
+        over["algo.lr"] = args.lr
+    if args.groups_per_step is not None:
+        over["algo.groups_per_step"] = args.groups_per_step
+    cfg = resolve("psqa", {}, over, embedded=True)  # MODEL=: the recipe's embedded.model_overrides
+    base_s = time.monotonic() - t0
+    t_rl = time.monotonic()
+    rc = run_embedded(cfg, Console(width=140), root=ROOT, retriever_argv=serve_argv)
+    rl_s = time.monotonic() - t_rl
+    rows = [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()] \
+        if paths.metrics.exists() else []
+    prov = provenance()
+    result = {
+        "bench": "psqa_gpu", "commit": prov["commit"], "provenance": prov, "machine": machine_info(),
+        "command": command(argv, "bench.psqa_gpu"), "run_rc": rc, "base_seconds": round(base_s, 1), "base": base,
+        "recipe": cfg.model_dump(mode="json"),
+        "note": "the whole launcher session's wall time (learner start, RL window, final evaluation) is rl_seconds; "
+                "the RL window itself is the recipe's embedded.time_budget_s",
+        **summarize(rows, worker_waits(paths.run_dir), rl_s),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    _log(f"wrote {out}: held-out {result['heldout_first']} -> last {result['heldout_last']} "
+         f"(mean of last 3 {result['heldout_mean_last3']}), {result['steps']} steps, "
+         f"{result['learner_steps_per_hour']} steps/h, retriever wait {result['worker_search_wait_share_of_window']}")
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import sys
 import time
@@ -239,3 +241,28 @@ def test_record_reads_are_bounded_and_cached_between_refreshes(file_store, monke
     assert GetCounter.reads == 8 and len(cache) == 8 and not st.notes  # every record read exactly once
     collect_status(counted, RUN, now=b.now, include_bytes=False, record_times=cache)
     assert GetCounter.reads == 8
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["tables", "json"])
+def test_piped_watch_ends_quietly_when_the_reader_goes_away(file_store, tmp_path, as_json):
+    # `invoke status --watch | head -3`: once head has its lines and exits, the next refresh finds the pipe
+    # closed and the watch ends, quietly (no traceback), with the closed-pipe status 141.
+    build_run(file_store, RUN, pointer=4, anchor_interval=4, workers={"mac-a": [3, 4]})
+    cmd = [sys.executable, "-m", "invoke", "status", "--run", RUN, "--store", f"file://{file_store.root}",
+           "--watch"] + (["--json"] if as_json else [])
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    try:
+        # the first view is printed at once, off a terminal too (it waited for Ctrl-C, printing nothing)
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        first = os.read(proc.stdout.fileno(), 4096).decode(errors="replace") if ready else ""
+        proc.stdout.close()  # the reader goes away, as head does
+        rc = proc.wait(timeout=60) if ready else None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read().decode()
+    assert RUN in first, "the watch printed nothing to the pipe within 60 s"
+    assert rc == 141, (rc, err)
+    assert "Traceback" not in err and "Error" not in err, err

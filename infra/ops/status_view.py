@@ -208,9 +208,15 @@ def show_status(store, run: str, *, watch: bool = False, as_json: bool = False, 
 
     from .status import collect_status
 
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:  # rich exits 1 here; the task's guard ends a closed pipe quietly
+            self.quiet = True
+            raise BrokenPipeError
+
     # Off a terminal (a pipe, a file) rich would fold every table into 80 columns and cut its cells short;
     # there each table keeps its natural width instead (none of them expands to the console's).
-    console = Console() if sys.stdout.isatty() else Console(width=OFF_TERMINAL_WIDTH)
+    on_terminal = sys.stdout.isatty()
+    console = PipeConsole() if on_terminal else PipeConsole(width=OFF_TERMINAL_WIDTH)
     state = {"bytes_at": 0.0}
     record_times: dict[str, float] = {}  # rollout records are immutable: their times are read once
 
@@ -232,15 +238,23 @@ def show_status(store, run: str, *, watch: bool = False, as_json: bool = False, 
         if not as_json:
             console.print(render_status(st))
         return st
-    live = contextlib.nullcontext() if as_json else Live(render_status(st), console=console, refresh_per_second=2)
-    with live, contextlib.suppress(KeyboardInterrupt):
+    # Off a terminal a Live view prints nothing until it stops, so `--watch | head` waited forever: there every
+    # refresh is printed in full as it comes, and the first write after the reader went away ends the watch.
+    live = Live(render_status(st), console=console, refresh_per_second=2) if on_terminal and not as_json else None
+    if live is None and not as_json:
+        console.print(render_status(st))
+        sys.stdout.flush()
+    with live or contextlib.nullcontext(), contextlib.suppress(KeyboardInterrupt):
         n = 1
         while iterations is None or n < iterations:
             time.sleep(WATCH_INTERVAL_S)
             st = read(st)
             if as_json:
                 print(st.model_dump_json(), flush=True)
-            else:
+            elif live is not None:
                 live.update(render_status(st))
+            else:
+                console.print(render_status(st))
+                sys.stdout.flush()
             n += 1
     return st

@@ -48,7 +48,9 @@ class MasterAdamW:
             self.masters.append(m)
             self.exp_avg.append(torch.zeros(p.shape, dtype=self.moment_dtype, **where))
             self.exp_avg_sq.append(torch.zeros(p.shape, dtype=self.moment_dtype, **where))
+        # host -> device and device -> host copies on streams of their own: PCIe carries both ways at once
         self._copy = torch.cuda.Stream(self.device) if cuda and self.on_host else None
+        self._back = torch.cuda.Stream(self.device) if cuda and self.on_host else None
         # torch.optim's views, for code that reads an optimizer's settings and states
         self.param_groups[0]["params"] = self.masters
         self.state = {m: {"exp_avg": a, "exp_avg_sq": s} for m, a, s in zip(self.masters, self.exp_avg,
@@ -77,8 +79,9 @@ class MasterAdamW:
         self._step_offloaded(sorted(self.on_host))
 
     def _step_offloaded(self, idx: list[int]) -> None:
-        """Host-resident states through the device, two chunks in flight: copy in (side stream), update
-        (current stream), copy back (side stream); a chunk's buffers are reused once its copy back is done."""
+        """Host-resident states through the device, two chunks in flight: copy in (one side stream), update
+        (current stream), copy back (another side stream, so a chunk goes back while the next comes in); a
+        slot's buffers are reused once its copy back is done."""
         if not idx:
             return
         if self._copy is None:  # no GPU: the host is the device
@@ -86,7 +89,8 @@ class MasterAdamW:
                 self._update(chunk, [self.masters[i] for i in chunk], [self.exp_avg[i] for i in chunk],
                              [self.exp_avg_sq[i] for i in chunk])
             return
-        main, copy = torch.cuda.current_stream(self.device), self._copy
+        main, copy, back = torch.cuda.current_stream(self.device), self._copy, self._back
+        copy.wait_stream(main)  # after everything queued so far (the last step's copies back included)
         freed: list[Any] = [None, None]
         for n, chunk in enumerate(_chunks(idx, self.params, self.chunk)):
             slot = n % 2
@@ -103,13 +107,15 @@ class MasterAdamW:
             ms, ea, es = ([s[k] for s in staged] for k in range(3))
             self._update(chunk, ms, ea, es)
             done = main.record_event()
-            with torch.cuda.stream(copy):
-                copy.wait_event(done)
+            with torch.cuda.stream(back):
+                back.wait_event(done)
                 for i, trio in zip(chunk, staged, strict=True):
                     for dst, src in zip((self.masters[i], self.exp_avg[i], self.exp_avg_sq[i]), trio, strict=True):
                         dst.copy_(src, non_blocking=True)
-                freed[slot] = copy.record_event()
-        main.wait_stream(copy)  # the host copies are complete before anyone reads them (checkpoints)
+                    for t in trio:
+                        t.record_stream(back)  # read here: not reused before this copy is done
+                freed[slot] = back.record_event()
+        main.wait_stream(back)  # the host copies are complete before anyone reads them (checkpoints)
 
     def _update(self, idx: list[int], masters: list[torch.Tensor], exp_avg: list[torch.Tensor],
                 exp_avg_sq: list[torch.Tensor]) -> None:

@@ -242,6 +242,10 @@ ROWS = [
     Row("stop-bad-run", ["invoke", "stop", "--run", "A B", "--local"], says=("run id",)),
     Row("logs-no-host", ["invoke", "logs", "--run", "seed-run"], says=("--host", "--local")),
     Row("logs-lines-abc", ["invoke", "logs", "--run", "seed-run", "--local", "--lines", "abc"], says=("--lines",)),
+    Row("logs-local-no-log", ["invoke", "logs", "--run", "seed-run", "--local"],
+        says=("logs/seed-run.log", "learner.log", "make gsm8k RUN=seed-run")),  # tail's own message before
+    Row("logs-local-follow-no-log", ["invoke", "logs", "--run", "never-run", "--local", "--follow"],
+        says=("logs/never-run.log", "make gsm8k RUN=never-run")),  # tail -F waited for it, saying tail's words
     # -- invoke: the retriever ----------------------------------------------------------------
     Row("retriever-port-abc", ["invoke", "retriever", "--port", "abc"], says=("--port",)),
     Row("retriever-build-no-out", ["invoke", "retriever.build"], says=("--out",)),

@@ -344,3 +344,21 @@ def test_teardown_refuses_a_run_that_holds_its_lock(tmp_path):
                           str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert not state.exists()
+
+
+def test_logs_of_a_run_with_no_log_name_where_they_looked(sshd_server, tmp_path, capfd):  # noqa: F811
+    # over SSH and here alike: no log yet is a sentence naming the file and how to start the run (it was
+    # tail's own "cannot open"); here the embedded run's learner.log is shown when the box log is absent
+    from infra.remote.ops import NoLogYet
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    with pytest.raises(NoLogYet, match=rf"{tree}/logs/r1.log does not exist; start the run with `make gsm8k RUN=r1 HOST="):
+        logs(sshd_server.host, "r1", ssh_key=str(sshd_server.client_key), remote_dir=str(tree))
+    with pytest.raises(NoLogYet, match=r"learner.log exists; start the run with `make gsm8k RUN=r1`"):
+        logs(None, "r1", remote_dir=str(tree))
+    (tree / ".stoa/runs/r1").mkdir(parents=True)
+    (tree / ".stoa/runs/r1/learner.log").write_text("step 1\nstep 2\n")
+    capfd.readouterr()
+    assert logs(None, "r1", remote_dir=str(tree), lines=1) == 0
+    assert capfd.readouterr().out == "step 2\n"

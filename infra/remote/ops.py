@@ -95,15 +95,36 @@ def teardown(host: str | None, run: str, *, ssh_key: str | None = None, remote_d
     return _call(host, "teardown", remote_dir, run, *extra, ssh_key=ssh_key, python=python)
 
 
+class NoLogYet(ValueError):
+    """The run has no log where `invoke logs` looks: it was never started there (or under another id)."""
+
+
 def logs(host: str | None, run: str, *, ssh_key: str | None = None, remote_dir: str = "/root/dRL",
          lines: int = 100, follow: bool = False) -> int:
-    """Print the last `lines` of the run's log; `follow` keeps printing until interrupted."""
+    """Print the last `lines` of the run's log; `follow` keeps printing until interrupted.
+
+    The launch on a box logs to <remote_dir>/logs/<run>.log; on this machine the embedded run (`make gsm8k`
+    with no HOST) logs its learner to .stoa/runs/<run>/learner.log, shown when the first is absent. No log
+    at all is a NoLogYet naming where it looked and how the run is started, not tail's own error.
+    """
     log_file = str(PurePosixPath(remote_dir) / "logs" / f"{run}.log")
-    cmd = ["tail", "-n", str(lines), *(["-F"] if follow else []), log_file]
     if host is None:
-        return subprocess.run(cmd, check=False).returncode
+        embedded = Path(remote_dir) / ".stoa" / "runs" / run / "learner.log"
+        found = next((f for f in (Path(log_file), embedded) if f.is_file()), None)
+        if found is None:
+            raise NoLogYet(f"run {run!r} has no log on this machine: neither {log_file} nor {embedded} exists; "
+                           f"start the run with `make gsm8k RUN={run}` (or `make psqa RUN={run}`), or check "
+                           "the run id and --remote-dir")
+        return subprocess.run(["tail", "-n", str(lines), *(["-F"] if follow else []), str(found)],
+                              check=False).returncode
+    cmd = ["tail", "-n", str(lines), *(["-F"] if follow else []), log_file]
     with _connect(host, ssh_key) as conn:
-        res = conn.run(" ".join(q(c) for c in cmd), warn=True, pty=follow, in_stream=False)
+        res = conn.run(f"test -f {q(log_file)} || exit 66; " + " ".join(q(c) for c in cmd), warn=True,
+                       pty=follow, in_stream=False)
+        if res.exited == 66:
+            raise NoLogYet(f"run {run!r} has no log on {host}: {log_file} does not exist; start the run with "
+                           f"`make gsm8k RUN={run} HOST={host}` (or `make psqa ...`), or check the run id and "
+                           "--remote-dir")
         if res.exited != 0 and not follow:
             raise RemoteStepError("logs", " ".join(cmd), res.exited, res.stderr, res.stdout)
         return res.exited

@@ -231,6 +231,13 @@ def plan_from_recipe(recipe: str, run: str | None, host: str | None, env: Mappin
     from trainer.config import resolve
     from worker_contract.env import EnvError, load_env
 
+    if run is not None:  # a run id that is no bucket prefix is refused here, before any check reads it
+        from worker_contract.layout import RUN_ID_RE
+
+        if not RUN_ID_RE.fullmatch(run):
+            raise ValueError(f"--run={run!r} is not a valid run id: use 1-63 characters of lowercase letters, "
+                             "digits, '.', '_' or '-', starting with a letter or digit (for example "
+                             "--run gsm8k-2026-11-30a)")
     try:
         effective = load_env(env, env_file=env_file, repo_root=REPO_ROOT)
     except EnvError:

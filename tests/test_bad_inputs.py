@@ -226,6 +226,13 @@ ROWS = [
     Row("joincard-format", ["invoke", "joincard", "--run", "seed-run", "--format", "xml"], says=("--format",)),
     Row("joincard-store-ftp", ["invoke", "joincard", "--run", "seed-run", "--store", "ftp://x"], says=("ftp://x",)),
     Row("preflight-task-recipe", ["invoke", "preflight", "--recipe", "nosuch"], says=("nosuch",)),
+    # a run id that is no bucket prefix: refused before any check (it was a 'check crashed' FAIL row, exit 1)
+    Row("preflight-task-run-slash", ["invoke", "preflight", "--recipe", "gsm8k", "--run", "a/b"],
+        says=("--run='a/b'", "run id")),
+    Row("preflight-task-run-space", ["invoke", "preflight", "--recipe", "gsm8k", "--run", "my run"],
+        says=("--run='my run'", "run id")),
+    Row("preflight-cli-drl-run-bad", ["python", "-m", "infra.preflight", "--recipe", "gsm8k"],
+        env={"DRL_RUN": "Run 1"}, says=("DRL_RUN='Run 1'", "run id")),
     Row("preflight-task-profile", ["invoke", "preflight", "--recipe", "gsm8k", "--run", "x", "--profile", "nope"],
         says=("--profile",)),
     Row("convert-no-flags", ["invoke", "convert"], says=("--hf-dir",)),

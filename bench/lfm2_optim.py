@@ -113,6 +113,33 @@ def measure(kind: str, elements: float, device: str, steps: int = 3) -> dict:
     return out
 
 
+def offload_agrees(device: str, elements: float = 2.5e8, steps: int = 3) -> dict:
+    """The same steps with every state offloaded and with every state on the device (bf16 moments, the same
+    weights and gradients): the weights and masters must come out bit for bit equal, since only where the
+    states live differs (the copies through the side streams, not the arithmetic)."""
+    import torch
+
+    from trainer.backends.megatron_optim import MasterAdamW
+
+    n = max(1, int(elements // EXPERT))
+    gen = torch.Generator(device=device).manual_seed(1)
+    weights = [torch.randn(EXPERT, device=device, generator=gen).to(torch.bfloat16) for _ in range(n)]
+    grads = [[torch.randn(EXPERT, device=device, generator=gen) * 1e-3 for _ in range(n)] for _ in range(steps)]
+    ends = {}
+    for offload in (0.0, 1.0):
+        params = [w.clone() for w in weights]
+        opt = MasterAdamW(params, lr=1e-4, weight_decay=0.01, moments="bfloat16", offload=offload)
+        for g in grads:
+            torch._foreach_copy_(opt.grads, g)
+            opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        ends[offload] = (params, [m.to(device) for m in opt.masters])
+    (p0, m0), (p1, m1) = ends[0.0], ends[1.0]
+    same = all(torch.equal(a, b) for a, b in zip(p0 + m0, p1 + m1, strict=True))
+    return {"elements": n * EXPERT, "steps": steps, "weights_and_masters_equal": bool(same)}
+
+
 def run(elements: float, device: str, scale_to: float) -> dict:
     """Every candidate (MasterAdamW's only off CUDA), each also scaled to `scale_to` parameters."""
     import torch
@@ -134,4 +161,7 @@ def run(elements: float, device: str, scale_to: float) -> dict:
             r = {"error": f"{type(e).__name__}: {str(e)[:400]}", "traceback": traceback.format_exc()[-1500:]}
         print(f"  optimizer {kind}: {r.get('step_s', r.get('error'))}", flush=True)
         out[kind] = r
+    out["offload_agrees"] = offload_agrees(device, elements=min(elements, 2.5e8))
+    print(f"  offloaded == resident after {out['offload_agrees']['steps']} steps: "
+          f"{out['offload_agrees']['weights_and_masters_equal']}", flush=True)
     return out

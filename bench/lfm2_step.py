@@ -8,9 +8,7 @@ The model is built from infra/slime_launch.KNOWN_HF_CONFIGS (norms, router and e
 saved as bf16 HF safetensors and loaded by the megatron backend under runs/psqa-decoupled's train section
 (`--set key=value` overrides). Parts (`--parts`): `optim`, the optimizer candidates (bench/lfm2_optim.py);
 `step`, the recipe's step (reference log-probs, forward, backward, optimizer); `compare`, the same step on
-`--compare-rows` rows with the experts' loop instead of grouped GEMMs, and with recompute; `pipeline` (with
-`step`), steps back to back with no host synchronisation, as the learner takes them (the reference pass
-overlaps the optimizer before it). MFU counts the
+`--compare-rows` rows with the experts' loop instead of grouped GEMMs, and with recompute. MFU counts the
 parameters a token passes through (top-k of the experts): 8 x active x tokens / time / rate, against the
 bf16 matmul rate measured here and the H200's dense bf16 spec (989 TFLOP/s).
 """
@@ -129,7 +127,7 @@ class _Timer:
 
     def __init__(self, rank, sync):
         self.times: list[float] = []
-        inner = self.inner = rank.optimizer.step
+        inner = rank.optimizer.step
 
         def timed(*a, **k):
             sync()
@@ -139,7 +137,7 @@ class _Timer:
             self.times.append(time.perf_counter() - t0)
             return out
 
-        rank.optimizer.step = self.timed = timed
+        rank.optimizer.step = timed
 
 
 def run_steps(backend, batch, cfg, n_warm: int, n: int, sync, label: str) -> dict:
@@ -171,49 +169,6 @@ def run_steps(backend, batch, cfg, n_warm: int, n: int, sync, label: str) -> dic
     if torch.cuda.is_available():
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
-
-
-def run_pipelined(backend, batch, cfg, n: int, sync, label: str) -> dict:
-    """`n` learner steps back to back, as the learner takes them when rollouts wait for it: no host
-    synchronisation between them, so the next step's reference pass (its own stream) overlaps this step's
-    optimizer; the wall time over all `n` (synchronised at both ends) is the step time. The last step's
-    reference log-probs, computed while the optimizer before it ran, must equal a recomputation after a
-    synchronisation (the reference reads nothing the optimizer writes)."""
-    import torch
-
-    rank = backend._local
-    timer = getattr(rank, "_bench_timer", None)
-    if timer is not None:  # the timed wrapper synchronises around the optimizer: take it off
-        rank.optimizer.step = timer.inner
-    fn = _loss_fn(cfg.algo)
-    try:
-        backend.train_step(_with_ref(backend, batch), fn)  # warm-up, then the timed run
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            batch.ref_logp = backend.logprobs(batch, reference=True)
-            metrics = backend.train_step(batch, fn)
-        overlapped = backend.logprobs(batch, reference=True)  # queued behind the last optimizer step
-        sync()
-        wall = time.perf_counter() - t0
-        again = backend.logprobs(batch, reference=True)
-        sync()
-    finally:
-        if timer is not None:
-            rank.optimizer.step = timer.timed
-    same = bool(torch.equal(overlapped.cpu(), again.cpu()))
-    print(f"  {label} pipelined: {wall / n:.3f} s a step over {n}; reference overlapped == recomputed: {same}",
-          flush=True)
-    out = {"step_s": wall / n, "steps": n, "wall_s": wall, "reference_equal_after_overlap": same,
-           "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
-    if torch.cuda.is_available():
-        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    return out
-
-
-def _with_ref(backend, batch):
-    batch.ref_logp = backend.logprobs(batch, reference=True)
-    return batch
 
 
 def rates(out: dict, tokens: int, active: float, rate: float) -> dict:
@@ -304,12 +259,6 @@ def measure(args, result: dict, save) -> None:
         r.update(rates(r, args.rows * (args.prompt + args.response), counts["active_params"], result["matmul_bf16_tflops"]))
         result["step"] = r
         save()
-        if "pipeline" in parts:
-            r = run_pipelined(backend, batch, cfg, args.steps, sync, f"lfm2 {args.layers} layers")
-            r.update(rates(r, args.rows * (args.prompt + args.response), counts["active_params"],
-                           result["matmul_bf16_tflops"]))
-            result["pipelined"] = r
-            save()
         del batch
     if "compare" in parts:
         result["compare"] = compare(backend, args, cfg, counts, result["matmul_bf16_tflops"], sync)
@@ -324,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=4096, help="the psqa recipe's max_new_tokens")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
-    ap.add_argument("--parts", default="optim,step,pipeline,compare")
+    ap.add_argument("--parts", default="optim,step,compare")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
     ap.add_argument("--compare-rows", type=int, default=8)
     ap.add_argument("--optim-elements", type=float, default=1.0e9, help="parameters of each optimizer candidate")

@@ -31,10 +31,10 @@ def test_lfm2_step_bench_runs_tiny_on_cpu(dist, tmp_path):
     assert 0 < m["active_params"] < m["params"]  # top-2 of 8 experts: a token passes through fewer weights
     assert m["plan"]["optimizer"] == "MasterAdamW" and m["plan"]["host_gib"] > 0
     assert m["plan"]["moment_dtype"] == "torch.bfloat16"
-    assert result["pipelined"]["step_s"] > 0 and result["pipelined"]["reference_equal_after_overlap"] is True
     assert set(result["compare"]) == {"grouped", "loop", "grouped+recompute"}
     assert all("error" not in v for v in result["compare"].values()), result["compare"]
     assert all("error" not in v for v in result["optimizer_candidates"].values())
+    assert result["optimizer_candidates"]["offload_agrees"]["weights_and_masters_equal"] is True
     assert result["command"].startswith("python -m bench.lfm2_step --tiny")
     # the real shapes, counted without building them: 8.34 B parameters, 1.56 B per token
     full = lfm2_step.lfm2_config(24)

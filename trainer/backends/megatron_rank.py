@@ -83,10 +83,6 @@ class MegatronRank:
                 for layer in m.decoder.layers:
                     layer.compile()
         self.reference.eval().requires_grad_(False)
-        self._ref_stream = None  # the reference pass's own stream (logprobs); tensor parallel keeps one stream
-        if self.device.type == "cuda" and self.tp_size == 1:
-            self._ref_stream = torch.cuda.Stream(self.device)
-            self._ref_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the weights' copies
         self.recompute = set_recompute(self.model, cfg.train.gradient_checkpointing)
         self._setup_optimizer()
         self.fused_wgrad = self._use_main_grads(fused_wgrad)
@@ -235,23 +231,8 @@ class MegatronRank:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """Without gradients nothing is kept for a backward pass, so the forward takes up to
-        `_NOGRAD_TOKENS` tokens at a time (at least the recipe's micro-batch): fewer, larger launches.
-
-        The frozen reference's pass (one GPU, a batch still on the host) runs on a stream of its own: it reads
-        nothing the previous step's optimizer writes, so it overlaps that update (queued on the current
-        stream), and the current stream waits for it before anything after reads the result."""
+        `_NOGRAD_TOKENS` tokens at a time (at least the recipe's micro-batch): fewer, larger launches."""
         model = self.reference if reference else self.model
-        host = all(t.device.type == "cpu" for t in (batch.input_ids, batch.loss_mask))
-        if not (reference and self._ref_stream is not None and host):
-            return self._logprobs(model, batch)
-        main = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._ref_stream):
-            out = self._logprobs(model, batch)
-        main.wait_stream(self._ref_stream)
-        out.record_stream(main)  # allocated on the reference's stream, read on the current one
-        return out
-
-    def _logprobs(self, model: Any, batch: TrainBatch) -> torch.Tensor:
         batch = batch.to(self.device)
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
         row = 0

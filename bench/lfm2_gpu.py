@@ -13,7 +13,6 @@ distributions, plus forward time. Results go to bench/results/lfm2_gpu.json. The
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -139,11 +138,10 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     sys.path.insert(0, str(REPO))
-    result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    from bench.common import write_result
+
+    out = write_result("lfm2_gpu", run(args), args.out, argv, "bench.lfm2_gpu")  # commit, machine, command
+    print(out.read_text())
     return 0
 
 

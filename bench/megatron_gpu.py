@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -70,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="qwen2: Qwen2.5-1.5B shapes; llama: Llama-3.2-1B shapes with llama3 rope scaling")
     p.add_argument("--profile", action="store_true", help="profile one extra megatron step (kernel table beside --out)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--commit", default=os.environ.get("STOA_COMMIT"), help="commit measured (default: git)")
+    p.add_argument("--commit", default=None,
+                   help="the commit of a tree without git (a `git archive` of an older commit, for a paired run); "
+                        "default: the tree's own provenance (git, or STOA_COMMIT where it was copied without .git)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "megatron_gpu.json"))
     return p
 
@@ -537,15 +538,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.rows, args.prompt, args.response, args.micro_batch = 8, 8, 24, 4
     sys.path.insert(0, str(REPO))
-    from bench.common import git_commit, write_result
+    from bench.common import write_result
 
-    commit = args.commit or git_commit()
+    named = {"commit": args.commit} if args.commit else {}  # else write_result's provenance names it
 
     def save(result: dict) -> Path:  # after every part, so a run cut short keeps what it measured
         from trainer.backends import vocab_parallel
 
-        return write_result("megatron_gpu", {**result, "features": dict(vocab_parallel.FEATURES),
-                                             "commit": commit}, args.out)
+        return write_result("megatron_gpu", {**result, "features": dict(vocab_parallel.FEATURES), **named},
+                            args.out, argv, "bench.megatron_gpu")
 
     result = run(args, save)
     path = save(result)

@@ -149,3 +149,4 @@ def test_gpu_parity_bench_runs_tiny_on_cpu(dist, tmp_path):
     result = json.loads(out.read_text())
     assert result["shape"]["layers"] == 4 and result["dtype"] == "float32"
     assert result["token_logprob_max_abs_diff"] < 1e-4 and result["top1_agreement"] == 1.0
+    assert len(result["commit"]) >= 7 and result["machine"]["cores"] and "--tiny" in result["command"]

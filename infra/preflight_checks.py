@@ -62,7 +62,8 @@ class Profile(BaseModel):
     """Prompt groups per step the profile fixes (each of n_samples samples)."""
     min_free_disk_gb: float = 100.0
     """Free disk the box needs under the remote dir (models, checkpoints, logs) when the model's size is not
-    known; for a known model the check uses infra.slime_launch.disk_need_gb (the recipe's values: 76 / 272)."""
+    known; for a known model the check uses infra.slime_launch.disk_need_gb (the recipes: 67 / 172 GB on the
+    native engine, 76 / 272 on slime)."""
 
 
 PROFILES: dict[str, Profile] = {

@@ -236,7 +236,8 @@ def check_disk(ctx: Context) -> Row:
     ckpts = ctx.cfg.train.keep_checkpoints
     return _row("box.disk", free_gb >= need, f"{free_gb:.0f} GB free under {ctx.plan.remote_dir}",
                 f">= {need:.0f} GB", f"free disk on the box or rent a larger disk (need {need:.0f} GB for the "
-                f"model, its Megatron copy, {ckpts} + 1 checkpoints (train.keep_checkpoints: {ckpts}) and logs)")
+                f"model, its Megatron copy, {ckpts} + 1 {ctx.cfg.train.engine}-engine checkpoints "
+                f"(train.keep_checkpoints: {ckpts}) and logs)")
 
 
 def check_ray_dashboard(ctx: Context) -> Row:

@@ -219,8 +219,11 @@ def model_args(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> list[str]:
 
 # -- the box's disk -------------------------------------------------------------------------------------
 #: bytes per parameter on the box's disk: the HF download and its torch_dist copy (bf16, 2 + 2), and each
-#: Megatron checkpoint (bf16 weights, the fp32 master copy, two fp32 Adam moments: 2 + 4 + 8)
+#: slime (Megatron) checkpoint (bf16 weights, the fp32 master copy, two fp32 Adam moments: 2 + 4 + 8)
 MODEL_BYTES, CHECKPOINT_BYTES = 4, 14
+#: a native-engine checkpoint per parameter: the fp32 masters (the weights are made from them on resume) and
+#: Adam's two moments in algo.optim.moment_dtype
+NATIVE_MASTER_BYTES, MOMENT_BYTES = 4, {"float32": 4, "bfloat16": 2}
 #: logs, the compile caches, the state dir
 DISK_SLACK_GB = 5.0
 
@@ -246,13 +249,21 @@ def model_params(c: Mapping[str, Any]) -> int | None:
 
 
 def disk_need_gb(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> float | None:
-    """Disk the slime run needs under the remote dir: the model twice, and `train.keep_checkpoints` + 1
-    checkpoints (the hook prunes to K before each save, so K complete ones and the one being written)."""
+    """Disk the run needs under the remote dir: the model twice, and `train.keep_checkpoints` + 1 checkpoints
+    (K complete ones and the one being written) of the engine's size (`checkpoint_bytes`)."""
     params = model_params(hf_config)
     if params is None:
         return None
     ckpts = cfg.train.keep_checkpoints + 1
-    return round(params * (MODEL_BYTES + ckpts * CHECKPOINT_BYTES) / 1e9 + DISK_SLACK_GB)
+    return round(params * (MODEL_BYTES + ckpts * checkpoint_bytes(cfg)) / 1e9 + DISK_SLACK_GB)
+
+
+def checkpoint_bytes(cfg: RecipeConfig) -> int:
+    """Bytes per parameter of one checkpoint: slime's Megatron checkpoint, or the native engine's masters
+    and moments (12 with float32 moments, 8 with bfloat16)."""
+    if cfg.train.engine == "native":
+        return NATIVE_MASTER_BYTES + 2 * MOMENT_BYTES[cfg.algo.optim.moment_dtype]
+    return CHECKPOINT_BYTES
 
 
 # -- the slime flags ------------------------------------------------------------------------------------

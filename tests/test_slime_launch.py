@@ -63,6 +63,22 @@ def test_each_run_compiles_into_its_own_cache(recipe):
     assert envs[0]["TRITON_CACHE_DIR"] != envs[1]["TRITON_CACHE_DIR"]
 
 
+def test_the_disk_need_follows_the_engines_checkpoint():
+    """A native-engine checkpoint is its fp32 masters and Adam's moments in algo.optim.moment_dtype (8 bytes a
+    parameter with bf16 moments, 12 with fp32), a slime one 14; both keep K + 1 beside the model's two copies."""
+    from infra import slime_launch as sl
+    from trainer.config import resolve
+
+    need = {}
+    for recipe, hf_id in (("psqa", "LiquidAI/LFM2.5-8B-A1B"), ("gsm8k", "Qwen/Qwen2.5-1.5B-Instruct")):
+        for engine in ("native", "slime"):
+            cfg = resolve(recipe, {}, {"run": "x", "train.engine": engine})
+            need[recipe, engine] = (sl.checkpoint_bytes(cfg), sl.disk_need_gb(cfg, sl.KNOWN_HF_CONFIGS[hf_id]))
+    # psqa: 8.34 B parameters, bf16 moments, keep 1; gsm8k: 1.54 B, fp32 moments, keep 2
+    assert need == {("psqa", "native"): (8, 172), ("psqa", "slime"): (14, 272),
+                    ("gsm8k", "native"): (12, 67), ("gsm8k", "slime"): (14, 76)}
+
+
 @pytest.mark.parametrize(("recipe", "profile", "free_gb", "ok"), [
     ("psqa", "fleet", 250, False), ("psqa", "fleet", 280, True),
     ("gsm8k", "quickstart", 70, False), ("gsm8k", "quickstart", 80, True),
@@ -83,4 +99,4 @@ def test_the_preflight_asks_for_the_disk_the_checkpoints_take(tmp_path, recipe, 
     row = check_disk(ctx)
     assert (row.status == "PASS") is ok, row
     assert row.required == f">= {sl.disk_need_gb(ctx.cfg, hf):.0f} GB"
-    assert ok or f"{ctx.cfg.train.keep_checkpoints} + 1 checkpoints" in row.fix
+    assert ok or f"{ctx.cfg.train.keep_checkpoints} + 1 slime-engine checkpoints" in row.fix

@@ -8,7 +8,8 @@ The model is built from infra/slime_launch.KNOWN_HF_CONFIGS (norms, router and e
 saved as bf16 HF safetensors and loaded by the megatron backend under runs/psqa-decoupled's train section
 (`--set key=value` overrides). Parts (`--parts`): `optim`, the optimizer candidates (bench/lfm2_optim.py);
 `step`, the recipe's step (reference log-probs, forward, backward, optimizer); `compare`, the same step on
-`--compare-rows` rows with the experts' loop instead of grouped GEMMs, and with recompute. MFU counts the
+`--compare-rows` rows with the experts' loop instead of grouped GEMMs, and with recompute; `profile` (with
+`step`), one more step under torch.profiler, its kernels by device time in `<out>.profile.txt`. MFU counts the
 parameters a token passes through (top-k of the experts): 8 x active x tokens / time / rate, against the
 bf16 matmul rate measured here and the H200's dense bf16 spec (989 TFLOP/s).
 """
@@ -171,6 +172,34 @@ def run_steps(backend, batch, cfg, n_warm: int, n: int, sync, label: str) -> dic
     return out
 
 
+def profile_step(backend, batch, cfg, sync, out_path: Path, top: int = 40) -> dict:
+    """One more learner step under torch.profiler: the kernels by self device time (table written beside the
+    result as <out>.profile.txt; the top 15 kept in the result), so the next change aims at what costs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = _loss_fn(cfg.algo)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
+    sync()
+    with profile(activities=acts) as prof:
+        batch.ref_logp = backend.logprobs(batch, reference=True)
+        backend.train_step(batch, fn)
+        sync()
+    key = "self_cuda_time_total" if _cuda() else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=top)
+    out_path.write_text(table + "\n")
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1
+    return {"table": out_path.name, "sorted_by": key, "top": [
+        {"name": e.key[:120], "share": round(getattr(e, key) / total, 4), "count": e.count,
+         "ms": round(getattr(e, key) / 1000, 2)} for e in events[:15]]}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def rates(out: dict, tokens: int, active: float, rate: float) -> dict:
     flops = 8 * active * tokens / out["step_s"]
     return {"tokens": tokens, "tokens_per_s": tokens / out["step_s"], "mfu_measured": flops / (rate * 1e12),
@@ -259,6 +288,9 @@ def measure(args, result: dict, save) -> None:
         r.update(rates(r, args.rows * (args.prompt + args.response), counts["active_params"], result["matmul_bf16_tflops"]))
         result["step"] = r
         save()
+        if "profile" in parts:
+            result["profile"] = profile_step(backend, batch, cfg, sync, Path(args.out).with_suffix(".profile.txt"))
+            save()
         del batch
     if "compare" in parts:
         result["compare"] = compare(backend, args, cfg, counts, result["matmul_bf16_tflops"], sync)

@@ -23,6 +23,7 @@ def test_lfm2_step_bench_runs_tiny_on_cpu(dist, tmp_path):
 
     out = tmp_path / "lfm2_step.json"
     rc = lfm2_step.main(["--tiny", "--device", "cpu", "--steps", "1", "--out", str(out),
+                         "--parts", "optim,step,profile,compare",
                          "--set", "train.optimizer_offload=0.5", "--set", "algo.optim.moment_dtype=bfloat16"])
     result = json.loads(out.read_text())
     assert rc == 0, result.get("traceback")
@@ -31,6 +32,7 @@ def test_lfm2_step_bench_runs_tiny_on_cpu(dist, tmp_path):
     assert 0 < m["active_params"] < m["params"]  # top-2 of 8 experts: a token passes through fewer weights
     assert m["plan"]["optimizer"] == "MasterAdamW" and m["plan"]["host_gib"] > 0
     assert m["plan"]["moment_dtype"] == "torch.bfloat16"
+    assert result["profile"]["top"] and (tmp_path / result["profile"]["table"]).read_text().strip()
     assert set(result["compare"]) == {"grouped", "loop", "grouped+recompute"}
     assert all("error" not in v for v in result["compare"].values()), result["compare"]
     assert all("error" not in v for v in result["optimizer_candidates"].values())

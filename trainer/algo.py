@@ -1,25 +1,11 @@
-"""The learner's objective (derived in docs/objective.md).
+"""The learner's objective (derived in docs/objective.md): dual-clip PPO on the ratio to the worker's
+behaviour log-probs under the asymmetric DPPO gate, plus `kl_coef` times the k3 KL to the frozen
+reference, on Dr.GRPO advantages (reward minus group mean).
 
-Per token: dual-clip PPO on the ratio to the behaviour log-probs the worker recorded, gated by the
-asymmetric DPPO mask (a token loses its gradient only once it has moved past the divergence threshold in
-the direction its advantage pushes), plus `kl_coef` times the k3 estimate of KL to the frozen reference.
-Advantages are Dr.GRPO (reward minus group mean).
-
-Two reducers, the ones slime applies for the flags the slime engine passes (docs/slime.md),
-so both engines optimise the same number (tests/test_slime_plugin.py::test_engines_agree_on_loss_and_gradient):
-- the policy term: Dr.GRPO, the masked token losses summed and divided by a constant (rows x max_len);
-- the KL term: a per-sequence token mean over the tokens the gate keeps, divided by the sequence's
-  trained tokens (its loss mask), then the mean over sequences: slime's `sum_of_sample_mean` rebuilt with
-  the gate's masks over the per-rollout mask totals, one rollout per sample (docs/contract.md).
-
-`policy_loss` is the one objective both engines run: the native learner calls it (trainer/step.py), the
-slime engine composes it from slime's own dual-clip and k3 KL plus our hooks (trainer/slime_plugin/
-objective.py). A variant of the objective changes it here, once. The names below are fixed: outside checks
-call them.
-
-`algo.objective` selects the policy term: `recipe` (the above), `ppo` (plain PPO clipping on the ratio to
-the behaviour policy, no gate, no dual clip) or `no_is` (no importance correction); the last two are
-baselines the staleness sweep (bench/staleness.py) measures the recipe against, on the native engine.
+`policy_loss` is the one objective both engines run (the native learner through trainer/step.py, slime
+through trainer/slime_plugin/objective.py), so a variant of the objective changes it here, once. The
+names below are fixed: outside checks call them.
+More in docs/objective.md (module notes).
 """
 
 from __future__ import annotations

@@ -6,15 +6,7 @@ log-probs: honest workers agree up to plane rounding (bf16 / int8g64 weights on 
 weights here) and kernel noise; a worker on the wrong weights or the wrong plane, or one that edits its
 log-probs, does not. Per worker the audit keeps the mean |learner - recorded| over the masked tokens of its
 last `window` audited groups, and flags the worker once it has `min_tokens` tokens above `threshold` nats.
-
-Cost: the backend's training forward cannot hand its per-row log-probs back from every backend (megatron
-computes them in its rank processes), so the audit runs its own no-grad forward over at most `max_groups`
-groups a step, picking the workers it has seen least. In the slime engine slime's own recompute of the
-log-probs feeds it (trainer/slime_plugin/audit.py). A group is anything with `worker_id`,
-`policy_version` and `samples` (each with `behavior_logprobs`, `loss_mask`): a RolloutRecord, or the
-slime hook's view of one. Names: `worker/<id>/logprob_mismatch`, `worker/<id>/flagged`,
-`worker/<id>/audited_tokens` in the step metrics; the same fields in the per-version stats object's
-`workers` entry (what `invoke status` reads). Importable without torch.
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

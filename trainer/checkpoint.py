@@ -5,10 +5,7 @@ Layout under `<run_dir>/checkpoints/`: `step-0000000012/` holds the backend's fi
 into place, so a crash at any instant leaves either the old set or the old set plus a complete new one;
 a leftover temporary directory is removed on the next start. The newest `keep` checkpoints are kept
 (default: newest + one previous).
-
-Resuming restores all of it; the learner then publishes a fresh anchor under a new, higher version
-(never reusing one), and the restored ledger keeps every group within the reuse cap along the lineage
-that survives: uses recorded after the checkpoint died with the process that made them.
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

@@ -5,10 +5,7 @@
                     base (trainer/psqa_base.py, or MODEL=), the workers' search flags and environment
     PsqaHeldoutEvaluator   held-out cover-EM pass@1, search rate and the share of correct answers found after a
                     search, through trainer/psqa_eval's `evaluate` on test questions never trained on
-The retriever is a process of its own, as in the fleet (one service, many clients); its command comes from
-the caller (`retriever_argv`: entrypoints/launch.py passes infra.retriever.serve_argv), because trainer/ may
-neither import nor name infra (tests/test_import_rules.py), and a process boundary keeps its index out of
-the launcher's memory. The launcher owns it like every other child: started first, stopped last.
+More in docs/embedded.md (module notes).
 """
 
 from __future__ import annotations

@@ -2,19 +2,10 @@
 
     run_learner(cfg, store, manifest, key, model_dir, run_dir, on_step=..., stop_event=...)
 
-starts (or joins) Ray (trainer/ray_runtime.py), then:
-1. setup: resume from the newest checkpoint if there is one (model, optimizer, RNG, step, consumption
-   ledger), and publish a fresh anchor of the weights at a new, higher version (pointer + 1, or 1 for a
-   new run): no version is reused and the pointer never moves back;
-2. each step (trainer/step.py): a batch of `groups_per_step` groups from the source (records within the
-   staleness window of the newest visible version), reference log-probs, the worker audit, the objective
-   and one optimizer step; then a snapshot of the new weights goes to the publisher thread
-   (trainer/publish_queue.py), which encodes and uploads while the next step runs. The learner's current
-   version is the version the publisher last made visible;
-3. metrics to metrics.jsonl (and W&B / TensorBoard when asked), each step's row holding the keys of
-   the groups it used and `publish/blocking_s` (what the step waited for publishing), then a checkpoint
-   every `save_interval` steps and at the end; a stats object per published version in the bucket.
-Importing this module starts nothing (Ray, torch and transformers are imported where used).
+Setup resumes from the newest checkpoint and publishes a fresh anchor at a new, higher version; each step
+(trainer/step.py) trains on a batch and hands the new weights to the publisher thread; metrics, stats and
+checkpoints follow. Importing this module starts nothing (Ray, torch and transformers are imported where used).
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

@@ -3,13 +3,7 @@
 Names: `train/*` (loss, clip and gate fractions, ratio and KL statistics, grad norm), `rollout/*`
 (raw_reward, staleness histogram, drops by reason), `worker/*` (groups and version lag per worker),
 `publish/*` (bytes, latency). The JSONL file is `<run_dir>/metrics.jsonl`, one object per step.
-
-- W&B: set DRL_WANDB_PROJECT (and optionally DRL_WANDB_ENTITY); WANDB_MODE=offline logs without a network.
-  wandb is not a dependency: install it (`pip install wandb`) to use this.
-- TensorBoard: set DRL_TENSORBOARD=1 (writes under <run_dir>/tensorboard; needs `pip install tensorboard`).
-- Bucket: `stats/v<version>.json` per published version, so an operator reads run status from the bucket
-  alone (`invoke status`): the step's metrics, the drops since the previous version and in total,
-  per-worker counts, and publish bytes and latency.
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

@@ -5,11 +5,7 @@ signal, the held-out curve, never slows training. It evaluates one HF checkpoint
 watches a directory where checkpoints appear (`--watch DIR`: subdirectories `v<N>`/`step_<N>`/`iter_<N>`
 holding an HF model) and evaluates each new one in order. Every point is appended to
 `<out>/psqa_eval.jsonl` and the curve is redrawn to `<out>/psqa_eval.png`.
-
-Episodes are the task's own (`worker_contract.tasks.psqa.run_episodes`), scored by the task's reward,
-so evaluation and rollouts can never disagree on what "correct" or "searched" means. Sampling is the
-reference worker's (`worker_contract.worker.sampling.sample`), called in chunks so each turn stops at
-`</search>` / `</answer>` like a worker's does.
+More in docs/embedded.md (module notes).
 """
 
 from __future__ import annotations

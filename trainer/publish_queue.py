@@ -6,13 +6,7 @@ on a GPU a device copy) and goes on; the thread makes the plane, encodes, hashes
 pointer (trainer/publisher.py, whose order keeps docs/reliability.md: every object create-only and read back,
 the pointer last, versions never reused), then writes the version's stats object. On CUDA the thread works
 on its own stream, which first waits for the snapshot's copy, so its kernels overlap the next step's.
-
-The queue is bounded: one state being published and at most one waiting. When publishing falls behind,
-a newer state replaces the waiting one (counted in `skipped_states`): workers always get the newest
-weights, no version number is skipped (numbers are given when a state is published), and memory holds at
-most two snapshots beside the publisher's base. A replaced state's groups and drops are reported with the
-version that does get published. `blocking_s` of a hand-off is what the step waited: the snapshot handed
-in and the queue's lock, never encoding or upload (the learner adds the snapshot's copy time).
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

@@ -4,17 +4,7 @@
     pub.publish_anchor(hf_state)   # the base model (v1), or a fresh anchor after a resume (pointer + 1)
     pub.publish(hf_state)          # next version: a patch against the last published state, plus an
                                    # anchor every `anchor_interval` versions
-
-Order, so that a crash at any instant leaves a consistent bucket: every object of a version is written
-create-only and read back (size and ETag), and only then does `current.json` move, by compare-and-swap, never
-backwards. A version number is never reused: if objects of version v exist from a crashed attempt, the
-publisher moves on to the next free version and publishes a full anchor there (a patch to v+1 would have to
-start from the crashed attempt's state, which only that attempt knew).
-
-This class orders the steps and uploads; its rooms do the rest: trainer/publish_encode.py (plane and patch,
-the base), trainer/publish_claims.py (which versions are ours, squatters reclaimed), trainer/publish_pointer.py
-(the pointer, forgeries reclaimed). It blocks for the whole publish: the learner calls it from a
-background thread (trainer/publish_queue.py), so the step does not wait for it.
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

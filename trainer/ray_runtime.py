@@ -1,24 +1,10 @@
 """Starting Ray the same way on a laptop and a GPU box, and moving stores and keys into actors.
 
 `ray_session(run_dir)` joins RAY_ADDRESS / `address` when given (a cluster the operator runs), and
-otherwise starts a local single-machine Ray with:
-- every Ray listener on 127.0.0.1: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is Ray's own switch for "no
-  cluster, loopback only" (without it Ray 2.60 resolves even `_node_ip_address="127.0.0.1"` to the
-  machine's address and its GCS, raylet and metrics servers listen on every interface; measured);
-- the dashboard off, or on 127.0.0.1 when DRL_RAY_DASHBOARD=1 (port DRL_RAY_DASHBOARD_PORT, 8265);
-- RAY_AUTH_MODE=disabled, so nothing is written to the home directory (Ray 2.60 turns token auth on by
-  default and then writes ~/.ray/auth_token). DRL_RAY_AUTH=token keeps token auth with a fresh random
-  token that lives only in the environment of this process and the Ray processes it starts (for boxes
-  whose other local users must not reach the loopback ports). A RAY_AUTH_MODE already in the environment
-  is respected, and that includes the `token` a bare `ray.init()` leaves in os.environ of the process
-  that called it (children inherit it). In token mode with no token to load (RAY_AUTH_TOKEN,
-  RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), the token is made in memory the same way, because
-  `ray.init` would otherwise generate one and save it to ~/.ray/auth_token;
-- its temp dir (RAY_TMPDIR) under `<run_dir>/ray`; Unix socket paths are limited to 107 bytes, so when
-  that path is too long it falls back to a short `/tmp/stoa-ray-<hash>` (recorded in `<run_dir>/ray.path`
-  and removed after a clean shutdown);
-- usage statistics off (RAY_USAGE_STATS_ENABLED=0).
+otherwise starts a local single-machine Ray that listens on 127.0.0.1 only, with the dashboard off,
+nothing written to the home directory, its temp dir under the run dir and usage statistics off.
 Nothing here runs at import time.
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

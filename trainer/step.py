@@ -4,16 +4,9 @@ A step turns validated groups (trainer/rollouts.py) into a batch with Dr.GRPO ad
 (trainer/batch.py), audits the workers whose groups were sampled at the learner's own weights
 (trainer/audit.py), runs the objective (trainer/algo.py) on the backend's micro-batches, and hands a snapshot
 of the new weights to the publish queue (trainer/publish_queue.py) with a `StepReport`; `VersionStats`
-writes the stats object of the version they become. Only "run the model" differs between engines:
-
-- native (trainer/learner.py, backends hf and megatron): `train_on`, then the queue;
-- slime (trainer/slime_plugin/): slime runs the model and its own loop, and its hooks call the same pieces:
-  the rollout function takes batches from the same source, the reward hook `algo.group_advantages`, the
-  loss hooks `algo`'s gate and reducer (with slime's own dual-clip and k3 KL they are `algo.policy_loss`,
-  checked by the engines-agree test), the rollout-data hook the same `WorkerAudit`, and the after-train
-  hook the same queue, `StepReport` and `VersionStats`.
-
+writes the stats object of the version they become. Only "run the model" differs between engines.
 Importable without torch (torch is imported where a function needs it).
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

@@ -2,13 +2,7 @@
 
 Two backends implement it and register in `trainer.backends`: `hf` (transformers; CPU
 and one GPU) and `megatron` (megatron-core; GPU scale). A backend:
-- loads from an HF directory (config.json, safetensors) and keeps a frozen reference copy;
-- gives per-token log-probs of the response tokens of a `TrainBatch`, with logits divided by the run's
-  temperature, computed in vocabulary chunks so memory stays bounded (`token_logprobs`);
-- runs one optimizer step on a loss the learner supplies (`train_step`), in micro-batches
-  (`micro_batches`: rows, or a token budget);
-- hands out its weights under HF names for publishing (`state_dict_hf`);
-- saves and restores its own state (model, optimizer) into a checkpoint directory.
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

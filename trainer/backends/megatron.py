@@ -6,10 +6,7 @@ the HF safetensors through the same name mapping the converter uses, or from a c
 checkpoint (`load=`). Log-probs are computed vocabulary-parallel (trainer/backends/vocab_parallel.py):
 no rank ever holds full-vocabulary logits. The learner loop and objective are the transformers backend's:
 the same `Backend` interface, the same micro-batch weighting and the same gradient clipping.
-
-`train.tensor_parallel` = 1 runs in this process. Above 1, each rank is a Ray actor holding one GPU
-(`num_gpus=1`), joined into one torch.distributed group (NCCL on GPUs, gloo on CPUs) on this host; every
-call is sent to all ranks (they are collective) and rank 0's answer is returned, on the CPU.
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

@@ -6,14 +6,7 @@ than a layer's GPU work at 8 rows of 512 tokens (docs/performance.md: 45% MFU on
 `make_graphed_callables` captures the forward and the backward of a module for one input shape; the
 sequence length is padded up to a multiple of `length_multiple` so that a run needs few graphs, and all
 graphs share one memory pool (they run one after the other, never interleaved).
-
-Padding changes nothing in the maths: positions past a sequence's end come after every real token, so
-causal attention never lets them reach a real one, and their outputs are cut away before the head (their
-gradient is zero). It can change bf16 rounding, where a GEMM over more tokens reduces in another order;
-a graph's replay equals the same padded call run eagerly to the bit (bench/results/megatron_gpu_graphs_check.json).
-What the graphs hold fixed: the rotary tables of their length and the float32 master gradients the fused
-linears accumulate into (the learner zeroes those in place, never reallocates them). Graphs need CUDA and
-tensor_parallel 1; a capture that fails turns graphs off for the run (the eager path computes the same).
+More in docs/performance.md (module notes).
 """
 
 from __future__ import annotations

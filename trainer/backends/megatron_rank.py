@@ -7,12 +7,7 @@ layer add their weight gradients into the float32 buffers inside the weight-grad
 gradient); the remaining parameters' bf16 gradients (embedding, norms, biases) are added with one
 multi-tensor launch after each micro-batch's backward. An lr-1e-6 Adam update is below half a bf16 ulp for
 most weights, so bf16-only weights would not learn; this is megatron's own mixed-precision scheme.
-
-Optimizer: torch AdamW (fused on CUDA) on the master weights, not megatron's DistributedOptimizer. The
-learner has one data-parallel replica (tensor parallelism within one host), so a distributed optimizer
-would shard nothing, and megatron's optimizer stack needs its DDP wrapper and CUDA-only buffers; AdamW on
-the local shards is the same update (it is elementwise), with the gradient norm all-reduced over the
-tensor-parallel group for clipping.
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

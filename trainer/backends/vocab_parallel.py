@@ -4,13 +4,7 @@ Each tensor-parallel rank holds rows [start, start + V_local) of the output embe
 logits for a chunk of tokens (bf16 operands, float32 results), divides by the temperature, and takes its
 local log-sum-exp and target logit; only those [tokens]-sized vectors are all-reduced across ranks. The
 float32 logits of a chunk are never larger than `chunk_tokens x V_local`.
-
-Backward recomputes each chunk's logits (one extra head GEMM) instead of keeping [tokens, V] float32
-alive between forward and backward: the memory of the policy forward stays that of the hidden states.
-When the weight carries `main_grad` (the learner's float32 master gradient), its gradient is added there
-inside the GEMM and none is returned to autograd. The gradient of `hidden` is this rank's partial sum;
-the caller wraps `hidden` in megatron's `copy_to_tensor_model_parallel_region`, whose backward
-all-reduces it (as megatron's own output layer does).
+More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Megatron linear layers whose weight gradients are accumulated in float32 inside the GEMM.
 
-Why: the learner computes in bf16 and keeps float32 master weights. Left to autograd, every micro-batch's
-backward writes a bf16 weight gradient per linear layer, which a separate pass then adds into the float32
-master gradient (and the bf16 values are rounded once more on the way). Megatron fuses that accumulation
-into the weight-gradient GEMM through apex's `fused_weight_gradient_mlp_cuda` extension, which a stock
-GPU box does not have. Here the same fusion comes from cuBLAS through torch: `torch.addmm` with a float32
-addend, bf16 operands and `out_dtype=float32`, written in place into the float32 gradient (beta = 1).
-Whether the installed torch accepts a float32 addend for bf16 operands is probed once per device,
-numerically (`fused_wgrad_available`); where it does not, the learner keeps the unfused path.
-
-A weight takes part when the learner sets `weight.main_grad` (its float32 master gradient); without it
-(the reference model, float32 models, conversion) these layers are megatron's own, unchanged.
+Why: the learner computes in bf16 and keeps float32 master weights; adding each micro-batch's bf16 weight
+gradient into the master in a separate pass costs a pass and a rounding. Here cuBLAS does it inside the
+weight-gradient GEMM, through torch, where the installed torch supports it (probed once per device).
+More in docs/performance.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The megatron-core layer specs every architecture builds on, and the pieces they swap in: core attention
 through torch SDPA with the rotary embedding fused in, and linears that accumulate float32 weight
 gradients in the GEMM (`fused_linear`). megatron-core is imported inside functions.
-
-Layer specs (`attention=`):
-- "sdpa" (default without Transformer Engine): the local spec with core attention replaced by torch's
-  scaled_dot_product_attention (flash / memory-efficient kernels on GPU) instead of megatron's unfused
-  DotProductAttention, which materialises [b*heads, s, s] scores, and linears that can accumulate
-  weight gradients in float32 inside the GEMM (`fused_linear`);
-- "local": megatron's stock local spec (DotProductAttention);
-- "te": the Transformer Engine spec, used by "auto" when transformer_engine imports.
-All three have the same parameters and the same checkpoint keys.
+More in docs/extending.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,34 +1,6 @@
 """LFM2 / LFM2-MoE (LFM2.5-8B-A1B) <-> megatron-core. Parity with transformers' own classes is tested in
 tests/test_lfm2_megatron.py; the modules are in lfm2_layers.py.
-
-Per layer (`h` = model.layers.N., `m` = decoder.layers.N.):
-
-| HF                                         | megatron-core                                             |
-|--------------------------------------------|-----------------------------------------------------------|
-| h operator_norm.weight                     | m input_layernorm.weight                                  |
-| h ffn_norm.weight                          | m pre_mlp_layernorm.weight                                |
-| h conv.in_proj.weight  ([B; C; x])         | m self_attention.in_proj.weight                           |
-| h conv.conv.weight     ([h, 1, L])         | m self_attention.conv_weight                              |
-| h conv.out_proj.weight                     | m self_attention.out_proj.weight                          |
-| h self_attn.{q,k,v}_proj.weight            | m self_attention.linear_qkv.weight (per-group interleave) |
-| h self_attn.{q,k}_layernorm.weight         | m self_attention.{q,k}_layernorm.weight                   |
-| h self_attn.out_proj.weight                | m self_attention.linear_proj.weight                       |
-| h feed_forward.{w1,w3}.weight (dense)      | m mlp.linear_fc1.weight = [w1; w3]                        |
-| h feed_forward.w2.weight (dense)           | m mlp.linear_fc2.weight                                   |
-| h feed_forward.gate.weight                 | m mlp.router.weight                                       |
-| h feed_forward.expert_bias                 | m mlp.router.expert_bias (frozen)                         |
-| h feed_forward.experts.E.{w1,w3}.weight    | m mlp.experts.local_experts.E.linear_fc1.weight = [w1; w3]|
-| h feed_forward.experts.E.w2.weight         | m mlp.experts.local_experts.E.linear_fc2.weight           |
-
-plus model.embed_tokens -> embedding.word_embeddings, model.embedding_norm (LFM2's final norm, despite
-its name) -> decoder.final_layernorm, lm_head -> output_layer (absent when tied). Fused HF expert tensors
-(`experts.gate_up_proj` [E, 2I, h], `experts.down_proj` [E, h, I]) are read too; export writes the
-per-expert form the Hub checkpoints use.
-
-Routing: sigmoid scores, top-k on score + expert bias, the chosen scores renormalised, times
-routed_scaling_factor, which is megatron's `sigmoid` router with expert bias. Differences left: HF adds
-1e-6 to the renormalising sum, megatron 1e-20 (relative 1e-6 on the expert weights); near-tied experts
-can route differently in bf16.
+More in docs/extending.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """LFM2-MoE's routed experts on grouped GEMMs: every expert of a micro-batch in one grouped matrix multiply
 per projection (`torch._grouped_mm`, CUTLASS on Hopper), not megatron's Python loop over experts.
-
-`GroupedExperts` is megatron's SequentialMLP with the same parameters, names and checkpoint layout (one
-MLP per expert, fc1 = [w1; w3]); only the forward differs. The experts' weights are packed into one buffer
-per projection ([E, 2I, h] and [E, h, I]) whose slices are the per-expert parameters, so the grouped GEMM
-reads them in place. Backward: d(input) and the weight gradients are grouped GEMMs too; where the learner
-gives a weight `main_grad` (its float32 master gradient) the gradient is added there and not returned.
-Where torch has no grouped GEMM, or it refuses a layout, the same products run one expert at a time
-(numerically the same maths); `grouped = False` runs megatron's loop, to compare, and so do experts
-sharded by tensor or expert parallelism (the slime engine at scale).
+More in docs/performance.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """LFM2's megatron-core building blocks: the gated short convolution, a router whose expert bias is a
 frozen weight, and the per-layer block spec (conv or GQA attention; dense SwiGLU or sigmoid-routed MoE whose
 experts run on grouped GEMMs, lfm2_experts.py; linears that add dW into weight.main_grad, fused_linear.py).
-
-The conv block replaces self-attention inside megatron's TransformerLayer, so norms, residuals, the MLP /
-MoE and the checkpoint machinery are megatron's own. Shapes follow megatron: hidden states are [s, b, h].
-
-    in_proj  (ColumnParallelLinear h -> 3h, stride 3: each TP rank holds its slice of B, C and x)
-    B, C, x = chunk(in_proj(h), 3);  y = C * causal_depthwise_conv(B * x);  out_proj (RowParallelLinear)
-
-Tensor parallelism shards channels (the conv is depthwise, so channels never mix). Sequence and context
-parallelism would split the sequence the conv runs along, so they are refused. Padding must be on the
-right (the learner's layout): the conv is causal, so right padding never reaches a real token.
-
-The checkpoint layout does not depend on TP: in_proj is saved as three TP-sharded pieces (B, C, x), the
-way megatron saves SwiGLU's fc1 in two, so the global tensor is HF's [B; C; x] at any TP size.
+More in docs/extending.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
 """Qwen2 / Qwen2.5 <-> megatron-core (local spec names). Verified bit-exact in tests/test_convert.py.
-
-| HF                                              | megatron-core                                        |
-|-------------------------------------------------|------------------------------------------------------|
-| model.embed_tokens.weight                       | embedding.word_embeddings.weight (rows padded)       |
-| model.layers.N.input_layernorm.weight           | decoder.layers.N.input_layernorm.weight              |
-| model.layers.N.self_attn.{q,k,v}_proj.{w,b}     | decoder.layers.N.self_attention.linear_qkv.{w,b}     |
-| model.layers.N.self_attn.o_proj.weight          | decoder.layers.N.self_attention.linear_proj.weight   |
-| model.layers.N.post_attention_layernorm.weight  | decoder.layers.N.pre_mlp_layernorm.weight            |
-| model.layers.N.mlp.{gate,up}_proj.weight        | decoder.layers.N.mlp.linear_fc1.weight = [gate; up]  |
-| model.layers.N.mlp.down_proj.weight             | decoder.layers.N.mlp.linear_fc2.weight               |
-| model.norm.weight                               | decoder.final_layernorm.weight                       |
-| lm_head.weight (absent when tied)               | output_layer.weight (absent when tied)               |
-
-Fused QKV is interleaved per query group: for each of the `ng` groups, its `nh/ng` query heads, then its
-key head, then its value head (megatron splits `[ng, (nh/ng + 2) * d]` in SelfAttention).
+More in docs/extending.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """`--rollout-data-postprocess-path trainer.slime_plugin.audit.audit_rollout_data`: the worker audit in slime.
 
 slime calls the hook on every train rank after it recomputed the policy's log-probs of the step's samples
-(`rollout_data["log_probs"]`, at the weights the actor holds before training on them) and before it trains
-(docs/slime.md). The rollout side knows which worker sampled each group and at which
-version: the rollout function writes that per rollout id (`rows_file`). With both, the same
-trainer.audit.WorkerAudit the native learner runs compares each audited worker's recorded log-probs with
-the learner's, under the same names (`worker/<id>/logprob_mismatch`, `flagged`, `audited_tokens`); the
-after-train hook puts them in the next version's stats object. A group is audited only when it was sampled
-at the version whose weights the actor holds (the last version this process published and saw become
-visible, nothing queued after it) and all its samples are on this rank.
+and before it trains; the same trainer.audit.WorkerAudit the native learner runs then compares each audited
+worker's recorded log-probs with the learner's, under the same metric names.
+More in docs/slime.md (module notes).
 """
 
 from __future__ import annotations

@@ -6,9 +6,7 @@ namespace, so the run comes from the job's runtime env (infra/slime_launch.runti
     DRL_RECIPE_FILE   the resolved RecipeConfig (JSON) the launch wrote
     DRL_ENV_FILE      the box's credentials file (.r2env, mode 0600)
     DRL_STATE_DIR     the run's state dir: trainer.key, the rollout ledger, the last batch's stats
-
-slime's own values that must agree with the run (group size, groups per step, temperature) are checked
-against run.json on every call, and a disagreement is refused naming both values.
+More in docs/slime.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """The learner's objective inside slime: our functions (trainer/algo.py) on slime's custom-loss hooks.
 
-slime's policy loss computes PPO with clip-higher (`--eps-clip`, `--eps-clip-high`) on the ratio to the
-behaviour log-probs (`--use-rollout-logprobs`) and the low_var_kl (k3) term to the reference
-(`--use-kl-loss`). Dual-clip (`--eps-clip-c`) depends on the commit: slime parses the flag at every commit,
-but its policy loss passes it on only from 78156c53c (2026-08-12); before that (5c530c156, the image the
-operator's guide names, included) our patch 0002 makes it pass it, applied only where slime's code drops
-it (infra/patches/probes.py reads the call), so the loss below is dual-clip on every slime we launch on
-(`nox -s slime_compat`, docs/slime.md). We plug in the rest (docs/slime.md):
-
-* `drgrpo_rewards` (`--custom-reward-post-process-path`): Dr.GRPO advantages, reward minus group mean,
-  with `algo.group_advantages` (as the native batch); called on the rollout side with the flat list of samples.
-* `dppo_gate` (`--custom-tis-function-path`, active with `--get-mismatch-metrics`): the asymmetric DPPO
-  mask with `algo.dppo_keep_mask`. slime hands a TIS function the per-token policy loss, the trainer's
-  log-probs recomputed before the update (the current policy: one optimizer step per rollout) and the
-  worker's log-probs, but not the advantages. Their sign is exactly recoverable: the dual-clip loss is
-  -A*min(r, clip(r)) (< 0) for A > 0 and min(-A*max(..), -c*A) (> 0) for A < 0, with r > 0, so
-  sign(A) = -sign(loss); A = 0 gives loss 0, which the gate treats as A <= 0, as algo.dppo_keep_mask does.
-* `drgrpo_reducer` (`--custom-pg-loss-reducer-function-path`): sum of masked token losses divided by the
-  constant max length. slime then scales each micro-batch by 1/global_batch_size (per-sample loss mode,
-  i.e. without --calculate-per-token-loss), so the step's loss is sum(m*l) / (B * L_max), the Dr.GRPO form.
-
-The KL term is slime's own: k3 (`low_var_kl`) reduced by `sum_of_sample_mean`, which slime rebuilds with
-the masks our gate returns over the per-sample mask totals, so it is the per-sequence mean over the tokens
-the gate keeps. `algo.policy_loss` reduces it the same way, so both engines optimise one objective
-(tests/test_slime_plugin.py::test_engines_agree_on_loss_and_gradient checks loss and gradient).
+slime computes PPO with clip-higher and dual-clip on the ratio to the behaviour log-probs, and the k3 KL to
+the reference; we plug in Dr.GRPO advantages (`drgrpo_rewards`), the asymmetric DPPO gate (`dppo_gate`)
+and the Dr.GRPO constant-length reducer (`drgrpo_reducer`), so both engines optimise one objective
+(tests/test_slime_plugin.py::test_engines_agree_on_loss_and_gradient).
+More in docs/slime.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """`--custom-after-train-hook-path trainer.slime_plugin.publish.after_train`: each new policy -> the bucket.
 
-The hook is added to slime by our patch 0001 (infra/patches): slime calls `after_train(args, rollout_id,
-model)` on every train rank right after the actor trained on a rollout. No slime commit has it upstream
-(an unpatched slime accepts the flag, since Megatron's parser ignores unknown ones, and never calls it), so
-the patch step checks the call site after applying (infra/patches/probes.py). Why this hook and no stock one
-(docs/slime.md): with no rollout engines (`--rollout-num-gpus 0`, `--debug-train-only`)
-`update_weights()` returns before any weight-sync hook; `--save-hf` writes an HF copy only every
-`--save-interval` steps (the fleet recipe runs without it); and the stock before-train-step hook would
-publish each version one step late and never the last one.
-
-Every rank enters (gathering tensor-parallel shards is a collective); rank 0 hands the host copy to the
-learner's publish queue (trainer/publish_queue.py, as the native engine does): a signed PULSE patch against
-the last version it published (a full anchor the first time in a process, and every `anchor_interval`
-versions), then the pointer, while slime trains on. The last rollout (`--num-rollout`) waits for every
-publish, so nothing is lost at the end; without `args.num_rollout` each call waits. The rollout function
-reads the pointer for its staleness window, so the next batch is judged against the newest version. Each
-version's stats object is written by trainer.step.VersionStats, from what the rollout function recorded
-about the batch and the worker audit (trainer/slime_plugin/audit.py). Rank 0 also prunes slime's
-checkpoints to the recipe's `train.keep_checkpoints` (checkpoints.py).
+slime calls `after_train(args, rollout_id, model)` on every train rank right after the actor trained on a
+rollout (the hook comes from our patch 0001, infra/patches). Every rank gathers its tensor-parallel
+shards; rank 0 hands the host copy to the learner's publish queue (trainer/publish_queue.py), as the
+native engine does, while slime trains on.
+More in docs/slime.md (module notes).
 """
 
 from __future__ import annotations

@@ -6,10 +6,7 @@ chosen and sampled by the workers. The bucket rollout source (trainer/rollouts.p
 drops what is stale (beyond the staleness bound, counted from the signed pointer) and caps reuse; we
 convert its batch into exactly `rollout_batch_size` contiguous groups of `n_samples_per_prompt` Samples,
 the only layout slime's rollout-side reward normalisation reshapes per group.
-
-Each Sample carries tokens = prompt + response, response_length, the worker's loss_mask, its behaviour
-log-probs as rollout_log_probs (the denominator of the ratio under --use-rollout-logprobs), the reward and
-a status; metadata names the record (version, worker, group, use, lag) for logging.
+More in docs/slime.md (module notes).
 """
 
 from __future__ import annotations

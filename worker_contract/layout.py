@@ -4,16 +4,7 @@ Everything of a run lives under `<run>/`. Version numbers are zero-padded to ten
 store's lexicographic listing order is numeric order, and rollouts are filed under the policy version
 that sampled them, so the learner lists only the few version prefixes inside its staleness window:
 its listing cost is bounded by that window, never by the run's history.
-
-    <run>/run.json                                  run manifest (create-only)
-    <run>/current.json                              version pointer (the only object overwritten)
-    <run>/anchors/v0000000001/manifest.json         anchor manifest (signed, per-tensor digests)
-    <run>/anchors/v0000000001/weights-00000.safetensors   anchor shards in the run's plane
-    <run>/versions/v0000000002.pulse                PULSE patch v1 -> v2 (signed header)
-    <run>/rollouts/v0000000002/<worker>/<group>.json.zst  one immutable record per prompt group
-    <run>/stats/v0000000002.json                    trainer's per-version stats (operator view)
-    <run>/probes/<nonce>                            preflight's create-only write probe (removed after)
-    bases/<name>/...                                shared base checkpoints (outside any run)
+More in docs/contract.md (module notes).
 """
 
 from __future__ import annotations

@@ -4,11 +4,7 @@
     version, state = rec.join()          # newest anchor at or below the pointer, plus patches up to it
     update = rec.follow()                # (version, state) when the pointer moved, else None
     update = rec.follow(behind=4)        # the same, but never past pointer - 4 (a worker lagging on purpose)
-
-`state` maps plane tensor names to numpy arrays (no torch); `planes.get_plane(plane).to_dense(state)` gives
-HF-named dense tensors. Every step is checked: the pointer's, manifests' and patches' signatures under the
-run's key, every shard and tensor digest, every patch's base and result digests, and the pointer's digest.
-On any failure the reconstructor keeps its last good state and raises `SyncError`.
+More in docs/pulse.md (module notes).
 """
 
 from __future__ import annotations

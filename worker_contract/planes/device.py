@@ -4,14 +4,7 @@ The publisher diffs on the GPU when the learner's weights live there (pulse/torc
 must be made there too: only the patch's compact streams then cross to the host. Each function here gives
 bit for bit what its numpy twin gives (tests/test_planes.py checks it on the CPU against the numpy plane,
 which mlx checks in turn):
-
-- bf16: every floating tensor cast to bfloat16 (round to nearest even, as tensors.round_to);
-- int8g64: `quantize_torch` follows `int8g64.quantize_np` operation by operation in float32. Divisions
-  are tensor by tensor on purpose: torch turns a division by a Python scalar into a multiplication by its
-  reciprocal on CUDA, which rounds differently.
-
-Not covered: NaN weights (numpy keeps a NaN's payload when rounding to bf16, torch makes it canonical).
-torch is imported inside the functions, so the module imports in the slim contract venv.
+More in docs/pulse.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """The `int8g64` plane: MLX affine quantization, 8 bits, groups of 64, bit-identical to
 `mlx.core.quantize(w, group_size=64, bits=8)` / `mlx.core.dequantize` on the CPU (docs/pulse.md, Planes).
-
-Per group of 64 consecutive elements along the last axis, all arithmetic in float32 (IEEE, true division):
-    hi, lo = max, min;  s0 = max((hi - lo) / 255, 1e-7)
-    the bias end is the extreme of larger magnitude (ties -> hi): s = +s0, edge = lo if |lo| > |hi|,
-    else s = -s0, edge = hi;  q0 = rint(edge / s)
-    scale, bias = (edge / q0, edge) if q0 != 0 else (s, 0)          (so 0.0 is exactly representable)
-    code = clamp(rint((x - bias) / scale), 0, 255) with the unrounded float32 scale and bias
-scales and biases are stored rounded (RNE) to the input dtype; codes are packed four to a uint32, lowest
-index in the lowest byte. Dequantization is round_T(round_T(code * scale) + bias) in the storage dtype T.
-
-Which tensors are quantized follows mlx-lm (matmul weights and embeddings whose last dim divides by 64;
-norms, biases and everything else stay bf16), with its names: `<mod>.weight` (uint32 codes),
-`<mod>.scales`, `<mod>.biases`. The core is numpy; `quantize` / `dequantize` also take torch tensors and
-return the kind they were given.
+More in docs/pulse.md (module notes).
 """
 
 from __future__ import annotations

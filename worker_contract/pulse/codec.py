@@ -1,21 +1,10 @@
 """Per-tensor PULSE coding on numpy words: which positions changed, and their exact new bits.
 
-Why this shape (measured on AdamW steps at lr 1e-6, see docs/pulse.md): an element changes when the
-update crosses half an ulp, and an ulp is set by the element's exponent, which the receiver already holds.
-So positions are coded with the old value's magnitude as context:
-
-- the *candidates* S are the elements whose sign-stripped old bits are below a threshold (small weights,
-  which nearly all change); their change mask is sent as a bitmap, grouped by exponent class so each run
-  of bytes has one density and zstd's entropy stage codes it near its entropy;
-- changes outside S (the bulk, where changes are rare) are sent as gaps between positions.
-
-A changed value is sent as the wrapping difference of the new and old bit patterns (for floats, the
-distance in ulps), zigzag-coded and split into byte planes: nearly all are +-1..+-4, so the planes above
-the lowest are all zeros. Integer arithmetic on bit patterns is an exact bijection given the old bits, so
-this is lossless for every dtype (+0/-0, NaN payloads); it is never a float difference.
-
-Everything is plain numpy (no torch); the output is a list of per-family byte chunks that `format.py`
-concatenates and compresses.
+Positions are coded with the old value's magnitude as context (a bitmap for the small weights that nearly
+all change, gaps between positions elsewhere); a changed value is the wrapping difference of its bit
+patterns, so the coding is lossless for every dtype. Plain numpy (no torch); `format.py` concatenates and
+compresses the chunks this returns.
+More in docs/pulse.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""The PULSE patch container (format 2), documented in docs/pulse.md.
-
-    magic      8 bytes   b"STOAPLS" + format byte (2)
-    hlen       u32 LE    length of the header
-    header     hlen bytes: one zstd frame of the compact JSON `PatchHeader` (versions, digests, per-tensor
-               coding, streams); compressed because per-tensor entries add up on big models
-    slen       u32 LE    length of the signature (0 = unsigned)
-    signature  slen bytes, base64 Ed25519 over b"stoa-pulse-header\\0" + header
-    body       the zstd frames of the streams, back to back, as the header's `streams` lists them
-
-The header carries the BLAKE3 digest of the body, so a signature over the header covers the whole patch.
-Format 2 moved every digest from sha256 to BLAKE3 (`digest_alg`) and slimmed the per-tensor entries.
+"""The PULSE patch container (format 2), documented in docs/pulse.md: magic, a zstd-compressed JSON
+header, an optional Ed25519 signature over the header, then the body's zstd frames. The header carries the
+BLAKE3 digest of the body, so a signature over the header covers the whole patch.
+More in docs/pulse.md (module notes).
 """
 
 from __future__ import annotations

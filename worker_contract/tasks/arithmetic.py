@@ -3,12 +3,7 @@
 Each problem is a short story: a starting amount, then one to `max_steps` changes (buy, give, spend,
 double...), then a question. Its worked solution is one line per operation, `a + b = c`, and ends in
 `#### <answer>`, exactly the GSM8K format, so the GSM8K prompt, extraction and reward apply unchanged.
-
-Problem `i` of a split is a pure function of the split's seed and `i` (string seeds go through SHA-512 in
-`random.Random`, so every process and platform builds the same problem). The two splits never overlap:
-besides its own seed and ranges, the tuple of numbers written in every question is hashed, and tuples in
-the reserved slice (1 in `HELDOUT_MODULUS`) are only ever used by the held-out split, never by training,
-whatever the ranges: no held-out question's numbers, in any story, are ever trained on.
+More in docs/extending.md (module notes).
 """
 
 from __future__ import annotations

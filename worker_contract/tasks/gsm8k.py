@@ -7,10 +7,7 @@ a currency sign ($18) or a trailing unit (18 dollars, 12 cm, 50%): all of these 
 Reward: 1.0 when the extracted answer equals the gold answer, else 0.0. There is no format bonus: every
 scored completion is already asked for the `####` form, and a bonus would pay a policy for confident
 wrong answers, which is the opposite of what the run trains.
-
-Data: the real set is `openai/gsm8k` (config `main`, splits train/test), loaded with the `datasets`
-library on the box that runs the job, or from a local copy (`DRL_GSM8K_DIR` holding `train.jsonl` and
-`test.jsonl` in the original grade-school-math format, one {"question", "answer"} object per line).
+More in docs/extending.md (module notes).
 """
 
 from __future__ import annotations

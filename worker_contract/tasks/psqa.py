@@ -1,20 +1,9 @@
 """PaperSearchQA: biomedical factoid questions answered by searching a corpus of paper abstracts.
 
-Episode format (multi-turn, assembled at the token-id level so the recorded log-probs are exactly those
-the worker sampled): the model writes an assistant turn that ends either in `<search> query </search>`
-or in `<answer> ... </answer>` (or EOS). After a search the retriever's top documents are appended as a
-tool turn, `\\n\\n<information>...</information>\\n\\n`, tokenized on its own; those tokens carry loss mask
-0 and log-prob 0.0 (the policy did not sample them), every sampled token carries mask 1. The model then
-continues from the whole context. The response budget (`max_new_tokens`) covers sampled and tool tokens.
-
-Reward (cover-EM): 1.0 when some normalized gold answer is covered by the normalized predicted answer,
-as whole words (" dmd protein " covers " dmd "), else 0.0. Normalization: lower case, punctuation and
-the articles a/an/the removed, whitespace collapsed. Whole words, not raw substrings, so "a" never
-matches inside "cat". pass@k uses the unbiased estimator over n samples with c correct.
-
-Data: `jmhb/PaperSearchQA` (train 54,907 / test 5,000 rows: question, answer, golden_answers, pmid,
-category), loaded with `datasets` on the box, or from `DRL_PSQA_DIR` holding train.jsonl / test.jsonl
-with the same fields. The search corpus (`jmhb/pubmed_bioasq_2022`) is served by infra/retriever.
+Episodes are multi-turn (`<search>` turns answered by the retriever's documents as tool tokens with loss
+mask 0, ending in `<answer>`), assembled at the token-id level so the recorded log-probs are exactly those
+the worker sampled. The reward is cover-EM on whole normalized words; the data is `jmhb/PaperSearchQA`.
+More in docs/extending.md (module notes).
 """
 
 from __future__ import annotations

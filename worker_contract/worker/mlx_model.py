@@ -3,18 +3,7 @@
     policy = MlxPolicy(model_dir, plane="int8g64", seed=7)
     policy.load_plane("int8g64", state)      # the reconstructor's plane tensors, as they are
     policy.sample(prompt_ids, 8, temperature=1.0, top_p=1.0, max_new_tokens=320)
-
-The local directory supplies config.json and the tokenizer (checked against run.json by the loop); its
-weights, if any, are never read. The plane is loaded natively: bf16 tensors become bf16 MLX arrays, and
-int8g64's codes, scales and biases become the model's `QuantizedLinear` / `QuantizedEmbedding` /
-`QuantizedSwitchLinear` parameters as they are (the plane is `mlx.core.quantize`'s own output, so
-nothing is re-quantized). Which modules are quantized follows the plane (those it gives `.scales`), the
-rule mlx-lm's own loader uses.
-
-Compute dtype: `bfloat16` keeps every weight as published (mlx-lm's default on a Mac's GPU); `float32`
-upcasts the non-quantized weights (exact) so activations run in float32, which is what MLX's CPU kernels
-do fast and what the learner recomputes in; scales and biases stay as published in both. `auto` picks
-bfloat16 on a Metal GPU, float32 on a CPU.
+More in docs/mac-worker.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The MLX worker's sampler: one prompt prefill shared by the group, honest behaviour log-probs.
 
-Why not mlx-lm's `generate` / `stream_generate`: the log-probs they report are the model's raw
-log-softmax, taken before their sampler applies temperature and top-p, so they are not the probabilities
-of the distribution the token was drawn from. Here each step's logits are turned into that distribution
-once (log-softmax of logits / temperature, in float32; with top_p < 1, restricted to the smallest prefix
-of tokens whose mass reaches top_p and renormalised), the token is drawn from it, and its log-prob under
-it is recorded: one forward, one distribution, both uses. With top_p = 1 (every shipped recipe) this is
-exactly the temperature-scaled log-softmax the learner recomputes.
-
-KV cache (`DRL_KV_MODE=paged_prefix` for this worker): the group's prompt is prefilled once, with batch 1;
-its cache (attention keys and values; LFM2's conv state) is then repeated into n rows, one per sample,
-and the n samples decode together. A row that ends (EOS) leaves the batch.
+mlx-lm's `generate` reports the raw log-softmax, taken before temperature and top-p; here each token's
+log-prob is recorded under the very distribution it was drawn from, from the forward that sampled it.
+More in docs/mac-worker.md (module notes).
 """
 
 from __future__ import annotations

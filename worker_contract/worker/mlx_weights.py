@@ -6,14 +6,7 @@ for a Hub checkpoint, except that it also carries int8g64's `.scales` and `.bias
 `.weight`). Nothing is converted: codes, scales, biases and bf16 values keep their bits; only names,
 a transpose (LFM2's depthwise conv kernel) and a stack (LFM2-MoE's per-expert weights into mlx-lm's
 SwitchGLU tensors) change. numpy in, numpy out, so the mapping is testable without mlx.
-
-| architecture (config.json)    | mlx-lm model | differences from the HF names                                   |
-|-------------------------------|--------------|-----------------------------------------------------------------|
-| Qwen2ForCausalLM              | qwen2        | none (`rotary_emb.inv_freq` buffers dropped)                    |
-| LlamaForCausalLM              | llama        | none (`rotary_emb.inv_freq` buffers dropped)                    |
-| Lfm2ForCausalLM               | lfm2         | `conv.conv.weight` [h, 1, L] -> [h, L, 1]                         |
-| Lfm2MoeForCausalLM            | lfm2_moe     | conv as LFM2; `feed_forward.{w1,w3,w2}` -> `{gate,up,down}_proj`; |
-|                               |              | `experts.E.wN.*` stacked over E into `switch_mlp.<proj>.*`      |
+More in docs/mac-worker.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Token sampling that records each token's behaviour log-prob from the forward that produced it.
 
-Why not `model.generate`: its sampling goes through generation-config defaults (top_k=50, repetition
-penalties...) that would silently make the distribution the worker samples from differ from the one the
-learner scores; a short explicit loop keeps "the log-prob we record is the distribution we drew from"
-visible in one place. The recorded log-prob is the token's log-prob under the distribution it was drawn from:
-the log-softmax of logits / temperature (float32) and, with top_p < 1, that distribution cut to the smallest
-prefix of tokens (most probable first, ties by lower id) whose mass reaches top_p, the top token always kept,
-and renormalised (`nucleus_logprobs`, the same cutoff as the MLX worker's `mlx_sampling.nucleus_logprobs`).
-With top_p = 1 (every shipped recipe) it is the temperature-scaled log-softmax over the whole vocabulary that
-the learner recomputes; the learner does not score the truncated distribution, so trainer.config refuses a
-recipe with top_p < 1 (docs/contract.md). Greedy decoding (held-out evaluation) records the full
-temperature-scaled log-prob of the argmax and ignores top_p.
-
-Prompts may differ in length: they are left-padded, with position ids counted from each prompt's start.
+A short explicit loop instead of `model.generate` (whose generation-config defaults would change the
+distribution), so "the log-prob we record is the distribution we drew from" is visible in one place:
+the log-softmax of logits / temperature, cut to the top-p nucleus when top_p < 1 (docs/contract.md).
+More in docs/contract.md (module notes).
 """
 
 from __future__ import annotations

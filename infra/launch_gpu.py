@@ -3,18 +3,8 @@
 `make gsm8k RUN=<id>` on a GPU box with R2 credentials (and no HOST) calls `launch_on_this_box`; with
 `HOST=user@box` the tree is shipped and `python3 -m infra.launch_gpu --recipe-json ...` runs this same
 function on the box (infra/remote). Each step can run again: it checks what is already there first.
-
-    1 check_box        GPU and driver, ~100 GB free, /root/slime and /root/Megatron-LM, Python imports
-    2 write_recipe     the resolved recipe where the slime plugin reads it (DRL_RECIPE_FILE)
-    3 download_model   huggingface_hub.snapshot_download (skips files it already has)
-    4 convert_model    HF -> Megatron torch_dist with the checked rotary base (infra.convert)
-    5 apply_patches    infra/patches onto slime, verified
-    6 publish_anchor   run.json and the base as the v1 anchor (skipped once the pointer exists)
-    7 start_ray        Ray head with its dashboard on 127.0.0.1 (skipped if Ray is up)
-    8 launch_trainer   slime's train.py through `ray job submit`, detached, log and pid file (skipped if alive)
-
-That is the slime engine (`train.engine: slime`). With `train.engine: native` (the GSM8K default) the
-sequence is infra/native_launch.py's: our Ray learner on megatron-core, on any CUDA box with torch.
+These are the slime engine's steps; `train.engine: native` runs infra/native_launch.py's.
+More in docs/quickstart-gpu.md (module notes).
 """
 
 from __future__ import annotations

@@ -2,20 +2,8 @@
 
 Any CUDA box with torch will do (a plain PyTorch image): no slime, no Megatron-LM tree, no custom image.
 `infra.launch_gpu` runs these steps when the recipe says `train.engine: native`; each can run again, it
-looks first at what is already there:
-
-    1 check_box         GPU and driver, free disk, the image's torch/transformers/huggingface_hub/safetensors
-                        (infra/box_check.py --engine native); megatron-core and ray may still be missing
-    2 install_packages  megatron-core and ray from the package index into the Python that runs the launch
-                        (the repo's .venv under `make gsm8k` on the box; over SSH the box's python3, where
-                        the remote install_deps step put them already), only those that do not import
-    3 write_recipe      (infra.launch_gpu)
-    4 download_model    (infra.launch_gpu)
-    5 publish_run       run.json (created, or resumed with an identical contract) and the signing key, through
-                        trainer.run_init.create_run; the learner publishes the v1 anchor itself when it starts
-    6 launch_learner    `python -m trainer.native` detached (its own session), log and pid file; skipped if alive
-    7 wait_learner      until the learner's anchor is the pointer (from then on it waits for rollouts), or its
-                        log's last lines if it exits first
+looks first at what is already there.
+More in docs/quickstart-gpu.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """`nox -s preflight` / `invoke preflight` / `python -m infra.preflight`: check a launch before it happens.
 
-Reads the resolved launch, either piped from a dry run
-
-    DRL_DRY_RUN=1 make psqa RUN=<id> HOST=<box> | DRL_PREFLIGHT_PROFILE=fleet nox -s preflight
-
-or resolved here from a recipe and the environment (`--recipe psqa`), and checks it against the profile
-DRL_PREFLIGHT_PROFILE names (`quickstart` or `fleet`). Prints one row per check (PASS / FAIL / WARN, the
-value seen, the value required, and for every FAIL the exact fix) and exits 1 on any FAIL. No secret is
-printed: every line passes through the contract's redaction, and a final guard refuses to print a line
-that still holds a credential.
+Reads the resolved launch (piped from a dry run, or resolved here from a recipe and the environment) and
+checks it against the profile DRL_PREFLIGHT_PROFILE names (`quickstart` or `fleet`): one row per check,
+exit 1 on any FAIL, and no secret ever printed.
+More in docs/operations.md (module notes).
 """
 
 from __future__ import annotations

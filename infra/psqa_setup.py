@@ -6,9 +6,7 @@
                          in the bucket (digests checked); when the base is absent: download from the Hub,
                          convert, and publish both there, manifest last (create-only), for the next box
     (then the common steps: apply_patches, publish_anchor, start_ray, launch_trainer; infra/launch_gpu.py)
-
-`ensure_base` is the logic, with the download and the conversion passed in, so it is tested on a tiny
-model against a real bucket; `box_steps` wires it to the box.
+More in docs/quickstart-gpu.md (module notes).
 """
 
 from __future__ import annotations

@@ -5,11 +5,7 @@ forgotten --host never turns the checkout you type in into "the box").
     invoke logs     --run my-run --host root@box [--follow]
     invoke stop     --run my-run --host root@box [--dry-run] [--yes]
     invoke teardown --run my-run --host root@box [--purge] [--dry-run] [--yes]
-
-stop and teardown first list exactly what they will stop and delete, then ask on a terminal (`--yes` for
-scripts). They touch only the named run: its trainer process group, its Ray jobs, the Ray we started for
-it, the box's credentials file of a shipped tree, and with --purge the run's own directories
-(`.stoa/runs/<run>/`, `logs/<run>.log`); never the tree, a git checkout, or another run.
+More in docs/quickstart-gpu.md (module notes).
 """
 
 from __future__ import annotations

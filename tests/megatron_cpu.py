@@ -2,14 +2,7 @@
 
 megatron-core has no CPU path: a few calls assume CUDA (on CUDA streams and devices). These
 replacements live here, in tests, and nowhere in the product: the product runs on a CUDA host.
-
-- `torch.cuda.current_device` -> the CPU device (rotary `inv_freq`, the global memory buffer, DCP saver);
-- `torch.cuda.synchronize` -> no-op (the torch_dist writer's tensor preload);
-- the model-parallel RNG tracker is created with `inference_rng_tracker=True`, whose `fork()` does
-  nothing, instead of `model_parallel_cuda_manual_seed` (which asserts CUDA).
-
-`install()` is idempotent and must run in every process that touches megatron (spawned writers too:
-`init_distributed` re-installs through `tests.megatron_cpu` being imported by the child's target).
+More in docs/map.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """Our slime engine against real slime: run only by `nox -s slime_compat -- SLIME_DIR MEGATRON_DIR`
 (not by `make test`: CI has no slime, and this needs sglang in a venv of its own; see noxfile.py).
-
-The session copies slime, applies our patch set to the copy, and runs this file with the copy, Megatron-LM
-(with slime's megatron.patch) and a torchvision stand-in first on the path. Each check goes through
-slime's own code, not a copy of it:
-  * the patch set: every probe holds on the copy and the patched actor imports with the hook call in it;
-  * both resolved launches (gsm8k, psqa) through slime's real `parse_args` (sglang, Megatron and slime
-    parsers, slime's and Megatron's validation); every flag spelled as one of those parsers defines it;
-    every function path a callable that takes the call slime makes at its call site (read off its code);
-  * both models built by slime's own model provider on the parsed args (meta device);
-  * the rollout function's output through slime's RolloutManager._get_rollout_data and
-    _convert_samples_to_train_data, which calls our reward post-process;
-  * slime's policy_loss_function with our TIS hook and pg-loss reducer, against the objective it must be
-    (tests/test_slime_plugin._slime_policy_loss, dual-clip included);
-  * the after-train hook's gather on two gloo ranks (tensor parallel 2) with slime importable: LFM2 through
-    our gather, and slime's own all_gather_param on the same model (where it asserts on the stride-3 conv).
+More in docs/slime.md (module notes).
 """
 
 from __future__ import annotations

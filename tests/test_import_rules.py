@@ -4,12 +4,7 @@
     trainer         -> worker_contract only  (the learner; its models live in trainer/models/)
     infra           -> trainer, worker_contract
     entrypoints/, tasks.py, noxfile.py, bench/ -> anything
-
-Every import counts: at file level, inside functions, under `if TYPE_CHECKING`, relative ones resolved;
-so do module paths written as strings (`importlib.import_module("pkg.mod")`, `"pkg.mod:function"` hooks,
-slime's `--spec pkg.mod fn`). And no import cycle between our files: a file importing another that
-(directly or not) imports it back. import-linter does the layer half, but not strings or file cycles
-in one tool, and it imports the packages; this reads files only.
+More in docs/map.md (module notes).
 """
 
 from __future__ import annotations

@@ -3,15 +3,7 @@
 A joiner starts from the anchor the pointer names (the newest at or below it) and applies patches up to
 the pointer (docs/contract.md). Keeping the newest K anchors at or below the pointer (always including the
 pointer's own), and every patch after the oldest of them, keeps every kept anchor a valid starting point.
-The pointer is read verified under run.json's key: a forged pointer never steers a deletion. gc deletes only:
-- anchors older than the oldest kept anchor (every key under their prefix, manifest first, so a half-deleted
-  anchor never looks complete);
-- patches below the oldest kept anchor (nobody starting at a kept anchor needs them; the patch that made
-  the anchor itself stays, so nothing at or above a kept anchor is touched);
-- rollouts sampled more than the staleness bound before the pointer (the learner drops those anyway).
-Invariants, checked before anything is deleted: no weights at or above the newest kept anchor or that the
-pointer names, no rollout inside the window, never run.json, the pointer, stats or anything outside these
-three prefixes. The pointer only moves forward, so a plan made from an older pointer is only more conservative.
+More in docs/operations.md (module notes).
 """
 
 from __future__ import annotations

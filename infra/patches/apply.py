@@ -2,20 +2,7 @@
 
     python -m infra.patches.apply --tree /root/slime            # apply what is missing, verify all
     python -m infra.patches.apply --tree /root/slime --dry-run  # report only
-
-For each patch, in name order:
-  * already applied (`git apply --check --reverse` passes): skipped;
-  * not needed: the tree already does what the patch is for (its probe in infra/patches/probes.py holds on
-    slime's code, e.g. a slime that has upstream's own fix): skipped;
-  * applies as is (`git apply --check`): applied;
-  * the tree is a git checkout and a three-way merge is clean (`git apply --3way --check` reports no
-    conflict): applied with `--3way`;
-  * otherwise the whole set is refused before anything changes, naming the patch, the slime commit it fits
-    and the tree's commit.
-After applying, every patch must be found in the tree (the reverse check, or after a three-way merge every
-line it adds in place), every patched Python file must compile, and every probe must hold (the hook is
-called, the value is passed on: not only the text applied), or the run stops. Each patch file starts with a
-header: `Upstream:`, `Fits:`, `Need:`, `Can go:`; a patch without one is refused.
+More in docs/slime.md (module notes).
 """
 
 from __future__ import annotations

@@ -2,32 +2,10 @@
 
     python -m bench.gpu_loop [--parts learning,throughput] [--rl-seconds 420] [--out bench/results/gpu_loop.json]
 
-Both parts stand the learner up with `infra.launch_gpu.launch_on_this_box` (the native engine's steps: box
-check, packages, recipe, model, run.json, the detached `python -m trainer.native`, its anchor), start
-reference workers (`python -m worker_contract.worker`) on the same box, watch the run's metrics.jsonl and
-stop everything by PID at the end (`infra.boxops.stop`). The models are built on the spot (no network).
-
-- learning: a Qwen2 of tens of millions of parameters (hidden 512, 8 layers) with the embedded run's
-  tokenizer and task, supervised on the GPU just until its greedy held-out accuracy first reaches the
-  band's middle (so RL has room), then RL on the megatron backend in float32 with `--workers` CPU workers
-  (float32, as the embedded run's); held-out accuracy of the published versions (CPU, float32, 400
-  problems) every 10 steps, against the first published version.
-- throughput: Qwen2.5-1.5B shapes with random weights, the quickstart recipe as shipped (megatron backend,
-  bf16, 16384-token micro-batches, 1024 new tokens; the generated GSM8K-format problems, since GSM8K
-  cannot be downloaded there), GPU workers (bf16) sampling `--batch-groups` groups per forward, one batch
-  per version. The reward is bench/coin_task.py's coin (`--tput-task bench-coin`, the default; the workers
-  run as `python -m bench.coin_task`): random weights answer nothing, so the arithmetic task's reward is 0
-  everywhere, the gradient 0 and every patch empty, where a coin per sample gives Adam a gradient to
-  normalise and patches of a real step's size (`--tput-task arithmetic` keeps the real task). Measured:
-  learner steps per hour, busy share while fed (step time over wall time less the time spent waiting for
-  rollouts) beside the window's share (time in steps over the whole window) and the steps in the window,
-  the time publishing blocks each step (`publish/blocking_s`: the weights' snapshot and the hand-off to the
-  publish thread), patch bytes per step, a following reconstructor's lag from a new pointer to applied
-  weights, a cold join's time, and the workers' sampled tokens per second.
-
-The device has neither megatron-core nor Ray installed and no network: carry them (docs/performance.md).
-DRL_MIN_FREE_GB is lowered to what the device's disk has, and DRL_RAY_DASHBOARD=0 (the carried Ray is
-trimmed); everything else is the user's path.
+Two parts, `learning` (a small Qwen2 supervised to the middle of the accuracy band, then RL) and
+`throughput` (Qwen2.5-1.5B shapes with random weights, the quickstart recipe as shipped), both stood up
+with `infra.launch_gpu.launch_on_this_box` and reference workers on the same box.
+More in docs/performance.md (module notes).
 """
 
 from __future__ import annotations

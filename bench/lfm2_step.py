@@ -3,15 +3,7 @@ recipe's batch and memory plan; peak memory, step time, tokens/s, MFU, and the p
 
     python -m bench.lfm2_step                            # 24 layers, psqa's batch: 64 rows of 256 + 4096
     python -m bench.lfm2_step --tiny --device cpu        # a smoke run (tests/test_lfm2_step.py)
-
-The model is built from infra/slime_launch.KNOWN_HF_CONFIGS (norms, router and expert bias randomised),
-saved as bf16 HF safetensors and loaded by the megatron backend under runs/psqa-decoupled's train section
-(`--set key=value` overrides). Parts (`--parts`): `optim`, the optimizer candidates (bench/lfm2_optim.py);
-`step`, the recipe's step (reference log-probs, forward, backward, optimizer); `compare`, the same step on
-`--compare-rows` rows with the experts' loop instead of grouped GEMMs, and with recompute; `profile` (with
-`step`), one more step under torch.profiler, its kernels by device time in `<out>.profile.txt`. MFU counts the
-parameters a token passes through (top-k of the experts): 8 x active x tokens / time / rate, against the
-bf16 matmul rate measured here and the H200's dense bf16 spec (989 TFLOP/s).
+More in docs/performance.md (module notes).
 """
 
 from __future__ import annotations

@@ -4,19 +4,7 @@
     python -m bench.megatron_gpu --parts step --variants megatron
     python -m bench.megatron_gpu --tiny --device cpu  # a smoke run (needs megatron's CPU shims installed)
     python -m bench.megatron_gpu --arch llama          # Llama-3.2-1B shapes with its llama3 rope scaling
-
-1. The bf16 matmul rate, measured here (8192^3, random operands): the MFU denominator.
-2. Parity with random weights: HF Qwen2 logits vs our megatron GPTModel's (same weights through the
-   converter's mapping), in float32 (relative L2 and max error) and bf16 (max and mean absolute
-   difference relative to the logits' spread, i.e. their standard deviation).
-3. The learner step of the quickstart recipe: 64 sequences (8 groups x 8) of 128 prompt + 384 response
-   tokens, in the recipe's micro-batches (train.max_tokens_per_gpu: 16384 tokens, 32 rows here) or N rows
-   each for `variant@N` (8 is the issue's calibration setting), reference log-probs, then policy
-   forward + backward + AdamW through each backend's `train_step` with the recipe's objective.
-   MFU = 8 x parameters x tokens / time / matmul rate (policy forward 2 + backward 4 + reference
-   forward 2, per parameter and token).
-4. `wgrad`: the weight-gradient GEMM of one MLP layer accumulated into float32 in the GEMM, against a
-   bf16 GEMM and a separate add (what the backend's fused and unfused paths do).
+More in docs/performance.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """MLX worker vs torch worker on one machine: sampling throughput and agreement with the learner.
 
     python -m bench mlx_worker [--model DIR] [--groups 6] [--out bench/results/mlx_worker.json]
-
-For each plane (bf16, int8g64) one run is published to a file bucket from the model's float32 weights
-(what the learner holds), and three workers join it through the real loop and reconstructor: the torch
-reference worker and the MLX worker with float32 and with bfloat16 activations. They sample the same
-training problems, interleaved group by group so machine load hits them alike. Figures per worker:
-- tokens/s: response tokens over the seconds spent sampling (prefill and decode, the status line's figure);
-- |log-prob difference| per token between what the worker recorded and the learner's recomputation
-  (the hf backend's `logprobs`, the function the learner's audit calls), mean, p99 and max;
-- the learner's audit (trainer/audit.py) over those groups: mismatch and whether the worker is flagged.
-Default model: the embedded run's cached base (.stoa/cache/base-*), built first if there is none.
+More in docs/mac-worker.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """PULSE patches on realistic RL updates: real AdamW steps at lr 1e-6 on a >=100M-parameter Qwen2-shaped model.
 
-Two ways a learner holds its weights, both published as bf16:
-  fp32-master   AdamW on fp32 master weights, the bf16 cast published (mixed-precision trainers, Megatron)
-  bf16-params   the model itself in bf16, AdamW updating bf16 parameters (where the update below half a
-                bf16 ulp rounds away entirely: the PULSE paper's setting)
-For each consecutive pair of published states and each plane (bf16, int8g64): sparsity, our patch size
-against the full state and against three baselines in the same run (full sync: safetensors + zstd-1; plain
-sparse: int64 positions + raw values, zstd-1; PULSE-style: docs/pulse.md), bits per changed
-word, and encode / apply throughput in GB of plane weights per second of one thread's CPU time (the
-publisher's and follower's case: base digest already known; best of REPS runs) plus cold numbers (both
-states hashed, one run).
-Every patch and baseline is applied and checked bit for bit.
+For two ways a learner holds its weights (fp32 masters cast to bf16, or bf16 parameters) and each plane
+(bf16, int8g64): sparsity, patch size against full sync and simpler sparse codings, and encode / apply
+throughput. Every patch and baseline is applied and checked bit for bit.
 
     python -m bench.pulse_bench [--steps 3] [--layers 12] [--out bench/results/pulse.json]
+More in docs/performance.md (module notes).
 """
 
 from __future__ import annotations

@@ -4,18 +4,9 @@
     python -m bench.pulse_gpu --plane int8g64      # the quantized plane (quantized on the GPU too)
     python -m bench.pulse_gpu --device cpu --shape tiny --out /tmp/x.json   # a smoke run anywhere
 
-The state is random (std 0.02, norms at 1) in the exact tensor shapes of Qwen2.5-1.5B; each step moves
-fp32 master weights by lr * u with |u| <= 1 (Adam's normalised step) at lr 1e-6 and casts them to bf16,
-so about 1-3% of the words change, like a real step. A `trainer.publisher.Publisher` (file:// bucket in a
-temporary directory) publishes step 0 as the v1 anchor and step 1 as a warm-up patch; step 2 is timed:
-  plane_s    making the plane on the device (bf16 copy, or int8g64 quantization)
-  encode_s   the publisher's whole encode (plane_s + diff, positions, candidates and deltas on the device,
-             compact streams and host copies to the CPU, BLAKE3 of the result, zstd), which is the
-             number the goal (under 1 s for a 1.5B state on an H200) is about
-  device_s   the per-tensor device work alone (encode_tensor_torch over the plane, for reference)
-With --device cpu the publisher is told encoder="torch", so the same code runs on CPU tensors. The patch is
-then read back from the bucket, applied on the CPU (numpy) and checked bit for bit against the state.
-Writes bench/results/pulse_gpu.json (GPU name, commit, timings, sizes).
+Times a publish of a random state moved as by a real AdamW step (the plane, the whole encode, the device
+work alone), checks the patch bit for bit and writes bench/results/pulse_gpu.json.
+More in docs/performance.md (module notes).
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """`python -m bench.staleness`: does the objective keep learning when every group is k versions old?
 
-Held-out accuracy after a fixed number of learner steps, for forced staleness k (default 0, 1, 2, 4, 8,
-16) and three objectives (`algo.objective`): `recipe` (DPPO gate + dual-clip PPO + Dr.GRPO, as shipped),
-`ppo` (plain PPO clipping on the ratio to the behaviour policy, no gate) and `no_is` (no importance
-correction). Each cell (objective, k, seed) is a lock-step run in its own file bucket, made of the real
-pieces: the publisher (anchor, signed PULSE patches), one reference worker that follows the pointer k
-versions behind (`WorkerSettings.lag_versions`), the rollout source (validation, staleness window, reuse
-ledger), the learner's backend and its objective. Lock-step (the worker samples a batch at the version it
-holds, then the learner takes one step and publishes) makes the lag exact: the run first publishes the
-base k+1 times, so the learner at version v trains only on groups of version v - k, from its first step
-on (the first k steps' groups come from the base), and every cell asserts that from the records it used.
-Held-out accuracy is greedy decoding on the task's test split with the published weights read back
-through the verifying reconstructor, as a worker holds them.
+Held-out accuracy after a fixed number of learner steps, per forced staleness k and objective (`recipe`,
+`ppo`, `no_is`), each cell a lock-step run of the real pieces in its own file bucket.
 
     python -m bench.staleness --preset power --seeds 5 --jobs 16   # the sweep with power (docs/performance.md)
     python -m bench.staleness --preset gpu --jobs 8            # the 25 M model on one GPU, 8 cells at a time
     python -m bench.staleness --preset cpu --lags 0,4,16 --seeds 3
-    python -m bench.staleness --preset gpu --objectives recipe --lags 8,16   # part of a sweep: same --out
-
-Results go to bench/results/staleness_<preset>.json after every cell (a rerun skips cells already
-there, so a sweep can be split over calls, at one commit only), the figure to docs/staleness_<preset>.png;
-bench/staleness_stats.py holds the intervals, the paired differences, the table and the figure.
+More in docs/performance.md (module notes).
 """
 
 from __future__ import annotations

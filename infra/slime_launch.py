@@ -3,13 +3,7 @@
 Everything here is data-driven from `RecipeConfig`; the GSM8K quickstart and the PaperSearchQA fleet differ
 only in their recipe values (the fleet's --save-interval 4, --eps-clip 10000 --eps-clip-high 19
 --eps-clip-c 20 are its recipe's numbers, not code). What slime does with each flag: docs/slime.md.
-
-Trainer-only mode. The learner needs no SGLang engine: rollouts come from the bucket. Two slime modes give
-that. `--rollout-num-gpus 0` (slime PR #2057, 2026-06-12, in v0.3.1) keeps slime's router and short-circuits
-the weight push when no engine is registered; it is the default because our patch set already pins slime at
-or after that commit, and the router lets an external engine serve the optional held-out eval.
-`--debug-train-only` (every slime since v0.1.0) skips SGLang entirely but also makes `eval()` a no-op; use
-it on an older slime (`trainer_only="debug-train-only"`).
+More in docs/slime.md (module notes).
 """
 
 from __future__ import annotations

@@ -179,7 +179,10 @@ def profile_step(backend, batch, cfg, sync, out_path: Path, top: int = 40) -> di
     key = "self_cuda_time_total" if _cuda() else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=top)
     out_path.write_text(table + "\n")
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    events = list(prof.key_averages())
+    if events and not hasattr(events[0], key):  # torch 2.11 names the device's total self_device_time_total
+        key = "self_device_time_total"
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events) or 1
     return {"table": out_path.name, "sorted_by": key, "top": [
         {"name": e.key[:120], "share": round(getattr(e, key) / total, 4), "count": e.count,

@@ -2,16 +2,10 @@
 
     python -m bench.psqa_gpu [--rl-seconds 300] [--workers 4] [--out bench/results/psqa_gpu.json]
 
-1. data: the embedded run's generated corpus and questions (trainer.embedded_psqa.ensure_data).
-2. base: an LFM2-MoE of tens of millions of parameters (`--width`, `--layers`, `--experts`), supervised on
-   the GPU into the search format by trainer.psqa_base (device="cuda"), searching the real retriever service
-   (`python -m infra.retriever serve`) on 127.0.0.1.
-3. RL: `run_embedded` on that base as MODEL= (the recipe's embedded.model_overrides: native engine, hf
-   backend, float32, on the GPU), `--workers` reference workers (bf16 on the GPU; the MLX worker is not
-   carried to the device) searching the run's own retriever, held-out cover-EM on the CPU every
-   `--eval-every` steps on test questions never trained on.
-Measured: held-out cover-EM first, last, mean of the last three and best; learner steps per hour; each
-worker's seconds waiting for the retriever, against its sampling time and the RL window (its log lines).
+Builds the generated data, supervises an LFM2-MoE of tens of millions of parameters on the GPU into the search
+format against the real retriever service, then runs `run_embedded` on it as MODEL= (native engine, hf
+backend, GPU workers) and measures held-out cover-EM (first, last, mean of the last three, best), learner steps
+per hour and each worker's wait for the retriever. More in docs/performance.md (the PaperSearchQA loop on one GPU).
 """
 
 from __future__ import annotations

@@ -149,66 +149,12 @@ def rotary_base(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> float:
     return float(theta)
 
 
-def _qwen2_like(cfg: RecipeConfig, c: Mapping[str, Any]) -> list[str]:
-    args = [
-        "--swiglu", "--num-layers", str(c["num_hidden_layers"]), "--hidden-size", str(c["hidden_size"]),
-        "--ffn-hidden-size", str(c["intermediate_size"]), "--num-attention-heads", str(c["num_attention_heads"]),
-        "--use-rotary-position-embeddings", "--disable-bias-linear",
-        "--normalization", "RMSNorm", "--norm-epsilon", repr(float(c["rms_norm_eps"])),
-        "--rotary-base", _num(rotary_base(cfg, c)), "--vocab-size", str(c["vocab_size"]),
-    ]
-    if c.get("model_type") == "qwen2":
-        args.append("--add-qkv-bias")
-    if c.get("model_type") == "qwen3":
-        args.append("--qk-layernorm")
-    args += _rope_scaling_flags(c)
-    kv = c.get("num_key_value_heads", c["num_attention_heads"])
-    if kv != c["num_attention_heads"]:
-        args += ["--group-query-attention", "--num-query-groups", str(kv)]
-    if not c.get("tie_word_embeddings", False):
-        args.append("--untie-embeddings-and-output-weights")
-    return args
-
-
-#: the llama3 scaling Megatron-LM's --use-rope-scaling applies (megatron-core RotaryEmbedding._apply_scaling
-#: fixes all but the factor)
-_MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def _rope_scaling_flags(c: Mapping[str, Any]) -> list[str]:
-    """Llama 3.x's rope scaling as Megatron-LM flags; a scaling those flags cannot express is refused."""
-    from trainer.models.hf_io import rope_scaling_of
-
-    scaling = rope_scaling_of(c)
-    if scaling is None:
-        return []
-    fixed = {k: scaling[k] for k in _MEGATRON_LLAMA3}
-    if c.get("model_type") != "llama" or fixed != _MEGATRON_LLAMA3:
-        raise ValueError(
-            f"model_type={c.get('model_type')!r} with rope scaling {scaling}: slime's Megatron-LM applies llama3 "
-            f"scaling only with {_MEGATRON_LLAMA3} (--use-rope-scaling); use the native engine for this model"
-        )
-    return ["--use-rope-scaling", "--rope-scaling-factor", _num(scaling["factor"])]
-
-
-def _lfm2_moe(cfg: RecipeConfig, c: Mapping[str, Any]) -> list[str]:
-    from trainer.models.lfm2_slime import model_flags
-
-    return model_flags(c, rotary_base(cfg, c))
-
-
-#: HF model_type -> Megatron model flags (one registry; unknown types are refused)
-MODEL_ARGS = {"qwen2": _qwen2_like, "qwen3": _qwen2_like, "llama": _qwen2_like, "lfm2_moe": _lfm2_moe}
-
-
 def model_args(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> list[str]:
-    mt = hf_config.get("model_type")
-    if mt not in MODEL_ARGS:
-        raise ValueError(
-            f"model_type={mt!r} has no Megatron flag mapping; known: {', '.join(sorted(MODEL_ARGS))}. "
-            "Add one to infra/slime_launch.py MODEL_ARGS, or pass the model flags in launch.extra_args"
-        )
-    return MODEL_ARGS[mt](cfg, hf_config)
+    """The model's Megatron-LM flags, from its architecture (trainer/models/registry.py): an unknown
+    model_type, or one with no slime flags, is refused in one sentence."""
+    from trainer.models.registry import get_architecture
+
+    return get_architecture(hf_config).slime_model_flags(hf_config, rotary_base(cfg, hf_config))
 
 
 # -- the box's disk -------------------------------------------------------------------------------------

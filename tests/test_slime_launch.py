@@ -100,3 +100,20 @@ def test_the_preflight_asks_for_the_disk_the_checkpoints_take(tmp_path, recipe, 
     assert (row.status == "PASS") is ok, row
     assert row.required == f">= {sl.disk_need_gb(ctx.cfg, hf):.0f} GB"
     assert ok or f"{ctx.cfg.train.keep_checkpoints} + 1 slime-engine checkpoints" in row.fix
+
+
+def test_the_model_flags_come_from_the_architecture_registry():
+    """Each architecture carries its slime flags (trainer/models/registry.py); one without them (dense LFM2) or an
+    unknown model_type is refused in one sentence that names the way out."""
+    from infra import slime_launch as sl
+    from trainer.config import resolve
+    from trainer.models.registry import get_architecture
+
+    cfg = resolve("psqa", {}, {"run": "x", "train.engine": "slime"})
+    hf = dict(sl.KNOWN_HF_CONFIGS["LiquidAI/LFM2.5-8B-A1B"])
+    assert sl.model_args(cfg, hf) == get_architecture(hf).slime_model_flags(hf, sl.rotary_base(cfg, hf))
+    assert "--no-persist-layer-norm" in sl.model_args(cfg, hf)
+    with pytest.raises(ValueError, match="no Megatron-LM flags for the slime engine.*native engine"):
+        sl.model_args(cfg, {**hf, "model_type": "lfm2"})
+    with pytest.raises(ValueError, match="model_type='mamba9' has no Megatron mapping"):
+        sl.model_args(cfg, {**hf, "model_type": "mamba9"})

@@ -46,12 +46,24 @@ class Architecture:
         float32); overridden where the architecture scales them (Llama 3.x)."""
         return inv_freq
 
+    def slime_model_flags(self, cfg: Mapping[str, Any], rotary_base: float) -> list[str]:
+        """The Megatron-LM flags that build this model inside slime (infra/slime_launch.py passes them);
+        an architecture without them runs on the native engine only."""
+        raise ConvertError(f"model_type={cfg.get('model_type')!r} has no Megatron-LM flags for the slime engine "
+                           "(trainer/models/registry.py); use the native engine, or pass the model flags in "
+                           "launch.extra_args")
+
     def layer_spec(self, cfg: Mapping[str, Any], attention: str = "auto") -> Any:
         """The transformer layer spec (or per-layer block spec) GPTModel is built with; one spec for every
         layer by default, overridden by hybrid architectures (LFM2)."""
         from .layer_specs import layer_spec
 
         return layer_spec(attention)
+
+
+def flag_number(x: float) -> str:
+    """A number as a Megatron-LM flag value: 1000000 for 1e6, 1e-06 as Python writes it."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
 class HfTensors:

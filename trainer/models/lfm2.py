@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .arch import Architecture, HfTensors
+from .arch import Architecture, HfTensors, flag_number
 from .hf_io import refuse_unsupported, rope_theta_of
 from .qwen2 import interleave_qkv, split_qkv
 
@@ -45,6 +45,10 @@ def _shape(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
     nh = int(cfg["num_attention_heads"])
     ng = int(cfg.get("num_key_value_heads") or nh)
     return nh, ng, int(cfg.get("head_dim") or int(cfg["hidden_size"]) // nh)
+
+
+#: slime's layer-spec hook for LFM2-MoE (trainer/models/lfm2_slime.py), passed as `--spec`
+SLIME_SPEC = ["trainer.models.lfm2_slime", "lfm2_spec"]
 
 
 class Lfm2(Architecture):
@@ -98,6 +102,40 @@ class Lfm2(Architecture):
         return dict(vocab_size=padded_vocab_size, max_sequence_length=int(cfg.get("max_position_embeddings", 128000)),
                     share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", True)),
                     position_embedding_type="rope", rotary_percent=1.0, rotary_base=rope_theta_of(cfg))
+
+    def slime_model_flags(self, cfg: Mapping[str, Any], rotary_base: float) -> list[str]:
+        """Megatron-LM flags of an lfm2_moe config.json (the TransformerConfig this class builds), with our
+        layer-spec hook as `--spec`; dense LFM2 runs on the native engine only."""
+        if cfg.get("model_type") != "lfm2_moe":
+            return super().slime_model_flags(cfg, rotary_base)
+        c = cfg
+        self.validate(c)
+        n, dense = int(c["num_hidden_layers"]), int(c.get("num_dense_layers", 2))
+        heads, kv = int(c["num_attention_heads"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
+        args = [
+            "--spec", *SLIME_SPEC, "--swiglu", "--disable-bias-linear", "--qk-layernorm",
+            "--num-layers", str(n), "--hidden-size", str(c["hidden_size"]), "--ffn-hidden-size", str(dense_ffn(c)),
+            "--num-attention-heads", str(heads), "--use-rotary-position-embeddings",
+            "--rotary-base", flag_number(rotary_base),
+            "--normalization", "RMSNorm", "--norm-epsilon", repr(float(c.get("norm_eps", 1e-5))),
+            # our spec's norms are megatron's torch RMSNorm (WrappedTorchNorm), which asserts when the config
+            # asks for the persistent fused kernel, and Megatron's parser asks for it unless told not to
+            "--no-persist-layer-norm",
+            "--vocab-size", str(c["vocab_size"]),
+            "--num-experts", str(c["num_experts"]), "--moe-ffn-hidden-size", str(c["moe_intermediate_size"]),
+            "--moe-router-topk", str(c["num_experts_per_tok"]), "--moe-router-score-function", "sigmoid",
+            "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0",
+            "--moe-token-dispatcher-type", "alltoall", "--moe-layer-freq", f"[0]*{dense}+[1]*{n - dense}",
+        ]
+        if c.get("use_expert_bias", True):
+            args += ["--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0"]
+        if float(c.get("routed_scaling_factor", 1.0)) != 1.0:
+            args += ["--moe-router-topk-scaling-factor", repr(float(c["routed_scaling_factor"]))]
+        if kv != heads:
+            args += ["--group-query-attention", "--num-query-groups", str(kv)]
+        if not c.get("tie_word_embeddings", True):
+            args.append("--untie-embeddings-and-output-weights")
+        return args
 
     def layer_spec(self, cfg: Mapping[str, Any], attention: str = "auto") -> Any:
         """Per-layer block spec. Attention runs through torch SDPA (or megatron's unfused local attention

@@ -13,7 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .hf_io import refuse_unsupported, rope_scaling_of
+from .arch import flag_number
+from .hf_io import ConvertError, refuse_unsupported, rope_scaling_of
 from .qwen2 import Qwen2, _shape
 
 
@@ -33,6 +34,11 @@ def llama3_inv_freq(inv_freq: Any, factor: float, low_freq_factor: float, high_f
     return torch.where(~low & ~high, blended, scaled)
 
 
+#: the llama3 scaling Megatron-LM's --use-rope-scaling applies (megatron-core RotaryEmbedding._apply_scaling
+#: fixes all but the factor)
+MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
 class Llama(Qwen2):
     model_types = ("llama",)
     qkv_kinds = ("weight",)
@@ -49,6 +55,17 @@ class Llama(Qwen2):
 
     def transformer_config(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         return {**super().transformer_config(cfg), "add_qkv_bias": False}
+
+    def slime_rope_flags(self, cfg: Mapping[str, Any]) -> list[str]:
+        """Llama 3.x's rope scaling as Megatron-LM's flags; a scaling they cannot express is refused."""
+        scaling = rope_scaling_of(cfg)
+        if scaling is None:
+            return []
+        if {k: scaling[k] for k in MEGATRON_LLAMA3} != MEGATRON_LLAMA3:
+            raise ConvertError(
+                f"model_type='llama' with rope scaling {scaling}: slime's Megatron-LM applies llama3 scaling only "
+                f"with {MEGATRON_LLAMA3} (--use-rope-scaling); use the native engine for this model")
+        return ["--use-rope-scaling", "--rope-scaling-factor", flag_number(scaling["factor"])]
 
     def rotary_inv_freq(self, cfg: Mapping[str, Any], inv_freq: Any) -> Any:
         scaling = rope_scaling_of(cfg)

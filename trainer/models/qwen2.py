@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .arch import Architecture, HfTensors
+from .arch import Architecture, HfTensors, flag_number
 from .hf_io import refuse_unsupported, rope_theta_of
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -54,6 +54,29 @@ class Qwen2(Architecture):
     model_types = ("qwen2",)
     #: the fused QKV's tensors (Qwen2 has query/key/value biases)
     qkv_kinds: tuple[str, ...] = ("weight", "bias")
+
+    def slime_model_flags(self, cfg: Mapping[str, Any], rotary_base: float) -> list[str]:
+        self.validate(cfg)  # what the mapping refuses (a rope scaling it has no flags for, say) slime must not run
+        args = [
+            "--swiglu", "--num-layers", str(cfg["num_hidden_layers"]), "--hidden-size", str(cfg["hidden_size"]),
+            "--ffn-hidden-size", str(cfg["intermediate_size"]), "--num-attention-heads", str(cfg["num_attention_heads"]),
+            "--use-rotary-position-embeddings", "--disable-bias-linear",
+            "--normalization", "RMSNorm", "--norm-epsilon", repr(float(cfg["rms_norm_eps"])),
+            "--rotary-base", flag_number(rotary_base), "--vocab-size", str(cfg["vocab_size"]),
+        ]
+        if "bias" in self.qkv_kinds:
+            args.append("--add-qkv-bias")
+        args += self.slime_rope_flags(cfg)
+        kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        if kv != cfg["num_attention_heads"]:
+            args += ["--group-query-attention", "--num-query-groups", str(kv)]
+        if not cfg.get("tie_word_embeddings", False):
+            args.append("--untie-embeddings-and-output-weights")
+        return args
+
+    def slime_rope_flags(self, cfg: Mapping[str, Any]) -> list[str]:
+        """Flags of a rope variant (none: Qwen2's plain rope; validate refuses a scaling)."""
+        return []
 
     def validate(self, cfg: Mapping[str, Any]) -> None:
         nh, ng, d = _shape(cfg)

@@ -377,3 +377,43 @@ def test_bad_settings_and_ledgers_are_refused(tmp_path):
         source(FileStore(tmp_path), reuse_cap=0)
     with pytest.raises(ValueError, match="consumption ledger"):
         source(FileStore(tmp_path)).load_ledger_state({"uses": []})
+
+
+class HeldStore(FileStore):
+    """A real file store whose read of one key takes as long as the network may: it is answered only once
+    `release_after` other reads have been answered (or after `hold_s`), as a read that meets a slow
+    connection or a retry's back-off is while the rest of the listing's reads go on."""
+
+    held, release_after, hold_s = "", 0, 10.0
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.others_done = 0
+        self.others_while_held = -1
+        self._cond = threading.Condition()
+
+    def get(self, key):
+        data = super().get(key)
+        with self._cond:
+            if key != self.held:
+                self.others_done += 1
+                self._cond.notify_all()
+                return data
+            self._cond.wait_for(lambda: self.others_done >= self.release_after, timeout=self.hold_s)
+            self.others_while_held = self.others_done
+        return data
+
+
+def test_a_slow_read_does_not_hold_back_the_reads_after_it(tmp_path):
+    """Reads stay `read_threads` in flight: while the first record of a listing waits on the wire, the reads
+    after it go on (up to `read_ahead` records ahead), and every record is still judged in listing order."""
+    store = HeldStore(tmp_path)
+    keys = [put_record(store, record_dict(worker=f"w{i:03d}", group="g")) for i in range(40)]
+    store.held, store.release_after, store.hold_s = keys[0], 12, 10.0
+    src = source(store, groups_per_step=40, read_threads=4)  # reads up to 4 x 4 records ahead
+    t0 = time.monotonic()
+    assert src.poll(5) == 40
+    # 4 threads in 4-record chunks let only the 3 reads beside the held one finish; a sliding window, 12 or more
+    assert store.others_while_held >= 12, store.others_while_held
+    assert time.monotonic() - t0 < store.hold_s
+    assert [g.key for g in src.take_batch(5).groups] == keys  # pooled (and so judged) in listing order

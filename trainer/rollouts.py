@@ -7,8 +7,11 @@ history. Per prefix it remembers the last key it saw and lists from there (`star
 worker whose id sorts early can upload after one that sorts late, every `sweep_every` polls it lists each
 window prefix whole once more (still window-bounded) and takes only keys it has not seen. New records
 are read `read_threads` at a time (a read waits one round trip, tens to hundreds of ms on R2, and a fleet
-of hundreds uploads faster than one reader takes them), in chunks of at most READ_AHEAD_BYTES, and judged
-in listing order. When a version
+of hundreds uploads faster than one reader takes them) and judged in listing order: a sliding window, a
+new read starting as each one ends, up to `read_ahead` records (and READ_AHEAD_BYTES) ahead of the one
+being judged, so a slow read or a retry's back-off holds back only its own record's judging, not the reads
+after it (reading in chunks, each waiting for its slowest read, was the fleet's ingest bound:
+docs/performance.md). When a version
 leaves the window its prefix is listed whole once more and every group never read is counted as a
 `stale` drop (uploaded after the last poll that covered it). A worker slower than the learner can still
 upload under a version that has left the window (a batch sampled at v that lands when the learner is past
@@ -29,9 +32,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -59,14 +62,18 @@ class RolloutSource:
     """Validated prompt groups from the bucket, `groups_per_step` at a time."""
 
     def __init__(self, store: Store, rules: RecordRules, batching: BatchRules, *, sweep_every: int = 10,
-                 read_threads: int = 16, late_versions: int | None = None):
-        for name, value in (("sweep_every", sweep_every), ("read_threads", read_threads)):
+                 read_threads: int = 16, read_ahead: int | None = None, late_versions: int | None = None):
+        read_ahead = 4 * read_threads if read_ahead is None else read_ahead
+        for name, value in (("sweep_every", sweep_every), ("read_threads", read_threads),
+                            ("read_ahead", read_ahead)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be at least 1")
         if late_versions is not None and late_versions < 0:
             raise ValueError(f"late_versions={late_versions} must be at least 0")
         self.store, self.rules, self.batching, self.sweep_every = store, rules, batching, sweep_every
         self.read_threads = read_threads
+        #: records requested ahead of the one being judged (at most `read_threads` of them in flight at once)
+        self.read_ahead = read_ahead
         #: versions a prefix stays watched for late uploads after it left the window (0: counted once, as it
         #: leaves)
         self.late_versions = 2 * (rules.staleness + 1) if late_versions is None else late_versions
@@ -193,26 +200,29 @@ class RolloutSource:
         return info.size <= self.rules.max_record_bytes
 
     def _reads(self, infos: list[ObjectInfo]) -> Iterator[tuple[ObjectInfo, Callable[[], bytes]]]:
-        """Each listed record with a call returning its bytes (raising as `store.get` does). With more than
-        one read thread, a chunk of up to `read_threads` records is fetched at once, then judged in order."""
+        """Each listed record, in listing order, with a call returning its bytes (raising as `store.get` does).
+        With more than one read thread, reads run `read_threads` at once over a sliding window of at most
+        `read_ahead` records and READ_AHEAD_BYTES (a single larger record is read alone) ahead of the record
+        the caller is judging; a record dropped unread (bad key, oversized) is never requested."""
         if self.read_threads == 1:
             yield from ((info, partial(self.store.get, info.key)) for info in infos)
             return
         if self._readers is None:
             self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="rollout-read")
-        chunk: list[ObjectInfo] = []
-        size = 0
-        for info in [*infos, None]:
-            n = info.size if info is not None and self._fetchable(info) else 0
-            if chunk and (info is None or len(chunk) >= self.read_threads or size + n > READ_AHEAD_BYTES):
-                futures = [self._readers.submit(self.store.get, i.key) if self._fetchable(i) else None
-                           for i in chunk]
-                for i, f in zip(chunk, futures, strict=True):
-                    yield i, f.result if f is not None else partial(self.store.get, i.key)
-                chunk, size = [], 0
-            if info is not None:
-                chunk.append(info)
-                size += n
+        ahead: deque[tuple[ObjectInfo, Future | None, int]] = deque()
+        held = 0
+        for info in infos:
+            fetch = self._fetchable(info)
+            n = info.size if fetch else 0
+            while ahead and (len(ahead) >= self.read_ahead or held + n > READ_AHEAD_BYTES):
+                done, future, size = ahead.popleft()
+                held -= size
+                yield done, future.result if future is not None else partial(self.store.get, done.key)
+            ahead.append((info, self._readers.submit(self.store.get, info.key) if fetch else None, n))
+            held += n
+        while ahead:
+            done, future, _ = ahead.popleft()
+            yield done, future.result if future is not None else partial(self.store.get, done.key)
 
     def _ingest(self, info: ObjectInfo, prefix: str, current: int, read: Callable[[], bytes]) -> int:
         seen = self._seen[prefix]

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from infra import slime_launch
 from infra.launch_plan import LaunchPlan
 from trainer.config import RecipeConfig
+from worker_contract.planes import PlaneName
 
 Status = Literal["PASS", "FAIL", "WARN"]
 
@@ -50,7 +51,7 @@ class Profile(BaseModel):
     """The recipe this profile launches."""
     n_samples: int = 8
     """DRL_N_SAMPLES every worker must match."""
-    plane: Literal["bf16", "int8g64"]
+    plane: PlaneName
     """DRL_PULSE_PLANE."""
     kv_mode: str | None = None
     """DRL_KV_MODE the workers must run (None: not constrained)."""

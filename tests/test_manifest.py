@@ -69,3 +69,18 @@ def test_manifest_round_trip_and_validation():
         make_manifest(plane="fp8")
     with pytest.raises(ValueError):
         RunManifest.from_bytes(m.to_bytes().replace(b'"contract_version": 1', b'"contract_version": 2'))
+
+
+def test_every_schema_takes_its_plane_names_from_the_plane_registry():
+    """A new plane is a module and a line in worker_contract/planes: no schema spells the names out again."""
+    import re
+    import typing
+    from pathlib import Path
+
+    from worker_contract.planes import PLANES, PlaneName
+
+    assert typing.get_args(PlaneName) == tuple(PLANES)
+    root = Path(__file__).resolve().parent.parent
+    spelled = [str(p.relative_to(root)) for d in ("worker_contract", "trainer", "infra", "entrypoints")
+               for p in (root / d).rglob("*.py") if re.search(r'Literal\[[^\]]*"int8g64"', p.read_text())]
+    assert spelled == [], f"plane names spelled out as a Literal type in {spelled}; use worker_contract.planes.PlaneName"

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from worker_contract.planes import PlaneName
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
 
@@ -33,7 +35,7 @@ class ContractConfig(_Model):
 
     n_samples: int = Field(8, ge=1, le=1024)
     """DRL_N_SAMPLES: group size. A group of any other size is dropped with a counted reason."""
-    plane: Literal["bf16", "int8g64"] = "bf16"
+    plane: PlaneName = "bf16"
     """DRL_PULSE_PLANE: the weight plane published and declared by workers; both sides fail closed on mismatch."""
     kv_mode: str | None = None
     """DRL_KV_MODE: workers' KV-cache mode; the fleet profile requires `paged_prefix`."""

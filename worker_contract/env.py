@@ -16,11 +16,12 @@ import stat
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from . import layout
+from .planes import PLANES as PLANE_MODULES
+from .planes import PlaneName
 
 DEFAULT_ENV_FILE = ".r2env"
 #: the four values a joiner needs to reach the bucket (docs/r2-setup.md section 5)
@@ -30,7 +31,7 @@ SECRET_VARS = frozenset({"R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY", "AWS_ACCESS
                          "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
 #: variables holding URLs that may carry a password (`http://user:pass@host`): it is redacted
 URL_VARS = ("DRL_S3_ENDPOINT", "DRL_STORE", "DRL_RETRIEVER_URL", "DRL_EVAL_ENDPOINT")
-PLANES = ("bf16", "int8g64")
+PLANES = tuple(PLANE_MODULES)  # the plane registry's names (worker_contract/planes)
 STORE_SCHEMES = ("file", "r2", "s3")
 REDACTED = "**********"
 
@@ -173,7 +174,7 @@ class EnvContract(BaseModel):
     """DRL_RUN: the run id and bucket prefix `<run>/`; None when unset."""
     n_samples: int = Field(8, ge=1)
     """DRL_N_SAMPLES: the group size; a group of any other size is dropped."""
-    plane: Literal["bf16", "int8g64"] | None = None
+    plane: PlaneName | None = None
     """DRL_PULSE_PLANE: the weight plane; None when unset (the recipe decides)."""
     kv_mode: str | None = None
     """DRL_KV_MODE: the workers' KV-cache mode (the fleet requires paged_prefix)."""

@@ -14,6 +14,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import layout
+from .planes import PlaneName
 from .store import PreconditionFailed, Store
 
 
@@ -26,7 +27,7 @@ class RunManifest(BaseModel):
     """DRL_RUN: the run id and bucket prefix."""
     n_samples: int = Field(ge=1)
     """DRL_N_SAMPLES: the group size every record must have."""
-    plane: Literal["bf16", "int8g64"]
+    plane: PlaneName
     """DRL_PULSE_PLANE: the weight plane of anchors and patches."""
     kv_mode: str | None = None
     """DRL_KV_MODE: the workers' KV-cache mode (fleet: paged_prefix)."""

@@ -16,6 +16,8 @@ import zstandard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from .planes import PlaneName
+
 SCHEMA_VERSION = 1
 #: a compressed record larger than this is refused before it is decompressed
 MAX_RECORD_BYTES = 32 << 20
@@ -80,7 +82,7 @@ class RolloutRecord(BaseModel):
     worker_id: str = Field(description="Stable id of the worker that produced the group.")
     group_id: str = Field(description="Unique id of this group (the key's last segment).")
     policy_version: int = Field(ge=1, description="Version of the weights that sampled every sample.")
-    plane: Literal["bf16", "int8g64"] = Field(description="Weight plane the worker ran (DRL_PULSE_PLANE).")
+    plane: PlaneName = Field(description="Weight plane the worker ran (DRL_PULSE_PLANE).")
     task: str = Field(description="Task name (gsm8k, psqa, arithmetic, ...).")
     prompt_id: str = Field(description="Stable id of the prompt in the task's data set; reuse is counted by it.")
     prompt_ids: list[int] = Field(description="Prompt token ids (chat template applied).")

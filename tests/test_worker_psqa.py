@@ -131,3 +131,12 @@ def test_a_light_tier_worker_without_a_retriever_is_refused_in_one_line(run_stor
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert "DRL_RETRIEVER_URL" in last and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_worker_samples_every_registered_task_in_its_kind():
+    """The worker's single-turn and episode sets are the task registry's, so a new task needs no worker edit."""
+    from worker_contract.tasks import MULTI_TURN_TASKS, TASKS
+    from worker_contract.worker.loop import EPISODE_TASKS, SINGLE_TURN_TASKS
+
+    assert SINGLE_TURN_TASKS | EPISODE_TASKS == set(TASKS) and EPISODE_TASKS == MULTI_TURN_TASKS == {"psqa"}
+    assert not SINGLE_TURN_TASKS & EPISODE_TASKS

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from worker_contract import layout
 from worker_contract.schema import RolloutRecord
+from worker_contract.tasks import MULTI_TURN_TASKS
 
 from .rollout_rules import DROP_REASONS
 
@@ -228,7 +229,7 @@ class GroupPool:
         }
         for lag in range(self.staleness + 1):
             m[f"rollout/staleness_hist/{lag}"] = float(sum(g.lag == lag for g in groups))
-        if any(g.record.task == "psqa" for g in groups):  # search episodes: a tool turn is a mask-0 span
+        if any(g.record.task in MULTI_TURN_TASKS for g in groups):  # tool episodes: a tool turn is a mask-0 span
             samples = [s for g in groups for s in g.record.samples]
             searched = [0 in s.loss_mask for s in samples]
             right = [s.reward >= 1.0 for s in samples]

@@ -49,6 +49,10 @@ TASKS: dict[str, Callable[[], Task]] = {
     "psqa": _psqa,
 }
 
+#: the registered tasks sampled as multi-turn tool episodes (a tool turn is a loss-mask-0 span); the others are
+#: one prompt and one sampled turn per sample
+MULTI_TURN_TASKS: frozenset[str] = frozenset({"psqa"})
+
 
 def get_task(name: str) -> Task:
     """The task registered under `name`; a ValueError naming the known tasks otherwise."""
@@ -57,5 +61,5 @@ def get_task(name: str) -> Task:
     return TASKS[name]()
 
 
-__all__ = ["Problem", "Task", "CachedSplitTask", "LazySplit", "TASKS", "SPLITS", "Split", "get_task", "check_split",
+__all__ = ["Problem", "Task", "CachedSplitTask", "LazySplit", "TASKS", "MULTI_TURN_TASKS", "SPLITS", "Split", "get_task", "check_split",
            "hf_datasets", "local_split_path"]

@@ -32,14 +32,14 @@ from ..reconstruct import PointerRefused, SyncError
 from ..schema import RolloutRecord, Sample, SamplingParams, encode_record
 from ..signing import fingerprint
 from ..store import NotFound, PreconditionFailed, Store, StoreError, open_store
-from ..tasks import Problem, get_task
+from ..tasks import MULTI_TURN_TASKS, TASKS, Problem, get_task
 
 log = logging.getLogger("worker")
 
-#: tasks whose group is one prompt and one sampled turn per sample
-SINGLE_TURN_TASKS = frozenset({"gsm8k", "arithmetic"})
+#: tasks whose group is one prompt and one sampled turn per sample (the task registry's single-turn ones)
+SINGLE_TURN_TASKS = frozenset(TASKS) - MULTI_TURN_TASKS
 #: tasks sampled as multi-turn search episodes (worker/episodes.py), with the search tool of worker/retrieval.py
-EPISODE_TASKS = frozenset({"psqa"})
+EPISODE_TASKS = MULTI_TURN_TASKS
 #: DRL_KV_MODE values each backend implements; None = the backend does not check the mode. For the MLX
 #: worker, paged_prefix is one prompt prefill shared by the group's n samples (worker/mlx_sampling.py)
 KV_MODES: dict[str, frozenset[str] | None] = {"torch": None, "mlx": frozenset({"paged_prefix"})}

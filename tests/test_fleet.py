@@ -37,3 +37,22 @@ def test_short_fleet_run_accounts_for_every_record(tmp_path):
     assert run["storm"]["joined"] == 8, run["storm"]
     assert run["cost"]["class_a_per_hour"] > 0 and run["cost"]["class_b_per_hour"] > 0
     assert run["wire"]["requests"] > 200
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_ingest_ceiling_bench_drains_a_backlog_with_both_readers(tmp_path):
+    """bench/fleet/ingest.py's smoke: a backlog from 64 workers, more arriving live, drained through the proxy
+    by the chunked reads (before) and the sliding window (today's); every record handled, phases timed."""
+    out = tmp_path / "ingest.json"
+    res = subprocess.run([sys.executable, "-m", "bench.fleet.ingest", "--workers", "64", "--backlog", "120",
+                          "--live-rps", "10", "--trials", "1", "--limit", "120", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["ok"] and doc["command"].startswith("python -m bench.fleet.ingest") and doc["machine"]["cpu"]
+    assert [d["options"]["reader"] for d in doc["drains"]] == ["chunked", "window"]
+    for d in doc["drains"]:
+        assert d["complete"] and d["handled"] >= 120 and d["accepted"] >= 120 and d["groups_per_s"] > 0, d
+        assert d["learner_requests"]["learner GET rollout"] >= 120
+        assert sum(d["phase_s"].values()) <= d["wall_s"] * 1.05, d

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import sys
 import threading
@@ -123,56 +124,46 @@ def _fill(spec: FleetSpec, run: str, endpoint: str, backlog: int, current: int, 
     return time.monotonic() - t0
 
 
-class LiveSupply(threading.Thread):
-    """`rps` records a second through the proxy, round-robin over the workers' identities, while the learner
-    drains (the fleet keeps uploading)."""
+def live_supply(spec: FleetSpec, run: str, proxy_url: str, rps: float, current: int, start_n: int, stop,
+                landed) -> None:
+    """A process of the fleet that keeps uploading while the learner drains: `rps` records a second through
+    the proxy, round-robin over the first 32 workers' identities (each its own client), until `stop`;
+    `landed` counts the uploads that landed."""
+    import boto3
 
-    def __init__(self, spec: FleetSpec, run: str, proxy_url: str, rps: float, current: int, start_n: int):
-        super().__init__(daemon=True)
-        self.spec, self.run, self.url, self.rps, self.current = spec, run, proxy_url, rps, current
-        self.n, self.stop, self.landed = start_n, threading.Event(), 0
+    from worker_contract.store.s3 import S3Store
 
-    def run(self) -> None:
-        import boto3
+    from .wire import BUCKET, store_env, worker_key
+    from .workers import SimWorker
 
-        from worker_contract.store.s3 import S3Store
+    session = boto3.session.Session()
+    n_ids = min(spec.workers, 32)
+    stores = [S3Store.from_url(f"s3://{BUCKET}", store_env(proxy_url, worker_key(i)), session=session)
+              for i in range(n_ids)]
+    sims = [SimWorker(i, "honest", spec, run, proxy_url, None, threading.Lock(), threading.Event(), 0.0)
+            for i in range(n_ids)]
 
-        from .wire import BUCKET, store_env, worker_key
-        from .workers import SimWorker
-
-        session = boto3.session.Session()
-        stores = [S3Store.from_url(f"s3://{BUCKET}", store_env(self.url, worker_key(i)), session=session)
-                  for i in range(min(self.spec.workers, 32))]
-        sims = [SimWorker(i, "honest", self.spec, self.run, self.url, None, threading.Lock(), threading.Event(), 0)
-                for i in range(len(stores))]
-        pool = ThreadPoolExecutor(8)
-        t0 = time.monotonic()
-        while not self.stop.is_set():
-            due = int((time.monotonic() - t0) * self.rps)
-            while self.n - self._start < due and not self.stop.is_set():
-                i = self.n % len(stores)
-                key, blob = sims[i]._good(self.current, f"g{self.n:013d}-{self.n * 2654435761 % 2**32:08x}")
-                pool.submit(self._put, stores[i], key, blob)
-                self.n += 1
-            self.stop.wait(0.05)
-        pool.shutdown(wait=True)
-
-    _start = 0
-
-    def start(self) -> None:
-        self._start = self.n
-        super().start()
-
-    def _put(self, store, key, blob) -> None:
+    def put(store, key, blob) -> None:
         try:
             store.put_if_absent(key, blob)
-            self.landed += 1
         except Exception:  # a fault the client's retries did not absorb: one record fewer, not an error
-            pass
+            return
+        with landed.get_lock():
+            landed.value += 1
+
+    t0, n = time.monotonic(), 0
+    with ThreadPoolExecutor(8) as pool:
+        while not stop.is_set():
+            while n < (time.monotonic() - t0) * rps:
+                k = start_n + n
+                key, blob = sims[k % n_ids]._good(current, f"g{k:013d}-{k * 2654435761 % 2**32:08x}")
+                pool.submit(put, stores[k % n_ids], key, blob)
+                n += 1
+            stop.wait(0.05)
 
 
 def drain(spec: FleetSpec, run: str, manifest, proxy_url: str, options: dict, current: int, expect: int,
-          live: LiveSupply | None, limit_s: float) -> dict:
+          limit_s: float) -> dict:
     """One fresh source polling back to back until `expect` records (the backlog) plus what arrived live are
     handled; records accepted a second over the drain."""
     from trainer.config import AlgoConfig
@@ -189,8 +180,6 @@ def drain(spec: FleetSpec, run: str, manifest, proxy_url: str, options: dict, cu
     options = {"reader": reader, **options}
     cpu0, t0 = os.times(), time.monotonic()
     polls, first_full = [], None
-    if live is not None:
-        live.start()
     while time.monotonic() - t0 < limit_s:
         p0 = time.monotonic()
         added = source.poll(current)
@@ -200,9 +189,6 @@ def drain(spec: FleetSpec, run: str, manifest, proxy_url: str, options: dict, cu
             first_full = time.monotonic() - t0
             break
     wall = time.monotonic() - t0
-    if live is not None:
-        live.stop.set()
-        live.join(timeout=60)
     cpu1 = os.times()
     handled = source.accepted + sum(source.drops.values())
     return {
@@ -214,7 +200,6 @@ def drain(spec: FleetSpec, run: str, manifest, proxy_url: str, options: dict, cu
         "phase_s": {k: round(v, 3) for k, v in source.phase.items()},
         "phase_share": {k: round(v / wall, 3) for k, v in source.phase.items()},
         "process_cpu_s": round((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system), 2),
-        "live_landed": live.landed if live is not None else 0,
     }
 
 
@@ -272,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = FleetSpec(workers=args.workers, fault_rate=args.fault_rate, seed=args.seed, label="ingest")
     run = f"fleet-ingest-{args.workers}-{int(time.time())}"
+    load_before = [round(x, 2) for x in os.getloadavg()]
     current = 8
     moto = MotoProcess()
     proxy = None
@@ -285,23 +271,33 @@ def main(argv: list[str] | None = None) -> int:
         stats = WireStats(run)
         proxy = start_proxy(spec, moto.endpoint, stats)
         drains, expect, n_live = [], args.backlog, args.backlog
+        ctx = mp.get_context("spawn")
         for trial in range(args.trials):
             for value in values:
                 live = None
                 if args.live_rps:
-                    live = LiveSupply(spec, run, proxy.url, args.live_rps, current, n_live)
+                    stop, landed = ctx.Event(), ctx.Value("i", 0)
+                    live = ctx.Process(target=live_supply, args=(spec, run, proxy.url, args.live_rps, current,
+                                                                 n_live, stop, landed), name="fleet-live")
+                    live.start()
                 before = stats.snapshot()
-                d = drain(spec, run, manifest, proxy.url, {name: value}, current, expect, live, args.limit)
+                d = drain(spec, run, manifest, proxy.url, {name: value}, current, expect, args.limit)
                 after = stats.snapshot()
+                if live is not None:
+                    stop.set()
+                    live.join(timeout=60)
+                    if live.is_alive():
+                        live.kill()
+                        live.join(timeout=10)
+                    d["live_landed"] = landed.value
+                    n_live += int(args.live_rps * 10_000)  # fresh group ids for the next drain's uploads
+                    expect += landed.value  # the next drain takes these in too
                 d["trial"] = trial
                 d["learner_requests"] = {k: after["billed"].get(k, 0) - before["billed"].get(k, 0)
                                          for k in after["billed"] if k.startswith("learner ")}
                 d["learner_faults"] = {k: after["faults"].get(k, 0) - before["faults"].get(k, 0)
                                        for k in after["faults"] if k.startswith("learner ")}
-                d["load_avg_after"] = list(os.getloadavg())
-                if live is not None:
-                    n_live = live.n
-                    expect += live.landed  # the next drain takes these in too
+                d["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
                 drains.append(d)
                 print(f"  trial {trial} {name}={value}: {d['groups_per_s']} groups/s ({d['accepted']} in "
                       f"{d['wall_s']} s, complete {d['complete']}), phases {d['phase_s']}, "
@@ -316,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     for value in values:
         rates = [d["groups_per_s"] for d in drains if d["options"][name] == value]
         summary[json.dumps(value)] = {"groups_per_s": rates, "mean": round(sum(rates) / len(rates), 2)}
-    result = {"spec": spec.to_json(), "backlog": args.backlog, "live_rps": args.live_rps, "fill_s": round(fill_s, 1),
+    result = {"load_avg_before": load_before, "spec": spec.to_json(), "backlog": args.backlog,
+              "live_rps": args.live_rps, "fill_s": round(fill_s, 1),
               "compare": {"option": name, "values": values}, "summary": summary, "drains": drains,
               "ok": all(d["complete"] for d in drains)}
     out = write_result("fleet_ingest", result, args.out, argv=argv, module="bench.fleet.ingest")

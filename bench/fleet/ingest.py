@@ -1,15 +1,9 @@
-"""`python -m bench.fleet.ingest`: the learner's ingest ceiling, groups a second its rollout source takes in
-when the fleet supplies more than it can take.
-
-The bucket (moto on 127.0.0.1) is filled first with `--backlog` realistic records (bench/fleet/workers.py's
-records, about 22 KB each) from `--workers` worker identities, spread over the staleness window's versions,
-written straight to the server (the supply, not timed). Then a fresh `RolloutSource` (the real one: listing,
-GETs, decoding, judging, pooling) polls through the fault proxy with the fleet's R2-like latency, faults and
-rate cap, back to back, until every record is handled; optionally `--live-rps` more records a second
-arrive through the proxy meanwhile from the same identities. The figure is records accepted per second of
-that drain; each poll's wall time is split into listing, waiting for reads and judging (decode, rules,
-pool), timed around the source's own calls. Each `--trials` round runs every `--compare` value of one
-source option on the same backlog, interleaved, so before and after share the machine's state.
+"""`python -m bench.fleet.ingest`: the learner's ingest ceiling, groups a second the real rollout source
+takes in when the fleet supplies more than it can take: a backlog from `--workers` identities in moto,
+drained by fresh sources through the fault proxy's R2-like latency (optionally with `--live-rps` more
+arriving), each poll split into listing, waiting for reads and judging; `--compare` drains the same
+backlog with each value of one source option, interleaved (`reader=chunked,window`: the reads before and
+after the sliding window). What it measures and found: docs/performance.md, "The learner's ingest ceiling".
 """
 
 from __future__ import annotations

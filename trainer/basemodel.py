@@ -103,9 +103,10 @@ def build_model(tokenizer, cfg: EmbeddedBaseConfig):
 
 
 def prompt_ids(tokenizer, task: Task, problem: Problem) -> list[int]:
-    """The prompt's token ids: the task's chat messages rendered with the model's chat template."""
-    text = tokenizer.apply_chat_template(task.messages(problem), tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    """The prompt's token ids: the task's chat messages through the one renderer (worker_contract.tasks.base)."""
+    from worker_contract.tasks.base import render_prompt
+
+    return render_prompt(tokenizer, task.messages(problem))
 
 
 def _sft_batch(tokenizer, task: Task, problems: list[Problem], directs: list[bool]) -> tuple[torch.Tensor, ...]:

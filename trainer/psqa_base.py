@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from worker_contract.tasks.base import render_prompt
 from worker_contract.tasks.psqa import (
     ANSWER_CLOSE,
     ANSWER_OPEN,
@@ -218,9 +219,8 @@ class TraceSource:
         key = (problem.id, short)
         if key not in self._prompts:
             if short:
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": f"Question: {problem.question}"}],
-                                                          tokenize=False, add_generation_prompt=True)
-                self._prompts[key] = self.tokenizer.encode(text, add_special_tokens=False)
+                self._prompts[key] = render_prompt(self.tokenizer, [{"role": "user",
+                                                                      "content": f"Question: {problem.question}"}])
             else:
                 self._prompts[key] = prompt_ids(self.tokenizer, self.task, problem)
         return make_trace(self.tokenizer, self.task, problem, documents=documents, guess=guess,

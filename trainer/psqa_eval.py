@@ -210,8 +210,9 @@ def evaluate_checkpoint(path: str | Path, version: int, problems: Sequence, task
     generate_batch = hf_generate_batch(model, tok, temperature=args.temperature, generator=gen)
 
     def encode_prompt(messages):
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tok.encode(text, add_special_tokens=False)
+        from worker_contract.tasks.base import render_prompt
+
+        return render_prompt(tok, messages)
 
     encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     point = evaluate(problems, task, encode_prompt, generate_batch, encode, search, k=args.k,

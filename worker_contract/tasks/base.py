@@ -117,3 +117,11 @@ def check_split(split: str) -> Split:
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not a split; known splits: {', '.join(SPLITS)}")
     return split  # type: ignore[return-value]
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The one prompt renderer: a task's chat messages through the model's chat template (the assistant's
+    turn opened), as ids with no special tokens added. The workers of every backend, the learner's held-out
+    evaluations and the bases built on the spot all call it, so a prompt is the same ids everywhere."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -26,8 +26,9 @@ class ChatTokenizer:
         self.pad_id: int = pad if pad is not None else self.eos_ids[0]
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        from ..tasks.base import render_prompt
+
+        return render_prompt(self.tokenizer, messages)
 
     def encode(self, text: str) -> list[int]:
         """Text as ids with no special tokens added (a tool turn is tokenized on its own)."""

@@ -112,3 +112,28 @@ def test_gradients_match_transformers(dist, tmp_path):
             assert torch.allclose(g, want, rtol=1e-4, atol=1e-6), name
             compared += 1
     assert compared >= len(hf_grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_weighted_swiglu_is_the_eager_one(dtype):
+    """The fused activation (megatron-core's, what CUDA runs: bias_activation_fusion) computes what the eager
+    form does, forward and both gradients. Run eagerly here (no compiler needed on the CPU): its own forward
+    and hand-written backward are what is checked, not the compiler."""
+    from trainer.models.lfm2_experts import _weighted_bias_swiglu_impl, weighted_swiglu
+
+    assert _weighted_bias_swiglu_impl is not None
+    gen = torch.Generator().manual_seed(3)
+    fc1 = torch.randn(37, 2 * 24, generator=gen).to(dtype)
+    probs = torch.rand(37, generator=gen)  # the router's weights stay float32, as megatron keeps them
+    dy = torch.randn(37, 24, generator=gen).to(dtype)
+    out = {}
+    with torch.compiler.set_stance("force_eager"):
+        for fused in (False, True):
+            a, p = fc1.clone().requires_grad_(), probs.clone().requires_grad_()
+            y = weighted_swiglu(a, p, fused=fused)
+            y.backward(dy)
+            out[fused] = (y.detach().float(), a.grad.float(), p.grad.float())
+    assert out[True][0].dtype == torch.float32 and y.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for name, got, want in zip(("out", "d_fc1", "d_probs"), out[True], out[False], strict=True):
+        assert torch.allclose(got, want, **tol), name

@@ -12,6 +12,13 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+try:
+    from megatron.core.fusions.fused_bias_swiglu import (
+        weighted_bias_swiglu_impl as _weighted_bias_swiglu_impl,
+    )
+except ImportError:  # a megatron-core without it: the eager form
+    _weighted_bias_swiglu_impl = None
+
 log = logging.getLogger(__name__)
 
 #: (device type, dtype, form, layout) -> whether torch's grouped GEMM gave the right answer there (probed once)
@@ -156,11 +163,20 @@ class GroupedExperts(SequentialMLP):
         x = permuted_local_hidden_states
         offs = torch.as_tensor(tokens_per_expert).to(device=x.device).cumsum(0, dtype=torch.int32)
         fc1 = _GroupedLinear.apply(x, offs, *[e.linear_fc1.weight for e in self.local_experts])
-        gate, up = fc1.chunk(2, dim=-1)
-        # as megatron's MLP: the activation in the compute dtype, times the routing weight, cast back
-        inter = (F.silu(gate) * up * permuted_probs.unsqueeze(-1)).to(x.dtype)
+        inter = weighted_swiglu(fc1, permuted_probs, fused=self.config.bias_activation_fusion)
         out = _GroupedLinear.apply(inter, offs, *[e.linear_fc2.weight for e in self.local_experts])
         return out, None
+
+
+def weighted_swiglu(fc1: torch.Tensor, probs: torch.Tensor, *, fused: bool) -> torch.Tensor:
+    """silu(gate) * up * routing weight, cast back to fc1's dtype, as megatron's MLP computes it. `fused`
+    (the model's bias_activation_fusion, on for CUDA) runs megatron-core's fused weighted SwiGLU: one
+    compiled kernel each way that saves only fc1 and the weights for backward, where the eager form keeps
+    two more activations of fc1's half-width per layer and reads and writes each of them again."""
+    if fused and _weighted_bias_swiglu_impl is not None:
+        return _weighted_bias_swiglu_impl(fc1, None, probs.unsqueeze(-1))
+    gate, up = fc1.chunk(2, dim=-1)
+    return (F.silu(gate) * up * probs.unsqueeze(-1)).to(fc1.dtype)
 
 
 def set_grouped(model: torch.nn.Module, on: bool) -> int:

@@ -15,7 +15,9 @@ Faults come from a script first (`inject`, for exact scenarios), else at random 
 among `kinds`, from `random.Random(seed)`, so a run is reproducible. Conditions, each off by default:
 `latency` delays every answer by a draw from a log-normal (median and 99th percentile, R2 from a home
 link is tens to a few hundred ms) plus the bytes over `bandwidth_bps`; `cap_rps` admits at most that many
-requests per second (token bucket of `cap_burst`), answering the rest 429 without forwarding. Every
+requests per second (token bucket of `cap_burst`), answering the rest 429 without forwarding; `sizer`
+gives an object a declared size (a real fleet's anchor or patch on a small model's bytes): its transfer
+time is the declared bytes over the bandwidth, the answer's few real bytes paced over it. Every
 request is recorded in `log` (unless `keep_log=False`) and handed to `observer`, if given, when answered.
 Hand-written: no maintained library proxies S3 with scripted faults and per-request records; it is a
 test and benchmark tool, never on the wire in production.
@@ -64,9 +66,17 @@ class Request:
     """The access key id of the SigV4 signature: which client (identity) sent it."""
     t: float = 0.0
     """time.monotonic() when the request arrived."""
+    declared_bytes: int = 0
+    """The body's size as the sizer declared it (0: not sized; its real bytes count)."""
+    streams: int = 1
+    """Connections the declared body is modeled over (a multipart upload's parts in flight)."""
+    transfer: tuple[float, float] | None = None
+    """time.monotonic() span of a sized body's modeled transfer."""
 
 
 Match = Callable[[Request], bool]
+#: (declared bytes, connections) of a request's body (PUT) or of its 200 answer's (GET), or None: not sized
+Sizer = Callable[[Request], "tuple[int, int] | None"]
 
 
 @dataclass(frozen=True)
@@ -110,11 +120,13 @@ class FaultProxy:
     def __init__(self, upstream: str, *, rate: float = 0.0, kinds: Iterable[str] = ("503", "429"),
                  seed: int = 0, slow_s: float = 2.0, latency: Latency | None = None,
                  cap_rps: float | None = None, cap_burst: float | None = None, keep_log: bool = True,
-                 observer: Callable[[Request], None] | None = None):
+                 observer: Callable[[Request], None] | None = None, sizer: Sizer | None = None):
         self.upstream = urlsplit(upstream)
         self.rate, self.kinds, self.slow_s = rate, tuple(kinds), slow_s
         assert set(self.kinds) <= set(KINDS), self.kinds
-        self.latency, self.keep_log, self.observer = latency, keep_log, observer
+        self.latency, self.keep_log, self.observer, self.sizer = latency, keep_log, observer, sizer
+        if sizer is not None and not (latency and latency.bandwidth_bps):
+            raise ValueError("a sizer needs a latency with a bandwidth: declared bytes take time over it")
         self._bucket = _TokenBucket(cap_rps, cap_burst or cap_rps) if cap_rps else None
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -176,9 +188,17 @@ class FaultProxy:
                 return self._rng.choice(self.kinds), delay
             return None, delay
 
-    def _transfer_s(self, nbytes: int) -> float:
+    def _transfer_s(self, nbytes: int, streams: int = 1) -> float:
         bw = self.latency.bandwidth_bps if self.latency else 0.0
-        return nbytes / bw if bw else 0.0
+        return nbytes / (bw * streams) if bw else 0.0
+
+    def _size(self, req: Request) -> bool:
+        """Ask the sizer about this request; True (and the request carries its declared size) if sized."""
+        sized = self.sizer(req) if self.sizer is not None else None
+        if not sized:
+            return False
+        req.declared_bytes, req.streams = int(sized[0]), max(1, int(sized[1]))
+        return True
 
     def _done(self, req: Request) -> None:
         if self.observer is not None:
@@ -238,6 +258,26 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
             return len(data)
 
+        def _respond_paced(self, status: int, headers: list[tuple[str, str]], data: bytes, end: float) -> int:
+            """The answer's headers now, its bytes in slices at most 5 s apart (a client's read timeout never
+            fires on a long transfer), the last at `end` (time.monotonic())."""
+            self.send_response(status)
+            for k, v in headers:
+                if k.lower() != "content-length":
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.flush()
+            slices = max(1, min(len(data), math.ceil((end - time.monotonic()) / 5.0)))
+            bounds = [len(data) * i // slices for i in range(slices + 1)]  # every slice holds a byte
+            for i in range(slices):
+                if self._wait((end - time.monotonic()) / (slices - i)):
+                    self._reset()
+                    return 0
+                self.wfile.write(data[bounds[i]:bounds[i + 1]])
+                self.wfile.flush()
+            return len(data)
+
         def _wait(self, seconds: float) -> bool:
             """Hold for `seconds`; True if the proxy is stopping meanwhile (then answer nothing)."""
             return seconds > 0 and proxy._stopping.wait(seconds)
@@ -266,6 +306,20 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 req.status, up_headers, data = self._forward(body)
                 if req.fault == "lost":
                     return self._reset()
+                sized = req.status == 200 and self.command in ("GET", "PUT") and proxy._size(req)
+                if sized:  # the declared body's time replaces the real one's (sent or answered)
+                    delay -= proxy._transfer_s(length)
+                    transfer = proxy._transfer_s(req.declared_bytes, req.streams)
+                    if self.command == "PUT":
+                        req.transfer = (t + delay, t + delay + transfer)
+                        delay += transfer
+                    else:  # headers after the latency, then the answer's bytes paced over the transfer
+                        req.delay_s = delay + transfer
+                        req.transfer = (t + delay, t + delay + transfer)
+                        if self._wait(delay - (time.monotonic() - t)):
+                            return self._reset()
+                        req.resp_bytes = self._respond_paced(req.status, up_headers, data, req.transfer[1])
+                        return
                 delay += proxy._transfer_s(len(data))
                 req.delay_s = delay
                 # the latency is paid after the server acted, so what it stores is not held back meanwhile;

@@ -1,8 +1,10 @@
-"""`python -m bench.fleet [--scale 16,64,256] [--storm 64] [--compare OPT=BEFORE,AFTER] ...`
+"""`python -m bench.fleet [--scale 16,64,256] [--storm 64] [--compare OPT=BEFORE,AFTER] [--sizes real] ...`
 
 Runs the fleet once per scale point (the last point carries the cold-join storm), optionally twice more
 at `--compare-workers` with a rollout-source option set to its before and after values, and writes every
 run's figures, a summary table and the machine and commit to `--out` (default bench/results/fleet.json).
+`--sizes real` (or `--anchor-bytes`, `--patch-bytes`) declares anchors and patches a real fleet's size on
+the wire (bench/fleet/spec.py REAL_ANCHOR_BYTES): joins, followers' lag and egress at those sizes.
 Exit 1 when any run fails its accounting, its bucket check or its version check; 2 for bad arguments.
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, write_result
 
-from .spec import FleetSpec
+from .spec import REAL_ANCHOR_BYTES, REAL_PATCH_BYTES, FleetSpec
 
 
 def _ints(text: str) -> list[int]:
@@ -27,6 +29,16 @@ def _ints(text: str) -> list[int]:
     if not out or any(n < 1 for n in out):
         raise argparse.ArgumentTypeError(f"{text!r}: worker counts must be at least 1")
     return out
+
+
+def _bytes(text: str) -> int:
+    try:
+        n = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 3e9)") from None
+    if not n >= 0 or n != int(n):
+        raise argparse.ArgumentTypeError(f"{text!r}: a byte count is a whole number, at least 0")
+    return int(n)
 
 
 def _compare(text: str) -> tuple[str, list]:
@@ -51,6 +63,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-workers", type=int, default=None, help="fleet size of the comparison (default: "
                    "the largest scale point, whose run is then the 'after' one)")
     p.add_argument("--worker-procs", type=int, default=d.worker_procs, help="processes the workers run in")
+    p.add_argument("--sizes", choices=("real",), default=None, help="anchors and patches declared a real fleet's "
+                   f"size: {REAL_ANCHOR_BYTES} and {REAL_PATCH_BYTES} bytes (bench/results/pulse_gpu.json)")
+    p.add_argument("--anchor-bytes", type=_bytes, default=None, help="declared bytes of an anchor, e.g. 3e9")
+    p.add_argument("--patch-bytes", type=_bytes, default=None, help="declared bytes of a patch, e.g. 18e6")
+    p.add_argument("--bandwidth-mbit", type=float, default=d.bandwidth_bps * 8 / 1e6,
+                   help="the proxy's transfer rate per connection, Mbit/s")
+    p.add_argument("--ramp", type=float, default=d.ramp_s, help="seconds over which the workers' first joins spread")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "fleet.json")
     return p
@@ -68,13 +87,31 @@ def summary(r: dict) -> dict:
             "upload_to_use_p50_s": t["upload_to_use_s"]["p50"], "upload_to_use_p99_s": t["upload_to_use_s"]["p99"],
             "stale_drops": t["drops"].get("stale", 0), "fates": r["accounting"]["fates"],
             "usd_per_hour": c["usd_per_hour"]["total"], "rss_mb_per_min": r["memory"]["rss_mb_per_min_after_warmup"],
-            "ok": r["ok"]}
+            "class_a_per_hour": c["class_a_per_hour"], "class_b_per_hour": c["class_b_per_hour"],
+            **(_sync_summary(r["sync"]) if "sync" in r else {}), "ok": r["ok"]}
+
+
+def _sync_summary(s: dict) -> dict:
+    j, f, e, lag = s["joins"], s["follows"], s["egress"], s["upload_lag_versions"]
+    return {"first_join_s_p50": j["first_join_s"]["p50"], "first_join_s_max": j["first_join_s"]["max"],
+            "first_joined": j["first_joined"], "joins_in_flight_at_stop": j["in_flight_at_stop"],
+            "follow_s_p50": f["s"]["p50"], "patches_per_follow_p50": f["patches"]["p50"],
+            "following_share": f["share_of_held_time"], "upload_lag_p50": lag["p50"], "upload_lag_p90": lag["p90"],
+            "uploads_over_staleness": lag["over_staleness"], "uploads": lag["n"],
+            "egress_gb_per_hour": e["gb_per_hour"], "egress_gb_per_worker_hour": e["gb_per_worker_hour"],
+            "egress_peak_gb_per_s": e["peak_gb_per_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    anchor = args.anchor_bytes if args.anchor_bytes is not None else REAL_ANCHOR_BYTES if args.sizes else 0
+    patch = args.patch_bytes if args.patch_bytes is not None else REAL_PATCH_BYTES if args.sizes else 0
+    if args.bandwidth_mbit <= 0 or args.ramp < 0:
+        print("--bandwidth-mbit must be above 0 and --ramp at least 0", file=sys.stderr)
+        return 2
     base = FleetSpec(duration_s=args.duration, group_s=args.group_s, step_s=args.step_s, seed=args.seed,
-                     worker_procs=args.worker_procs, storm_at_s=args.storm_at)
+                     worker_procs=args.worker_procs, storm_at_s=args.storm_at, anchor_bytes=anchor,
+                     patch_bytes=patch, bandwidth_bps=args.bandwidth_mbit * 1e6 / 8, ramp_s=args.ramp)
     if args.storm and args.storm_at >= args.duration:
         print(f"--storm-at {args.storm_at:g} must be inside the run (--duration {args.duration:g})", file=sys.stderr)
         return 2
@@ -105,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     out = write_result("fleet", result, args.out, argv=argv, module="bench.fleet")
     print(f"fleet figures written to {out}")
     for r in runs:
-        for problem in r["accounting"]["problems"] + r["versions"]["problems"]:
+        for problem in r["accounting"]["problems"] + r["versions"]["problems"] + r.get("sized_problems", []):
             print(f"{r['spec']['label']}: {problem}", file=sys.stderr)
         if not r["bucket_verifies"]:
             print(f"{r['spec']['label']}: the bucket does not verify: {r['verify_tail']}", file=sys.stderr)

@@ -153,7 +153,10 @@ def cost_figures(wire: dict, objects: list[ObjectInfo], run: str, elapsed_s: flo
     """The R2 bill per hour from the counted requests and the bucket's bytes (R2Prices), beside what the
     operators' estimator (infra/ops/cost.estimate_cost) makes of the same bucket and hours."""
     p = R2Prices()
-    billed = wire["billed"]
+    modeled = wire.get("modeled", {})  # a real-size anchor upload's multipart requests (wire.py)
+    billed = dict(wire["billed"])
+    for k, v in modeled.items():
+        billed[k] = billed.get(k, 0) + v
     hours = elapsed_s / 3600
     a = sum(v for k, v in billed.items() if k.split(" ")[1] in CLASS_A)
     b = sum(v for k, v in billed.items() if k.split(" ")[1] in CLASS_B)
@@ -172,9 +175,150 @@ def cost_figures(wire: dict, objects: list[ObjectInfo], run: str, elapsed_s: flo
     return {
         "prices": p.model_dump(),
         "class_a_per_hour": round(a / hours), "class_b_per_hour": round(b / hours), "by_role": by_role,
+        "modeled_per_hour": {k: round(v / hours) for k, v in modeled.items()},
         "usd_per_hour": {"class_a": round(usd_a, 4), "class_b": round(usd_b, 4),
                          "storage_now": round(usd_storage, 6), "total": round(usd_a + usd_b + usd_storage, 4)},
         "stored_bytes": stored, "stored_gb_growth_per_hour": round(growth_gb_per_hour, 4),
         "estimator": {"class_a_per_hour": round(est.class_a_per_hour), "class_b_per_hour": round(est.class_b_per_hour),
                       "usd_per_hour": round(est.usd_per_hour, 4)},
     }
+
+
+def _pointer_at(publishes: list[dict], first: int = 1):
+    """version(t): the newest version published by wall time t (the first anchor before any publish)."""
+    import bisect
+
+    pubs = sorted((p["t"], p["version"]) for p in publishes)
+    times = [t for t, _ in pubs]
+    best, running = [], first
+    for _, v in pubs:
+        running = max(running, v)
+        best.append(running)
+
+    def at(t: float) -> int:
+        i = bisect.bisect_right(times, t)
+        return best[i - 1] if i else first
+
+    return at
+
+
+def _held(worker: dict):
+    """version(t) a worker held at wall time t (None: not joined, or crashed and not joined again)."""
+    import bisect
+
+    events = sorted([(j["t1"], j["version"]) for j in worker["joins"] if "version" in j]
+                    + [(f["t1"], f["to"]) for f in worker.get("follows", [])]
+                    + [(t, None) for t in worker.get("crash_t", [])], key=lambda e: e[0])
+    times = [t for t, _ in events]
+
+    def at(t: float) -> int | None:
+        i = bisect.bisect_right(times, t)
+        return events[i - 1][1] if i else None
+
+    return at
+
+
+def sync_figures(workers: list[dict], learner: dict, wire: dict, spec, t0: float, stop_wall: float,
+                 every_s: float = 15.0) -> dict:
+    """With a real fleet's sizes: the joins (the storm of a fleet starting at once), how far behind the pointer
+    the followers are over time and when they upload, the time they spend downloading, and the egress."""
+    pointer = _pointer_at(learner["publishes"])
+    held = [_held(w) for w in workers]
+    elapsed = stop_wall - t0
+    rows = []
+    t = t0
+    while t <= stop_wall + 1e-6:
+        behind = [pointer(t) - v for v in (h(t) for h in held) if v is not None]
+        joining = sum(1 for w in workers if any(j["t0"] <= t < j["t1"] for j in w["joins"])
+                      or (w.get("joining") is not None and w["joining"] <= t))
+        rows.append({"t": round(t - t0), "pointer": pointer(t), "joined": len(behind), "joining": joining,
+                     "behind_p50": pct(behind, 0.5), "behind_p90": pct(behind, 0.9),
+                     "behind_max": max(behind, default=None)})
+        t += every_s
+    firsts = [next((j for j in w["joins"] if "version" in j), None) for w in workers]
+    first_s = [j["t1"] - j["t0"] for j in firsts if j is not None]
+    all_joins = [j for w in workers for j in w["joins"]]
+    in_flight = [stop_wall - w["joining"] for w in workers if w.get("joining") is not None]
+    follows = [f for w in workers for f in w.get("follows", [])]
+    follow_s = [f["t1"] - f["t0"] for f in follows]
+    patches = [f["to"] - f["from"] for f in follows]
+    holding_s = 0.0  # worker-seconds holding weights, and of them in a follow
+    for w, h in zip(workers, held, strict=True):
+        marks = sorted({j["t1"] for j in w["joins"] if "version" in j} | set(w.get("crash_t", [])) | {stop_wall})
+        prev = None
+        for m in marks:
+            if prev is not None and h(prev) is not None:
+                holding_s += min(m, stop_wall) - prev
+            prev = m
+    following_s = sum(max(0.0, min(f["t1"], stop_wall) - f["t0"]) for f in follows)
+    lags = [pointer(u["t"]) - u["version"] for w in workers for u in w["uploads"] if u["expect"] is None]
+    hours = elapsed / 3600
+    down = {k: v for k, v in wire["bytes_down"].items()}
+    worker_down = sum(v for k, v in down.items() if k.startswith("worker "))
+    worker_hours = sum(max(0.0, stop_wall - w["joins"][0]["t0"]) for w in workers if w["joins"]) / 3600
+    per_s = wire.get("down_per_s", {})
+    return {
+        "sizes": {"anchor_bytes": spec.anchor_bytes, "anchor_shards": spec.anchor_shards,
+                  "patch_bytes": spec.patch_bytes, "bandwidth_bps": spec.bandwidth_bps,
+                  "anchor_s_at_bandwidth": round(spec.anchor_bytes / spec.bandwidth_bps, 2),
+                  "patch_s_at_bandwidth": round(spec.patch_bytes / spec.bandwidth_bps, 3)},
+        "joins": {"workers": len(workers), "first_joined": len(first_s),
+                  "first_join_s": {"p50": pct(first_s, 0.5), "p99": pct(first_s, 0.99),
+                                   "min": round(min(first_s), 2) if first_s else None,
+                                   "max": round(max(first_s), 2) if first_s else None},
+                  "joined_by_s": round(max((j["t1"] for j in firsts if j), default=t0) - t0, 1),
+                  "attempts": len(all_joins), "failed_attempts": sum("error" in j for j in all_joins),
+                  "in_flight_at_stop": len(in_flight),
+                  "in_flight_s_max": round(max(in_flight), 1) if in_flight else None,
+                  "sized_transfers_in_flight_peak": wire.get("sized_in_flight_peak")},
+        "follows": {"n": len(follows), "s": {"p50": pct(follow_s, 0.5), "p99": pct(follow_s, 0.99)},
+                    "patches": {"p50": pct(patches, 0.5), "p99": pct(patches, 0.99), "max": max(patches, default=None)},
+                    "share_of_held_time": round(following_s / holding_s, 3) if holding_s else None},
+        "upload_lag_versions": {"n": len(lags), "p50": pct(lags, 0.5), "p90": pct(lags, 0.9),
+                                "max": max(lags, default=None),
+                                "over_staleness": sum(x > spec.staleness for x in lags)},
+        "lag_timeline": rows,
+        "egress": {"worker_gb": round(worker_down / 1e9, 3),
+                   "by_kind_gb": {k: round(v / 1e9, 4) for k, v in down.items() if v},
+                   "gb_per_hour": round(sum(down.values()) / 1e9 / hours, 1),
+                   "worker_gb_per_hour": round(worker_down / 1e9 / hours, 1),
+                   "gb_per_worker_hour": round(worker_down / 1e9 / worker_hours, 2) if worker_hours else None,
+                   "peak_gb_per_s": round(max(per_s.values(), default=0) / 1e9, 3),
+                   "r2_usd": 0.0},
+    }
+
+
+def sized_problems(spec, wire: dict, objects: list[ObjectInfo], run: str, workers: list[dict],
+                   publishes: list[dict]) -> list[str]:
+    """Does the wire count the declared bytes, exactly, and did the sized objects take their time?"""
+    from worker_contract.store.s3 import DEFAULT_PART_SIZE
+
+    problems = []
+    declared, count = wire["declared"], wire["sized_requests"]
+    for key, size in (("worker GET patch", spec.patch_bytes), ("learner PUT patch", spec.patch_bytes)):
+        if size and declared.get(key, 0) != count.get(key, 0) * size:
+            problems.append(f"{key}: {declared.get(key, 0)} bytes counted for {count.get(key, 0)} patches of {size}")
+    shard = spec.anchor_bytes / spec.anchor_shards
+    for key in ("worker GET anchor", "learner PUT anchor"):
+        n = count.get(key, 0)
+        if spec.anchor_bytes and abs(declared.get(key, 0) - n * shard) > n:
+            problems.append(f"{key}: {declared.get(key, 0)} bytes counted for {n} shards of {shard:.0f}")
+    shards: dict[str, int] = {}
+    for o in objects:
+        if "/anchors/" in o.key and o.key.endswith(".safetensors"):
+            shards[o.key.rsplit("/", 1)[0]] = shards.get(o.key.rsplit("/", 1)[0], 0) + 1
+    if spec.anchor_bytes and any(n != spec.anchor_shards for n in shards.values()):
+        problems.append(f"anchors in the bucket have {sorted(set(shards.values()))} shards, declared "
+                        f"{spec.anchor_shards}")
+    parts = -(-int(shard) // DEFAULT_PART_SIZE)
+    if spec.anchor_bytes and shard > DEFAULT_PART_SIZE and \
+            wire["modeled"].get("learner MPU_PART anchor", 0) != count.get("learner PUT anchor", 0) * parts:
+        problems.append(f"multipart parts modeled {wire['modeled'].get('learner MPU_PART anchor', 0)}, expected "
+                        f"{count.get('learner PUT anchor', 0)} shards x {parts}")
+    floor = spec.anchor_bytes / spec.bandwidth_bps  # no join can read an anchor faster than the model allows
+    fast = [j["t1"] - j["t0"] for w in workers for j in w["joins"] if "version" in j
+            and j["t1"] - j["t0"] < floor]
+    if spec.anchor_bytes and fast:
+        problems.append(f"{len(fast)} joins read a {spec.anchor_bytes} byte anchor faster than "
+                        f"{spec.bandwidth_bps:.0f} bytes/s allow (fastest {min(fast):.2f} s < {floor:.2f} s)")
+    return problems

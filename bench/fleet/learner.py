@@ -160,7 +160,10 @@ def learner_process(spec: FleetSpec, run: str, endpoint: str, stop_event, ready,
     rng = np.random.default_rng(spec.seed)
     state = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal(spec.tensor_shape, dtype=np.float32) * 0.02
              for i in range(spec.tensors)}
-    pub = Publisher(store, man, key, anchor_interval=spec.anchor_interval, progress=False)
+    # with a real fleet's sizes the small anchor is cut into as many shards as the real one (bf16: 2 bytes a weight)
+    plane_bytes = spec.tensors * spec.tensor_shape[0] * spec.tensor_shape[1] * 2
+    shard_bytes = -(-plane_bytes // spec.anchor_shards) if spec.anchor_bytes else None
+    pub = Publisher(store, man, key, anchor_interval=spec.anchor_interval, progress=False, shard_bytes=shard_bytes)
     pub.publish_anchor(state)
     algo = AlgoConfig(staleness=spec.staleness, reuse_cap=spec.reuse_cap, groups_per_step=spec.batch,
                       max_new_tokens=spec.max_new_tokens, temperature=1.0)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import boto3
 
 from worker_contract import layout
+from worker_contract.store import ObjectInfo
 from worker_contract.store.s3 import S3Store
 from worker_contract.verify import verify_run
 
@@ -21,7 +22,7 @@ from . import figures
 from .accounting import account, versions_check
 from .learner import learner_process
 from .spec import FleetSpec
-from .wire import BUCKET, SECRET, MotoProcess, WireStats, start_proxy, store_env
+from .wire import BUCKET, SECRET, FleetSizes, MotoProcess, WireStats, start_proxy, store_env
 from .workers import worker_process
 
 DIRECT_KEY = "AKIAFLEETDIRECT00001"  # the verifier's reads go straight to the server: not counted
@@ -150,6 +151,10 @@ def _figures(spec: FleetSpec, run: str, direct: S3Store, reports: list[dict], le
     elapsed = stop_wall - t0
     storm = [r for r in reports if int(r["worker"][1:]) in storm_ids]
     fleet = [r for r in reports if int(r["worker"][1:]) not in storm_ids]
+    billed_objects = objects
+    if spec.sized:  # the bucket holds what a real fleet's would: each sized object at its declared size
+        sizes = FleetSizes(spec, run)
+        billed_objects = [ObjectInfo(key=o.key, size=sizes.of(o.key) or o.size, etag=o.etag) for o in objects]
     out = {
         "spec": spec.to_json(), "run": run, "elapsed_s": round(elapsed, 1), "batch": spec.batch,
         "throughput": figures.throughput(learner, elapsed),
@@ -157,7 +162,7 @@ def _figures(spec: FleetSpec, run: str, direct: S3Store, reports: list[dict], le
         "workers": figures.worker_figures(fleet, wire, stop_wall),
         "storm": figures.storm_figures(storm, wire, wire["wall0"]),
         "memory": figures.memory_figures(learner["rss"], skip_s=elapsed / 2),
-        "cost": figures.cost_figures(wire, objects, run, elapsed, versions["newest"], spec.workers + spec.storm,
+        "cost": figures.cost_figures(wire, billed_objects, run, elapsed, versions["newest"], spec.workers + spec.storm,
                                      spec.staleness, spec.group_s),
         "wire": {"faults": wire["faults"], "statuses": wire["statuses"],
                  "requests": sum(wire["billed"].values())},
@@ -166,6 +171,10 @@ def _figures(spec: FleetSpec, run: str, direct: S3Store, reports: list[dict], le
         "bucket_verifies": bool(verified),
         "verify_tail": lines[-3:],
     }
-    out["ok"] = accounting["exactly_once"] and not versions["problems"] and out["bucket_verifies"]
+    if spec.sized:
+        out["sync"] = figures.sync_figures(reports, learner, wire, spec, t0, stop_wall)
+        out["sized_problems"] = figures.sized_problems(spec, wire, objects, run, reports, learner["publishes"])
+    out["ok"] = (accounting["exactly_once"] and not versions["problems"] and out["bucket_verifies"]
+                 and not out.get("sized_problems"))
     return out
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+#: a real fleet's sizes, as measured (bench/results/pulse_gpu.json): a Qwen2.5-1.5B-shaped state in the bf16
+#: plane (its `state_bytes`, the anchor) and the patch of one Adam-like step at lr 1e-6 (its `patch_bytes`)
+REAL_ANCHOR_BYTES = 3_087_428_608
+REAL_PATCH_BYTES = 42_049_636
+
 #: worker kinds besides `honest`: what each does differently (the share of each is a field of FleetSpec)
 KINDS = {
     "honest": "follows the pointer before every group, uploads at the spec's pace",
@@ -66,6 +71,11 @@ class FleetSpec:
     cap_rps: float = 300.0
     cap_burst: float = 150.0
     """Request-rate cap of the bucket (token bucket): above it, 429 SlowDown."""
+    # a real fleet's sizes (bench/fleet/wire.py FleetSizes): the small model's objects stand for these
+    anchor_bytes: int = 0
+    """Declared bytes of an anchor, split over its shards (0 = the small model's own bytes, nothing sized)."""
+    patch_bytes: int = 0
+    """Declared bytes of every patch (0 = the small model's own)."""
     # processes and the storm
     worker_procs: int = 4
     storm: int = 0
@@ -73,6 +83,18 @@ class FleetSpec:
     storm_at_s: float = 60.0
     seed: int = 0
     label: str = ""
+
+    @property
+    def sized(self) -> bool:
+        return bool(self.anchor_bytes or self.patch_bytes)
+
+    @property
+    def anchor_shards(self) -> int:
+        """Shards of an anchor: as many as worker_contract/anchor.py's DEFAULT_SHARD_BYTES makes of a state of
+        `anchor_bytes` (the small model's anchor is cut into as many)."""
+        from worker_contract.anchor import DEFAULT_SHARD_BYTES
+
+        return max(1, -(-self.anchor_bytes // DEFAULT_SHARD_BYTES))
 
     @property
     def batch(self) -> int:
@@ -91,7 +113,7 @@ class FleetSpec:
         return out
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "anchor_shards": self.anchor_shards}
 
     def with_(self, **kw) -> FleetSpec:
         return replace(self, **kw)

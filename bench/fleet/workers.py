@@ -43,6 +43,12 @@ class WorkerReport:
     """Every cold join: start and end wall time, the version and anchor it reached, or the error."""
     reached: dict[int, str] = field(default_factory=dict)
     """version -> state digest of every version this worker held (no version may name two states)."""
+    follows: list[dict] = field(default_factory=list)
+    """Every follow that moved: start and end wall time, the version before and after."""
+    crash_t: list[float] = field(default_factory=list)
+    joining: float | None = None
+    """Wall time the join in progress started (None: none in progress)."""
+    """Wall time of every crash (the worker holds no weights until it joins again)."""
     upload_failures: int = 0
     follow_failures: int = 0
     crashes: int = 0
@@ -72,6 +78,7 @@ class SimWorker:
             if not self._work(rec):
                 return
             self.report.crashes += 1  # crashed: everything in memory is gone; restart after a pause
+            self.report.crash_t.append(time.time())
             if self.stop.wait(self.rng.uniform(*self.spec.restart_s)):
                 return
 
@@ -81,13 +88,15 @@ class SimWorker:
                                     session=self.session, max_concurrency=2)
 
     def _join(self) -> Reconstructor | None:
-        t0 = time.time()
+        t0 = self.report.joining = time.time()
         try:
             rec = Reconstructor(self._store(), self.run, plane="bf16", n_samples=self.spec.n_samples)
             version, _ = rec.join()
         except (SyncError, StoreError) as e:  # a flaky store or a publish in flight: try again
             self.report.joins.append({"t0": t0, "t1": time.time(), "error": str(e)[:200]})
             return None
+        finally:
+            self.report.joining = None
         self.report.joins.append({"t0": t0, "t1": time.time(), "version": version})
         self.report.reached[version] = rec.digest
         return rec
@@ -97,9 +106,11 @@ class SimWorker:
         factor = self.spec.slow_factor if self.kind == "slow" else 1.0
         while not self.stop.is_set():
             if self.kind != "stale":
+                t0, before = time.time(), rec.version
                 try:
                     if rec.follow() is not None:
                         self.report.reached[rec.version] = rec.digest
+                        self.report.follows.append({"t0": t0, "t1": time.time(), "from": before, "to": rec.version})
                 except (SyncError, StoreError):
                     self.report.follow_failures += 1  # stay on the last good version, as the real worker
             seconds = self.spec.group_s * factor * self.rng.uniform(0.7, 1.3)
@@ -196,6 +207,18 @@ def worker_process(indices: list[int], kinds: list[str], offsets: list[float], s
     while time.time() < stop_at and not stop_event.is_set():
         stop_event.wait(0.5)
     stop.set()
+    deadline = time.time() + 120  # an upload in flight ends; a sized download (a 3 GB anchor) may not
     for t in threads:
-        t.join(timeout=120)
-    out_queue.put(("workers", [w.report.__dict__ for w in workers]))
+        t.join(timeout=max(0.0, deadline - time.time()))
+    out_queue.put(("workers", [_snapshot(w.report) for w in workers]))
+
+
+def _snapshot(report: WorkerReport) -> dict:
+    """A copy of the report; a thread still downloading may add a join or a version meanwhile (it uploads
+    nothing once stopped), so copy until no dict changed size under the copy."""
+    while True:
+        try:
+            return {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+                    for k, v in report.__dict__.items()}
+        except RuntimeError:
+            time.sleep(0.01)

@@ -64,6 +64,7 @@ class SimWorker:
         self.rng = random.Random(spec.seed * 100_003 + index)
         self.report = WorkerReport(self.id, kind)
         self.hostile_turn = 0
+        self.uploading = False
 
     # -- the life of a worker ----------------------------------------------------------------------------
     def run_forever(self) -> None:
@@ -116,7 +117,11 @@ class SimWorker:
             seconds = self.spec.group_s * factor * self.rng.uniform(0.7, 1.3)
             if self.stop.wait(seconds):
                 return False  # the group in hand is abandoned: a stopped worker uploads nothing partial
-            self._upload(rec.store, rec.version)
+            self.uploading = True
+            try:
+                self._upload(rec.store, rec.version)
+            finally:
+                self.uploading = False
             if self.kind == "crashy" and self.rng.random() < self.spec.crash_p:
                 return True
         return False
@@ -207,9 +212,11 @@ def worker_process(indices: list[int], kinds: list[str], offsets: list[float], s
     while time.time() < stop_at and not stop_event.is_set():
         stop_event.wait(0.5)
     stop.set()
-    deadline = time.time() + 120  # an upload in flight ends; a sized download (a 3 GB anchor) may not
-    for t in threads:
-        t.join(timeout=max(0.0, deadline - time.time()))
+    # every upload in flight ends (a thread still downloading, a 3 GB anchor say, uploads nothing once stopped)
+    deadline = time.time() + 120
+    time.sleep(1.0)  # a thread past its last look at `stop` is in its upload by now
+    while time.time() < deadline and any(t.is_alive() and w.uploading for t, w in zip(threads, workers, strict=True)):
+        time.sleep(0.2)
     out_queue.put(("workers", [_snapshot(w.report) for w in workers]))
 
 

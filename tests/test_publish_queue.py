@@ -17,8 +17,7 @@ from learner_fixtures import make_record, manifest, recipe, save_tiny_model, tin
 from trainer import step
 from trainer.audit import WorkerAudit
 from trainer.backends import get_backend
-from trainer.publish_queue import PublishQueue
-from trainer.publisher import Publisher
+from trainer.session import LearnerSession
 from worker_contract import layout
 from worker_contract.manifest import create_or_resume
 from worker_contract.planes import get_plane
@@ -57,13 +56,12 @@ def run(tmp_path):
     store = GatedStore(tmp_path / "bucket")
     key = generate_private_key()
     man = create_or_resume(store, manifest(RUN, key), resume=False)
-    cfg = recipe()
+    cfg = recipe(anchor_interval=100)
     backend = get_backend("hf").load(save_tiny_model(tmp_path / "tiny"), cfg)
-    stats = step.VersionStats(store, RUN)
-    queue = PublishQueue(Publisher(store, man, key, anchor_interval=100, progress=False), on_published=stats.write)
-    yield store, man, cfg, backend, queue
+    session = LearnerSession(cfg, store, man, key, progress=False)  # the queue as both engines wire it
+    yield store, man, cfg, backend, session.publishing
     store.gate.set()
-    queue.close(timeout_s=60)
+    session.publishing.close(timeout_s=60)
 
 
 def _report(n: int, groups: int, drops: int) -> step.StepReport:
@@ -130,3 +128,25 @@ def test_a_failed_publish_is_counted_and_the_next_one_lands(run):
     metrics = step.publish_metrics(queue, 0.01)
     assert metrics["publish/failures"] == 1.0 and metrics["publish/blocking_s"] == 0.01
     assert metrics["publish/version"] == 2.0 and metrics["publish/patch_bytes"] > 0
+
+
+def test_the_audit_holds_the_weights_to_the_version_that_holds_them(tmp_path):
+    """A step's publish that finishes while the next step waits for its batch: the audit of that step
+    compares with the version just published, not the one the session saw last."""
+    store = FileStore(tmp_path / "bucket")
+    key = generate_private_key()
+    man = create_or_resume(store, manifest(RUN, key), resume=False)
+    cfg = recipe(anchor_interval=100)
+    backend = get_backend("hf").load(save_tiny_model(tmp_path / "tiny"), cfg)
+    session = LearnerSession(cfg, store, man, key, progress=False)
+    counts = step.SourceCounts(metrics={}, drops={}, workers={})
+    try:
+        assert session.publish_start(backend.publish_snapshot(), counts) == 1
+        assert session.weights_version() == 1  # step 0: the anchor holds the weights
+        _steps(cfg, backend, session.publishing, 1, 1)
+        session.step = 1
+        assert session.publishing.flush(timeout_s=60) and session.current == 1  # not yet taken
+        assert session.weights_version() == 2  # step 1's weights are v2's
+        assert session.weights_version(0) is None  # step 0's are no longer what the learner holds
+    finally:
+        session.close()

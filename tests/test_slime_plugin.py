@@ -169,8 +169,9 @@ def test_train_batch_has_slimes_shape(box, plugin):
     assert seen == {k.rsplit("/", 1)[1].removesuffix(".json.zst") for k in keys}
     assert out.metrics["rollout/drops/group_size"] == 1 and out.metrics["rollout/drops/wrong_plane"] == 1
     assert out.metrics["rollout/learner_version"] == 1.0
-    ledger = json.loads((plugin / "rollout_ledger.json").read_text())
-    assert sorted(ledger["uses"]) == sorted(keys)
+    handed = json.loads((plugin / "handoff.json").read_text())  # the one file slime's processes share
+    assert sorted(handed["ledger"]["uses"]) == sorted(keys)
+    assert handed["batches"]["0"]["groups"] == [["w1", 1]] * G
 
 
 def test_slimes_contract_call_with_args_none(box, plugin):
@@ -205,6 +206,39 @@ def test_reuse_cap_holds_across_a_restart(box, plugin):
     plugin_context.reset_context()  # a restarted RolloutManager: the ledger comes back from the state dir
     with pytest.raises(TimeoutError):
         train_output(slime_args(), 3, plugin_context.context(), timeout_s=0.3)
+
+
+def test_a_hand_off_of_another_version_is_refused_in_one_sentence(box, plugin):
+    """slime's processes share one hand-off file; one written by another plugin version is not guessed at."""
+    from trainer.slime_plugin.handoff import HandoffError
+
+    (plugin / "handoff.json").write_text(json.dumps({"handoff_version": 2, "ledger": {}, "batches": {}}))
+    with pytest.raises(HandoffError) as refused:
+        generate_rollout(slime_args(), 0, None)
+    said = str(refused.value)
+    assert "handoff.json is hand-off version 2, this plugin reads 1" in said and "\n" not in said
+    (plugin / "handoff.json").write_text("{not json")
+    with pytest.raises(HandoffError, match="does not read as a hand-off"):
+        plugin_context.reset_context() or generate_rollout(slime_args(), 0, None)
+
+
+def test_each_version_reports_the_batch_its_weights_trained_on(box, plugin):
+    """slime's driver prepares the next rollout while the actor trains: the after-train hook of rollout k
+    reports rollout k's batch, not the newest one the rollout side took."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(box["hf"]), torch_dtype=torch.bfloat16)
+    for i in range(G):
+        put_group(box, f"first{i}", seed=6)
+    first = train_output(slime_args(), 7, plugin_context.context(), timeout_s=5)
+    for i in range(3 * G):  # more groups land before the next rollout is prepared
+        put_group(box, f"zz-later{i}", seed=7)  # keys after every other: listed at once
+    ahead = train_output(slime_args(), 8, plugin_context.context(), timeout_s=5)
+    assert ahead.metrics["rollout/accepted"] > first.metrics["rollout/accepted"]
+    version = publish.after_train(slime_args(), 7, [model])
+    stats = json.loads(box["store"].get(layout.stats_key(RUN, version)))
+    assert stats["step"] == 8 and stats["groups"] == G
+    assert stats["metrics"]["rollout/accepted"] == first.metrics["rollout/accepted"]
 
 
 # -- objective ------------------------------------------------------------------------------------------
@@ -374,7 +408,7 @@ def test_after_train_publishes_each_new_policy(box, plugin):
             for p in list(model.parameters())[:3]:
                 p.add_(0.01 * (step + 1))
         versions.append(publish.after_train(slime_args(), step, [model]))
-        kinds.append(ctx.publisher().last_stats["kind"])
+        kinds.append(ctx.session().publisher.last_stats["kind"])
     assert versions == [start + 1, start + 2]
     assert kinds[0] == "anchor" and kinds[1] in ("patch", "patch+anchor")  # a fresh process anchors first
     pointer, _ = read_pointer(box["store"], RUN, ctx.manifest.trainer_public_key)
@@ -469,7 +503,7 @@ def test_worker_audit_runs_in_the_slime_engine(box, plugin):
         "loss_masks": [torch.tensor(s.loss_mask, dtype=torch.int32) for s in flat],
     }
     assert plugin_audit.audit_rollout_data(slime_args(), rid, rollout_data) == 2
-    figures = ctx.audit().stats()
+    figures = ctx.session().audit.stats()
     assert figures["honest"]["logprob_mismatch"] < 1e-3
     assert figures["edits"]["logprob_mismatch"] > 0.3 and figures["edits"]["audited_tokens"] > 0
 

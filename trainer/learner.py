@@ -22,7 +22,6 @@ from typing import Any
 from worker_contract.manifest import RunManifest
 from worker_contract.store import Store
 
-from .audit import WorkerAudit
 from .config import RecipeConfig
 
 log = logging.getLogger(__name__)
@@ -45,173 +44,115 @@ class LearnerResult:
 
 
 class SourceActor:
-    """The rollout source, polling in a background thread so batches are ready when asked for."""
+    """The rollout side (trainer/session.py) in its own actor, polling in a background thread so batches
+    are ready when asked for."""
 
     def __init__(self, spec, manifest_json: str, algo_json: str, poll_interval_s: float):
         from .config import AlgoConfig
         from .ray_runtime import open_store_spec
-        from .rollouts import RolloutSource
+        from .session import RolloutSide
 
-        manifest = RunManifest.model_validate_json(manifest_json)
-        algo = AlgoConfig.model_validate_json(algo_json)
-        self.source = RolloutSource.from_manifest(open_store_spec(spec), manifest, algo)
-        self.poll_interval_s = poll_interval_s
+        self.side = RolloutSide(open_store_spec(spec), RunManifest.model_validate_json(manifest_json),
+                                AlgoConfig.model_validate_json(algo_json), poll_interval_s)
         self._stop = threading.Event()
-        threading.Thread(target=self.source.run_poller, args=(self._stop, poll_interval_s), daemon=True).start()
+        threading.Thread(target=self.side.source.run_poller, args=(self._stop, poll_interval_s), daemon=True).start()
 
     def next_batch(self, current: int, timeout_s: float):
-        return self.source.next_batch(current, timeout_s=timeout_s, poll_interval_s=self.poll_interval_s,
-                                      stop_event=self._stop)
+        return self.side.next_batch(current, timeout_s, stop_event=self._stop)
 
-    def snapshot(self) -> dict:
-        return {"metrics": self.source.metrics(), "workers": self.source.worker_stats(),
-                "drops": dict(self.source.drops)}
+    def counts(self):
+        return self.side.counts()
 
     def ledger_state(self) -> dict:
-        return self.source.ledger_state()
+        return self.side.ledger_state()
 
     def load_ledger_state(self, state: dict) -> None:
-        self.source.load_ledger_state(state)
+        self.side.load_ledger_state(state)
 
     def stop(self) -> None:
         self._stop.set()
 
 
 class LearnerActor:
-    """The policy, its optimizer, the step, and the publisher thread; the source is another actor."""
+    """The policy and its backend driving the learner session (trainer/session.py); the source is another actor."""
 
     def __init__(self, cfg_json: str, model_dir: str, run_dir: str, source, spec, manifest_json: str,
                  key_pem: bytes, torch_threads: int | None, device: str | None = None):
         import torch
 
         from .backends import get_backend
-        from .publish_queue import PublishQueue
-        from .publisher import Publisher
         from .ray_runtime import key_from_pem, open_store_spec
-        from .step import VersionStats
+        from .session import LearnerSession
 
-        self.cfg = RecipeConfig.model_validate_json(cfg_json)
+        cfg = RecipeConfig.model_validate_json(cfg_json)
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        torch.manual_seed(self.cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)
         # `device` "cuda" with tensor parallel > 1: the backend's rank actors hold one GPU each, this actor none
-        self.backend = get_backend(self.cfg.train.backend).load(model_dir, self.cfg,
-                                                                **({"device": device} if device else {}))
-        self.ckpt_root = Path(run_dir) / "checkpoints"
+        self.backend = get_backend(cfg.train.backend).load(model_dir, cfg, **({"device": device} if device else {}))
         self.source = source
-        manifest = RunManifest.model_validate_json(manifest_json)
-        store = open_store_spec(spec)
-        publisher = Publisher(store, manifest, key_from_pem(key_pem), anchor_interval=self.cfg.train.anchor_interval)
-        self.stats = VersionStats(store, manifest.run)
-        self.publishing = PublishQueue(publisher, on_published=self.stats.write)
-        self.step = 0
-        self.saved_step = -1
-        self.current: int | None = None
+        self.session = LearnerSession(cfg, open_store_spec(spec), RunManifest.model_validate_json(manifest_json),
+                                      key_from_pem(key_pem), run_dir=run_dir)
         self._waited = 0.0  # time the steps since the last one waited for a batch (learner/wait_s)
-        self.audit = WorkerAudit()  # behaviour log-probs vs our recomputation, per worker (trainer/audit.py)
 
     # -- start -------------------------------------------------------------------------------------
     def setup(self) -> dict:
         import ray
 
-        from . import checkpoint
-
-        checkpoint.clean_partial(self.ckpt_root)
-        skipped: list[str] = []  # damaged newer checkpoints: the driver says so
-        found = checkpoint.load_latest(self.ckpt_root, self.backend, skipped)
-        path, last_published = (found[0], None) if found else (None, None)
-        if found is not None:
-            state = found[1]
-            self.step = self.saved_step = state.step
-            last_published = state.last_published_version
-            ray.get(self.source.load_ledger_state.remote(state.ledger))
-        pointer = self.publishing.publisher.current_version()
-        snap = ray.get(self.source.snapshot.remote())
-        res = self.publishing.publish_now(self.backend.publish_snapshot(), self.step,
-                                          self._report({}, snap, groups=0), anchor=True)
-        version = int(res.version)
-        for before in (pointer, last_published):
-            if before is not None and version <= before:
-                raise RuntimeError(f"the publisher reused version {version} (pointer was {pointer}, "
-                                   f"checkpoint's last published {last_published}); refusing to train")
-        self.current = version
-        self.publishing.collect()
-        return {"step": self.step, "version": version, "pointer_before": pointer,
-                "resumed_from": str(path) if path else None, "skipped_checkpoints": skipped}
+        s = self.session
+        found = s.resume(self.backend)
+        if found.state is not None:
+            ray.get(self.source.load_ledger_state.remote(found.state.ledger))
+        version = s.publish_start(self.backend.publish_snapshot(), ray.get(self.source.counts.remote()),
+                                  found.state.last_published_version if found.state is not None else None)
+        return {"step": s.step, "version": version, "resumed_from": str(found.path) if found.path else None,
+                "skipped_checkpoints": found.skipped}
 
     # -- the step ----------------------------------------------------------------------------------
     def train_one(self, timeout_s: float) -> dict | None:
         """One optimizer step, or None if no batch could be assembled within `timeout_s`."""
         import ray
 
-        from .step import publish_metrics, train_on
+        from .step import publish_metrics, step_metrics, train_on
 
-        self._take_published()
+        s = self.session
+        s.take_published()
         t_wait = time.monotonic()
-        batch = ray.get(self.source.next_batch.remote(self.current, timeout_s))
+        got = ray.get(self.source.next_batch.remote(s.current, timeout_s))
         self._waited += time.monotonic() - t_wait  # learner/wait_s: the loop's busy share (bench/gpu_loop.py)
-        if batch is None:
+        if got is None:
             return None
+        batch, note = got
         t0 = time.monotonic()
-        records = [g.record for g in batch.groups]
-        train = train_on(self.backend, records, self.cfg.algo, self.audit, self._weights_version())
-        self.step += 1
+        train = train_on(self.backend, [g.record for g in batch.groups], s.cfg.algo, s.audit, s.weights_version())
+        s.step += 1
         step_time = time.monotonic() - t0
         t_pub = time.monotonic()
         state = self.backend.publish_snapshot()  # the step's own copy: training may go on at once
         snapshot_s = time.monotonic() - t_pub
-        snap = ray.get(self.source.snapshot.remote())
-        metrics: dict[str, Any] = {f"train/{k}": v for k, v in train.items()}
+        note.counts = ray.get(self.source.counts.remote())  # the source as it stands after the step
+        metrics = step_metrics(note, s.audit, train)
         metrics["train/step_time_s"] = step_time
-        metrics.update(batch.metrics)
-        metrics.update(snap["metrics"])
-        metrics.update(self.audit.metrics())
-        metrics.update(step=self.step, version=self.current, batch_version=batch.current_version)
+        metrics.update(step=s.step, version=s.current, batch_version=note.current_version)
         metrics["learner/wait_s"], self._waited = self._waited, 0.0  # waited for this step's batch
-        report = self._report(dict(metrics), snap, groups=len(batch.groups))  # a copy: the thread reads it
-        blocking = snapshot_s + self.publishing.submit(state, self.step, report)
-        metrics.update(publish_metrics(self.publishing, blocking))
+        blocking = snapshot_s + s.hand_off(state, s.report(note, metrics))  # a copy of metrics: the thread reads it
+        metrics.update(publish_metrics(s.publishing, blocking))
         # which groups this step used (and how often): lets an audit rebuild the lineage's consumption
         return {**metrics, "rollout/groups": [[g.key, g.use] for g in batch.groups]}
-
-    def _weights_version(self) -> int | None:
-        """The published version that holds exactly the learner's current weights, if any (for the audit)."""
-        last = self.publishing.last
-        settled = self.publishing.idle() and last is not None and last.step == self.step
-        return self.current if settled else None
-
-    def _report(self, metrics: dict, snap: dict, groups: int):
-        from .step import StepReport
-
-        return StepReport(step=self.step, metrics=metrics, drops_total=dict(snap["drops"]),
-                          workers=self.audit.merge_into(snap["workers"]), groups=groups)
-
-    def _take_published(self) -> None:
-        """The versions the publisher thread made visible since the last step."""
-        self.publishing.collect()
-        if self.publishing.current is not None:
-            self.current = max(self.current or 0, self.publishing.current)
 
     # -- checkpoints and end -----------------------------------------------------------------------
     def save(self) -> str:
         import ray
 
-        from . import checkpoint
-
-        ledger = ray.get(self.source.ledger_state.remote())
-        state = checkpoint.TrainerState(step=self.step, ledger=ledger, last_published_version=self.current,
-                                        extra={"publish_failures": self.publishing.failures})
-        path = checkpoint.save(self.ckpt_root, state, self.backend, keep=self.cfg.train.keep_checkpoints)
-        self.saved_step = self.step
-        return str(path)
+        return str(self.session.save(self.backend, ray.get(self.source.ledger_state.remote())))
 
     def finish(self) -> dict:
         """Wait for every publish, checkpoint the last step, report where the run stands."""
-        self.publishing.close()
-        self._take_published()
-        if self.saved_step != self.step:
+        s = self.session
+        s.close()
+        if s.saved_step != s.step:
             self.save()
-        return {"step": self.step, "version": self.current}
+        return {"step": s.step, "version": s.current}
 
 
 def run_learner(

@@ -8,31 +8,10 @@ More in docs/slime.md (module notes).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from .context import PluginContext, context
-
-#: rows files kept in the state dir (slime's async driver prepares one rollout ahead)
-KEEP_ROWS = 4
-
-
-def rows_file(rollout_id: int) -> str:
-    return f"audit_rows_{int(rollout_id)}.json"
-
-
-def write_rows(ctx: PluginContext, rollout_id: int, groups: list) -> None:
-    """The rollout side: for the groups of rollout `rollout_id` (trainer.rollouts.Group, in Sample order),
-    who sampled each at which version. Older files are removed."""
-    ctx.save_json(rows_file(rollout_id), {"rollout_id": rollout_id, "n_samples": ctx.manifest.n_samples,
-                                          "groups": [[g.record.worker_id, g.record.policy_version] for g in groups]})
-    for old in ctx.state_dir.glob("audit_rows_*.json"):
-        try:
-            if int(old.stem.rsplit("_", 1)[1]) <= rollout_id - KEEP_ROWS:
-                old.unlink(missing_ok=True)
-        except ValueError:
-            continue
 
 
 @dataclass
@@ -53,10 +32,8 @@ class _Group:
 def weights_version(ctx: PluginContext, rollout_id: int) -> int | None:
     """The version holding exactly the actor's weights before it trains on `rollout_id`: the one the
     after-train hook of `rollout_id - 1` published (step `rollout_id`), once visible and nothing after it."""
-    queue = ctx._publishing
-    if queue is None or not queue.idle() or queue.last is None or queue.last.step != rollout_id:
-        return None
-    return queue.last.version
+    session = ctx.started_session()
+    return None if session is None else session.weights_version(rollout_id)
 
 
 def audit_rollout_data(args: Any, rollout_id: int, rollout_data: dict) -> int:
@@ -65,14 +42,13 @@ def audit_rollout_data(args: Any, rollout_id: int, rollout_data: dict) -> int:
     version = weights_version(ctx, rollout_id)
     if version is None or "log_probs" not in rollout_data:
         return 0
-    try:
-        rows = json.loads((ctx.state_dir / rows_file(rollout_id)).read_text())
-    except (OSError, ValueError):
+    note = ctx.note_for(rollout_id)
+    if note is None:
         return 0
-    n = int(rows["n_samples"])
+    n = ctx.manifest.n_samples
     here = {int(idx): i for i, idx in enumerate(rollout_data.get("sample_indices") or [])}
     groups, logps = [], {}
-    for gi, (worker, policy_version) in enumerate(rows["groups"]):
+    for gi, (worker, policy_version) in enumerate(note.groups):
         pos = [here.get(gi * n + j) for j in range(n)]
         if any(p is None for p in pos):  # not all of the group is on this rank
             continue
@@ -80,9 +56,5 @@ def audit_rollout_data(args: Any, rollout_id: int, rollout_data: dict) -> int:
                            [int(x) for x in rollout_data["loss_masks"][p].tolist()]) for p in pos]
         groups.append(_Group(worker, int(policy_version), samples))
         logps[id(groups[-1])] = [rollout_data["log_probs"][p].detach().float().cpu().tolist() for p in pos]
-    audit = ctx.audit()
-    chosen = audit.pick(groups, version)
-    if not chosen:
-        return 0
-    audit.observe(chosen, [row for g in chosen for row in logps[id(g)]])
-    return len(chosen)
+    # slime recomputed the log-probs already: the audit's recompute reads them
+    return ctx.session().audit.audit_step(groups, version, lambda chosen: [row for g in chosen for row in logps[id(g)]])

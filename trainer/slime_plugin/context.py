@@ -5,13 +5,12 @@ namespace, so the run comes from the job's runtime env (infra/slime_launch.runti
 
     DRL_RECIPE_FILE   the resolved RecipeConfig (JSON) the launch wrote
     DRL_ENV_FILE      the box's credentials file (.r2env, mode 0600)
-    DRL_STATE_DIR     the run's state dir: trainer.key, the rollout ledger, the last batch's stats
+    DRL_STATE_DIR     the run's state dir: trainer.key and the hand-off between slime's processes
 More in docs/slime.md (module notes).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from dataclasses import dataclass, field
@@ -22,8 +21,7 @@ from trainer.config import RecipeConfig
 from worker_contract.manifest import RunManifest, load_manifest
 from worker_contract.store import NotFound, Store
 
-LEDGER_FILE = "rollout_ledger.json"
-BATCH_STATS_FILE = "last_batch.json"
+from . import handoff
 
 
 def _need(var: str) -> str:
@@ -36,14 +34,16 @@ def _need(var: str) -> str:
 
 @dataclass
 class PluginContext:
+    """The parts of trainer/session.py this process drives: the rollout side in slime's rollout process,
+    the learner session in its train process."""
+
     cfg: RecipeConfig
     store: Store
     manifest: RunManifest
     state_dir: Path
-    _source: Any = None
-    _publisher: Any = None
-    _publishing: Any = None
-    _audit: Any = None
+    _rollouts: Any = None
+    _handoff: Any = None
+    _session: Any = None
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
@@ -57,7 +57,7 @@ class PluginContext:
         try:
             pointer, _ = read_pointer(self.store, self.run, self.manifest.trainer_public_key)
         except PointerError:  # a forged pointer: the publisher knows the newest version the run key signed
-            version = self.publisher().current_version()
+            version = self.session().publisher.current_version()
             if version:
                 return version
             raise
@@ -66,58 +66,43 @@ class PluginContext:
                              "(the launch's publish_anchor step)")
         return pointer.version
 
-    def source(self):
-        """The bucket rollout source (trainer/rollouts.py), its reuse ledger restored from the state dir."""
+    def rollouts(self):
+        """The rollout side (trainer/session.RolloutSide), its reuse ledger restored from the hand-off."""
         with self._lock:
-            if self._source is None:
-                from trainer.rollouts import RolloutSource
+            if self._rollouts is None:
+                from trainer.session import RolloutSide
 
-                src = RolloutSource.from_manifest(self.store, self.manifest, self.cfg.algo)
-                ledger = self.state_dir / LEDGER_FILE
-                if ledger.exists():
-                    src.load_ledger_state(json.loads(ledger.read_text()))
-                self._source = src
-            return self._source
+                self._handoff = handoff.read(self.state_dir)
+                self._rollouts = RolloutSide(self.store, self.manifest, self.cfg.algo,
+                                             self.cfg.train.poll_interval_s, ledger=self._handoff.ledger)
+            return self._rollouts
 
-    def save_json(self, name: str, data: Any) -> None:
-        """Atomic write into the state dir (the ledger survives a restart; the batch stats feed publish)."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_dir / (name + ".tmp")
-        tmp.write_text(json.dumps(data, sort_keys=True))
-        tmp.replace(self.state_dir / name)
-
-    def publisher(self):
-        """trainer.publisher.Publisher with the run's key (created by the launch, 0600 in the state dir)."""
+    def hand_over(self, rollout_id: int, note) -> None:
+        """The rollout side's part: the batch's note and the ledger after it, for the train processes."""
         with self._lock:
-            if self._publisher is None:
-                from trainer.publisher import Publisher
+            self._handoff.record(rollout_id, note, self.rollouts().ledger_state())
+            handoff.write(self.state_dir, self._handoff)
+
+    def note_for(self, rollout_id: int):
+        """The train side's part: the note the rollout side wrote for `rollout_id` (None: there is none)."""
+        return handoff.read(self.state_dir).note_for(rollout_id)
+
+    def session(self):
+        """The learner session (trainer/session.LearnerSession) with the run's key (created by the launch,
+        0600 in the state dir): the worker audit, the publisher, its queue and the versions' stats."""
+        with self._lock:
+            if self._session is None:
+                from trainer.session import LearnerSession
                 from worker_contract.signing import load_private_key
 
                 key = load_private_key(self.state_dir / "trainer.key")
-                self._publisher = Publisher(self.store, self.manifest, key,
-                                            anchor_interval=self.cfg.train.anchor_interval, progress=False)
-            return self._publisher
+                self._session = LearnerSession(self.cfg, self.store, self.manifest, key, progress=False)
+            return self._session
 
-
-    def publishing(self):
-        """The publish queue (trainer/publish_queue.py) around `publisher()`, writing each version's stats."""
+    def started_session(self):
+        """The learner session if this process has one (rank 0 after its first publish), else None."""
         with self._lock:
-            if self._publishing is None:
-                from trainer.publish_queue import PublishQueue
-                from trainer.step import VersionStats
-
-                self._publishing = PublishQueue(self.publisher(), on_published=VersionStats(self.store, self.run).write)
-            return self._publishing
-
-    def audit(self):
-        """The worker audit of this train process (trainer/audit.py): the log-prob hook feeds it, the
-        published versions' stats report it."""
-        with self._lock:
-            if self._audit is None:
-                from trainer.audit import WorkerAudit
-
-                self._audit = WorkerAudit()
-            return self._audit
+            return self._session
 
 
 _context: PluginContext | None = None
@@ -154,8 +139,8 @@ def reset_context() -> None:
     """Forget the cached context (a new run in the same process, or tests)."""
     global _context
     with _context_lock:
-        if _context is not None and _context._publishing is not None:
-            _context._publishing.close()  # what was handed over is published first
+        if _context is not None and _context._session is not None:
+            _context._session.close()  # what was handed over is published first
         _context = None
 
 

@@ -9,13 +9,12 @@ More in docs/slime.md (module notes).
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterable
 from typing import Any
 
 from . import checkpoints
-from .context import BATCH_STATS_FILE, PluginContext, context
+from .context import PluginContext, context
 
 
 def _is_rank0() -> bool:
@@ -106,31 +105,22 @@ def hf_state(args: Any, model: Iterable) -> dict[str, Any]:
     return state
 
 
-def _batch_stats(ctx: PluginContext) -> dict[str, Any]:
-    path = ctx.state_dir / BATCH_STATS_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def publish_policy(ctx: PluginContext, state: dict[str, Any], rollout_id: int, *, wait: bool = True) -> int | None:
-    """Hand `state` to the publish queue as the weights of step rollout_id + 1; with `wait`, return the
-    version once it is visible (None when it failed), else None at once."""
-    from trainer.step import StepReport
+    """Hand `state` to the learner session's publish queue as the weights of step rollout_id + 1, with the
+    report of the batch the rollout side noted for `rollout_id`; with `wait`, return the version once it is
+    visible (None when it failed), else None at once."""
+    from trainer.step import step_metrics
 
-    batch = _batch_stats(ctx)
-    audit = ctx.audit()
-    report = StepReport(step=rollout_id + 1, metrics={**(batch.get("metrics") or {}), **audit.metrics()},
-                        drops_total={k: int(v) for k, v in (batch.get("drops_total") or {}).items()},
-                        workers=audit.merge_into(batch.get("workers") or {}), groups=int(batch.get("groups") or 0))
-    queue = ctx.publishing()
-    queue.submit(state, rollout_id + 1, report)
+    session = ctx.session()
+    step = rollout_id + 1
+    note = ctx.note_for(rollout_id)
+    metrics = step_metrics(note, session.audit) if note is not None else session.audit.metrics()
+    session.hand_off(state, session.report(note, metrics, step=step))
     if not wait:
         return None
-    queue.flush()
-    last = queue.last
-    return last.version if last is not None and last.step == rollout_id + 1 else None
+    session.publishing.flush()
+    last = session.publishing.last
+    return last.version if last is not None and last.step == step else None
 
 
 def after_train(args: Any, rollout_id: int, model) -> int | None:

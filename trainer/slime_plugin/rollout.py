@@ -15,8 +15,7 @@ import logging
 import time
 from typing import Any
 
-from .audit import write_rows
-from .context import BATCH_STATS_FILE, LEDGER_FILE, PluginContext, check_args, context
+from .context import PluginContext, check_args, context
 from .types import slime_types
 
 log = logging.getLogger(__name__)
@@ -43,42 +42,37 @@ def group_to_samples(group, *, group_index: int, first_index: int, Sample) -> li
 
 
 def next_batch(ctx: PluginContext, *, timeout_s: float | None = None):
-    """Block until the source has a full batch for the current version (None only after `timeout_s`)."""
-    src = ctx.source()
+    """Block until the rollout side has a full batch for the current version: (batch, its note), or None
+    only after `timeout_s`."""
+    side = ctx.rollouts()
     start = time.monotonic()
     while True:
         current = ctx.current_version()
         wait = WAIT_LOG_S if timeout_s is None else max(0.0, min(WAIT_LOG_S, timeout_s - (time.monotonic() - start)))
-        batch = src.next_batch(current, timeout_s=wait, poll_interval_s=ctx.cfg.train.poll_interval_s)
-        if batch is not None:
-            return batch
+        got = side.next_batch(current, wait)
+        if got is not None:
+            return got
         if timeout_s is not None and time.monotonic() - start >= timeout_s:
             return None
-        m = src.metrics()
+        m = side.source.metrics()
         log.info("waiting for rollouts at v%d: %d usable groups pooled, %d needed; %d dropped so far",
                  current, int(m["rollout/pool"]), ctx.cfg.algo.groups_per_step, int(m["rollout/dropped"]))
 
 
 def train_output(args: Any, rollout_id: int, ctx: PluginContext, *, timeout_s: float | None = None):
     Sample, TrainOutput, _, _ = slime_types()
-    batch = next_batch(ctx, timeout_s=timeout_s)
-    if batch is None:
+    got = next_batch(ctx, timeout_s=timeout_s)
+    if got is None:
         raise TimeoutError(f"no full batch of {ctx.cfg.algo.groups_per_step} groups within {timeout_s} s")
+    batch, note = got
     n = ctx.manifest.n_samples
     groups = [group_to_samples(g, group_index=gi, first_index=gi * n, Sample=Sample)
               for gi, g in enumerate(batch.groups)]
     assert all(len(g) == n for g in groups), "the rollout source let a wrong-sized group through"
-    src = ctx.source()
-    ctx.save_json(LEDGER_FILE, src.ledger_state())
-    write_rows(ctx, rollout_id, batch.groups)  # who sampled what, for the worker audit on the train side
-    cumulative = src.metrics()
-    ctx.save_json(BATCH_STATS_FILE, {
-        "rollout_id": rollout_id, "current_version": batch.current_version, "groups": len(batch.groups),
-        "metrics": {**batch.metrics, **{k: v for k, v in cumulative.items() if not k.startswith("worker/")}},
-        "drops_total": dict(src.drops), "workers": src.worker_stats(),
-    })
-    metrics = {**batch.metrics, **{k: v for k, v in cumulative.items() if k.startswith("rollout/")},
-               "rollout/learner_version": float(batch.current_version)}
+    # worker/* repeat the counts' per-worker figures: slime's log and the stats object leave them out
+    note.counts.metrics = {k: v for k, v in note.counts.metrics.items() if not k.startswith("worker/")}
+    ctx.hand_over(rollout_id, note)  # who sampled what and the counts, for the audit and the stats object
+    metrics = {**note.metrics, **note.counts.metrics, "rollout/learner_version": float(note.current_version)}
     return TrainOutput(samples=groups, metrics=metrics)
 
 

@@ -15,6 +15,7 @@ trainer itself, then to what is left of its group.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -151,12 +152,18 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
     _refuse_live_run(Path(remote_dir).resolve(), run, "stop")
     jobs, note = _ray_jobs(run)
     pid = alive_pid(paths.pid_file)
-    out = {"run": run, "ray_jobs": [j.submission_id for _, j in jobs], "pid": pid, "stopped": False}
+    leftovers = leftover_children(paths.state_dir)
+    out = {"run": run, "ray_jobs": [j.submission_id for _, j in jobs], "pid": pid,
+           "leftovers": [{"name": c["name"], "pid": c["pid"]} for c in leftovers], "stopped": False}
     if note:
         log(note)
     if dry_run:
-        log(f"would stop Ray jobs {out['ray_jobs'] or 'none'} and process group {pid or 'none'} [dry run]")
+        log(f"would stop Ray jobs {out['ray_jobs'] or 'none'} and process group {pid or 'none'}"
+            + (f", and {_describe(leftovers)} left by a launcher that is gone" if leftovers else "") + " [dry run]")
         return out
+    if (Path(paths.state_dir) / CHILDREN_DIR).is_dir():  # also the records of children gone by themselves
+        out["leftovers"] = [{"name": c["name"], "pid": c["pid"]}
+                            for c in stop_leftovers(paths.state_dir, timeout_s=timeout_s, log=log)]
     for client, job in jobs:
         log(f"stopping Ray job {job.submission_id}")
         client.stop_job(job.submission_id)
@@ -178,7 +185,7 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
             except ProcessLookupError:
                 pass
         log(f"stopped trainer process group {pid}")
-    else:
+    elif not out["leftovers"]:
         log(f"no trainer process of run {run} is running")
     Path(paths.pid_file).unlink(missing_ok=True)
     out["stopped"] = True
@@ -189,6 +196,9 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
 #: credentials file teardown may delete; a checkout of your own never has it
 SHIPPED_MARK = ".stoa-tree.sha256"
 
+
+#: the run dir's folder of the embedded launcher's child records (trainer/localprocs.py CHILDREN_DIR)
+CHILDREN_DIR = "children"
 
 #: the lock a running `make gsm8k RUN=<run>` holds on its run dir (trainer/embedded.py `_lock_run`)
 RUN_LOCK = ".lock"
@@ -226,6 +236,54 @@ def run_is_live(state_dir: str | Path) -> bool:
         return True
     lock.close()
     return False
+
+
+def leftover_children(state_dir: str | Path) -> list[dict]:
+    """The embedded launcher's children still running after it died without stopping them (SIGKILL; a child
+    that outlived its SIGTERM; macOS): trainer.localprocs.recorded_children, read only with the run's lock
+    free (a live launcher stops its own children). Without records, no trainer import (the box's trees)."""
+    if not (Path(state_dir) / CHILDREN_DIR).is_dir() or run_is_live(state_dir):
+        return []
+    from trainer.localprocs import recorded_children
+
+    return recorded_children(Path(state_dir))
+
+
+def _describe(children: list[dict]) -> str:
+    return ", ".join(f"{c['name']} (pid {c['pid']})" if c["leader_alive"] else f"{c['name']}'s process group "
+                     f"{c['pid']}" for c in children)
+
+
+def stop_leftovers(state_dir: str | Path, *, timeout_s: float = 30.0, log=print) -> list[dict]:
+    """With the run's lock held: SIGTERM each leftover child (the learner checkpoints, a worker finishes its
+    group), SIGKILL what is left of its process group after `timeout_s`, and delete the run's child records
+    (also those of children gone by themselves). The children stopped; none while a launcher holds the lock."""
+    from trainer.localprocs import group_members, process_start_time, recorded_children
+
+    lock = lock_run_dir(state_dir)
+    if lock is None:  # a launcher runs (again): its children are its own
+        return []
+    try:
+        children = recorded_children(Path(state_dir))
+        for c in children:
+            if c["leader_alive"]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(c["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(
+                process_start_time(c["pid"]) == c["started"] for c in children if c["leader_alive"]):
+            time.sleep(0.1)
+        for c in children:
+            if group_members(c["pid"]):  # each child leads its own session (localprocs): this is its group
+                log(f"SIGKILL to what is left of {c['name']}'s process group {c['pid']}")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c["pid"], signal.SIGKILL)
+            log(f"stopped {c['name']} (pid {c['pid']}), left running by a launcher of the run that is gone")
+        for rec in (Path(state_dir) / CHILDREN_DIR).glob("*.json"):
+            rec.unlink(missing_ok=True)
+    finally:
+        lock.close()
+    return children
 
 
 def _other_live_runs(root: Path, run: str) -> list[str]:
@@ -272,6 +330,11 @@ def teardown_actions(remote_dir: str, run: str, *, purge: bool = False) -> list[
     _refuse_live_run(root, run, "teardown")
     others = _other_live_runs(root, run)
     actions = [f"stop the trainer of run {run} (its Ray jobs and its process group)"]
+    from .slime_launch import BoxPaths
+
+    leftovers = leftover_children(BoxPaths(remote_dir=str(root), run=run).state_dir)
+    if leftovers:
+        actions.append(f"stop what the launcher of run {run} left running when it died: {_describe(leftovers)}")
     if (root / RAY_MARKER).exists() and not others:
         actions.append("ray stop (this tree started Ray for its runs)")
     creds = root / ".r2env"

@@ -169,6 +169,7 @@ def test_ctrl_c_stops_every_process_and_leaves_the_bucket_consistent(tmp_path):
     assert rc == 130, out
     assert "stopped by Ctrl-C" in out
     assert _wait_gone(tmp_path) == []
+    assert list((tmp_path / "runs" / run / "children").glob("*")) == []  # a stopped child's record goes too
     v = _verify(tmp_path, run)
     assert v.returncode == 0, v.stdout + v.stderr
     assert any((tmp_path / "runs" / run / "checkpoints").iterdir())  # the learner checkpointed on its way out

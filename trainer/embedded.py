@@ -270,6 +270,16 @@ def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR, retr
         console.print(f"[red]run {cfg.run!r} is already running on this machine[/] (lock {paths.run_dir}/.lock); "
                       "stop it first, or choose another RUN")
         return 2
+    from .localprocs import recorded_children
+
+    if left := recorded_children(paths.run_dir):  # a launcher of this run died; its children still finish
+        lock.close()
+        where = "" if Path(root) == STOA_DIR else f" --remote-dir {Path(root).resolve().parent}"
+        console.print(f"[red]run {cfg.run!r} still has processes a launcher that died left running[/]: "
+                      + ", ".join(f"{c['name']} (pid {c['pid']})" for c in left)
+                      + f"; wait for them to end, or stop them (`invoke stop --run {cfg.run} --local{where}`), "
+                      "then run it again", markup=True, highlight=False)
+        return 2
     services = None
     if cfg.task == "psqa":  # the generated corpus and the retriever (trainer/embedded_psqa.py)
         from .embedded_psqa import PsqaServices
@@ -323,7 +333,7 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console, services=None)
     except (ContractMismatch, RunExists, IdentityMismatch) as e:
         console.print(f"[red]{e}[/]\nchoose a new RUN id to start fresh")
         return 2
-    procs = Processes()
+    procs = Processes(record=paths.run_dir)
     interrupts = _Interrupts(procs)
     old = {s: signal.signal(s, interrupts) for s in (signal.SIGINT, signal.SIGTERM)}
     if services is not None:

@@ -82,7 +82,7 @@ class PsqaServices:
 
     def __init__(self, cfg: RecipeConfig, paths, retriever_argv: RetrieverArgv):
         self.cfg, self.paths, self.retriever_argv = cfg, paths, retriever_argv
-        self.procs = Processes()
+        self.procs = Processes(record=paths.run_dir)
         self.data: Path | None = None
         self.url: str | None = None
 

@@ -3,10 +3,15 @@
 Each child gets its own session, so a terminal's Ctrl-C reaches only the launcher, which then stops the
 children in order (SIGTERM: the learner finishes its step and checkpoints, workers finish their group;
 SIGKILL after a timeout). On Linux a child also gets SIGTERM if the launcher dies (PR_SET_PDEATHSIG).
+
+Each child is recorded in the run dir, `children/<name>.json` (PID and start time), until the launcher has
+stopped it: a launcher that died without stopping them (SIGKILL; macOS has no PDEATHSIG) leaves records,
+a relaunch of the run is refused while one still runs, and `invoke stop|teardown --local` stops them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -45,11 +50,62 @@ class Child:
             return ""
 
 
+#: the run dir's folder of child records, one `<name>.json` per live child of the launcher
+CHILDREN_DIR = "children"
+
+
+def process_start_time(pid: int) -> float | None:
+    """When `pid` started (psutil's create_time, seconds), or None if it is gone or a zombie."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+    except psutil.Error:
+        return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (a child's own group: it and what it started, Ray's too)."""
+    import psutil
+
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc.pid)
+        except (OSError, psutil.Error):
+            continue
+    return members
+
+
+def recorded_children(run_dir: Path) -> list[dict]:
+    """The children recorded in `run_dir/children/` that still run: the recorded PID is still that process
+    (same start time: a recycled PID is not), or its process group (which the kernel keeps from reuse while
+    it has members) still has members, e.g. the learner's Ray processes after the learner ended. Each as
+    {name, pid, started, record, leader_alive}. Meaningful only while no launcher holds the run's lock."""
+    out = []
+    for rec in sorted((Path(run_dir) / CHILDREN_DIR).glob("*.json")):
+        try:
+            child = json.loads(rec.read_text())
+            pid, started = int(child["pid"]), child["started"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        now = process_start_time(pid)
+        alive = started is not None and now == started
+        if alive or (now is None and group_members(pid)):
+            out.append({"name": str(child.get("name", rec.stem)), "pid": pid, "started": started,
+                        "record": str(rec), "leader_alive": alive})
+    return out
+
+
 @dataclass
 class Processes:
-    """The processes this run started, stopped by PID (their own process groups)."""
+    """The processes this run started, stopped by PID (their own process groups). With `record` (the run
+    dir) each child is written to `record/children/<name>.json` until `stop` has ended it."""
 
     children: list[Child] = field(default_factory=list)
+    record: Path | None = None
 
     def start(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> Child:
         with open(log, "ab") as f:
@@ -57,6 +113,13 @@ class Processes:
                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         child = Child(name, proc, log)
         self.children.append(child)
+        if self.record is not None:
+            rec = self.record / CHILDREN_DIR / f"{name}.json"
+            rec.parent.mkdir(exist_ok=True)
+            tmp = rec.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"name": name, "pid": proc.pid, "started": process_start_time(proc.pid),
+                                       "argv": argv[:4]}) + "\n")
+            tmp.replace(rec)
         return child
 
     @staticmethod
@@ -88,6 +151,8 @@ class Processes:
         self.signal_all(signal.SIGKILL)
         for c in self.children:
             c.proc.wait()
+            if self.record is not None:
+                (self.record / CHILDREN_DIR / f"{c.name}.json").unlink(missing_ok=True)
 
 
 def child_env(cfg: RecipeConfig) -> dict[str, str]:

@@ -259,7 +259,7 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             return len(data)
 
         def _respond_paced(self, status: int, headers: list[tuple[str, str]], data: bytes, end: float) -> int:
-            """The answer's headers now, its bytes in slices at most 5 s apart (a client's read timeout never
+            """The answer's headers now, its bytes in slices at most 1 s apart (a client's read timeout never
             fires on a long transfer), the last at `end` (time.monotonic())."""
             self.send_response(status)
             for k, v in headers:
@@ -268,7 +268,7 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.flush()
-            slices = max(1, min(len(data), math.ceil((end - time.monotonic()) / 5.0)))
+            slices = max(1, min(len(data), math.ceil(end - time.monotonic())))
             bounds = [len(data) * i // slices for i in range(slices + 1)]  # every slice holds a byte
             for i in range(slices):
                 if self._wait((end - time.monotonic()) / (slices - i)):

@@ -91,3 +91,53 @@ def test_rate_cap(moto_server):
     # the token bucket admits at most burst + rate x time, and (with clients faster than that) about that
     assert admitted <= 10 + 40 * elapsed + 1, (admitted, elapsed)
     assert admitted >= 0.6 * 40 * elapsed, (admitted, elapsed)
+
+
+def test_a_sized_object_takes_its_declared_time_and_only_its_real_bytes_move(moto_server):
+    """The sizer's model (bench/fleet's real sizes): an object declared 3 MB at 1 MB/s answers its GET in
+    about 3 s, paced so that a client's 2 s read timeout never fires, with its own 2000 bytes; a PUT declared
+    4 MB over 2 connections answers 2 s later (no bytes flow back meanwhile: the client's read timeout must be
+    longer); an unsized key or a missing sized one answers at the latency."""
+    import boto3
+    from botocore.config import Config
+
+    body = bytes(range(250)) * 8
+
+    def sizer(req):
+        if req.path.endswith("/big"):
+            return (3_000_000, 1) if req.method == "GET" else (4_000_000, 2)
+        return None
+
+    lat = Latency(median_s=0.01, p99_s=0.02, bandwidth_bps=1e6)
+    with FaultProxy(moto_server.endpoint, latency=lat, sizer=sizer) as proxy:
+        def client(read_timeout: float):
+            return boto3.client("s3", endpoint_url=proxy.url, region_name="us-east-1", aws_access_key_id="x",
+                                aws_secret_access_key="x", config=Config(read_timeout=read_timeout,
+                                                                         retries={"total_max_attempts": 1}))
+
+        def timed(fn, **kw):
+            t0 = time.monotonic()
+            out = fn(Bucket="stoa-test", **kw)
+            return time.monotonic() - t0, out
+
+        put_s, _ = timed(client(5.0).put_object, Key="big", Body=body)
+        c = client(2.0)
+        c.put_object(Bucket="stoa-test", Key="small", Body=b"s" * 10)
+        t0 = time.monotonic()
+        got = c.get_object(Bucket="stoa-test", Key="big")["Body"].read()  # headers at once, the bytes paced
+        get_s = time.monotonic() - t0
+        small_s, _ = timed(c.get_object, Key="small")
+        t0 = time.monotonic()
+        try:
+            c.get_object(Bucket="stoa-test", Key="missing/big")
+        except c.exceptions.NoSuchKey:
+            missing_s = time.monotonic() - t0
+        reqs = proxy.requests()
+    put, _, get, small, missing = reqs
+    assert [r.status for r in reqs] == [200, 200, 200, 200, 404]
+    assert got == body and get.resp_bytes == len(body) and put.length == len(body)
+    assert (put.declared_bytes, put.streams, get.declared_bytes, get.streams) == (4_000_000, 2, 3_000_000, 1)
+    assert 2.0 <= put_s < 3.0 and 3.0 <= get_s < 4.0, (put_s, get_s)
+    assert abs((get.transfer[1] - get.transfer[0]) - 3.0) < 1e-6 and abs(get.delay_s - get.transfer[1] + get.t) < 1e-6
+    assert small.declared_bytes == missing.declared_bytes == 0 and small.transfer is None is missing.transfer
+    assert small_s < 1.0 and missing_s < 1.0, (small_s, missing_s)

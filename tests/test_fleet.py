@@ -56,3 +56,46 @@ def test_the_ingest_ceiling_bench_drains_a_backlog_with_both_readers(tmp_path):
         assert d["complete"] and d["handled"] >= 120 and d["accepted"] >= 120 and d["groups_per_s"] > 0, d
         assert d["learner_requests"]["learner GET rollout"] >= 120
         assert sum(d["phase_s"].values()) <= d["wall_s"] * 1.05, d
+
+
+def test_the_real_sizes_constants_are_the_measured_ones():
+    """--sizes real declares what bench/results/pulse_gpu.json measured: the 1.5B bf16 state and its patch."""
+    from bench.fleet.spec import REAL_ANCHOR_BYTES, REAL_PATCH_BYTES, FleetSpec
+
+    measured = json.loads((REPO / "bench/results/pulse_gpu.json").read_text())
+    assert (measured["plane"], measured["state_bytes"], measured["patch_bytes"]) == (
+        "bf16", REAL_ANCHOR_BYTES, REAL_PATCH_BYTES)
+    assert FleetSpec(anchor_bytes=REAL_ANCHOR_BYTES).anchor_shards == 2  # 2 GiB shards (worker_contract/anchor.py)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_fleet_with_a_real_fleets_sizes_counts_the_declared_bytes(tmp_path):
+    """bench.fleet's sized mode, small: 8 workers, a 3 GB anchor (2 shards) and 42 MB patches at 10 Gbit/s a
+    connection (a join's anchor takes 2.4 s). The wire counts each shard and patch read at its declared size
+    and the real bytes of no sized object on top; no join beats the bandwidth; the learner's anchor uploads
+    count their multipart requests; the egress and lag figures come from those counts."""
+    out = tmp_path / "sized.json"
+    anchor, patch, bw = 3_000_000_000, 42_000_000, 10_000e6 / 8
+    res = subprocess.run([sys.executable, "-m", "bench.fleet", "--scale", "8", "--duration", "25", "--group-s", "5",
+                          "--step-s", "1", "--worker-procs", "2", "--anchor-bytes", "3e9", "--patch-bytes", "42e6",
+                          "--bandwidth-mbit", "10000", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["ok"] and run["sized_problems"] == [] and run["accounting"]["exactly_once"]
+    wire, sync = run["wire"], run["sync"]
+    shards, patches = wire["sized_requests"]["worker GET anchor"], wire["sized_requests"].get("worker GET patch", 0)
+    assert shards >= 16 and shards % 2 == 0  # every worker joined: two shards each
+    assert wire["declared"]["worker GET anchor"] == shards * anchor // 2
+    assert wire["declared"].get("worker GET patch", 0) == patches * patch
+    # the anchor's bytes on the wire are the declared shards plus the manifests' own few KB, nothing more
+    assert 0 < wire["bytes_down"]["worker anchor"] - wire["declared"]["worker GET anchor"] < shards * 20_000
+    assert wire["bytes_down"].get("worker patch", 0) - patches * patch < 100_000
+    assert sync["joins"]["first_joined"] == 8 and sync["joins"]["first_join_s"]["min"] >= anchor / bw
+    assert sync["egress"]["worker_gb"] == round(sum(v for k, v in wire["bytes_down"].items()
+                                                    if k.startswith("worker ")) / 1e9, 3)
+    puts = wire["sized_requests"]["learner PUT anchor"]
+    assert puts >= 2 and wire["modeled"]["learner MPU_PART anchor"] == puts * -(-anchor // 2 // (16 << 20))
+    assert [r["pointer"] for r in sync["lag_timeline"]] == sorted(r["pointer"] for r in sync["lag_timeline"])
+    assert run["cost"]["stored_bytes"] >= anchor

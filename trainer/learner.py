@@ -1,10 +1,11 @@
-"""The learner loop: a rollout source actor and a learner actor on Ray, one code path everywhere.
+"""The native engine's loop: the learner session (trainer/session.py) in two Ray actors, one code path.
 
     run_learner(cfg, store, manifest, key, model_dir, run_dir, on_step=..., stop_event=...)
 
-Setup resumes from the newest checkpoint and publishes a fresh anchor at a new, higher version; each step
-(trainer/step.py) trains on a batch and hands the new weights to the publisher thread; metrics, stats and
-checkpoints follow. Importing this module starts nothing (Ray, torch and transformers are imported where used).
+The source actor holds the rollout side, the learner actor the backend and the train side. Setup resumes
+from the newest checkpoint and publishes a fresh anchor at a new, higher version; each step (trainer/step.py)
+trains on a batch and hands the new weights to the publisher thread; metrics, stats and checkpoints follow.
+Importing this module starts nothing (Ray, torch and transformers are imported where used).
 More in docs/architecture.md (module notes).
 """
 

@@ -117,6 +117,9 @@ def test_bad_options(published, tmp_path):
         joincard(tmp_path, run="card-run", store=store.url, fmt="yaml", environ={})
     with pytest.raises(JoinCardError, match="retriever URL"):
         build_card(store, "card-run", {}, retriever_url="10.0.0.5:8765")
+    for hostless in ("http://:8765", "http://", "http://host:port"):  # a card no worker could search through
+        with pytest.raises(JoinCardError, match="with a host"):
+            build_card(store, "card-run", {}, retriever_url=hostless)
     with pytest.raises(ValueError, match="DRL_RUN is not set"):
         joincard(tmp_path, store=store.url, environ={})
 

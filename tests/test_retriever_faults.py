@@ -35,7 +35,8 @@ def real(tmp_path_factory):
 
 
 class Faults(ThreadingHTTPServer):
-    """mode: 'pass' (forward to the real server), '500', 'malformed', 'huge', 'slow', 'drip'; `fail_first`
+    """mode: 'pass' (forward to the real server), '500', 'malformed', 'huge', 'slow', 'drip', 'not-http' (bytes
+    that are no HTTP status line), 'short' (a body cut off before its Content-Length); `fail_first`
     requests get the fault, later ones pass (0 = all of them)."""
 
     daemon_threads = True
@@ -81,6 +82,13 @@ class _FaultHandler(BaseHTTPRequestHandler):
             return self._reply(500, b'{"error": "index shard lost"}')
         if mode == "malformed":
             return self._reply(200, b'{"api_version": 1, "query": "x", "hits": [{"id": 1')
+        if mode == "not-http":
+            self.close_connection = True
+            self.wfile.write(b"\x00\x17garbage, not a status line\r\n\r\n")
+            return None
+        if mode == "short":
+            self.close_connection = True
+            return self._reply(200, b'{"api_version": 1, "query": "x", "hi', length=4096)
         if mode == "slow":
             time.sleep(TIMEOUT * 3)
             return self._reply(200, b"{}")
@@ -139,7 +147,8 @@ def test_down(real):
 
 
 @pytest.mark.parametrize("mode, needle", [("500", "HTTP 500"), ("malformed", "not the retriever's wire format"),
-                                          ("slow", "timed out")])
+                                          ("slow", "timed out"), ("not-http", "BadStatusLine"),
+                                          ("short", "not the retriever's wire format")])
 def test_failing_answers_are_retried_then_raised(faults, mode, needle):
     srv = faults(mode)
     _fails(_client(srv.url), needle, 3 * TIMEOUT * 1.5 + 1.0)
@@ -162,6 +171,12 @@ def test_a_huge_or_endless_body_is_cut_off_with_memory_bounded(faults, mode, nee
         tracemalloc.stop()
     assert peak < 8 << 20, peak  # a 64 MiB body, never held
     assert srv.sent < 3 * 8 << 20
+
+
+@pytest.mark.parametrize("url", ["http://", "http://:8000", "http://host:port", "http://[::1"])
+def test_a_url_no_request_can_use_is_refused_up_front(url):
+    with pytest.raises(ValueError, match="DRL_RETRIEVER_URL"):
+        RetrieverClient(url)
 
 
 def test_a_4xx_is_not_retried(faults):

@@ -133,6 +133,51 @@ def test_a_light_tier_worker_without_a_retriever_is_refused_in_one_line(run_stor
     assert "DRL_RETRIEVER_URL" in last and "Traceback" not in out.stderr, out.stderr
 
 
+def _cli(store, model_dir, env_over: dict, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRL_RETRIEVER")}
+    env.update(PYTHONPATH=str(REPO), DRL_N_SAMPLES=str(N), DRL_PULSE_PLANE="bf16", **env_over)
+    return subprocess.run([sys.executable, "-m", "worker_contract.worker", "--store", store.url, "--run", RUN,
+                           "--model", str(model_dir), "--wait", "5", *args],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_missing_task_data_is_refused_before_any_weights_are_fetched(run_store, model_dir, retriever, tmp_path):
+    """A Mac without the psqa questions (no `datasets`, no DRL_PSQA_DIR split) hears so before it downloads
+    the run's weights, not after."""
+    store, _ = run_store
+    (tmp_path / "empty").mkdir()
+    out = _cli(store, model_dir, {"DRL_PSQA_DIR": str(tmp_path / "empty"), "DRL_RETRIEVER_URL": retriever.url},
+               "--retriever-tier", "medium")
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "DRL_PSQA_DIR" in last and "train.jsonl" in last and "Traceback" not in out.stderr, out.stderr
+    assert "joined run" not in out.stderr, out.stderr  # refused before the cold join
+
+
+@pytest.mark.parametrize("url", ["http://", "http://:8000", "https:///search", "http://host:port"])
+def test_a_retriever_url_without_a_host_is_refused_in_one_sentence(run_store, model_dir, psqa_dir, url):
+    """Not a URL any search could reach: refused up front (exit 2), not joined to drop every group."""
+    store, _ = run_store
+    out = _cli(store, model_dir, {"DRL_PSQA_DIR": str(psqa_dir), "DRL_RETRIEVER_URL": url},
+               "--retriever-tier", "medium")
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert f"DRL_RETRIEVER_URL={url!r}" in last and "Traceback" not in out.stderr, out.stderr
+    assert "joined run" not in out.stderr and "[type=" not in last, out.stderr
+
+
+@pytest.mark.parametrize("args, says", [(["--max-turns", "0"], "max_turns: Input should be greater than or equal to 1 (got 0)"),
+                                         (["--retriever-tier", "big"], "retriever_tier: Input should be 'auto', 'light'")])
+def test_a_bad_psqa_setting_reads_as_one_sentence(args, says):
+    """pydantic's folded table ('1 validation error for WorkerSettings; ...; [type=..., input_value=...]') is
+    not a sentence: the field, what is wrong, and what was given."""
+    out = subprocess.run([sys.executable, "-m", "worker_contract.worker", "--store", "file:///nonexistent", "--run",
+                          RUN, *args], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert says in out.stderr and "[type=" not in out.stderr and "validation error" not in out.stderr, out.stderr
+
+
 def test_the_worker_samples_every_registered_task_in_its_kind():
     """The worker's single-turn and episode sets are the task registry's, so a new task needs no worker edit."""
     from worker_contract.tasks import MULTI_TURN_TASKS, TASKS

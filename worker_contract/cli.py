@@ -36,11 +36,22 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, StoreError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
+def _validation_line(err) -> str:
+    if err["type"] == "value_error" and "error" in err.get("ctx", {}):
+        return str(err["ctx"]["error"])  # our validator's own sentence, without pydantic's 'Value error, '
+    got = "" if err["type"] == "missing" else f" (got {repr(err.get('input'))[:80]})"
+    return f"{'.'.join(map(str, err['loc']))}: {err['msg']}{got}"
+
+
 def one_sentence(e: BaseException) -> str:
     """The error's message on one line, secrets redacted (pydantic's multi-line text folded)."""
+    from pydantic import ValidationError
+
     from .env import redact
 
     text = str(e) if not isinstance(e, KeyError) else str(e.args[0] if e.args else e)
+    if isinstance(e, ValidationError):  # 'field: what is wrong (got x)', or our validator's own sentence
+        text = "\n".join(_validation_line(err) for err in e.errors())
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         text = f"{e.filename}: {e.strerror}"
     lines = [line.strip() for line in text.splitlines() if line.strip()

@@ -22,6 +22,7 @@ from . import env as envmod
 from .manifest import ContractMismatch, format_diff, load_manifest
 from .signing import fingerprint
 from .store import NotFound, Store, open_store
+from .tasks.psqa_retrieval import check_url
 
 FORMATS = ("text", "env", "json")
 Format = Literal["text", "env", "json"]
@@ -114,8 +115,12 @@ def build_card(store: Store, run: str, env: Mapping[str, str], retriever_url: st
         raise JoinCardError(f"run {run!r} has no run.json in {store.url}: start its trainer first (it "
                             "publishes run.json), or check DRL_RUN and DRL_STORE") from None
     retriever_url = retriever_url or env.get("DRL_RETRIEVER_URL", "").strip() or None
-    if retriever_url and urlparse(retriever_url).scheme not in ("http", "https"):
-        raise JoinCardError(f"retriever URL {retriever_url!r} must be an http:// or https:// URL")
+    if retriever_url:
+        try:
+            check_url(retriever_url)
+        except ValueError:
+            raise JoinCardError(f"retriever URL {retriever_url!r} must be an http:// or https:// URL with a host, "
+                                "e.g. http://10.0.0.5:8000") from None
     parsed = urlparse(store.url)
     use_r2 = parsed.scheme == "r2" or bool(env.get("R2_ACCESS_KEY_ID") and env.get("R2_SECRET_ACCESS_KEY"))
     var = "R2_ACCESS_KEY_ID" if use_r2 else "AWS_ACCESS_KEY_ID"

@@ -12,10 +12,12 @@ retriever (the light tier, 15-23 GB, cannot hold the BM25 index itself).
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -82,6 +84,20 @@ class RetrieverError(RuntimeError):
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 
 
+def check_url(url: str) -> str:
+    """`url` if a request can be sent to it (http(s), a host, a numeric port), else ValueError naming
+    DRL_RETRIEVER_URL: a worker refuses it up front instead of joining to drop every group."""
+    try:
+        parts = urlparse(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018  (raises ValueError for a port that is not a number in 0-65535)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"DRL_RETRIEVER_URL={url!r} is not an http(s) URL with a host; e.g. http://10.0.0.5:8000")
+    return url
+
+
 class RetrieverClient:
     """Calls a retriever over HTTP with bounded cost: each attempt has a socket timeout and a whole-call
     deadline (a server that drips bytes is cut off), reads at most MAX_RESPONSE_BYTES, and a failed attempt
@@ -90,9 +106,7 @@ class RetrieverClient:
 
     def __init__(self, url: str, timeout_s: float = 20.0, retries: int = 2, backoff_s: float = 0.5,
                  max_bytes: int = MAX_RESPONSE_BYTES):
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"DRL_RETRIEVER_URL={url!r} is not an http(s) URL; e.g. http://10.0.0.5:8000")
-        self.url = url.rstrip("/")
+        self.url = check_url(url).rstrip("/")
         self.timeout_s, self.retries, self.backoff_s, self.max_bytes = timeout_s, retries, backoff_s, max_bytes
 
     def _read(self, resp, deadline: float, what: str) -> bytes:
@@ -121,8 +135,10 @@ class RetrieverClient:
             err = RetrieverError(f"{what}: HTTP {e.code}: {detail}")
             err.retry = e.code >= 500  # type: ignore[attr-defined]
             raise err from None
-        except (urllib.error.URLError, OSError, ValueError) as e:  # refused, timed out, reset, bad status line
+        except (urllib.error.URLError, OSError, ValueError) as e:  # refused, timed out, reset
             raise RetrieverError(f"{what}: {e}") from None
+        except http.client.HTTPException as e:  # not HTTP at all (a bad status line), a body cut short
+            raise RetrieverError(f"{what}: {type(e).__name__}: {str(e)[:120]}") from None
 
     def _call(self, method: str, path: str, body: bytes | None = None, parse=None):
         for attempt in range(self.retries + 1):

@@ -96,9 +96,9 @@ class WorkerSettings(BaseModel):
     @field_validator("retriever_url")
     @classmethod
     def _http(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("http://", "https://")):
-            raise ValueError(f"DRL_RETRIEVER_URL={v!r} is not an http(s) URL; e.g. http://10.0.0.5:8000")
-        return v
+        from ..tasks.psqa_retrieval import check_url
+
+        return None if v is None else check_url(v)
 
 
 @dataclass
@@ -249,6 +249,8 @@ class Worker:
                                                   timeout_s=self.s.retriever_timeout_s))
         self.manifest = manifest
         self.task = get_task(manifest.task)
+        self.task.dataset("train")  # its questions (a download, or a local split) before the weights: a Mac
+        # without them is refused now, not after fetching gigabytes
         model_dir = resolve_model_dir(self.s, manifest)
         from .identity import check_identity
 

@@ -12,15 +12,16 @@ import torch
 
 WORDS = ["<eos>", "<unk>", "<search>", "</search>", "dmd", "gene", "protein", "kinase", "cell", "Question:",
          "Doc", "the", "of", "is", "a", "in"]
-"""No answer tags: the stops are EOS and `</search>` alone, so about one turn in six is a search."""
+"""No answer tags: the stops are EOS and `</search>` alone, so about one turn in six is a search
+(`WORDS + ["<answer>", "</answer>"]` gives a model that also answers)."""
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
-def save_tokenizer(out: Path):
+def save_tokenizer(out: Path, words: list[str] = WORDS):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
     fast.chat_template = TEMPLATE
@@ -32,12 +33,12 @@ def save_tokenizer(out: Path):
     return fast
 
 
-def tiny_search_model(arch: str, seed: int = 0, scale: float = 2.0):
-    """A random HF causal LM over WORDS: 'lfm2' or 'lfm2_moe' (conv, attention, conv; 4 experts)."""
+def tiny_search_model(arch: str, seed: int = 0, scale: float = 2.0, words: list[str] = WORDS):
+    """A random HF causal LM over `words`: 'lfm2' or 'lfm2_moe' (conv, attention, conv; 4 experts)."""
     from transformers import Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=len(WORDS), hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+    common = dict(vocab_size=len(words), hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
                   max_position_embeddings=512, eos_token_id=0, pad_token_id=0, bos_token_id=None)
     layers = dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], tie_word_embeddings=True)
     if arch == "lfm2":
@@ -53,11 +54,11 @@ def tiny_search_model(arch: str, seed: int = 0, scale: float = 2.0):
     return model.eval()
 
 
-def save_search_model(out: Path, arch: str, seed: int = 0) -> Path:
+def save_search_model(out: Path, arch: str, seed: int = 0, words: list[str] = WORDS) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    model = tiny_search_model(arch, seed)
+    model = tiny_search_model(arch, seed, words=words)
     model.save_pretrained(out)
-    save_tokenizer(out)
+    save_tokenizer(out, words)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg.get("eos_token_id") == 0, cfg.get("eos_token_id")
     return out

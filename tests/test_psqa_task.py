@@ -139,6 +139,10 @@ def test_episode_budget_and_turn_limits(tok):
     ep = run_episode([1], Scripted(tok, ["<think> still thinking"], eos_last=False), encode,
                      lambda q: "", max_new_tokens=3)
     assert ep.finish_reason == "length" and len(ep.response_ids) == 3
+    # a turn the generator stopped at a bare `</answer>` (no opening tag) ended there, not at the budget
+    ep = run_episode([1], Scripted(tok, ["dystrophin </answer>"], eos_last=False), encode,
+                     lambda q: "", max_new_tokens=400)
+    assert ep.finish_reason == "stop" and psqa.extract_answer(ep.text) is None
 
 
 def test_dataset_from_local_dir(tmp_path, monkeypatch):

@@ -155,8 +155,8 @@ def _advance(ep: Episode, out: TurnOutput, max_new_tokens: int, max_turns: int, 
     budget = max_new_tokens - len(ep.response_ids)
     ep._append(list(out.token_ids[:budget]), list(out.logprobs[:budget]), out.text)
     query = None if out.eos else parse_search(out.text)
-    if query is None:
-        done = out.eos or extract_answer(out.text) is not None
+    if query is None:  # 'stop' when the turn ended at EOS or `</answer>` (a bare one too), else the budget ended it
+        done = out.eos or extract_answer(out.text) is not None or out.text.rstrip().endswith(ANSWER_CLOSE)
         ep.finish_reason = "stop" if done else "length"
         return False
     ep.searches.append(query)

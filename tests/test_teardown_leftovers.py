@@ -123,6 +123,10 @@ def test_teardown_stops_the_children_a_killed_launcher_left(tmp_path):
         for name in ("learner", "worker-1"):
             assert f"{name} (pid {pids[name]})" in dry.stdout, dry.stdout
         assert "worker-9" not in dry.stdout
+        stop_dry = _invoke("stop", "--dry-run", root=tmp_path, run=run)
+        assert stop_dry.returncode == 0 and f"learner (pid {pids['learner']})" in stop_dry.stderr, stop_dry.stderr
+        assert {c["name"]: c["pid"] for c in json.loads(stop_dry.stdout)["leftovers"]} == {
+            n: pids[n] for n in ("learner", "worker-1")}
         assert all(process_start_time(p) is not None for p in pids.values())  # a dry run stops nothing
 
         out = _invoke("teardown", "--yes", root=tmp_path, run=run)

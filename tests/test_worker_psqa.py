@@ -178,6 +178,60 @@ def test_a_bad_psqa_setting_reads_as_one_sentence(args, says):
     assert says in out.stderr and "[type=" not in out.stderr and "validation error" not in out.stderr, out.stderr
 
 
+def test_the_documented_mac_install_brings_the_questions_a_worker_samples():
+    """A worker reads the run's training questions (the real GSM8K / PaperSearchQA through `datasets`, or a
+    DRL_*_DIR copy): the install line a Mac is given must bring `datasets`, or the join card's commands are
+    refused at the first step."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for doc in ("docs/mac-worker.md", "runs/psqa-decoupled/REPRODUCE.md"):
+        lines = re.findall(r"pip install -e '\.\[([a-z,]+)\]'([^\n`&|]*)", (REPO / doc).read_text())
+        mac = [(names.split(","), rest) for names, rest in lines if "mlx" in names.split(",")]
+        assert mac, doc
+        for names, rest in mac:
+            deps = [d for n in names for d in extras[n]] + rest.split()
+            assert any(d.startswith("datasets") for d in deps), (doc, names, rest)
+
+
+def test_a_mac_builds_and_serves_its_own_index_with_only_what_it_installs(tmp_path):
+    """Medium and heavy Macs may serve a local index. A Mac installs '.[mlx,data]' and '.[retriever]', not the
+    trainer's tools (invoke, fabric, torch): the documented commands are `python -m infra.retriever build`
+    and `serve`, which run with those tools missing, and no Mac command block calls invoke."""
+    import re
+
+    from infra.retriever.corpus import write_jsonl
+    from worker_contract.tasks.psqa_retrieval import RetrieverClient
+
+    for doc in ("docs/mac-worker.md", "runs/psqa-decoupled/REPRODUCE.md"):
+        blocks = [b for b in re.findall(r"```bash\n(.*?)```", (REPO / doc).read_text(), re.S)
+                  if "worker_contract.worker --backend mlx" in b]
+        assert blocks and not [line for b in blocks for line in b.splitlines() if "bin/invoke" in line], doc
+        assert any("python -m infra.retriever build" in b and "python -m infra.retriever serve" in b
+                   for b in blocks), doc
+    without = ("import runpy, sys\nfor m in ('invoke', 'fabric', 'torch', 'ray', 'matplotlib'): sys.modules[m] = None\n"
+               "runpy.run_module('infra.retriever', run_name='__main__', alter_sys=True)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    corpus = write_jsonl(synthetic_corpus(40, seed=3), tmp_path / "corpus.jsonl")
+    built = subprocess.run([sys.executable, "-c", without, "build", "--corpus", str(corpus), "--out",
+                            str(tmp_path / "idx")], env=env, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    serve = subprocess.Popen([sys.executable, "-c", without, "serve", "--index", str(tmp_path / "idx"), "--port", "0"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        for line in serve.stdout:
+            found = re.search(r"serving (http://127\.0\.0\.1:\d+)", line)
+            if found:
+                url = found.group(1)
+                break
+        assert url and RetrieverClient(url).health().documents == 40
+    finally:
+        serve.terminate()
+        serve.wait(30)
+
+
 def test_the_worker_samples_every_registered_task_in_its_kind():
     """The worker's single-turn and episode sets are the task registry's, so a new task needs no worker edit."""
     from worker_contract.tasks import MULTI_TURN_TASKS, TASKS

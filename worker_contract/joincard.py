@@ -167,7 +167,7 @@ def render(card: JoinCard, fmt: str = "text", reveal: bool = False) -> str:
                   "  a Mac:     python -m worker_contract.worker --backend mlx",
                   "  any box:   python -m worker_contract.worker --backend torch",
                   "  light tier (15-23 GB) searches through DRL_RETRIEVER_URL; medium (24-47 GB) and heavy may",
-                  "  serve a local index (invoke retriever.build, then invoke retriever) and point DRL_RETRIEVER_URL",
+                  "  serve a local index (python -m infra.retriever build, then serve) and point DRL_RETRIEVER_URL",
                   "  at it; --retriever-tier light|medium|heavy overrides the tier read from the memory"]
     if hidden:
         lines += ["", "Secrets are redacted; rerun with --reveal to include them (hand the card over privately)."]

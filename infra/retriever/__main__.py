@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if bool(args.index) == bool(args.corpus):
         raise ValueError("serve needs exactly one of --index DIR or --corpus PATH")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port {args.port} is out of range 1-65535")
+    if not 0 <= args.port < 65536:  # 0: any free port, the one bound is printed
+        raise ValueError(f"--port {args.port} is out of range 0-65535 (0: any free port)")
     for flag, path in (("--index", args.index), ("--corpus", args.corpus)):
         if path and not Path(path).exists():
             raise ValueError(f"{flag} {path} does not exist")

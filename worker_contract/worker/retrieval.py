@@ -2,7 +2,7 @@
 
 Tiers (runs/psqa-decoupled/REPRODUCE.md): light 15-23 GB cannot hold the BM25 index and must use the
 shared retriever of the join card (DRL_RETRIEVER_URL); medium (24-47 GB) and heavy (48 GB and up) may
-serve a local memory-mapped index (`invoke retriever.build`, then `invoke retriever`) on 127.0.0.1 and
+serve a local memory-mapped index (`python -m infra.retriever build`, then `serve`) on 127.0.0.1 and
 point DRL_RETRIEVER_URL at it. The tier follows the machine's memory; --retriever-tier overrides it.
 """
 
@@ -50,7 +50,7 @@ def make_search(url: str | None, tier: str, run: str, k: int = 3, timeout_s: flo
                              "set DRL_RETRIEVER_URL (or --retriever-url) to the join card's shared retriever")
         raise ValueError(f"run {run!r} trains psqa and needs a retriever: set DRL_RETRIEVER_URL (or "
                          "--retriever-url) to the join card's shared retriever, or on this "
-                         f"{tier}-tier machine to a local one (invoke retriever.build, then invoke retriever)")
+                         f"{tier}-tier machine to a local one (python -m infra.retriever build, then serve)")
     client = RetrieverClient(url, timeout_s=timeout_s, retries=retries)
     host = urlparse(client.url).hostname or ""
     if tier == "light" and host in ("127.0.0.1", "localhost", "::1"):

@@ -232,6 +232,33 @@ def test_a_mac_builds_and_serves_its_own_index_with_only_what_it_installs(tmp_pa
         serve.wait(30)
 
 
+def test_the_tier_follows_the_machine_memory_and_the_flag_overrides_it(run_store, model_dir, psqa_dir):
+    """light below 24 GB (the 16-24 GB Macs), medium below 48, heavy above; auto reads the machine's physical
+    memory; --retriever-tier, else DRL_RETRIEVER_TIER, overrides it. Seen through the refusal each tier gives
+    a worker with no retriever URL."""
+    import re
+
+    from worker_contract.worker.retrieval import GB, machine_memory_bytes, resolve_tier, tier_for
+
+    assert [tier_for(int(g * GB)) for g in (0, 15, 23.9, 24, 47.9, 48, 192)] == \
+        ["light"] * 3 + ["medium"] * 2 + ["heavy"] * 2
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        total = int(re.search(r"MemTotal:\s+(\d+) kB", meminfo.read_text())[1]) * 1024
+        assert abs(machine_memory_bytes() - total) < 0.05 * total
+    auto = resolve_tier("auto")
+    assert auto == tier_for(machine_memory_bytes())
+    store, _ = run_store
+    for args, env, tier in (([], {}, auto), (["--retriever-tier", "heavy"], {}, "heavy"),
+                            ([], {"DRL_RETRIEVER_TIER": "light"}, "light"),
+                            (["--retriever-tier", "medium"], {"DRL_RETRIEVER_TIER": "light"}, "medium")):
+        out = _cli(store, model_dir, {"DRL_PSQA_DIR": str(psqa_dir), **env}, *args)
+        last = out.stderr.strip().splitlines()[-1]
+        assert out.returncode == 2 and "DRL_RETRIEVER_URL" in last, (args, env, out.stderr)
+        said = "light" if "light-tier worker cannot hold" in last else re.search(r"this (\w+)-tier machine", last)[1]
+        assert said == tier, (args, env, last)
+
+
 def test_the_worker_samples_every_registered_task_in_its_kind():
     """The worker's single-turn and episode sets are the task registry's, so a new task needs no worker edit."""
     from worker_contract.tasks import MULTI_TURN_TASKS, TASKS

@@ -99,14 +99,26 @@ def test_uploads_search_episode_groups_the_source_accepts(run_store, model_dir, 
           f"{stats.prefill_reprefill} re-prefilled from the start")
 
 
-def test_a_failing_retriever_drops_groups_and_the_worker_goes_on(run_store, model_dir):
+@pytest.mark.parametrize("fault", ["down", "not-http", "malformed", "huge"])
+def test_a_failing_retriever_drops_groups_and_the_worker_goes_on(run_store, model_dir, retriever, fault):
+    """Down, answering bytes that are no HTTP, JSON that is not the wire format, a 64 MiB body: each group
+    that searched is dropped and counted, the worker keeps sampling (the fault servers of
+    tests/test_retriever_faults.py, in front of the real retriever)."""
     import socket
 
+    from tests.test_retriever_faults import Faults
+
     store, _ = run_store
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    w = _worker(store, model_dir, retriever_url=dead, retriever_tier="heavy", retriever_timeout_s=0.5)
+    srv = None
+    if fault == "down":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    else:
+        srv = Faults(retriever.url, fault)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        url = srv.url
+    w = _worker(store, model_dir, retriever_url=url, retriever_tier="heavy", retriever_timeout_s=0.5)
     stop = threading.Event()
     t = threading.Thread(target=w.run, args=(stop,), daemon=True)
     t.start()
@@ -119,6 +131,9 @@ def test_a_failing_retriever_drops_groups_and_the_worker_goes_on(run_store, mode
     stop.set()
     t.join(60)
     assert not t.is_alive()  # groups where no sample searched still upload
+    if srv is not None:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_a_light_tier_worker_without_a_retriever_is_refused_in_one_line(run_store, model_dir, psqa_dir):

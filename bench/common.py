@@ -18,6 +18,8 @@ def git_commit() -> str:
     """HEAD (with -dirty), or STOA_COMMIT where the tree was copied without .git (a rented GPU box)."""
     if os.environ.get("STOA_COMMIT"):
         return os.environ["STOA_COMMIT"]
+    if not _own_repository():
+        return "unknown"
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=RESULTS.parent, capture_output=True, text=True,
                              timeout=10)
@@ -26,6 +28,18 @@ def git_commit() -> str:
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def _own_repository() -> bool:
+    """Whether the tree these benchmarks sit in is a git checkout's top level. A copy of it inside another
+    checkout (a `git archive` under an ignored folder of a clone) would otherwise report that clone's HEAD
+    and status, which describe other code."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=RESULTS.parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and Path(out.stdout.strip()).resolve() == RESULTS.parent.parent.resolve()
 
 
 def provenance() -> dict:
@@ -39,7 +53,7 @@ def provenance() -> dict:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
-    head, status = git("rev-parse", "HEAD"), git("status", "--porcelain")
+    head, status = (git("rev-parse", "HEAD"), git("status", "--porcelain")) if _own_repository() else (None, None)
     if head is None or status is None:
         # the sender's word for a copied tree: STOA_COMMIT (the full hash) and STOA_CLEAN=1 where its
         # `git status --porcelain` was empty when it was sent

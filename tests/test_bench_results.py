@@ -96,3 +96,34 @@ def test_write_result_records_provenance(tmp_path: Path) -> None:
     assert isinstance(doc["clean"], bool) and isinstance(doc["status_porcelain"], str)
     assert problems(doc) == ([] if doc["clean"] else
                              ["tree not recorded clean (clean is not true) and no provenance_note"])
+
+
+def test_a_copied_tree_inside_another_checkout_takes_the_senders_commit(tmp_path: Path) -> None:
+    """A `git archive` of the tree unpacked under an ignored folder of a clone (how a GPU box gets an exact
+    commit) is measured as the commit it was made from (STOA_COMMIT), never as the clone around it."""
+    import os
+    import shutil
+    import sys
+
+    outer = tmp_path / "clone"
+    (outer / ".carry" / "src" / "bench").mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(outer)]
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    (outer / "README").write_text("the clone around the copy\n")
+    subprocess.run([*git, "add", "README"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "outer"], check=True)
+    for name in ("__init__.py", "common.py"):
+        shutil.copy(RESULTS.parent / name, outer / ".carry" / "src" / "bench" / name)
+    probe = "import json; from bench import common; print(json.dumps([common.provenance(), common.git_commit()]))"
+
+    def measured(**env: str) -> list:
+        out = subprocess.run([sys.executable, "-c", probe], cwd=outer / ".carry" / "src", capture_output=True,
+                             text=True, env={**{k: v for k, v in os.environ.items() if not k.startswith("STOA_")},
+                                             **env}, check=True)
+        return json.loads(out.stdout)
+
+    sent = "b" * 40
+    prov, commit = measured(STOA_COMMIT=sent, STOA_CLEAN="1")
+    assert prov == {"commit": sent, "status_porcelain": "", "clean": True} and commit == sent
+    prov, commit = measured()
+    assert prov["commit"] == "unknown" and prov["clean"] is None and commit == "unknown"

@@ -143,6 +143,14 @@ def _mark_pointer(cfg: RecipeConfig, paths: BoxPaths) -> None:
     mark.write_text(f"{_pointer(cfg, paths)}\n")
 
 
+def join_hint(cfg: RecipeConfig) -> str:
+    """What the operator does next: print the join card (a search task's with the shared retriever's URL)."""
+    from worker_contract.tasks import MULTI_TURN_TASKS
+
+    url = " --retriever-url http://<retriever-host>:8000" if cfg.task in MULTI_TURN_TASKS else ""
+    return f"hand out the join card (invoke joincard --run {cfg.run}{url})"
+
+
 def step_wait_learner(cfg: RecipeConfig, paths: BoxPaths, *, timeout_s: float = WAIT_LEARNER_S,
                       poll_s: float = 2.0, log: Callable[[str], None] | None = None) -> str:
     from .boxops import alive_pid, tail
@@ -155,8 +163,7 @@ def step_wait_learner(cfg: RecipeConfig, paths: BoxPaths, *, timeout_s: float = 
     while True:
         now = _pointer(cfg, paths)
         if now > before:
-            return (f"the learner published v{now} (its anchor) and waits for rollouts: hand out the join card "
-                    f"(invoke joincard --run {cfg.run})")
+            return f"the learner published v{now} (its anchor) and waits for rollouts: {join_hint(cfg)}"
         if alive_pid(paths.pid_file) is None:
             raise StepFailed("wait_learner: the learner exited before publishing its anchor; its log "
                              f"{paths.log_file} ends:\n" + "\n".join(tail(paths.log_file, 25)))

@@ -98,6 +98,16 @@ def test_native_box_check_follows_what_the_box_reports(tmp_path, monkeypatch):
     assert bad["ok"] is False and "cannot import transformers" in bad["error"] and "ray" not in bad["error"]
 
 
+def test_the_join_hint_of_a_search_run_names_the_retriever_url():
+    """A psqa card without DRL_RETRIEVER_URL cannot seat a light-tier Mac: the launcher's last line says how
+    to print the card with the shared retriever in it; a gsm8k run's does not ask for one."""
+    from infra.native_launch import join_hint
+
+    psqa = join_hint(resolve("psqa", {}, {"run": "p1"}))
+    assert "invoke joincard --run p1 --retriever-url http://" in psqa
+    assert "--retriever-url" not in join_hint(resolve("gsm8k", {}, {"run": "g1"}))
+
+
 def test_install_step_installs_nothing_that_imports():
     from infra.native_launch import step_install_packages
 

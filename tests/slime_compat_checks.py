@@ -349,6 +349,54 @@ def test_policy_loss_with_our_hooks_is_the_objective(box, plugin, parsed):
     assert objective.dppo_gate.__module__ == "trainer.slime_plugin.objective" and "pg_loss" in metrics
 
 
+def test_slimes_policy_loss_gives_tool_tokens_no_gradient(box, plugin, parsed):
+    """slime's own policy_loss_function on psqa-shaped samples (a tool turn of mask-0 tokens inside the
+    response, as our rollout hook hands them over): the logits that predict a tool token get exactly zero
+    gradient, the sampled tokens' do not, and the loss is still _slime_policy_loss's (tests/
+    test_tool_mask_gradient.py checks that transcription and the native step on the same shape)."""
+    from megatron.core import parallel_state
+    from slime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
+    from slime.backends.megatron_utils.loss import policy_loss_function
+    from test_slime_plugin import _slime_policy_loss
+
+    from tests import megatron_cpu
+
+    if not parallel_state.model_parallel_is_initialized():
+        megatron_cpu.init_distributed()
+    a = box["cfg"].algo
+    args = _run_args(parsed, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=3.0,
+                     kl_loss_coef=0.5, entropy_coef=0.0, calculate_per_token_loss=False, use_opsm=False,
+                     use_tis=False, rollout_top_p=1.0)
+    g = torch.Generator().manual_seed(5)
+    vocab, prompt = 11, [1, 2, 3]
+    masks = [torch.tensor(m, dtype=torch.float32) for m in ([1, 1, 0, 0, 0, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1])]
+    lengths = [len(m) for m in masks]
+    tokens = [torch.tensor(prompt + torch.randint(0, vocab, (n,), generator=g).tolist()) for n in lengths]
+    total = [len(t) for t in tokens]
+    logits = (torch.randn(1, sum(total), vocab, generator=g) * 2).requires_grad_(True)
+    logp, rows, start = [], [], 0
+    for t, n in zip(tokens, lengths, strict=True):
+        lsm = torch.log_softmax(logits[0, start: start + len(t)].float() / args.rollout_temperature, -1)
+        logp.append(lsm[len(t) - n - 1: len(t) - 1].gather(1, t[len(t) - n:, None]).squeeze(1))
+        rows.append(list(range(start + len(t) - n - 1, start + len(t) - 1)))  # the logits predicting each token
+        start += len(t)
+    mu = [torch.where(m > 0, (x.detach() + torch.randn(x.shape, generator=g)).clamp(max=-1e-3), 0.0)
+          for x, m in zip(logp, masks, strict=True)]  # tool tokens carry log-prob 0.0, as the workers record
+    ref = [(x.detach() + torch.randn(x.shape, generator=g) * 0.3).clamp(max=-1e-3) for x in logp]
+    adv = [torch.full((n,), v) for n, v in zip(lengths, [-1.0, 0.8, -0.6], strict=True)]
+    sums = torch.stack([m.sum() for m in masks])
+    batch = {"advantages": adv, "rollout_log_probs": mu, "ref_log_probs": ref, "unconcat_tokens": tokens,
+             "total_lengths": total, "response_lengths": lengths, "loss_masks": masks, "rollout_mask_sums": sums}
+    theirs, _ = policy_loss_function(args, batch, logits, get_sum_of_sample_mean(total, lengths, masks, sums, False))
+    want = _slime_policy_loss(args, [0, 1, 2], logp, mu, ref, adv, masks, sums)
+    assert float(theirs) == pytest.approx(float(want), rel=1e-5)
+    theirs.backward()
+    tool = [row for m, r in zip(masks, rows, strict=True) for keep, row in zip(m.tolist(), r, strict=True) if not keep]
+    sampled = [row for m, r in zip(masks, rows, strict=True) for keep, row in zip(m.tolist(), r, strict=True) if keep]
+    assert torch.all(logits.grad[0, tool] == 0), logits.grad[0, tool]
+    assert torch.count_nonzero(logits.grad[0, sampled]) > 0  # (the DPPO gate may still mask a sampled token)
+
+
 LAYERS_CONV = 3  # conv layers of test_lfm2_megatron's tiny LFM2 (conv, attention, conv, attention, conv)
 
 

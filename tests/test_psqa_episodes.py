@@ -80,23 +80,23 @@ def _sample_counting_forwards(policy, prompt, **kw):
         policy.model = inner
 
 
-def _torch_fresh(tp, prompt, response):
+def _torch_fresh(tp, prompt, response, temp=T):
     with torch.no_grad():
         logits = tp.model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits / T, -1).gather(-1, torch.tensor(response)[:, None])[:, 0].numpy()
+    return torch.log_softmax(logits / temp, -1).gather(-1, torch.tensor(response)[:, None])[:, 0].numpy()
 
 
-def _mlx_fresh(mp, prompt, response):
-    logits = mp.model(mx.array([prompt + response]))[0, len(prompt) - 1:-1].astype(mx.float32) / T
+def _mlx_fresh(mp, prompt, response, temp=T):
+    logits = mp.model(mx.array([prompt + response]))[0, len(prompt) - 1:-1].astype(mx.float32) / temp
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return np.array(mx.take_along_axis(logp, mx.array(response)[:, None], axis=-1)[:, 0])
 
 
-def _groups_with_a_search(policy, prompt):
+def _groups_with_a_search(policy, prompt, temp=T):
     """Groups of N episodes until one searched (the same ones every run: seeded policies)."""
     out = []
     for _ in range(8):
-        eps, count, fed = _sample_counting_forwards(policy, prompt, temperature=T, top_p=1.0, max_new_tokens=BUDGET,
+        eps, count, fed = _sample_counting_forwards(policy, prompt, temperature=temp, top_p=1.0, max_new_tokens=BUDGET,
                                                     search=search)
         # the model saw the prompt once, each extension once, and each sampled token but a turn's last once:
         # no sample's context was fed again from the start
@@ -118,15 +118,16 @@ def _segments(mask):
     return runs
 
 
+@pytest.mark.parametrize("temp", [T, 0.7])
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
-def test_episodes_masks_logprobs_and_prefill(policies, backend):
+def test_episodes_masks_logprobs_and_prefill(policies, backend, temp):
     tp, mp = policies
     policy = tp if backend == "torch" else mp
     prompt = tp.prompt_ids([{"role": "user", "content": "Question: the dmd gene is"}])
     assert prompt == mp.prompt_ids([{"role": "user", "content": "Question: the dmd gene is"}])
     tool_ids = tp.encode(tool_turn_text(DOCS))
     worst = {"torch": 0.0, "mlx": 0.0}
-    for eps, count in _groups_with_a_search(policy, prompt):
+    for eps, count in _groups_with_a_search(policy, prompt, temp):
         extensions = 0
         for e in eps:
             n = len(e.response_ids)
@@ -142,8 +143,8 @@ def test_episodes_masks_logprobs_and_prefill(policies, backend):
                 extensions += (b - a + 1) if b < n else 0  # the last sampled token and the tool turn
             sampled = np.array(e.loss_mask, dtype=bool)
             lp = np.array(e.behavior_logprobs)[sampled]
-            for name, fresh in (("torch", _torch_fresh(tp, prompt, e.response_ids)),
-                                ("mlx", _mlx_fresh(mp, prompt, e.response_ids))):
+            for name, fresh in (("torch", _torch_fresh(tp, prompt, e.response_ids, temp)),
+                                ("mlx", _mlx_fresh(mp, prompt, e.response_ids, temp))):
                 worst[name] = max(worst[name], float(np.abs(fresh[sampled] - lp).max()))
         assert count.extend == len(prompt) + extensions
         # re-prefilling from the start: each sample's prompt, then its whole context before every later turn

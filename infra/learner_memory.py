@@ -73,15 +73,19 @@ def tokens_that_fit(cfg: Mapping[str, Any], train: Any, gpu_gib: float) -> int:
 
 
 # -- mixture-of-experts models on the megatron backend, under the recipe's memory plan -------------------------
-# Fitted to LFM2.5-8B-A1B's measured peaks on one H200 (bench/results/lfm2_step_h200_6b93c03*.json, 17408 tokens
-# per micro-batch): per token x layer x hidden unit, logits included, 67 bytes of activations without recompute
-# and 24 with it. Per parameter the GPU always holds the bf16 policy and reference and the float32 gradient
-# (8 bytes); the float32 master (4) and the two moments (2 x 2 or 2 x 4) stay there unless offloaded.
-MOE_ACTIVATION_BYTES = {False: 67, True: 24}
-MOE_RESIDENT_BYTES = 8  # per parameter, never offloaded
-#: the plans tried for a card, fastest first as measured (14.2 s offload 1.0, 15.9 s offload 0.5 + recompute,
-#: 17.1 s offload 1.0 + recompute): (optimizer_offload, gradient_checkpointing), bf16 moments throughout
-MOE_PLANS = ((0.0, False), (0.5, False), (1.0, False), (1.0, True))
+# Fitted to LFM2.5-8B-A1B's measured peaks on one H200 (17408 tokens per micro-batch): per token x layer x
+# hidden unit, logits included, 54 bytes of activations without recompute (lfm2_step_h200_a038fb5_offload*.json,
+# the experts' activation fused; 67 before it) and 24 with it (lfm2_step_h200_6b93c03.json, before the fusion).
+# Per parameter the GPU always holds the bf16 policy and reference and the float32 gradient (8 bytes) and, while
+# a version publishes during the next step, the bf16 snapshot it publishes from (2; trainer/publish_queue.py:
+# not in the bench's step, so added here); the float32 master (4) and the two moments (2 x 2 or 2 x 4) stay
+# there unless offloaded.
+MOE_ACTIVATION_BYTES = {False: 54, True: 24}
+MOE_RESIDENT_BYTES = 8 + 2  # per parameter, never offloaded
+#: the plans tried for a card, fastest first as measured (11.7 s offload 0.75, 12.2 s offload 1.0, 15.9 s
+#: offload 0.5 + recompute, 17.1 s offload 1.0 + recompute): (optimizer_offload, gradient_checkpointing), bf16
+#: moments throughout; less offload than measured is assumed no slower
+MOE_PLANS = ((0.0, False), (0.5, False), (0.75, False), (1.0, False), (1.0, True))
 #: the cards users rent, in GiB as nvidia-smi reports them (80 GB H100/A100, 141 GB H200, 180 GB B200)
 CARDS = {"80 GB": 79.6, "141 GB": 139.8, "180 GB": 178.4}
 

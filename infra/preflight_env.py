@@ -207,13 +207,18 @@ def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
     cards = []
     for card, gib in lm.CARDS.items():
         plan = lm.moe_plan_for(cfg, params, tokens, gib, tp)
+        fits = lm.moe_tokens_that_fit(cfg, params, gib, tp)
         cards.append(f"{card}: offload {plan[0]:g}{' + recompute' if plan[1] else ''} (~{plan[2]:.0f} GiB)" if plan
-                     else f"{card}: none at this batch (recompute and full offload fit "
-                          f"{lm.moe_tokens_that_fit(cfg, params, gib, tp)} tokens per micro-batch)")
+                     else f"{card}: none at this batch (recompute and full offload fit {fits} tokens per "
+                          "micro-batch)" if fits else
+                     f"{card}: none at any batch (the states that stay on the GPU alone do not fit; tensor "
+                     "parallel across GPUs would)")
     fit = lm.moe_plan_for(cfg, params, tokens, gpu, tp)
+    leanest = lm.moe_tokens_that_fit(cfg, params, gpu, tp)
     fix = (f"set {lm.describe_plan(fit[0], fit[1])} in the recipe (~{fit[2]:.0f} GiB)" if fit else
-           f"lower train.micro_batch_size or set train.max_tokens_per_gpu: "
-           f"{lm.moe_tokens_that_fit(cfg, params, gpu, tp)} with the leanest plan, or rent a larger GPU")
+           f"lower train.micro_batch_size or set train.max_tokens_per_gpu: {leanest} with the leanest plan, or "
+           "rent a larger GPU" if leanest else
+           "rent a GPU with more memory, or set train.tensor_parallel to spread the model over this box's GPUs")
     plan = (f"offload {train.optimizer_offload:g}, {'recompute' if train.gradient_checkpointing else 'no recompute'}, "
             f"{algo.optim.moment_dtype} moments")
     return _row("box.gpu_memory", est <= lm.USABLE * gpu,

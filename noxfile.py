@@ -164,10 +164,12 @@ def slime_compat(session: nox.Session) -> None:
     work = tempfile.mkdtemp(prefix="stoa-slime-compat-")
     slime = _copy_tree(session, slime_dir, os.path.join(work, "slime"))
     megatron = _copy_tree(session, megatron_dir, os.path.join(work, "Megatron-LM"))
-    mpatch = os.path.join(slime, "docker", "patch", "latest", "megatron.patch")
-    if os.path.isfile(mpatch):  # as slime's Dockerfile does
-        session.log(f"applying {mpatch} to the Megatron-LM copy")
-        subprocess.run(["git", "apply", "--3way", mpatch], cwd=megatron, check=True)
+    # as slime's Dockerfile does: megatron.patch, then megatron-sglang-aligned.patch where the commit has it
+    for name in ("megatron.patch", "megatron-sglang-aligned.patch"):
+        mpatch = os.path.join(slime, "docker", "patch", "latest", name)
+        if os.path.isfile(mpatch):
+            session.log(f"applying {mpatch} to the Megatron-LM copy")
+            subprocess.run(["git", "apply", "--3way", mpatch], cwd=megatron, check=True)
     session.run("python", "infra/patches/probes.py", "--tree", slime_dir)  # slime's commit, as given
     session.run("python", "-m", "infra.patches.apply", "--tree", slime)
     # the packages alone (links), not the checkouts' roots: both have a `tests` package that would shadow ours

@@ -38,7 +38,7 @@ NATIVE_BOX_STEPS = [
     LaunchStep(name="publish_run", where="box",
                summary="run.json (create or identical resume) and trainer.key (0600); the learner publishes v1"),
     LaunchStep(name="launch_learner", where="box", gpu_only=True,
-               summary="setsid python -m trainer.native (Ray on 127.0.0.1, dashboard 127.0.0.1:8265), log to "
+               summary="setsid python -m entrypoints.learner (Ray on 127.0.0.1, dashboard 127.0.0.1:8265), log to "
                        "logs/<run>.log, pid file (skipped if alive)"),
     LaunchStep(name="wait_learner", where="box", gpu_only=True,
                summary="until the learner's anchor is the pointer; then it waits for rollouts"),
@@ -47,9 +47,9 @@ NATIVE_BOX_STEPS = [
 
 def learner_command(cfg: RecipeConfig, paths: BoxPaths, python: str = sys.executable) -> list[str]:
     """The detached learner's argv (what the dry run prints as the trainer command)."""
-    return [python, "-m", "trainer.native", "--recipe-json", paths.recipe_file,
-            "--model-dir", paths.hf_dir(cfg.model.hf_id), "--state-dir", paths.state_dir,
-            "--env-file", paths.env_file]
+    from trainer.learner import learner_argv
+
+    return learner_argv(python, paths.recipe_file, paths.hf_dir(cfg.model.hf_id), paths.state_dir, paths.env_file)
 
 
 def plan_notes(cfg: RecipeConfig) -> list[str]:

@@ -312,8 +312,12 @@ ROWS = [
         says=("/nonexistent",)),
     Row("bench-unknown", ["python", "-m", "bench", "nosuch"], says=("nosuch",)),
     Row("convert-cli-no-args", ["python", "-m", "infra.convert"], says=("--out",)),
-    Row("embedded-cli-no-args", ["python", "-m", "trainer.embedded"], says=("usage",)),
-    Row("psqa-eval-no-args", ["python", "-m", "trainer.psqa_eval"], says=("--out",)),
+    Row("learner-cli-no-args", ["python", "-m", "entrypoints.learner"], says=("--recipe-json",)),
+    Row("learner-missing-recipe", ["python", "-m", "entrypoints.learner", "--recipe-json", "{tmp}/none.json",
+                                   "--model-dir", "{tmp}", "--state-dir", ".stoa/runs/seed-run"], says=("none.json",)),
+    Row("native-shim-no-args", ["python", "-m", "trainer.native"], says=("--recipe-json",)),  # the old command
+    Row("psqa-eval-no-args", ["python", "-m", "entrypoints.psqa_eval"], says=("--out",)),
+    Row("psqa-eval-shim-no-args", ["python", "-m", "trainer.psqa_eval"], says=("--out",)),  # the old command
     Row("retriever-cli-port", ["python", "-m", "infra.retriever", "serve", "--corpus", "x.jsonl", "--port", "99999"],
         says=("--port",)),
     Row("box-check-here", ["python", "-m", "infra.box_check", "--remote-dir", "{tmp}"], rc=1, lines=None,

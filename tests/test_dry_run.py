@@ -134,7 +134,7 @@ def test_fleet_recipe_reuses_the_generator_with_its_values(clean_env, monkeypatc
 
 def test_fleet_recipe_defaults_to_the_native_engine(clean_env, monkeypatch):
     """The fleet model fits one H200 on the native engine (docs/performance.md): the default psqa plan runs
-    trainer.native with the recipe's memory plan, and no slime flags."""
+    entrypoints.learner with the recipe's memory plan, and no slime flags."""
     monkeypatch.setenv("DRL_KV_MODE", "paged_prefix")
     cfg = resolve("psqa", env={"DRL_RUN": "dry-psqa-native", "DRL_KV_MODE": "paged_prefix"})
     assert cfg.train.engine == "native" and cfg.algo.optim.moment_dtype == "bfloat16"
@@ -142,7 +142,7 @@ def test_fleet_recipe_defaults_to_the_native_engine(clean_env, monkeypatch):
     lines: list[str] = []
     assert launch_on_this_box(cfg, dry_run=True, out=lines.append) == 0
     plan = parse_plan("\n".join(lines))
-    assert plan.slime_args == [] and "trainer.native" in " ".join(plan.command)
+    assert plan.slime_args == [] and "-m entrypoints.learner" in " ".join(plan.command)
     assert plan.recipe["train"]["optimizer_offload"] == 1.0
 
 

@@ -24,9 +24,11 @@ ALLOWED: dict[str, set[str] | None] = {
     "infra": {"trainer", "worker_contract"},
     "entrypoints": None, "bench": None, "tasks": None, "noxfile": None,
 }
-#: file -> the one module above it that it may name: trainer/launch.py re-executes `python -m entrypoints.launch`
-#: for the old command (it imports nothing; the name is an argv string)
-SHIMS = {"trainer.launch": {"entrypoints.launch"}}
+#: file -> the process mains above it that it may name as a `python -m` command, never import (an argv string):
+#: the old commands' shims re-execute their entry point, and trainer.learner's LEARNER_MODULE is the learner
+#: process both launchers start
+SHIMS = {"trainer.launch": {"entrypoints.launch"}, "trainer.native": {"entrypoints.learner"},
+         "trainer.psqa_eval": {"entrypoints.psqa_eval"}, "trainer.learner": {"entrypoints.learner"}}
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?")
 
 

@@ -64,7 +64,7 @@ def test_embedded_dry_run_prints_the_resolved_config_and_the_plan_and_no_secret(
     assert cfg["algo"]["kl_coef"] == 0.001
     # what will run
     assert "python -m worker_contract.worker --store file://" in out and "--worker-id local-2" in out
-    assert "python -m trainer.embedded learner" in out
+    assert "python -m entrypoints.learner --recipe-json" in out
     # secrets are redacted, non-secrets shown
     assert SECRET not in out + p.stderr and KEY_ID not in out + p.stderr
     assert "R2_SECRET_ACCESS_KEY=**********" in out and "R2_BUCKET=bkt" in out
@@ -114,7 +114,7 @@ def test_psqa_without_host_dry_runs_the_embedded_miniature():
     assert "--retriever-url <retriever URL> --retriever-tier medium --max-turns 2" in out
     assert "DRL_KV_MODE=paged_prefix DRL_RETRIEVER_URL=<retriever URL>" in out and "DRL_PULSE_PLANE=int8g64" in out
     assert "trainer.psqa_base.ensure_psqa_base" in out and "cover-EM pass@1" in out
-    assert "python -m trainer.embedded learner" in out
+    assert "python -m entrypoints.learner --recipe-json" in out
     assert not (REPO / ".stoa" / "runs" / run).exists()
     # WORKER= puts every local worker on one backend
     p = _launch("--recipe", "psqa", "--run", run, "--worker", "torch", env={"DRL_DRY_RUN": "1"})

@@ -61,7 +61,7 @@ def test_engine_per_recipe_and_from_the_command_line():
 def test_dry_run_shows_the_engine_and_its_steps(monkeypatch):
     from entrypoints.launch import launch
 
-    for engine, must in (("native", ["trainer.native", "wait_learner", "install_packages"]),
+    for engine, must in (("native", ["entrypoints.learner", "wait_learner", "install_packages"]),
                          ("slime", ["train.py", "apply_patches", "convert_model"])):
         lines: list[str] = []
         env = {"DRL_DRY_RUN": "1", "DRL_STORE": "s3://stoa-test", "PATH": os.environ["PATH"]}

@@ -7,7 +7,7 @@
 2. run.json (created, or resumed with an identical contract) in the file bucket .stoa/bucket/ (DRL_STORE if set), signed by
    the run's key .stoa/runs/<run>/trainer.key (0600);
 3. processes, each in its own session so Ctrl-C reaches only this one, which then stops them in order:
-   the learner (`python -m trainer.embedded learner`: trainer.learner.run_learner, which publishes the
+   the learner (`python -m entrypoints.learner`: trainer.learner.serve, which publishes the
    base as the first anchor and runs Ray) and `embedded.workers` reference workers
    (`python -m worker_contract.worker`); their logs are in the run dir;
 4. held-out evaluation in this process: it follows the bucket like a worker (verified join) and scores
@@ -18,12 +18,8 @@ A rerun of the same RUN resumes from the learner's checkpoint; a new RUN starts 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +82,7 @@ def gsm8k_data_available() -> bool:
 def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> list[str]:
     """What `run_embedded` will do, for the dry run (`retriever_argv`: as run_embedded takes it)."""
     from .basemodel import config_digest
+    from .learner import learner_argv
 
     py = "python"
     if cfg.model.path:
@@ -108,12 +105,13 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> 
          f"DRL_PULSE_PLANE={cfg.contract.plane} DRL_TRAINER_KEY_FINGERPRINT=<fingerprint of trainer.key>; "
          f"log {paths.run_dir}/worker-{i + 1}.log)"
          for i, backend in enumerate(worker_backends(cfg))]
+    learner = " ".join(learner_argv(py, paths.run_dir / "recipe.json", "<base>", paths.run_dir))
     backends = worker_backends(cfg)
     kinds = " and ".join(f"{backends.count(b)} {b}" for b in dict.fromkeys(backends))
     middle = [
         f"2. run.json in {where} (created, or resumed with an identical contract); "
         f"signing key {paths.key_file} (0600)",
-        f"3. learner: {py} -m trainer.embedded learner (Ray on 127.0.0.1 only; publishes the first "
+        f"3. learner: {learner} (Ray on 127.0.0.1 only; publishes the first "
         f"anchor, then {cfg.train.num_steps} steps of {cfg.algo.groups_per_step} groups x {cfg.contract.n_samples}; "
         f"log {paths.run_dir}/learner.log)",
         f"4. {kinds} workers:", *w,
@@ -133,54 +131,6 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> 
         f"5. held-out evaluation every {cfg.embedded.eval_every} steps on {cfg.embedded.eval_problems} test "
         f"problems of task {cfg.task}, in this process", *tail,
     ]
-
-
-# -- the learner child ---------------------------------------------------------------------------------
-def learner_main(argv: list[str] | None = None) -> int:
-    """`python -m trainer.embedded learner ...`: run_learner until done or SIGTERM/SIGINT (graceful)."""
-    ap = argparse.ArgumentParser(prog="python -m trainer.embedded learner")
-    ap.add_argument("--recipe-json", required=True)
-    ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--run-dir", required=True)
-    args = ap.parse_args(argv)
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    from worker_contract.manifest import load_manifest
-    from worker_contract.signing import load_private_key
-    from worker_contract.store import open_store
-
-    from .learner import run_learner
-
-    cfg = RecipeConfig.model_validate_json(Path(args.recipe_json).read_text())
-    stop = threading.Event()
-    store = open_store(cfg.store)
-    key = load_private_key(Path(args.run_dir) / "trainer.key")
-    from .ray_runtime import ray_session
-
-    with ray_session(args.run_dir):  # run_learner joins it
-        # after Ray's start: its head's own SIGTERM handler ends every Ray process at once (no last step,
-        # no checkpoint); ours asks for a stop after the step in hand
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        res = run_learner(cfg, store, load_manifest(store, cfg.run), key, args.model_dir, args.run_dir,
-                          stop_event=stop)
-    print(json.dumps({"learner_done": {"step": res.step, "version": res.version,
-                                       "first_version": res.first_version}}), flush=True)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["learner"]:
-        return learner_main(argv[1:])
-    print("usage: python -m trainer.embedded learner --recipe-json R --model-dir D --run-dir R\n"
-          "(the embedded run itself starts with `make gsm8k RUN=<id>` / python -m entrypoints.launch)", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # -- the run -------------------------------------------------------------------------------------------

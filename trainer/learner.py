@@ -1,6 +1,7 @@
 """The native engine's loop: the learner session (trainer/session.py) in two Ray actors, one code path.
 
     run_learner(cfg, store, manifest, key, model_dir, run_dir, on_step=..., stop_event=...)
+    serve(cfg, model_dir, state_dir, env_file)   the learner process's body (python -m entrypoints.learner)
 
 The source actor holds the rollout side, the learner actor the backend and the train side. Setup resumes
 from the newest checkpoint and publishes a fresh anchor at a new, higher version; each step (trainer/step.py)
@@ -233,3 +234,66 @@ def run_learner(
             logger.close()
     return LearnerResult(step=final["step"], version=final["version"], first_version=info["version"],
                          resumed_from=info["resumed_from"], metrics_path=logger.path)
+
+
+# -- the learner process ---------------------------------------------------------------------------------
+#: the learner process's module, as both launchers start it (a command string: trainer imports nothing above it)
+LEARNER_MODULE = "entrypoints.learner"
+#: seconds between `waiting for rollouts` lines while the learner has no batch
+WAITING_EVERY_S = 30.0
+
+
+def learner_argv(python: str, recipe_json: str | Path, model_dir: str | Path, state_dir: str | Path,
+                 env_file: str | Path | None = None) -> list[str]:
+    """The learner process's command line (entrypoints/learner.py): the embedded run's child
+    (trainer/localprocs.py) and the native launch's detached learner (infra/native_launch.py)."""
+    argv = [python, "-m", LEARNER_MODULE, "--recipe-json", str(recipe_json), "--model-dir", str(model_dir),
+            "--state-dir", str(state_dir)]
+    return argv + (["--env-file", str(env_file)] if env_file is not None else [])
+
+
+def _waiting_lines(last_step: list[float], stop: threading.Event) -> None:
+    """Say `waiting for rollouts` while no step has come for a while (a thread's target)."""
+    while not stop.wait(WAITING_EVERY_S):
+        if time.monotonic() - last_step[0] >= WAITING_EVERY_S:
+            log.info("waiting for rollouts: no batch of fresh groups yet (workers join with the run's join card)")
+
+
+def serve(cfg: RecipeConfig, model_dir: str | Path, state_dir: str | Path,
+          env_file: str | Path | None = None) -> LearnerResult:
+    """The learner process's work, whichever launcher started it: `run_learner` in a Ray session on
+    127.0.0.1 until `cfg.train.num_steps` steps or SIGTERM/SIGINT, which stop it after the step in hand
+    (its publishes and a checkpoint, so `invoke stop` loses nothing). One log line per step, and `waiting
+    for rollouts` every WAITING_EVERY_S s while no batch comes. The store's credentials: `env_file` when it
+    exists, else `.r2env` in the working directory when there, the environment winning; the run's key:
+    `<state_dir>/trainer.key`. Call it from the main thread (it installs the signal handlers)."""
+    import signal
+
+    from worker_contract.env import load_env
+    from worker_contract.manifest import load_manifest
+    from worker_contract.signing import load_private_key
+    from worker_contract.store import open_store
+
+    from .ray_runtime import ray_session
+
+    env = load_env(env_file=env_file if env_file is not None and Path(env_file).exists() else None)
+    store = open_store(cfg.store, env)
+    key = load_private_key(Path(state_dir) / "trainer.key")
+    stop = threading.Event()
+    last_step = [time.monotonic()]
+
+    def on_step(m: dict) -> None:
+        last_step[0] = time.monotonic()
+        log.info("step %d v%s: reward %.3f, step %.2f s, publish blocking %.3f s, staleness %.2f",
+                 m["step"], m.get("version"), m.get("rollout/raw_reward", float("nan")),
+                 m.get("train/step_time_s", float("nan")), m.get("publish/blocking_s", float("nan")),
+                 m.get("rollout/staleness_mean", float("nan")))
+
+    threading.Thread(target=_waiting_lines, args=(last_step, stop), daemon=True).start()
+    with ray_session(state_dir):  # run_learner joins this session
+        # after Ray's start: its head installs a SIGTERM handler that ends every Ray process at once (no last
+        # step, no checkpoint); ours asks for a stop after the step in hand, then Ray shuts down
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        return run_learner(cfg, store, load_manifest(store, cfg.run), key, model_dir, state_dir,
+                           on_step=on_step, stop_event=stop, store_env=env)

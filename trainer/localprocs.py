@@ -167,8 +167,9 @@ def start_learner(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path,
                   extra_env: dict[str, str] | None = None) -> Child:
     recipe = paths.run_dir / "recipe.json"
     recipe.write_text(cfg.model_dump_json(indent=2))
-    argv = [sys.executable, "-m", "trainer.embedded", "learner", "--recipe-json", str(recipe),
-            "--model-dir", str(model_dir), "--run-dir", str(paths.run_dir)]
+    from .learner import learner_argv
+
+    argv = learner_argv(sys.executable, recipe, model_dir, paths.run_dir)
     return procs.start("learner", argv, {**child_env(cfg), **(extra_env or {})}, paths.run_dir / "learner.log")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -222,8 +223,8 @@ def evaluate_checkpoint(path: str | Path, version: int, problems: Sequence, task
     return point
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.psqa_eval", description=__doc__.split("\n\n")[0])
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="one HF checkpoint directory to evaluate")
     src.add_argument("--watch", help="directory where v<N>/step_<N>/iter_<N> HF checkpoints appear")
@@ -244,8 +245,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m entrypoints.psqa_eval") -> int:
+    """The evaluation process (entrypoints/psqa_eval.py): one checkpoint, or every new one under --watch."""
+    args = _parser(prog).parse_args(argv)
     from worker_contract.tasks.psqa import PsqaTask
     from worker_contract.tasks.psqa_retrieval import RetrieverClient, search_tool
 
@@ -268,5 +270,5 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.poll_s)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the old command: re-executes the process main, entrypoints/psqa_eval.py
+    os.execv(sys.executable, [sys.executable, "-m", "entrypoints.psqa_eval", *sys.argv[1:]])

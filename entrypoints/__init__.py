@@ -1,1 +1,3 @@
-"""Entry points above `trainer` and `infra`: code that picks where a job runs and hands it to either."""
+"""Entry points above `trainer` and `infra`: the launcher (picks where a job runs and hands it to either) and
+the process mains, thin files over one trainer function each (the learner both launchers start, the
+held-out psqa evaluation)."""

@@ -142,8 +142,8 @@ def test_launch_parses_and_validates_in_slime(parsed, recipe):
 
 @pytest.mark.parametrize("recipe", ["gsm8k", "psqa"])
 def test_every_flag_we_pass_is_one_slime_or_megatron_defines(parsed, recipe):
-    """Megatron's parse ignores unknown flags and slime drops them silently, and argparse takes a prefix
-    of a real flag as that flag: each flag of the launch must be spelled exactly as a parser defines it."""
+    """Megatron's parse ignores unknown flags and slime drops them silently (neither takes abbreviations,
+    so a near miss is dropped too): each flag of the launch must be spelled exactly as a parser defines it."""
     argv = parsed[recipe][0]
     assert len(known[recipe]) > 500, "the parse recorded no parser definitions"
     unknown = [a for a in argv if a.startswith("--") and a not in known[recipe]]

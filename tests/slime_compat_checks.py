@@ -303,35 +303,50 @@ def test_rollout_output_through_slimes_conversion(box, plugin, parsed):
     assert sum(data["truncated"]) == G  # the fixture's third sample of each group stopped at the length cap
 
 
-def test_policy_loss_with_our_hooks_is_the_objective(box, plugin, parsed):
-    """slime's policy_loss_function (our TIS hook, our reducer, k3 KL) on logits whose log-probs we know,
-    against _slime_policy_loss (tests/test_slime_plugin.py): equal only when dual-clip reaches the loss."""
+def _loss_args(box, parsed) -> Namespace:
+    """slime's arguments for a policy-loss check: the recipe's clip range, a dual-clip that bites (c = 3), a
+    large KL weight, no entropy, OPSM or TIS; megatron's process groups up (once)."""
     from megatron.core import parallel_state
-    from slime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
-    from slime.backends.megatron_utils.loss import policy_loss_function
-    from test_slime_plugin import _slime_policy_loss
 
     from tests import megatron_cpu
-    from trainer.slime_plugin import objective
 
     if not parallel_state.model_parallel_is_initialized():
         megatron_cpu.init_distributed()
     a = box["cfg"].algo
-    args = _run_args(parsed, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=3.0,
+    return _run_args(parsed, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=3.0,
                      kl_loss_coef=0.5, entropy_coef=0.0, calculate_per_token_loss=False, use_opsm=False,
                      use_tis=False, rollout_top_p=1.0)
+
+
+def _response_logp(logits, tokens, lengths, temperature: float) -> tuple[list, list]:
+    """Each response token's log-prob as the policy gives it (the logits at the position before it), and the
+    rows of `logits` that predict them."""
+    logp, rows, start = [], [], 0
+    for t, n in zip(tokens, lengths, strict=True):
+        lsm = torch.log_softmax(logits[0, start: start + len(t)].float() / temperature, -1)
+        logp.append(lsm[len(t) - n - 1: len(t) - 1].gather(1, t[len(t) - n:, None]).squeeze(1))
+        rows.append(list(range(start + len(t) - n - 1, start + len(t) - 1)))
+        start += len(t)
+    return logp, rows
+
+
+def test_policy_loss_with_our_hooks_is_the_objective(box, plugin, parsed):
+    """slime's policy_loss_function (our TIS hook, our reducer, k3 KL) on logits whose log-probs we know,
+    against _slime_policy_loss (tests/test_slime_plugin.py): equal only when dual-clip reaches the loss."""
+    from slime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
+    from slime.backends.megatron_utils.loss import policy_loss_function
+    from test_slime_plugin import _slime_policy_loss
+
+    from trainer.slime_plugin import objective
+
+    args = _loss_args(box, parsed)
     g = torch.Generator().manual_seed(3)
     vocab, prompt = 11, [1, 2, 3]
     lengths = [4, 3, 5]
     tokens = [torch.tensor(prompt + torch.randint(0, vocab, (n,), generator=g).tolist()) for n in lengths]
     total = [len(t) for t in tokens]
     logits = (torch.randn(1, sum(total), vocab, generator=g) * 2).requires_grad_(True)
-    # the log-prob of each response token, as the policy gives it (logits at the position before it)
-    logp, start = [], 0
-    for t, n in zip(tokens, lengths, strict=True):
-        lsm = torch.log_softmax(logits[0, start: start + len(t)].float() / args.rollout_temperature, -1)
-        logp.append(lsm[len(t) - n - 1: len(t) - 1].gather(1, t[len(t) - n:, None]).squeeze(1))
-        start += len(t)
+    logp, _ = _response_logp(logits, tokens, lengths, args.rollout_temperature)
     mu = [(x.detach() + torch.randn(x.shape, generator=g) * 1.5).clamp(max=-1e-3) for x in logp]
     ref = [(x.detach() + torch.randn(x.shape, generator=g) * 0.3).clamp(max=-1e-3) for x in logp]
     adv = [torch.full((n,), v) for n, v in zip(lengths, [-1.0, 0.8, -0.6], strict=True)]
@@ -354,19 +369,11 @@ def test_slimes_policy_loss_gives_tool_tokens_no_gradient(box, plugin, parsed):
     response, as our rollout hook hands them over): the logits that predict a tool token get exactly zero
     gradient, the sampled tokens' do not, and the loss is still _slime_policy_loss's (tests/
     test_tool_mask_gradient.py checks that transcription and the native step on the same shape)."""
-    from megatron.core import parallel_state
     from slime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
     from slime.backends.megatron_utils.loss import policy_loss_function
     from test_slime_plugin import _slime_policy_loss
 
-    from tests import megatron_cpu
-
-    if not parallel_state.model_parallel_is_initialized():
-        megatron_cpu.init_distributed()
-    a = box["cfg"].algo
-    args = _run_args(parsed, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=3.0,
-                     kl_loss_coef=0.5, entropy_coef=0.0, calculate_per_token_loss=False, use_opsm=False,
-                     use_tis=False, rollout_top_p=1.0)
+    args = _loss_args(box, parsed)
     g = torch.Generator().manual_seed(5)
     vocab, prompt = 11, [1, 2, 3]
     masks = [torch.tensor(m, dtype=torch.float32) for m in ([1, 1, 0, 0, 0, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1])]
@@ -374,12 +381,7 @@ def test_slimes_policy_loss_gives_tool_tokens_no_gradient(box, plugin, parsed):
     tokens = [torch.tensor(prompt + torch.randint(0, vocab, (n,), generator=g).tolist()) for n in lengths]
     total = [len(t) for t in tokens]
     logits = (torch.randn(1, sum(total), vocab, generator=g) * 2).requires_grad_(True)
-    logp, rows, start = [], [], 0
-    for t, n in zip(tokens, lengths, strict=True):
-        lsm = torch.log_softmax(logits[0, start: start + len(t)].float() / args.rollout_temperature, -1)
-        logp.append(lsm[len(t) - n - 1: len(t) - 1].gather(1, t[len(t) - n:, None]).squeeze(1))
-        rows.append(list(range(start + len(t) - n - 1, start + len(t) - 1)))  # the logits predicting each token
-        start += len(t)
+    logp, rows = _response_logp(logits, tokens, lengths, args.rollout_temperature)
     mu = [torch.where(m > 0, (x.detach() + torch.randn(x.shape, generator=g)).clamp(max=-1e-3), 0.0)
           for x, m in zip(logp, masks, strict=True)]  # tool tokens carry log-prob 0.0, as the workers record
     ref = [(x.detach() + torch.randn(x.shape, generator=g) * 0.3).clamp(max=-1e-3) for x in logp]

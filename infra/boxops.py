@@ -154,7 +154,7 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
     pid = alive_pid(paths.pid_file)
     leftovers = leftover_children(paths.state_dir)
     out = {"run": run, "ray_jobs": [j.submission_id for _, j in jobs], "pid": pid,
-           "leftovers": [{"name": c["name"], "pid": c["pid"]} for c in leftovers], "stopped": False}
+           "leftovers": [_named(c) for c in leftovers], "stopped": False}
     if note:
         log(note)
     if dry_run:
@@ -162,8 +162,7 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
             + (f", and {_describe(leftovers)} left by a launcher that is gone" if leftovers else "") + " [dry run]")
         return out
     if (Path(paths.state_dir) / CHILDREN_DIR).is_dir():  # also the records of children gone by themselves
-        out["leftovers"] = [{"name": c["name"], "pid": c["pid"]}
-                            for c in stop_leftovers(paths.state_dir, timeout_s=timeout_s, log=log)]
+        out["leftovers"] = [_named(c) for c in stop_leftovers(paths.state_dir, timeout_s=timeout_s, log=log)]
     for client, job in jobs:
         log(f"stopping Ray job {job.submission_id}")
         client.stop_job(job.submission_id)
@@ -249,9 +248,19 @@ def leftover_children(state_dir: str | Path) -> list[dict]:
     return recorded_children(Path(state_dir))
 
 
+def _named(child: dict) -> dict:
+    """What stop's answer says of a leftover child (its JSON, also read back over SSH)."""
+    return {k: child[k] for k in ("name", "pid", "leader_alive")}
+
+
 def _describe(children: list[dict]) -> str:
     return ", ".join(f"{c['name']} (pid {c['pid']})" if c["leader_alive"] else f"{c['name']}'s process group "
                      f"{c['pid']}" for c in children)
+
+
+def leftovers_action(run: str, children: list[dict]) -> str:
+    """The plan's line for the children a dead launcher of `run` left running (stop and teardown alike)."""
+    return f"stop what the launcher of run {run} left running when it died: {_describe(children)}"
 
 
 def stop_leftovers(state_dir: str | Path, *, timeout_s: float = 30.0, log=print) -> list[dict]:
@@ -334,7 +343,7 @@ def teardown_actions(remote_dir: str, run: str, *, purge: bool = False) -> list[
 
     leftovers = leftover_children(BoxPaths(remote_dir=str(root), run=run).state_dir)
     if leftovers:
-        actions.append(f"stop what the launcher of run {run} left running when it died: {_describe(leftovers)}")
+        actions.append(leftovers_action(run, leftovers))
     if (root / RAY_MARKER).exists() and not others:
         actions.append("ray stop (this tree started Ray for its runs)")
     creds = root / ".r2env"

@@ -65,11 +65,12 @@ def _plan(host, run, rd, ssh_key, step: str, purge: bool = False) -> list[str]:
 
     with contextlib.redirect_stderr(io.StringIO()):  # the box's own "would ..." lines: the list below says it
         if step == "stop":
+            from .boxops import leftovers_action
+
             out = remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd, dry_run=True)
-            left = [f"{c['name']} (pid {c['pid']})" for c in out.get("leftovers", [])]
+            left = out.get("leftovers", [])
             return [f"stop Ray jobs {', '.join(out['ray_jobs']) or 'none'} and the trainer process group "
-                    f"{out['pid'] or '(none running)'} of run {run}"] + (
-                [f"stop what the launcher of run {run} left running when it died: {', '.join(left)}"] if left else [])
+                    f"{out['pid'] or '(none running)'} of run {run}"] + ([leftovers_action(run, left)] if left else [])
         return remote_teardown(host, run, ssh_key=ssh_key, remote_dir=rd, purge=purge, dry_run=True)["actions"]
 
 

@@ -1,26 +1,11 @@
 """A loopback HTTP proxy between clients and an S3 server that injects faults and R2-like conditions.
 
-Used by the reliability tests (exact fault scripts) and by the fleet simulator (bench/fleet: latency,
-a request-rate cap, random faults, per-request accounting). Point boto3's endpoint at `proxy.url`; every
-request is forwarded to `upstream` unless a fault is chosen:
-
-    "503"     answer 503 ServiceUnavailable without forwarding (the server never saw the request)
-    "429"     answer 429 TooManyRequests without forwarding (R2's per-key write limit)
-    "reset"   read the request, then reset the connection without forwarding (a dropped connection)
-    "lost"    forward it (the server acts on it), then reset the connection: the answer is lost
-    "slow"    forward it, then hold the answer `slow_s` seconds (longer than the client's read timeout)
-    "cap"     (not injectable) 429 SlowDown because the request-rate cap's token bucket was empty
-
-Faults come from a script first (`inject`, for exact scenarios), else at random with probability `rate`
-among `kinds`, from `random.Random(seed)`, so a run is reproducible. Conditions, each off by default:
-`latency` delays every answer by a draw from a log-normal (median and 99th percentile, R2 from a home
-link is tens to a few hundred ms) plus the bytes over `bandwidth_bps`; `cap_rps` admits at most that many
-requests per second (token bucket of `cap_burst`), answering the rest 429 without forwarding; `sizer`
-gives an object a declared size (a real fleet's anchor or patch on a small model's bytes): its transfer
-time is the declared bytes over the bandwidth, the answer's few real bytes paced over it. Every
-request is recorded in `log` (unless `keep_log=False`) and handed to `observer`, if given, when answered.
-Hand-written: no maintained library proxies S3 with scripted faults and per-request records; it is a
-test and benchmark tool, never on the wire in production.
+Used by the reliability tests (exact fault scripts) and by the fleet simulator (bench/fleet: latency, a
+request-rate cap, random faults, per-request accounting). Point boto3's endpoint at `proxy.url`; every
+request is forwarded to `upstream` unless a fault is chosen (503, 429, reset, lost, slow), from a script
+(`inject`) or at random from a seeded generator. The fault kinds and conditions: docs/performance.md
+(module notes). Hand-written: no maintained library proxies S3 with scripted faults and per-request
+records; it is a test and benchmark tool, never on the wire in production.
 """
 
 from __future__ import annotations

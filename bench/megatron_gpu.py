@@ -229,7 +229,7 @@ def backend_parity(model_dir: Path, device: str, rows: int, prompt: int, respons
 def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0):
     import torch
 
-    from trainer.batch import TrainBatch
+    from trainer.step import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (rows, prompt + response), generator=g)
@@ -244,7 +244,7 @@ def ragged_batch(rows: int, max_prompt: int, max_response: int, vocab: int, seed
     """Rows of random prompt and response lengths, right-padded, as a real step's batch is."""
     import torch
 
-    from trainer.batch import TrainBatch
+    from trainer.step import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     p = torch.randint(max_prompt // 4, max_prompt + 1, (rows,), generator=g)

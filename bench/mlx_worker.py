@@ -21,8 +21,8 @@ WORKERS = (("torch", "torch", None), ("mlx-float32", "mlx", "float32"), ("mlx-bf
 
 
 def _base_model(cfg) -> Path:
-    from trainer.basemodel import ensure_base
-    from trainer.embedded import STOA_DIR
+    from trainer.embedded.basemodel import ensure_base
+    from trainer.embedded.run import STOA_DIR
     from worker_contract.tasks import get_task
 
     rep = ensure_base(cfg.embedded.base, get_task(cfg.task), STOA_DIR / "cache", max_new_tokens=cfg.algo.max_new_tokens,
@@ -34,7 +34,7 @@ def _publish(store, cfg, model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     from trainer.models.identity import identity_from_hf
-    from trainer.publisher import Publisher
+    from trainer.publish.publisher import Publisher
     from trainer.run_init import run_manifest
     from worker_contract import signing
     from worker_contract.manifest import create_or_resume
@@ -50,8 +50,8 @@ def _publish(store, cfg, model_dir: Path):
 def measure_plane(plane: str, model_dir: Path, groups: int, seed: int = 0) -> dict:
     from trainer.audit import WorkerAudit
     from trainer.backends import get_backend
-    from trainer.batch import collate
     from trainer.config import resolve
+    from trainer.step import collate
     from worker_contract.store.file import FileStore
     from worker_contract.worker.loop import Worker, WorkerSettings
 

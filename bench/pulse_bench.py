@@ -33,7 +33,7 @@ def _states(model, steps: int, vocab: int) -> list[dict]:
     """bf16 HF-named snapshots: before training and after each AdamW step (lr 1e-6, wd 0.01)."""
     import torch
 
-    from trainer.publisher import drop_aliases
+    from trainer.publish.publisher import drop_aliases
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
     snap = lambda: {k: v.detach().to(torch.bfloat16).clone() for k, v in drop_aliases(model.state_dict()).items()}  # noqa: E731

@@ -79,7 +79,7 @@ def run(shape: str, device: str, plane: str, hash_threads: int | None = None) ->
     import numpy as np
     import torch
 
-    from trainer.publisher import Publisher
+    from trainer.publish.publisher import Publisher
     from worker_contract import layout, signing
     from worker_contract.manifest import create_or_resume
     from worker_contract.planes.device import from_hf as device_plane

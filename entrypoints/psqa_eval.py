@@ -1,13 +1,13 @@
 """`python -m entrypoints.psqa_eval (--model DIR | --watch DIR) --out DIR --retriever URL [...]`: held-out psqa.
 
 The held-out PaperSearchQA curve (cover-EM pass@1, pass@k, search rate per version), run apart from the
-learner on its own GPU or box; its work is trainer.psqa_eval.main. `python -m trainer.psqa_eval`
+learner on its own GPU or box; its work is trainer.embedded.psqa_eval.main. `python -m trainer.psqa_eval`
 re-executes this.
 """
 
 import sys
 
-from trainer.psqa_eval import main
+from trainer.embedded.psqa_eval import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="python -m entrypoints.psqa_eval"))

@@ -1,15 +1,11 @@
 """On-box process control for a run: start the trainer detached, report, stop, tear down.
 
-Runs on the GPU box itself, either directly or as `python3 -m infra.boxops <cmd>` over SSH (infra/remote),
-so both paths share one implementation. The trainer is started in a session of its own (setsid), with its
-output appended to `<remote_dir>/logs/<run>.log` and `<pid> <start time>` in the run's pid file, so it
-survives the SSH session that started it and a recycled PID is never mistaken for it. `stop` ends only
-that process group (and the run's Ray jobs, found by their `stoa_run` metadata), by PID: SIGTERM to the
-trainer itself, then to what is left of its group.
-
-    python3 -m infra.boxops status   --remote-dir /root/dRL --run my-run [--lines 20]   # JSON
-    python3 -m infra.boxops stop     --remote-dir /root/dRL --run my-run [--dry-run]
-    python3 -m infra.boxops teardown --remote-dir /root/dRL --run my-run [--purge] [--dry-run]
+Runs on the GPU box itself, directly or as `python3 -m infra.boxops status|stop|teardown --remote-dir D
+--run R` over SSH (infra/remote), so both paths share one implementation. The trainer runs in a session
+of its own (setsid) with its output in `<remote_dir>/logs/<run>.log` and `<pid> <start time>` in the run's
+pid file, so it survives the SSH session that started it and a recycled PID is never mistaken for it.
+`stop` ends only that process group and the run's Ray jobs, by PID. More in docs/operations.md (module
+notes).
 """
 
 from __future__ import annotations
@@ -196,10 +192,10 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
 SHIPPED_MARK = ".stoa-tree.sha256"
 
 
-#: the run dir's folder of the embedded launcher's child records (trainer/localprocs.py CHILDREN_DIR)
+#: the run dir's folder of the embedded launcher's child records (trainer/embedded/localprocs.py CHILDREN_DIR)
 CHILDREN_DIR = "children"
 
-#: the lock a running `make gsm8k RUN=<run>` holds on its run dir (trainer/embedded.py `_lock_run`)
+#: the lock a running `make gsm8k RUN=<run>` holds on its run dir (trainer/embedded/run.py `_lock_run`)
 RUN_LOCK = ".lock"
 
 
@@ -239,11 +235,11 @@ def run_is_live(state_dir: str | Path) -> bool:
 
 def leftover_children(state_dir: str | Path) -> list[dict]:
     """The embedded launcher's children still running after it died without stopping them (SIGKILL; a child
-    that outlived its SIGTERM; macOS): trainer.localprocs.recorded_children, read only with the run's lock
+    that outlived its SIGTERM; macOS): trainer.embedded.localprocs.recorded_children, read only with the run's lock
     free (a live launcher stops its own children). Without records, no trainer import (the box's trees)."""
     if not (Path(state_dir) / CHILDREN_DIR).is_dir() or run_is_live(state_dir):
         return []
-    from trainer.localprocs import recorded_children
+    from trainer.embedded.localprocs import recorded_children
 
     return recorded_children(Path(state_dir))
 
@@ -267,7 +263,7 @@ def stop_leftovers(state_dir: str | Path, *, timeout_s: float = 30.0, log=print)
     """With the run's lock held: SIGTERM each leftover child (the learner checkpoints, a worker finishes its
     group), SIGKILL what is left of its process group after `timeout_s`, and delete the run's child records
     (also those of children gone by themselves). The children stopped; none while a launcher holds the lock."""
-    from trainer.localprocs import group_members, process_start_time, recorded_children
+    from trainer.embedded.localprocs import group_members, process_start_time, recorded_children
 
     lock = lock_run_dir(state_dir)
     if lock is None:  # a launcher runs (again): its children are its own

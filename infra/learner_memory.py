@@ -77,7 +77,7 @@ def tokens_that_fit(cfg: Mapping[str, Any], train: Any, gpu_gib: float) -> int:
 # hidden unit, logits included, 54 bytes of activations without recompute (lfm2_step_h200_a038fb5_offload*.json,
 # the experts' activation fused; 67 before it) and 24 with it (lfm2_step_h200_6b93c03.json, before the fusion).
 # Per parameter the GPU always holds the bf16 policy and reference and the float32 gradient (8 bytes) and, while
-# a version publishes during the next step, the bf16 snapshot it publishes from (2; trainer/publish_queue.py:
+# a version publishes during the next step, the bf16 snapshot it publishes from (2; trainer/publish/queue.py:
 # not in the bench's step, so added here); the float32 master (4) and the two moments (2 x 2 or 2 x 4) stay
 # there unless offloaded.
 MOE_ACTIVATION_BYTES = {False: 54, True: 24}

@@ -1,4 +1,4 @@
-"""The native engine on a GPU box: our Ray learner (trainer/learner.py) on megatron-core, without slime.
+"""The native engine on a GPU box: our Ray learner (trainer/native/learner.py) on megatron-core, without slime.
 
 Any CUDA box with torch will do (a plain PyTorch image): no slime, no Megatron-LM tree, no custom image.
 `infra.launch_gpu` runs these steps when the recipe says `train.engine: native`; each can run again, it
@@ -47,14 +47,14 @@ NATIVE_BOX_STEPS = [
 
 def learner_command(cfg: RecipeConfig, paths: BoxPaths, python: str = sys.executable) -> list[str]:
     """The detached learner's argv (what the dry run prints as the trainer command)."""
-    from trainer.learner import learner_argv
+    from trainer.native.learner import learner_argv
 
     return learner_argv(python, paths.recipe_file, paths.hf_dir(cfg.model.hf_id), paths.state_dir, paths.env_file)
 
 
 def plan_notes(cfg: RecipeConfig) -> list[str]:
     t = cfg.train
-    return [f"engine native: trainer.learner on the {t.backend} backend, tensor parallel {t.tensor_parallel} "
+    return [f"engine native: trainer.native.learner on the {t.backend} backend, tensor parallel {t.tensor_parallel} "
             f"(one Ray actor per GPU of this host above 1), micro-batches of {t.max_tokens_per_gpu or '-'} "
             "tokens; ENGINE=slime launches slime's train.py instead (the slime image)",
             "staleness and reuse are enforced by the learner's rollout source "

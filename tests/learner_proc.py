@@ -24,7 +24,7 @@ def save_loop(ckpt_root: str, model_dir: str) -> None:
     from trainer import checkpoint
     from trainer.algo import policy_loss
     from trainer.backends import get_backend
-    from trainer.batch import collate
+    from trainer.step import collate
 
     torch.set_num_threads(1)
     cfg = recipe()
@@ -46,7 +46,7 @@ def learn(store_root: str, run_dir: str, model_dir: str, key_path: str, run: str
           staleness: str) -> None:
     from learner_fixtures import manifest, recipe
 
-    from trainer.learner import run_learner
+    from trainer.native.learner import run_learner
     from worker_contract.manifest import create_or_resume
     from worker_contract.signing import load_private_key
     from worker_contract.store.file import FileStore

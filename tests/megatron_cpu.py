@@ -147,7 +147,7 @@ def setup_rank() -> None:
 
 def random_batch(rows: int, vocab: int, *, seed: int = 0, max_prompt: int = 5, max_response: int = 7):
     """A TrainBatch of random right-padded sequences with varied prompt and response lengths."""
-    from trainer.batch import TrainBatch
+    from trainer.step import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     pl = torch.randint(1, max_prompt + 1, (rows,), generator=g)

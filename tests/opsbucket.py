@@ -1,5 +1,5 @@
 """Build a run's bucket for the operator-view tests (status, gc) with the real writers: run.json through
-`create_or_resume`, anchors, signed patches and the signed pointer through `trainer.publisher.Publisher`,
+`create_or_resume`, anchors, signed patches and the signed pointer through `trainer.publish.publisher.Publisher`,
 per-version stats through `trainer.metrics`, and rollout records as encoded `RolloutRecord`s under
 `worker_contract.layout` keys.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from weightsync_helpers import TinyPolicy
 
 from trainer.metrics import version_stats, write_version_stats
-from trainer.publisher import Publisher
+from trainer.publish.publisher import Publisher
 from worker_contract import layout, signing
 from worker_contract.manifest import RunManifest, create_or_resume
 from worker_contract.schema import RolloutRecord, Sample, SamplingParams, encode_record

@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.publisher import Publisher  # noqa: E402
+from trainer.publish.publisher import Publisher  # noqa: E402
 from worker_contract.manifest import load_manifest  # noqa: E402
 from worker_contract.signing import load_private_key  # noqa: E402
 from worker_contract.store import open_store  # noqa: E402

@@ -1,6 +1,6 @@
 """The recipe's embedded base for the slow lane, rebuilt from scratch while the rest of the suite runs.
 
-The repository ships the recipe's base (trainer/base_gsm8k, weights pinned in trainer/basemodel.py), so a
+The repository ships the recipe's base (trainer/embedded/base_gsm8k, weights pinned in trainer/embedded/basemodel.py), so a
 clone's `make gsm8k` starts RL at once; the slow lane checks that the shipped base is what the recipe
 builds. Building it takes 7-11 minutes on the one thread the build uses, so when a collected test asks
 for the `recipe_base` fixture, a child process starts building it at collection, on the core the other
@@ -33,7 +33,7 @@ def _orphaned():  # the test run ended without stopping us (SIGKILL, a CI timeou
     os._exit(1)
 threading.Thread(target=_orphaned, daemon=True).start()
 from pathlib import Path
-from trainer.basemodel import ensure_base
+from trainer.embedded.basemodel import ensure_base
 from trainer.config import resolve
 from worker_contract.tasks import get_task
 cfg = resolve("gsm8k", env={}, overrides={"run": "slow-lane-base"}, embedded=True)

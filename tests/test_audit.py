@@ -19,7 +19,7 @@ from learner_fixtures import make_record, manifest, put_record, recipe, save_tin
 
 from trainer.audit import DEFAULT_THRESHOLD, WorkerAudit
 from trainer.backends import get_backend
-from trainer.batch import collate
+from trainer.step import collate
 from worker_contract.schema import RolloutRecord, Sample
 
 torch.set_num_threads(1)
@@ -137,8 +137,8 @@ class FollowingWorkers(threading.Thread):
 
 @pytest.mark.integration
 def test_learner_flags_a_tampering_worker_in_metrics_and_bucket_stats(model_dir, tmp_path):
-    from trainer.learner import run_learner
     from trainer.metrics import read_metrics
+    from trainer.native.learner import run_learner
     from worker_contract import layout
     from worker_contract.manifest import create_or_resume
     from worker_contract.pointer import read_pointer

@@ -363,7 +363,7 @@ ROWS = [
         says=("c.jsonl:1", "not JSON")),
     # megatron's torch_dist writer needs a CUDA build of torch; elsewhere convert refuses in a sentence (it imports
     # megatron-core and builds the model first: 6-12 s, so in the slow lane)
-    Row("convert-without-cuda", ["invoke", "convert", "--hf-dir", "trainer/base_gsm8k", "--out", "{tmp}/out"],
+    Row("convert-without-cuda", ["invoke", "convert", "--hf-dir", "trainer/embedded/base_gsm8k", "--out", "{tmp}/out"],
         says=("CUDA build of torch", "GPU host"), without_cuda=True, slow=True),
     Row("preflight-plan-list", ["python", "-m", "infra.preflight"], stdin=PLAN.format("[1]"),
         says=("launch plan does not validate",), never=("errors.pydantic.dev",)),

@@ -11,12 +11,6 @@ ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("trainer", "worker_contract", "infra", "entrypoints", "bench", "tests")
 TOP_FILES = ("noxfile.py", "tasks.py")
 MAX_LINES = 10
-#: files over the limit that may stay so for now
-ALLOWED_LONG = {
-    # being edited elsewhere; trim next
-    "infra/boxops.py", "trainer/embedded.py", "trainer/rollouts.py", "bench/faultproxy.py",
-    "bench/fleet/accounting.py",
-}
 
 
 def _files() -> list[Path]:
@@ -37,13 +31,8 @@ def test_module_docstrings_are_at_most_10_lines():
     for p in _files():
         rel = p.relative_to(ROOT).as_posix()
         n = docstring_lines(p)
-        if n > MAX_LINES and rel not in ALLOWED_LONG:
+        if n > MAX_LINES:
             long.append(f"{rel}: {n} lines")
     assert not long, (f"module docstrings over {MAX_LINES} lines (keep what and why; move the rest to docs/):\n"
                       + "\n".join(long))
 
-
-def test_the_allowlist_has_no_stale_entries():
-    """An allowed file that is short now leaves the list, so the list only shrinks."""
-    stale = [f for f in ALLOWED_LONG if (ROOT / f).exists() and docstring_lines(ROOT / f) <= MAX_LINES]
-    assert not stale, "these are short now; take them off ALLOWED_LONG: " + ", ".join(sorted(stale))

@@ -18,7 +18,7 @@ import pytest
 from test_embedded_e2e import _leftovers, _verify, _wait_gone  # the gsm8k loop's run checks
 
 from trainer.config import resolve
-from trainer.rollout_pool import BatchRules, GroupPool, Tally
+from trainer.rollouts.pool import BatchRules, GroupPool, Tally
 from worker_contract import layout
 from worker_contract.schema import RolloutRecord, Sample, SamplingParams
 
@@ -56,7 +56,7 @@ def _run(root: Path, run: str, model: Path, **over) -> tuple[int, str]:
     from rich.console import Console
 
     from infra.retriever import serve_argv
-    from trainer.embedded import run_embedded
+    from trainer.embedded.run import run_embedded
 
     tiny = {"run": run, "model.path": str(model), "algo.groups_per_step": 2, "algo.max_new_tokens": 48,
             "embedded.eval_every": 2, "embedded.eval_problems": 6, "embedded.psqa.entities": 300,
@@ -118,10 +118,10 @@ def test_embedded_psqa_loop_with_real_processes_then_resume_and_ctrl_c(tmp_path)
 
 def test_the_data_cache_follows_the_generator(tmp_path, monkeypatch):
     """A data set written by an older generator is never reused: its version is in the cache's name."""
-    from trainer import psqa_synth
     from trainer.config import resolve
-    from trainer.embedded import EmbeddedPaths
-    from trainer.embedded_psqa import data_dir
+    from trainer.embedded import psqa_synth
+    from trainer.embedded.psqa import data_dir
+    from trainer.embedded.run import EmbeddedPaths
 
     cfg = resolve("psqa", env={"DRL_RUN": "cache-1"}, embedded=True)
     paths = EmbeddedPaths(root=tmp_path, run="cache-1")

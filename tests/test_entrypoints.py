@@ -1,6 +1,6 @@
 """Process mains: one learner main, and the process mains of trainer/ live in entrypoints/ (read with ast).
 
-- exactly one function under trainer/ and entrypoints/ calls `run_learner` (trainer.learner.serve), and one
+- exactly one function under trainer/ and entrypoints/ calls `run_learner` (trainer.native.learner.serve), and one
   process main calls that: entrypoints/learner.py. A second learner main fails here;
 - a `__main__` block under trainer/ only re-executes `python -m entrypoints.<name>` (an old command's shim);
 - both launchers' learner command is the one `python -m entrypoints.learner` accepts (a real process).
@@ -24,7 +24,8 @@ def _modules() -> dict[str, ast.Module]:
     for folder in FOLDERS:
         for path in sorted((REPO / folder).rglob("*.py")):
             parts = path.relative_to(REPO).with_suffix("").parts
-            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = ast.parse(path.read_text())
+            # a package's __init__.py and __main__.py go by the package's name (what `python -m` takes)
+            out[".".join(parts[:-1] if parts[-1] in ("__init__", "__main__") else parts)] = ast.parse(path.read_text())
     return out
 
 
@@ -89,8 +90,8 @@ def reexecuted(block: ast.If) -> str | None:
 
 
 def test_one_learner_main():
-    assert callers("run_learner") == {"trainer.learner.serve"}, (
-        "the learner process's work is trainer.learner.serve; a second caller of run_learner is a second "
+    assert callers("run_learner") == {"trainer.native.learner.serve"}, (
+        "the learner process's work is trainer.native.learner.serve; a second caller of run_learner is a second "
         "learner main")
     assert callers("serve", imported_from="learner") == {"entrypoints.learner.main"}
     assert "entrypoints.learner" in main_blocks()
@@ -112,11 +113,11 @@ def test_both_launchers_start_the_one_learner_command(tmp_path):
     from infra.native_launch import learner_command
     from infra.slime_launch import BoxPaths
     from trainer.config import resolve
-    from trainer.learner import learner_argv
+    from trainer.native.learner import learner_argv
 
     cfg = resolve("gsm8k", {}, {"run": "one-learner-1"})
     native = learner_command(cfg, BoxPaths(remote_dir=str(tmp_path), run=cfg.run), sys.executable)
-    embedded = learner_argv(sys.executable, tmp_path / "recipe.json", tmp_path, tmp_path)  # trainer/localprocs.py
+    embedded = learner_argv(sys.executable, tmp_path / "recipe.json", tmp_path, tmp_path)  # trainer/embedded/localprocs.py
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for argv in (native, embedded):
         assert argv[1:3] == ["-m", "entrypoints.learner"]

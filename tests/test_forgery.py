@@ -17,7 +17,7 @@ import torch
 from learner_fixtures import manifest
 from test_worker import tiny_model_dir  # noqa: F401  (fixture: a tiny model with a tokenizer)
 
-from trainer.publisher import Publisher
+from trainer.publish.publisher import Publisher
 from worker_contract import layout
 from worker_contract.anchor import AnchorManifest
 from worker_contract.anchor import read_manifest as read_anchor_manifest
@@ -275,7 +275,7 @@ def test_the_trainer_publishes_over_a_forged_pointer(pub, forgery, caplog):
     assert pub.pub.current_version() == 3  # the last valid version, not the forgery's
     with pytest.raises(SyncError):
         pub.rec.follow()
-    with caplog.at_level("WARNING", logger="trainer.publisher"):
+    with caplog.at_level("WARNING", logger="trainer.publish.publisher"):
         v = pub.bump()
     assert v == 4 and pub.pointer().version == 4 and pub.pub.last_stats["kind"] == "patch"
     assert pub.pub.last_stats["forged_pointer_reclaimed"] == 1
@@ -447,7 +447,7 @@ def test_reclaim_on_start_names_the_newest_complete_signed_chain(pub, caplog):
     squat(pub, 5, "the trainer's patch of another version")
     pub.store.put_if_absent(layout.patch_key(RUN, 7), pub.evil_patch(6, 7, key=pub.key))  # v6 missing: a gap
     pub.store.put(layout.pointer_key(RUN), forged_pointers(pub)["genuine signature, altered version"])
-    with caplog.at_level("WARNING", logger="trainer.publish_pointer"):
+    with caplog.at_level("WARNING", logger="trainer.publish.pointer"):
         said = restarted.reclaim_pointer()
     assert said and "reclaimed it: the signed pointer names v3 (anchor v1)" in said and said in caplog.text
     assert (pub.pointer().version, pub.pointer().anchor_version) == (3, 1)

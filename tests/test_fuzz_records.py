@@ -26,7 +26,7 @@ import pytest
 import zstandard
 from soakstats import record, soak_trials
 
-from trainer.rollouts import DROP_REASONS, MAX_TRACKED_WORKERS, BatchRules, RecordRules, RolloutSource
+from trainer.rollouts.source import DROP_REASONS, MAX_TRACKED_WORKERS, BatchRules, RecordRules, RolloutSource
 from worker_contract import layout
 from worker_contract.schema import MAX_DECOMPRESSED_BYTES, MAX_RECORD_BYTES
 from worker_contract.store.file import FileStore
@@ -474,7 +474,7 @@ def _learner_step_on(src: RolloutSource, tmp_path: Path) -> float:
 
     from trainer.algo import policy_loss
     from trainer.backends import get_backend
-    from trainer.batch import collate
+    from trainer.step import collate
 
     torch.set_num_threads(1)
     batch = src.take_batch(CURRENT)

@@ -13,7 +13,7 @@ from opsbucket import build_run
 from weightsync_helpers import TinyPolicy, assert_same_bits
 
 from infra.ops.gc import GcError, apply_gc, plan_gc
-from trainer.publisher import Publisher
+from trainer.publish.publisher import Publisher
 from worker_contract import layout, signing
 from worker_contract.anchor import anchor_versions
 from worker_contract.pointer import make_pointer

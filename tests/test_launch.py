@@ -113,7 +113,7 @@ def test_psqa_without_host_dry_runs_the_embedded_miniature():
     assert "--backend torch" in out and "--backend mlx" in out and "--worker-id local-2" in out
     assert "--retriever-url <retriever URL> --retriever-tier medium --max-turns 2" in out
     assert "DRL_KV_MODE=paged_prefix DRL_RETRIEVER_URL=<retriever URL>" in out and "DRL_PULSE_PLANE=int8g64" in out
-    assert "trainer.psqa_base.ensure_psqa_base" in out and "cover-EM pass@1" in out
+    assert "trainer.embedded.psqa_base.ensure_psqa_base" in out and "cover-EM pass@1" in out
     assert "python -m entrypoints.learner --recipe-json" in out
     assert not (REPO / ".stoa" / "runs" / run).exists()
     # WORKER= puts every local worker on one backend

@@ -16,7 +16,7 @@ from learner_fixtures import make_record, manifest, put_record, recipe, save_tin
 from trainer.algo import policy_loss
 from trainer.backends import get_backend
 from trainer.backends.base import token_logprobs
-from trainer.batch import collate
+from trainer.step import collate
 
 torch.set_num_threads(1)
 
@@ -179,9 +179,9 @@ def test_learner_loop_on_ray_trains_publishes_and_reports(model_dir, tmp_path, m
     """The whole loop once (Ray start costs seconds and about a GB, so one test covers it): steps run,
     versions are published and visible, metrics and stats land, the dashboard and every other Ray
     listener are on loopback only, nothing is written to the home directory, no Ray process outlives it."""
-    from trainer.learner import run_learner
     from trainer.metrics import read_metrics
-    from trainer.publisher import Publisher
+    from trainer.native.learner import run_learner
+    from trainer.publish.publisher import Publisher
     from worker_contract import layout
     from worker_contract.manifest import create_or_resume
     from worker_contract.signing import generate_private_key
@@ -237,7 +237,7 @@ def test_learner_loop_on_ray_trains_publishes_and_reports(model_dir, tmp_path, m
     model_pt = tmp_path / "run" / "checkpoints" / "step-0000000003" / "model.pt"
     with open(model_pt, "r+b") as f:
         f.truncate(model_pt.stat().st_size // 3)
-    with caplog.at_level("WARNING", logger="trainer.learner"):
+    with caplog.at_level("WARNING", logger="trainer.native.learner"):
         again = run_learner(recipe(num_steps=4), store, man, key, model_dir, tmp_path / "run", batch_wait_s=1.0,
                             torch_threads=1)
     assert "step-0000000003 is damaged (model.pt is" in caplog.text and "falling back" in caplog.text

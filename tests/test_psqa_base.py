@@ -1,4 +1,4 @@
-"""The embedded psqa base (trainer/psqa_base.py): its supervised traces are what an episode records (tool
+"""The embedded psqa base (trainer/embedded/psqa_base.py): its supervised traces are what an episode records (tool
 turn masked), a build is deterministic and cached, the directory loads in transformers and mlx-lm with the
 same greedy tokens, and a bad data directory is refused in one sentence. Tiny configs: seconds each."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from infra.retriever.index import BM25Index
-from trainer import psqa_synth
-from trainer.psqa_base import (
+from trainer.embedded import psqa_synth
+from trainer.embedded.psqa_base import (
     PsqaBaseConfig,
     base_digest,
     batch_tensors,

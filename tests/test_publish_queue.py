@@ -1,4 +1,4 @@
-"""Publishing off the learner's critical path (trainer/publish_queue.py): learner steps go on while the
+"""Publishing off the learner's critical path (trainer/publish/queue.py): learner steps go on while the
 bucket is stuck in an upload; the newest state wins when publishing falls behind; versions stay
 consecutive, the pointer moves last, and the stats objects add up. The store is a real file bucket whose
 uploads of patches wait on a gate the test opens (a store that is slow exactly as long as the test says)."""

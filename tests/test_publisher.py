@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from weightsync_helpers import TinyPolicy, assert_same_bits, make_run
 
-from trainer.publisher import Publisher
+from trainer.publish.publisher import Publisher
 from worker_contract import layout, signing
 from worker_contract.anchor import anchor_versions, read_anchor, read_manifest
 from worker_contract.planes import get_plane

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from weightsync_helpers import TinyPolicy, assert_same_bits, make_run
 
-from trainer.publisher import Publisher
+from trainer.publish.publisher import Publisher
 from worker_contract import layout, signing
 from worker_contract.anchor import read_manifest
 from worker_contract.manifest import ContractMismatch

@@ -25,7 +25,7 @@ from learner_fixtures import make_record, recipe, save_tiny_model
 from trainer import checkpoint
 from trainer.algo import policy_loss
 from trainer.backends import get_backend
-from trainer.batch import collate
+from trainer.step import collate
 
 torch.set_num_threads(1)
 PROC = Path(__file__).resolve().parent / "learner_proc.py"
@@ -235,7 +235,7 @@ def test_learner_killed_during_and_between_steps_resumes_with_every_invariant(mo
     from learner_fixtures import make_record, manifest, put_record, tiny_model
 
     from trainer.metrics import read_metrics
-    from trainer.publisher import Publisher
+    from trainer.publish.publisher import Publisher
     from worker_contract import layout
     from worker_contract.manifest import create_or_resume
     from worker_contract.signing import generate_private_key, save_private_key

@@ -46,7 +46,7 @@ SlimeSample, TrainOut, EvalOut, FROM_SLIME = slime_types()
 @pytest.fixture(scope="module")
 def box(tmp_path_factory):
     """A tiny HF model dir, a file bucket with run.json + v1 published by infra.anchor, the recipe file."""
-    from trainer.basemodel import build_model, build_tokenizer
+    from trainer.embedded.basemodel import build_model, build_tokenizer
 
     root = tmp_path_factory.mktemp("box")
     task = get_task("arithmetic")
@@ -326,9 +326,9 @@ def test_engines_agree_on_loss_and_gradient(box, plugin):
     num_microbatches / global_batch_size and divided by num_microbatches as Megatron does). The policy is
     a free log-prob per response token, so the gradient compared is d loss / d logp, token by token."""
     from trainer import step
-    from trainer.batch import collate
-    from trainer.rollouts import Group
+    from trainer.rollouts.source import Group
     from trainer.slime_plugin.rollout import group_to_samples
+    from trainer.step import collate
 
     ctx = plugin_context.context()
     ctx.cfg = ctx.cfg.model_copy(update={"algo": ctx.cfg.algo.model_copy(update={"kl_coef": 0.5})})

@@ -22,9 +22,9 @@ from soakstats import record, soak_trials
 from bench.faultproxy import KINDS, FaultProxy
 from trainer.algo import policy_loss
 from trainer.backends import get_backend
-from trainer.batch import collate
-from trainer.publisher import Publisher, PublishError
-from trainer.rollouts import RolloutSource
+from trainer.publish.publisher import Publisher, PublishError
+from trainer.rollouts.source import RolloutSource
+from trainer.step import collate
 from worker_contract import layout
 from worker_contract.manifest import create_or_resume
 from worker_contract.planes import get_plane

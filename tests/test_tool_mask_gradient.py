@@ -46,7 +46,7 @@ TOOL_COLS = slice(SAMPLED, SAMPLED + TOOL)
 
 def _native_grad(records, algo) -> torch.Tensor:
     from trainer import step
-    from trainer.batch import collate
+    from trainer.step import collate
 
     tb = collate(records)
     g = torch.Generator().manual_seed(3)
@@ -59,7 +59,7 @@ def _native_grad(records, algo) -> torch.Tensor:
 
 
 def _slime_grad(records, algo) -> torch.Tensor:
-    from trainer.rollouts import Group
+    from trainer.rollouts.source import Group
     from trainer.slime_plugin.rollout import group_to_samples
 
     samples = [s for gi, r in enumerate(records)

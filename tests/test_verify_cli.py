@@ -14,7 +14,7 @@ import torch
 from conftest import TEST_ACCESS_KEY, TEST_SECRET_KEY
 from learner_fixtures import manifest
 
-from trainer.publisher import Publisher
+from trainer.publish.publisher import Publisher
 from worker_contract.manifest import create_or_resume
 from worker_contract.signing import generate_private_key
 from worker_contract.store.file import FileStore

@@ -29,7 +29,7 @@ from test_worker import (
 
 from bench.faultproxy import FaultProxy
 from trainer.config import AlgoConfig
-from trainer.rollouts import RolloutSource
+from trainer.rollouts.source import RolloutSource
 from worker_contract import layout
 from worker_contract.schema import decode_record
 from worker_contract.store.file import FileStore

@@ -39,7 +39,7 @@ def drgrpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
 def group_advantages(rewards: Sequence[float], n: int) -> list[float]:
     """Dr.GRPO advantages of a flat, group-contiguous list of rewards (groups of `n`), as floats.
 
-    The one place both engines turn rewards into advantages: the native batch (trainer/batch.py) and
+    The one place both engines turn rewards into advantages: the native batch (trainer/step.py) and
     slime's reward post-process hook (trainer/slime_plugin/objective.py).
     """
     if n < 1 or len(rewards) % n:

@@ -71,7 +71,7 @@ class WorkerAudit:
 
     def observe(self, records: Sequence[RolloutRecord], learner_logp) -> None:
         """Compare the learner's log-probs of these groups' responses (rows: sample after sample, group
-        after group, as trainer.batch.collate lays them out) with what the workers recorded."""
+        after group, as trainer.step.collate lays them out) with what the workers recorded."""
         rows = [(r.worker_id, s) for r in records for s in r.samples]
         lp = learner_logp.detach().float().cpu().tolist() if hasattr(learner_logp, "detach") else learner_logp
         assert len(lp) == len(rows), (len(lp), len(rows))

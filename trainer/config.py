@@ -87,10 +87,10 @@ class EmbeddedBaseConfig(_Model):
 
 
 class EmbeddedPsqaConfig(_Model):
-    """The embedded psqa run's pieces (trainer/embedded_psqa.py): generated corpus, retriever, base, evaluation."""
+    """The embedded psqa run's pieces (trainer/embedded/psqa.py): generated corpus, retriever, base, evaluation."""
 
     entities: int = Field(3000, ge=10)
-    """Abstracts of the generated corpus (trainer/psqa_synth.py), three facts and three questions each."""
+    """Abstracts of the generated corpus (trainer/embedded/psqa_synth.py), three facts and three questions each."""
     heldout_entities: int = Field(200, ge=1)
     """Entities whose questions are held out for evaluation (never trained on)."""
     seed: int = 0
@@ -104,7 +104,7 @@ class EmbeddedPsqaConfig(_Model):
     eval_k: int = Field(1, ge=1)
     """Samples per held-out question (pass@1 is their mean cover-EM)."""
     base: dict[str, Any] = {}
-    """trainer/psqa_base.py's PsqaBaseConfig fields that differ from its defaults (the base built here)."""
+    """trainer/embedded/psqa_base.py's PsqaBaseConfig fields that differ from its defaults (the base built here)."""
 
 
 class EmbeddedConfig(_Model):
@@ -229,7 +229,7 @@ class TrainConfig(_Model):
     """Learner mechanics."""
 
     engine: Literal["native", "slime"] = "native"
-    """Which learner a GPU box runs: `native`, our Ray learner (trainer/learner.py) with `backend`, on any
+    """Which learner a GPU box runs: `native`, our Ray learner (trainer/native/learner.py) with `backend`, on any
     CUDA box with torch, megatron-core and Ray; or `slime`, slime's train.py with our plugin (the slime
     image). The embedded run on a machine without a GPU is always native. `ENGINE=` on the make line."""
     backend: Literal["hf", "megatron"] = "hf"

@@ -7,7 +7,7 @@ Idempotent: the key is created on first use (0600) and reused; run.json is creat
 with an identical contract (same trainer key, model identity and recipe values); the base anchor is
 published only while the run has no pointer. `publish_base` says who writes v1: the slime engine asks for
 it here (slime's learner publishes nothing before its first step), the native learner publishes its own
-anchor when its session starts (pointer + 1, or 1 for a new run; trainer/learner.py), so it passes False.
+anchor when its session starts (pointer + 1, or 1 for a new run; trainer/native/learner.py), so it passes False.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def create_run(cfg: RecipeConfig, store: Any, model_dir: str | Path, key_file: s
     pub_b64 = public_key_b64(key)
     manifest = create_or_resume(store, run_manifest(cfg, identity, pub_b64), resume=True)
     check_model_identity(identity, manifest=manifest)
-    from .publisher import Publisher
+    from .publish.publisher import Publisher
 
     pub = Publisher(store, manifest, key, anchor_interval=cfg.train.anchor_interval, progress=progress)
     reclaimed = pub.reclaim_pointer()  # a forged pointer would keep every worker from joining until a step

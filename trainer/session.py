@@ -2,7 +2,7 @@
 
 `RolloutSide` is the rollout source with its pool and ledger, handing out each batch with its note;
 `LearnerSession` is the train side: the worker audit, the publisher and its queue writing each version's
-stats, the step count and current version, checkpoints. The native learner (trainer/learner.py) runs the
+stats, the step count and current version, checkpoints. The native learner (trainer/native/learner.py) runs the
 two in two Ray actors; slime runs them in its rollout and train processes (trainer/slime_plugin/), which
 hand notes across through one file (trainer/slime_plugin/handoff.py). The step functions are trainer/step.py.
 More in docs/architecture.md (module notes).
@@ -25,15 +25,15 @@ from .step import BatchNote, SourceCounts, StepReport, note_batch, source_counts
 if TYPE_CHECKING:
     from .backends.base import Backend
     from .checkpoint import TrainerState
-    from .rollout_pool import Batch
+    from .rollouts.pool import Batch
 
 
 class RolloutSide:
-    """The bucket rollout source (trainer/rollouts.py: listing, judging, the pool and its reuse ledger)."""
+    """The bucket rollout source (trainer/rollouts/source.py: listing, judging, the pool and its reuse ledger)."""
 
     def __init__(self, store: Store, manifest: RunManifest, algo: AlgoConfig, poll_interval_s: float,
                  ledger: dict | None = None):
-        from .rollouts import RolloutSource
+        from .rollouts.source import RolloutSource
 
         self.source = RolloutSource.from_manifest(store, manifest, algo)
         if ledger:
@@ -72,8 +72,8 @@ class LearnerSession:
 
     def __init__(self, cfg: RecipeConfig, store: Store, manifest: RunManifest, key, *,
                  run_dir: str | Path | None = None, progress: bool = True):
-        from .publish_queue import PublishQueue
-        from .publisher import Publisher
+        from .publish.publisher import Publisher
+        from .publish.queue import PublishQueue
         from .step import VersionStats
 
         self.cfg = cfg

@@ -1,18 +1,10 @@
 """After a fleet run: is every uploaded group accounted for exactly once, and did any version name two states?
 
 The bucket's final listing is the truth of what was uploaded (an upload whose answer was lost still
-landed). Each record ends in exactly one of:
-
-    used               in at least one batch (never more than the reuse cap, never also dropped)
-    dropped:<reason>   the rollout source dropped it once, with that reason (its on_drop hook)
-    pooled             read and judged good, waiting in the pool inside the window
-    unread_in_window   inside the final window but never read (after the final drain: must be none)
-    late               under a version whose prefix the source had already retired when it landed: never
-                       listed, so neither read nor counted (the floor trainer/rollouts.py names); a record
-                       that landed before the learner's last listing of its prefix may not be late
-
-A hostile record that was read must be dropped for exactly the reason it was built to trip; an honest one
-may only be used, pooled, or age out (`stale`, `late`).
+landed). Each record ends in exactly one fate: used, dropped:<reason>, pooled, unread_in_window (must be
+none after the final drain) or late (never listed: the floor trainer/rollouts/source.py names). A hostile
+record that was read must be dropped for exactly the reason it was built to trip; an honest one may only
+be used, pooled, or age out (`stale`, `late`). The fates in full: docs/performance.md (module notes).
 """
 
 from __future__ import annotations

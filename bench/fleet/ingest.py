@@ -28,10 +28,10 @@ DIRECT_KEY = "AKIAFLEETDIRECT00001"
 def _timed_source_class(reader: str):
     from functools import partial
 
-    from trainer.rollouts import READ_AHEAD_BYTES, RolloutSource
+    from trainer.rollouts.source import READ_AHEAD_BYTES, RolloutSource
 
     class ChunkedReads(RolloutSource):
-        """The source with its reads as they were before the sliding window (trainer/rollouts.py at
+        """The source with its reads as they were before the sliding window (trainer/rollouts/source.py at
         d56a080): a chunk of `read_threads` records fetched at once, judged, then the next chunk, so every
         chunk waits for its slowest read. Only `_reads` differs: the 'before' of the comparison."""
 

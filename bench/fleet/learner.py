@@ -1,6 +1,6 @@
 """The fleet's one learner: a stand-in for the GPU step around the real rollout source and publisher.
 
-It creates the run (run.json, the v1 anchor), then loops like trainer/learner.py does: the source polls
+It creates the run (run.json, the v1 anchor), then loops like trainer/native/learner.py does: the source polls
 in a background thread (`run_poller`), the learner takes a batch (`next_batch`), spends `step_s` as its
 GPU would, changes `change_frac` of its small model's weights and hands the state to a publishing thread
 (the newest state replaces one still waiting, as the learner's publisher actor does). Every poll is timed,
@@ -20,8 +20,8 @@ from typing import BinaryIO
 import numpy as np
 
 from trainer.config import AlgoConfig
-from trainer.publisher import Publisher
-from trainer.rollouts import RolloutSource
+from trainer.publish.publisher import Publisher
+from trainer.rollouts.source import RolloutSource
 from worker_contract import layout
 from worker_contract.manifest import RunManifest, create_or_resume
 from worker_contract.signing import generate_private_key, public_key_b64

@@ -8,22 +8,21 @@ More in docs/architecture.md (module notes).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..batch import TrainBatch
+from ..step import LossFn, TrainBatch
 
 if TYPE_CHECKING:
     from ..config import RecipeConfig, TrainConfig
 
-#: loss_fn(logp [b, R] with grad, micro-batch) -> (loss reduced over the micro-batch's rows, metrics).
-#: The backend weights each micro-batch's loss by its share of the batch's rows, so the gradient of a
-#: step equals the full batch's whatever the micro-batch size (the Dr.GRPO reducer divides by rows).
-LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, float]]]
+# LossFn (trainer/step.py): loss_fn(logp [b, R] with grad, micro-batch) -> (loss reduced over the
+# micro-batch's rows, metrics). The backend weights each micro-batch's loss by its share of the batch's
+# rows, so the gradient of a step equals the full batch's whatever the micro-batch size (the Dr.GRPO
+# reducer divides by rows).
 
 DEFAULT_VOCAB_CHUNK = 8192
 
@@ -136,7 +135,7 @@ class Backend(abc.ABC):
 
     def publish_snapshot(self) -> dict[str, torch.Tensor]:
         """The weights to publish, as `state_dict_hf` names them, copied so training can go on: the
-        publisher encodes them in the background (trainer/publish_queue.py). A backend whose weights are on
+        publisher encodes them in the background (trainer/publish/queue.py). A backend whose weights are on
         a GPU in this process keeps the copy there (a device copy, and the publisher encodes on the device);
         the default is the host copy `state_dict_hf` makes."""
         return self.state_dict_hf()

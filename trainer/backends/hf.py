@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..batch import TrainBatch
+from ..step import TrainBatch
 from .base import Backend, LossFn, combine_metrics, micro_batches, token_logprobs
 from .vocab_parallel import chunk_tokens_for, vocab_parallel_logprobs
 

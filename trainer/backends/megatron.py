@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..batch import TrainBatch
+from ..step import TrainBatch
 from .base import Backend, LossFn
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..batch import TrainBatch
+from ..step import TrainBatch
 from .base import LossFn, combine_metrics, micro_batches
 from .megatron_graphs import fused_rope
 from .vocab_parallel import chunk_tokens_for, vocab_parallel_logprobs

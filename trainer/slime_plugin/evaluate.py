@@ -44,7 +44,7 @@ def eval_output(args: Any, rollout_id: int, ctx: PluginContext):
     """Generate and score the held-out problems; returns slime's RolloutFnEvalOutput."""
     from transformers import AutoTokenizer
 
-    from trainer.basemodel import prompt_ids
+    from trainer.embedded.basemodel import prompt_ids
     from worker_contract.tasks import get_task
 
     Sample, _, EvalOutput, _ = slime_types()

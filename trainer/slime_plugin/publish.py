@@ -2,7 +2,7 @@
 
 slime calls `after_train(args, rollout_id, model)` on every train rank right after the actor trained on a
 rollout (the hook comes from our patch 0001, infra/patches). Every rank gathers its tensor-parallel
-shards; rank 0 hands the host copy to the learner's publish queue (trainer/publish_queue.py), as the
+shards; rank 0 hands the host copy to the learner's publish queue (trainer/publish/queue.py), as the
 native engine does, while slime trains on.
 More in docs/slime.md (module notes).
 """

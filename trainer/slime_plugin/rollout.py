@@ -2,7 +2,7 @@
 
 slime calls `generate_rollout(args, rollout_id, data_source, evaluation=False)` in its RolloutManager
 actor once per step (docs/slime.md). We ignore slime's data source: the prompts were
-chosen and sampled by the workers. The bucket rollout source (trainer/rollouts.py) validates every record,
+chosen and sampled by the workers. The bucket rollout source (trainer/rollouts/source.py) validates every record,
 drops what is stale (beyond the staleness bound, counted from the signed pointer) and caps reuse; we
 convert its batch into exactly `rollout_batch_size` contiguous groups of `n_samples_per_prompt` Samples,
 the only layout slime's rollout-side reward normalisation reshapes per group.
@@ -24,7 +24,7 @@ WAIT_LOG_S = 60.0
 
 
 def group_to_samples(group, *, group_index: int, first_index: int, Sample) -> list:
-    """One validated group (trainer.rollouts.Group) as n_samples slime Samples, in the record's order."""
+    """One validated group (trainer.rollouts.source.Group) as n_samples slime Samples, in the record's order."""
     rec = group.record
     out = []
     for i, s in enumerate(rec.samples):

@@ -3,7 +3,7 @@ next step runs.
 
 The step hands over a snapshot (its own copy of the weights in the run's dtype, `Backend.publish_snapshot`:
 on a GPU a device copy) and goes on; the thread makes the plane, encodes, hashes, uploads and moves the
-pointer (trainer/publisher.py, whose order keeps docs/reliability.md: every object create-only and read back,
+pointer (trainer/publish/publisher.py, whose order keeps docs/reliability.md: every object create-only and read back,
 the pointer last, versions never reused), then writes the version's stats object. On CUDA the thread works
 on its own stream, which first waits for the snapshot's copy, so its kernels overlap the next step's.
 More in docs/architecture.md (module notes).

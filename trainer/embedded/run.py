@@ -2,18 +2,11 @@
 
     run_embedded(cfg)      what `make gsm8k RUN=<id>` runs when there is no HOST, GPU or credentials
 
-1. the base: a small Qwen2 built and fine-tuned on the spot (trainer/basemodel.py, cached under
-   .stoa/cache/), or the model given with MODEL=/path;
-2. run.json (created, or resumed with an identical contract) in the file bucket .stoa/bucket/ (DRL_STORE if set), signed by
-   the run's key .stoa/runs/<run>/trainer.key (0600);
-3. processes, each in its own session so Ctrl-C reaches only this one, which then stops them in order:
-   the learner (`python -m entrypoints.learner`: trainer.learner.serve, which publishes the
-   base as the first anchor and runs Ray) and `embedded.workers` reference workers
-   (`python -m worker_contract.worker`); their logs are in the run dir;
-4. held-out evaluation in this process: it follows the bucket like a worker (verified join) and scores
-   published versions on the task's test split with the task's reward; rows go to metrics.jsonl;
-5. live progress, then a summary and plots (trainer/embedded_view.py).
+The base model, run.json in the file bucket .stoa/bucket/ with the run's key, the learner
+(`python -m entrypoints.learner`) and reference workers as child processes in sessions of their own,
+held-out evaluation of each published version in this process, a live panel, then a summary and plots.
 A rerun of the same RUN resumes from the learner's checkpoint; a new RUN starts fresh.
+More in docs/embedded.md (module notes).
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import REPO_ROOT, RecipeConfig
+from ..config import REPO_ROOT, RecipeConfig
 from .localprocs import Child, Processes, per_worker_cap, start_learner, start_workers, worker_backends
 
 STOA_DIR = REPO_ROOT / ".stoa"
@@ -81,14 +74,14 @@ def gsm8k_data_available() -> bool:
 
 def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> list[str]:
     """What `run_embedded` will do, for the dry run (`retriever_argv`: as run_embedded takes it)."""
+    from ..native.learner import learner_argv
     from .basemodel import config_digest
-    from .learner import learner_argv
 
     py = "python"
     if cfg.model.path:
         base = f"use the model at {cfg.model.path} (MODEL=); task {cfg.task}"
     elif cfg.task == "psqa":
-        base = ""  # trainer/embedded_psqa.py's plan says how its base is built
+        base = ""  # trainer/embedded/psqa.py's plan says how its base is built
     else:
         from worker_contract.tasks import get_task
 
@@ -122,9 +115,9 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> 
         f"7. metrics {paths.metrics}; plots in {paths.run_dir}/plots/",
     ]
     if cfg.task == "psqa":
-        from . import embedded_psqa
+        from . import psqa
 
-        return embedded_psqa.plan_lines(cfg, paths, middle, tail, retriever_argv)
+        return psqa.plan_lines(cfg, paths, middle, tail, retriever_argv)
     return [
         "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the whole loop on this machine",
         f"1. {base}", *middle,
@@ -147,7 +140,7 @@ def prepare_model(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> tuple[Rec
     from .basemodel import ensure_base
 
     task = get_task(cfg.task)
-    # the recipe's base ships with the repository (trainer/base_gsm8k); any other is built once, with a bar
+    # the recipe's base ships with the repository (trainer/embedded/base_gsm8k); any other is built once, with a bar
     report = ensure_base(cfg.embedded.base, task, paths.cache, max_new_tokens=cfg.algo.max_new_tokens,
                          eval_problems=cfg.embedded.eval_problems, log=console.print, show_progress=True)
     origin = ("shipped with the repository" if report.shipped else
@@ -168,7 +161,7 @@ def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
     store, the manifest and the fingerprint of the key this launcher holds (the workers' join card value)."""
     from worker_contract.store import open_store
 
-    from .run_init import create_run
+    from ..run_init import create_run
 
     store = open_store(cfg.store)
     start = create_run(cfg, store, model_dir, paths.key_file, publish_base=False)  # the learner publishes v1
@@ -182,7 +175,7 @@ def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
 def _steps_done(paths: EmbeddedPaths, say=lambda _line: None) -> int:
     """Steps in the run's newest intact checkpoint (0 for a new run); `say` gets one line per damaged newer
     one the learner will fall back past."""
-    from . import checkpoint
+    from .. import checkpoint
 
     skipped: list[str] = []
     path = checkpoint.latest(paths.run_dir / "checkpoints", skipped)
@@ -231,8 +224,8 @@ def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR, retr
                       "then run it again", markup=True, highlight=False)
         return 2
     services = None
-    if cfg.task == "psqa":  # the generated corpus and the retriever (trainer/embedded_psqa.py)
-        from .embedded_psqa import PsqaServices
+    if cfg.task == "psqa":  # the generated corpus and the retriever (trainer/embedded/psqa.py)
+        from .psqa import PsqaServices
 
         if retriever_argv is None:
             raise ValueError("the embedded psqa run needs the retriever's command: pass "
@@ -263,10 +256,10 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console, services=None)
     from worker_contract.manifest import ContractMismatch, RunExists
     from worker_contract.tasks import get_task
 
-    from .embedded_view import MetricsTail, RunState, panel, status_line, summary
+    from ..models import IdentityMismatch
+    from ..plots import plot_run
     from .heldout import HeldoutEvaluator
-    from .models import IdentityMismatch
-    from .plots import plot_run
+    from .view import MetricsTail, RunState, panel, status_line, summary
 
     done = _steps_done(paths, lambda line: console.print(line, style="yellow", markup=False, highlight=False))
     if done >= cfg.train.num_steps:

@@ -1,30 +1,11 @@
-"""The bucket-backed rollout source: polls the store, validates every record, assembles batches.
+"""The bucket-backed rollout source: polls the store, reads every new record, hands it to the pool.
 
 Workers write one immutable record per prompt group under `rollouts/v<version>/<worker>/<group>.json.zst`
-(worker_contract/layout.py). The source lists only the version prefixes inside the staleness window
-[current - staleness, current], so its listing cost is bounded by that window, never by the run's
-history. Per prefix it remembers the last key it saw and lists from there (`start_after`); because a
-worker whose id sorts early can upload after one that sorts late, every `sweep_every` polls it lists each
-window prefix whole once more (still window-bounded) and takes only keys it has not seen. New records
-are read `read_threads` at a time (a read waits one round trip, tens to hundreds of ms on R2, and a fleet
-of hundreds uploads faster than one reader takes them) and judged in listing order: a sliding window, a
-new read starting as each one ends, up to `read_ahead` records (and READ_AHEAD_BYTES) ahead of the one
-being judged, so a slow read or a retry's back-off holds back only its own record's judging, not the reads
-after it (reading in chunks, each waiting for its slowest read, was the fleet's ingest bound:
-docs/performance.md). When a version
-leaves the window its prefix is listed whole once more and every group never read is counted as a
-`stale` drop (uploaded after the last poll that covered it). A worker slower than the learner can still
-upload under a version that has left the window (a batch sampled at v that lands when the learner is past
-v + staleness): such a prefix stays watched for `late_versions` more versions (default: twice the
-window's length), listed whole on every sweep and once more as it leaves the watch, and its new groups are
-counted as `stale` drops unread. The listing cost stays bounded by the window (at most `late_versions`
-more listings per sweep, one per version leaving the watch); groups landing later than that are never
-listed, so the count is a floor.
-
-Three rooms: this module lists and reads; trainer/rollout_rules.py judges each record (a bad one is
-dropped with a counted reason and never stops the learner); trainer/rollout_pool.py pools the good ones,
-caps their reuse with a ledger saved in checkpoints, and counts drops and per-worker figures.
-Importable without torch or Ray (slime loads it by path).
+(worker_contract/layout.py). The source lists only the version prefixes inside the staleness window, so
+its listing cost is bounded by that window, never by the run's history; it reads new records several at
+a time, judged in listing order, and counts groups that land below the window as `stale` drops.
+trainer/rollouts/pool.py judges each record, pools the good ones, caps their reuse and counts drops.
+Importable without torch or Ray (slime loads it by path). More in docs/architecture.md (module notes).
 """
 
 from __future__ import annotations
@@ -42,13 +23,23 @@ from worker_contract import layout
 from worker_contract.schema import RecordError, decode_record
 from worker_contract.store import NotFound, ObjectInfo, Store, StoreError
 
-from .rollout_pool import MAX_TRACKED_WORKERS, OTHER_WORKER, Batch, BatchRules, Group, GroupPool, Tally
-from .rollout_rules import DROP_REASONS, LOGPROB_POSITIVE_TOL, RecordRules
+from .pool import (
+    DROP_REASONS,
+    LOGPROB_POSITIVE_TOL,
+    MAX_TRACKED_WORKERS,
+    OTHER_WORKER,
+    Batch,
+    BatchRules,
+    Group,
+    GroupPool,
+    RecordRules,
+    Tally,
+)
 
 if TYPE_CHECKING:
     from worker_contract.manifest import RunManifest
 
-    from .config import AlgoConfig
+    from ..config import AlgoConfig
 
 log = logging.getLogger(__name__)
 #: records read ahead of judging hold at most this many bytes (a single larger record is read alone)

@@ -1,17 +1,18 @@
-"""The signed version pointer (`current.json`): read it, and move it last, never backwards.
+"""Who holds a version in the bucket, and the signed version pointer (`current.json`), moved last.
 
-The pointer is the only object of a run that is ever overwritten, by compare-and-swap. A `current.json`
-that does not verify under the run key is a forgery (written with worker credentials): the next publish
-replaces it by compare-and-swap on the forged object's ETag, above every version the run key ever signed
-(never behind the last valid pointer), logs a warning and counts it (`forged_pointer_reclaimed`). A trainer
-that starts over a forgery reclaims it at once (`reclaim`): the pointer goes to the newest version whose
-signed chain is complete, so workers waiting for a valid pointer join without waiting for a first step.
+`VersionClaims` tells the trainer's objects (signed by the run key) from a squatter's (anyone with bucket
+credentials can write a key): squatters are deleted and the version is published create-only; what the
+run key signed is never touched, and a version number is never reused. `PointerWriter` moves the pointer,
+the only object ever overwritten, by compare-and-swap and never backwards; a `current.json` that does not
+verify is a forgery, replaced above every version the run key signed (`forged_pointer_reclaimed`), at once
+by a trainer that starts over one (`reclaim`). More in docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from enum import Enum
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -21,7 +22,102 @@ from worker_contract.pointer import PointerError, advance_pointer, make_pointer,
 from worker_contract.pulse import PatchError, verify_patch_signature
 from worker_contract.store import NotFound, PreconditionFailed, Store
 
-from .publish_claims import PublishError
+log = logging.getLogger(__name__)
+
+#: how many taken versions to skip before giving up (each a crashed attempt's leftovers: squatters' objects
+#: are deleted, not skipped)
+MAX_SKIPS = 64
+
+
+class PublishError(RuntimeError):
+    """Publishing failed; the pointer did not move."""
+
+
+class VersionState(Enum):
+    """What holds a version, to the publisher."""
+
+    FREE = "free"
+    """No object at the version."""
+    OURS = "ours"
+    """An object the run key signed for this version (maybe a crashed attempt's), or one this process wrote."""
+    UNJUDGED = "unjudged"
+    """Anchor shards with no manifest: an interrupted upload, which nothing signed tells from a squatter's."""
+    FORGED = "forged"
+    """Objects none of which the run key signed for this version: a squatter's."""
+
+
+class VersionClaims:
+    """Judges versions by their signatures and deletes squatters to claim a version."""
+
+    def __init__(self, store: Store, run: str, public_key: str):
+        self.store, self.run, self.public_key = store, run, public_key
+        self.attempted: set[int] = set()  # versions this process wrote objects to: never reclaimed, even unsigned
+        #: versions whose squatted objects (none signed by the run key) were deleted to publish there
+        self.forged_versions_reclaimed = 0
+
+    def judge(self, version: int) -> tuple[VersionState, list[str]]:
+        """(what holds `version`, its keys)."""
+        patch_key = layout.patch_key(self.run, version) if version >= 2 else None
+        keys = [info.key for info in self.store.list(layout.anchor_prefix(self.run, version))]
+        if patch_key is not None and self.store.head(patch_key) is not None:
+            keys.append(patch_key)
+        if not keys:
+            return VersionState.FREE, keys
+        if version in self.attempted or (patch_key in keys and self._signed_patch(version)):
+            return VersionState.OURS, keys
+        manifest_key = layout.anchor_manifest_key(self.run, version)
+        if manifest_key in keys:
+            try:
+                read_manifest(self.store, self.run, version, self.public_key)
+                return VersionState.OURS, keys
+            except AnchorError:
+                return VersionState.FORGED, keys
+        shards = [k for k in keys if k.rsplit("/", 1)[-1].startswith("weights-") and k.endswith(".safetensors")]
+        return (VersionState.UNJUDGED if shards else VersionState.FORGED), keys
+
+    def _signed_patch(self, version: int) -> bool:
+        try:
+            header = verify_patch_signature(self.store.get(layout.patch_key(self.run, version)), self.public_key)
+        except (NotFound, PatchError):
+            return False
+        return header.target_version == version  # not a genuine patch of another version copied here
+
+    def claim(self, version: int) -> bool:
+        """True when `version` is free to publish, after deleting a squatter's objects there."""
+        state, keys = self.judge(version)
+        if state is VersionState.FORGED:
+            for key in keys:
+                self.store.delete(key)
+            self.forged_versions_reclaimed += 1
+            log.warning("v%d held objects the run key did not sign (%s): written with worker credentials, not "
+                        "by the trainer; deleted them to publish v%d there (%d squatted versions reclaimed)",
+                        version, ", ".join(keys), version, self.forged_versions_reclaimed)
+            state, _ = self.judge(version)
+        return state is VersionState.FREE
+
+    def next_free(self, after: int) -> int:
+        """The first version above `after` that is free (squatters reclaimed, the trainer's leftovers skipped)."""
+        v = after + 1
+        for _ in range(MAX_SKIPS):
+            if self.claim(v):
+                return v
+            v += 1
+        raise PublishError(f"versions {after + 1}..{v - 1} all hold objects of earlier attempts of the trainer "
+                           "(or anchor shards without a manifest); inspect the bucket")
+
+    def newest_signed(self) -> int:
+        """The newest version holding an object the run key signed for it (0 if none)."""
+        found = set()
+        for info in [*self.store.list(layout.versions_prefix(self.run)),
+                     *self.store.list(layout.anchors_prefix(self.run))]:
+            try:
+                v = layout.patch_version_of(info.key) or layout.anchor_version_of(info.key)
+            except ValueError:  # a key the layout does not make: not ours
+                continue
+            if v is not None:
+                found.add(v)
+        return next((v for v in sorted(found, reverse=True) if self.judge(v)[0] is VersionState.OURS), 0)
+
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import REPO_ROOT, RecipeConfig
+from ..config import REPO_ROOT, RecipeConfig
 
 
 def _die_with_parent() -> None:
@@ -167,7 +167,7 @@ def start_learner(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path,
                   extra_env: dict[str, str] | None = None) -> Child:
     recipe = paths.run_dir / "recipe.json"
     recipe.write_text(cfg.model_dump_json(indent=2))
-    from .learner import learner_argv
+    from ..native.learner import learner_argv
 
     argv = learner_argv(sys.executable, recipe, model_dir, paths.run_dir)
     return procs.start("learner", argv, {**child_env(cfg), **(extra_env or {})}, paths.run_dir / "learner.log")

@@ -24,7 +24,7 @@ WAIT_LOG_S = 60.0
 
 
 def group_to_samples(group, *, group_index: int, first_index: int, Sample) -> list:
-    """One validated group (trainer.rollouts.source.Group) as n_samples slime Samples, in the record's order."""
+    """One validated group (trainer.rollouts.pool.Group) as n_samples slime Samples, in the record's order."""
     rec = group.record
     out = []
     for i, s in enumerate(rec.samples):

@@ -81,7 +81,7 @@ def test_environment_and_command_line_win_over_the_embedded_overrides():
 
 def test_model_option_uses_the_model_overrides(tmp_path):
     # a config.json the run accepts (the dry run refuses one the run would refuse)
-    (tmp_path / "config.json").write_text((REPO / "trainer" / "base_gsm8k" / "config.json").read_text())
+    (tmp_path / "config.json").write_text((REPO / "trainer" / "embedded" / "base_gsm8k" / "config.json").read_text())
     p = _launch("--recipe", "gsm8k", "--run", "launch-dry-3", "--model", str(tmp_path), env={"DRL_DRY_RUN": "1"})
     assert p.returncode == 0, p.stderr
     cfg = _config_of(p.stdout)

@@ -119,7 +119,7 @@ def test_the_directory_loads_in_transformers_and_mlx_lm_with_the_same_greedy_tok
 
 
 def test_a_bad_data_directory_is_refused_in_one_sentence(tmp_path, data):
-    with pytest.raises(ValueError, match=r"has no train\.jsonl; write it with trainer\.psqa_synth") as e:
+    with pytest.raises(ValueError, match=r"has no train\.jsonl; write it with trainer\.embedded\.psqa_synth") as e:
         ensure_psqa_base(tmp_path / "nowhere", tmp_path / "cache", data[1], cfg=TINY)
     assert "\n" not in str(e.value)
     (tmp_path / "empty").mkdir()

@@ -4,7 +4,7 @@
                     (`python -m infra.retriever serve`, a child process started first and stopped last), the
                     base (trainer/embedded/psqa_base.py, or MODEL=), the workers' search flags and environment
     PsqaHeldoutEvaluator   held-out cover-EM pass@1, search rate and the share of correct answers found after a
-                    search, through trainer/psqa_eval's `evaluate` on test questions never trained on
+                    search, through trainer/embedded/psqa_eval.py's `evaluate` on test questions never trained on
 More in docs/embedded.md (module notes).
 """
 

@@ -1,5 +1,5 @@
 """The interface every architecture implements (Architecture) and the HF tensors one conversion takes by
-name (HfTensors); qwen2.py and lfm2.py implement it, registry.py names them by HF `model_type`.
+name (HfTensors); qwen2.py, llama.py and lfm2.py implement it, registry.py names them by HF `model_type`.
 
 An architecture says how its HF config becomes a megatron-core model and how its tensors map both ways.
 Megatron-side names are the module names of the local layer spec (`model.state_dict()`); the

@@ -119,9 +119,6 @@ class VersionClaims:
         return next((v for v in sorted(found, reverse=True) if self.judge(v)[0] is VersionState.OURS), 0)
 
 
-log = logging.getLogger(__name__)
-
-
 class PointerWriter:
     """The pointer as this publisher sees it: what it names, and moving it to a newly published version."""
 

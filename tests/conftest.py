@@ -24,7 +24,69 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' helpers (invariants, ...) import by name
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/ (the fault proxy) from any working dir
 
-from recipe_base import pytest_collection_modifyitems, pytest_sessionfinish, recipe_base  # noqa: E402,F401
+from recipe_base import FIXTURE as RECIPE_BASE  # noqa: E402
+from recipe_base import (  # noqa: E402,F401
+    pytest_configure_node,
+    pytest_sessionfinish,
+    pytest_xdist_node_collection_finished,
+    recipe_base,
+)
+from recipe_base import schedule as schedule_recipe_base  # noqa: E402
+from sshd import hold_privsep_dir, release_privsep_dir  # noqa: E402
+
+
+def pytest_configure(config):
+    hold_privsep_dir(config)  # one /run/sshd for every xdist worker's sshd (tests/sshd.py)
+
+
+def pytest_unconfigure(config):
+    release_privsep_dir()
+
+
+#: under pytest-xdist (`--dist loadfile`, noxfile.py) a worker runs a whole test module, so module-scoped
+#: fixtures are built once; these modules share one worker too. test_bad_inputs runs its whole table in one
+#: module fixture (`outcomes`); test_preflight's box rows run on this machine (directly or over its sshd) and
+#: one of them listens on 0.0.0.0:8265, the Ray dashboard port box.ray_dashboard reads, where the native
+#: launch's learner serves its dashboard
+XDIST_GROUPS = {"tests/test_preflight.py": "port-8265", "tests/test_native_launch.py": "port-8265"}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice of scheduler
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return XDIST_GROUPS.get(path, path)
+
+    return Scheduling(config, log)
+
+
+def _rank(item) -> int:
+    if RECIPE_BASE in getattr(item, "fixturenames", ()):
+        return 3
+    return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("integration") else 2
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, hand out the modules with long tests first (the slow lane's, then those that run
+    real processes and servers) and the short ones last, so no worker starts a minutes-long test while the
+    others have run out of work; a module waiting for the recipe's base goes last (tests/recipe_base.py).
+    Every worker sorts its identical collection the same way, and a module's tests stay together."""
+    result = yield  # after every other plugin's: -m / -k have deselected what will not run
+    if hasattr(config, "workerinput"):
+        ranks: dict[Path, set[int]] = {}
+        for item in items:
+            ranks.setdefault(item.path, set()).add(_rank(item))
+        module_rank = {path: 3 if 3 in r else min(r) for path, r in ranks.items()}
+        items.sort(key=lambda item: module_rank[item.path])
+    schedule_recipe_base(config, items)
+    return result
+
 
 #: credentials moto accepts (it does not check them); distinct enough to look for in output
 TEST_ACCESS_KEY = "AKIASTOATESTACCESS01"

@@ -3,9 +3,11 @@
 The repository ships the recipe's base (trainer/embedded/base_gsm8k, weights pinned in trainer/embedded/basemodel.py), so a
 clone's `make gsm8k` starts RL at once; the slow lane checks that the shipped base is what the recipe
 builds. Building it takes 7-11 minutes on the one thread the build uses, so when a collected test asks
-for the `recipe_base` fixture, a child process starts building it at collection, on the core the other
+for the `recipe_base` fixture, a child process starts building it at collection, on a core the other
 tests leave free, and those tests are moved to the end of the run; the fixture waits for the child. It
 is the same `ensure_base` a user's first run would call without the shipped copy (`use_shipped=False`).
+Under pytest-xdist the controller owns the one build (its workers only say they need it), so however
+many workers run, the base is built once and every worker's fixture waits for that build's exit status.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURE = "recipe_base"
 #: the build's own time limit (a quiet core needs about 8 minutes; a loaded CI box up to about 20)
 TIMEOUT_S = 3000
+#: workerinput key: the folder where an xdist controller's build lives
+SHARED = "stoa_recipe_base_dir"
 
 _BUILD = """
 import os, sys, threading, time
@@ -44,52 +50,97 @@ print(f"base {report.path}: held-out {report.heldout_accuracy:.4f} after {report
 
 
 class _Build:
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="stoa-recipe-base-"))
+    """The build in `dir`: a child process (started by `start`, in the process that owns it) whose exit
+    status a thread writes to `dir/rc`, so any process of the run can wait for it by that file."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.dir = folder or Path(tempfile.mkdtemp(prefix="stoa-recipe-base-"))
         self.log = self.dir / "build.log"
-        (self.dir / "home").mkdir()  # what it might save under ~ stays out of the user's home
+        self.rc_file = self.dir / "rc"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        (self.dir / "home").mkdir(exist_ok=True)  # what it might save under ~ stays out of the user's home
         env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(self.dir / "home")}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-c", _BUILD, str(self.dir / "cache")], cwd=REPO, env=env,
                                          stdout=out, stderr=subprocess.STDOUT)
+        threading.Thread(target=self._record_exit, daemon=True).start()
+
+    def _record_exit(self) -> None:
+        rc = self.proc.wait()
+        tmp = self.rc_file.with_suffix(".tmp")
+        tmp.write_text(str(rc))
+        tmp.replace(self.rc_file)
 
     def wait(self) -> Path:
-        try:
-            rc = self.proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            pytest.fail(f"building the recipe's base took over {TIMEOUT_S} s; its log:\n{self.tail()}")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not self.rc_file.exists():
+            if time.monotonic() > deadline:
+                pytest.fail(f"building the recipe's base took over {TIMEOUT_S} s; its log:\n{self.tail()}")
+            time.sleep(1)
+        rc = int(self.rc_file.read_text())
         if rc != 0:
             pytest.fail(f"building the recipe's base failed (exit {rc}); its log:\n{self.tail()}")
         return self.dir / "cache"
 
     def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else "(no log yet)"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+#: the build this process owns (single process or xdist controller), or waits for (xdist worker)
 _build: _Build | None = None
 
 
-@pytest.hookimpl(trylast=True)  # after -m / -k have deselected what will not run
-def pytest_collection_modifyitems(config, items):
-    """Start the build if a collected test needs it, and run those tests last."""
+def _worker_dir(config) -> Path | None:
+    """On an xdist worker, the controller's build folder."""
+    folder = getattr(config, "workerinput", {}).get(SHARED)
+    return Path(folder) if folder else None
+
+
+def schedule(config, items) -> None:
+    """Start the build if a collected test needs it (an xdist worker asks its controller to), and run those
+    tests last. Called by conftest's pytest_collection_modifyitems once -m / -k have deselected."""
     global _build
     needing = [item for item in items if FIXTURE in getattr(item, "fixturenames", ())]
     if not needing or config.option.collectonly:
         return
     items[:] = [item for item in items if item not in needing] + needing
+    if _build is not None:
+        return
+    shared = _worker_dir(config)
+    if shared is not None:
+        _build = _Build(shared)
+        (shared / "wanted").touch()  # read by the controller once this worker's collection is finished
+    else:
+        _build = _Build()
+        _build.start()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist controller: one build folder for the run, named to every worker."""
+    global _build
     if _build is None:
         _build = _Build()
+    node.workerinput[SHARED] = str(_build.dir)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist controller: the first worker that collected a test needing the base starts the one build."""
+    if _build is not None and _build.proc is None and (_build.dir / "wanted").exists():
+        _build.start()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _build is not None:
+    if _build is not None and _worker_dir(session.config) is None:  # the owner stops it and removes the folder
         _build.stop()
 
 

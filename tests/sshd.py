@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 SSHD_CANDIDATES = ("sshd", "/usr/sbin/sshd", "/usr/local/sbin/sshd")
+PRIVSEP = "/run/sshd"  # sshd's privilege-separation directory
 
 
 def find_sshd() -> str | None:
@@ -87,8 +88,8 @@ def start_sshd(workdir: Path) -> tuple[SshdServer, bool]:
         "LogLevel VERBOSE", "",
     ]))
     made_privsep = False
-    if os.geteuid() == 0 and not os.path.isdir("/run/sshd"):
-        os.makedirs("/run/sshd", mode=0o755)
+    if os.geteuid() == 0 and not os.path.isdir(PRIVSEP):
+        os.makedirs(PRIVSEP, mode=0o755)
         made_privsep = True
     log = workdir / "sshd.log"
     proc = subprocess.Popen([binary, "-D", "-f", str(config), "-E", str(log)], stdin=subprocess.DEVNULL)
@@ -116,7 +117,29 @@ def stop_sshd(server: SshdServer, made_privsep: bool) -> None:
         server.proc.kill()
         server.proc.wait(timeout=5)
     if made_privsep:
-        shutil.rmtree("/run/sshd", ignore_errors=True)
+        shutil.rmtree(PRIVSEP, ignore_errors=True)
+
+
+#: whether `hold_privsep_dir` created PRIVSEP for this run
+_held_privsep = False
+
+
+def hold_privsep_dir(config) -> None:
+    """pytest-xdist controller, as root: create PRIVSEP before any worker starts, so that no worker's test
+    (which removes what it created) takes it away under another worker's running sshd."""
+    global _held_privsep
+    distributed = getattr(config.option, "dist", "no") != "no" and getattr(config.option, "tx", None)
+    if distributed and not hasattr(config, "workerinput") and os.geteuid() == 0 and not os.path.isdir(PRIVSEP):
+        os.makedirs(PRIVSEP, mode=0o755)
+        _held_privsep = True
+
+
+def release_privsep_dir() -> None:
+    """Remove PRIVSEP again if `hold_privsep_dir` created it."""
+    global _held_privsep
+    if _held_privsep:
+        shutil.rmtree(PRIVSEP, ignore_errors=True)
+        _held_privsep = False
 
 
 @pytest.fixture

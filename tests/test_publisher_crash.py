@@ -30,11 +30,15 @@ def test_sigkill_at_random_points_leaves_a_verifiable_bucket(tmp_path):
     rng = random.Random(20261130)
     last_pointer = 0
     trials = 7
+    trials_that_published = 0
     for trial in range(trials):
         proc = subprocess.Popen([sys.executable, str(CHILD), store.url, manifest.run, str(key_path), str(trial)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            time.sleep(rng.uniform(0.3, 2.5))
+            # the kill instant counts from the child's "ready", not from its start: under a loaded CI the
+            # interpreter's start-up alone can take longer than a fixed delay
+            assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+            time.sleep(rng.uniform(0.05, 2.5))
         finally:
             os.kill(proc.pid, signal.SIGKILL)
             out, err = proc.communicate(timeout=30)
@@ -50,4 +54,7 @@ def test_sigkill_at_random_points_leaves_a_verifiable_bucket(tmp_path):
                 assert pointer.version >= max(published)
                 assert min(published) > last_pointer or (trial == 0 and min(published) == 1)
             last_pointer = pointer.version
-    assert last_pointer >= trials  # each restart published at least its anchor, at a higher version
+        trials_that_published += bool(published)
+    # each restart that published anything published at least its anchor, at a higher version than before
+    assert last_pointer >= trials_that_published
+    assert trials_that_published >= 3, "too few trials got as far as a publish to test a restart"

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-BENCHMARKS = {"pulse": "bench.pulse_bench", "mlx_worker": "bench.mlx_worker"}
+BENCHMARKS = {"pulse": "bench.pulse_bench", "mlx_worker": "bench.mlx_worker", "startup": "bench.startup"}
 GPU_BENCHMARKS = {"pulse_gpu": "bench.pulse_gpu"}
 
 

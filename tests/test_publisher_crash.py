@@ -8,12 +8,15 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 from weightsync_helpers import make_run
 
 from worker_contract import signing
+from worker_contract.anchor import write_anchor
 from worker_contract.pointer import read_pointer
 from worker_contract.store.file import FileStore
 from worker_contract.verify import verify_run
@@ -31,9 +34,12 @@ def test_sigkill_at_random_points_leaves_a_verifiable_bucket(tmp_path):
     last_pointer = 0
     trials = 7
     trials_that_published = 0
+    tmp_dir = tmp_path / "tmp"  # the children's anchor shards, before upload: a killed one leaves its shard
+    tmp_dir.mkdir()
     for trial in range(trials):
         proc = subprocess.Popen([sys.executable, str(CHILD), store.url, manifest.run, str(key_path), str(trial)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "TMPDIR": str(tmp_dir)})
         try:
             # the kill instant counts from the child's "ready", not from its start: under a loaded CI the
             # interpreter's start-up alone can take longer than a fixed delay
@@ -58,3 +64,19 @@ def test_sigkill_at_random_points_leaves_a_verifiable_bucket(tmp_path):
     # each restart that published anything published at least its anchor, at a higher version than before
     assert last_pointer >= trials_that_published
     assert trials_that_published >= 3, "too few trials got as far as a publish to test a restart"
+
+
+def test_an_anchor_write_sweeps_only_shards_of_writers_that_run_no_more(tmp_path, monkeypatch):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"stoa-anchor-{gone.pid}-abc.safetensors"
+    live = tmp_path / f"stoa-anchor-{os.getpid()}-def.safetensors"
+    other = tmp_path / "stoa-anchor-notes.txt"  # not a shard name: never touched
+    for p in (dead, live, other):
+        p.write_bytes(b"x")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+    store = FileStore(tmp_path / "bucket")
+    key = signing.generate_private_key()
+    write_anchor(store, "r", 1, "bf16", {"w": np.ones(4, np.float32)}, key)
+    assert not dead.exists() and live.exists() and other.exists()

@@ -30,6 +30,8 @@ from .tensors import DIGEST_ALG, blake3_hex, digest_of_entries, dtype_name, tens
 #: 2: BLAKE3 digests (`digest` fields, `digest_alg`); 1 had sha256
 ANCHOR_FORMAT = 2
 DEFAULT_SHARD_BYTES = 2 << 30
+#: a shard being written goes to the temp dir as stoa-anchor-<writer pid>-<random>.safetensors
+_SHARD_TMP_PREFIX = "stoa-anchor-"
 _SIG_CONTEXT = b"stoa-anchor-manifest\0"
 
 #: progress(bytes_done, bytes_total) during an anchor upload or download
@@ -110,6 +112,29 @@ class _HashingFile:
         self.n += len(b)
 
 
+def sweep_dead_writers_shards(tmp_dir: str | Path | None = None) -> list[Path]:
+    """Delete the shard files that killed writers left in the temp dir, and say which. A SIGKILL (or a box
+    crash) skips the `finally` that removes them, and each is up to 2 GiB: a learner restarted after
+    crashes would fill /tmp. Only files named with a PID that runs no more are touched."""
+    removed = []
+    for path in Path(tmp_dir or tempfile.gettempdir()).glob(f"{_SHARD_TMP_PREFIX}*-*.safetensors"):
+        pid = path.name[len(_SHARD_TMP_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def _verify_landed(store: Store, key: str, size: int, etag: str) -> None:
     info = store.head(key)
     if info is None or info.size != size or (etag and info.etag.strip('"') != etag.strip('"')):
@@ -122,11 +147,12 @@ def write_anchor(store: Store, run: str, version: int, plane: str, state: Mappin
     """Upload `state` (numpy plane tensors) as the anchor of `version`; `VersionTaken` if any of its objects
     exist already. `entries`: per-tensor records the caller already computed (spares hashing again)."""
     known = {e["name"]: e["digest"] for e in entries} if entries else {}
+    sweep_dead_writers_shards()
     tensors, shards = [], []
     total, done = sum(a.nbytes for a in state.values()), 0
     for index, names in enumerate(_plan_shards(state, shard_bytes)):
         skey = layout.anchor_shard_key(run, version, index)
-        fd, tmp = tempfile.mkstemp(prefix="stoa-anchor-", suffix=".safetensors")
+        fd, tmp = tempfile.mkstemp(prefix=f"{_SHARD_TMP_PREFIX}{os.getpid()}-", suffix=".safetensors")
         try:
             with os.fdopen(fd, "wb") as f:
                 hf = _HashingFile(f)

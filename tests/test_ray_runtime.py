@@ -1,13 +1,17 @@
-"""The Ray session never writes into HOME, whatever auth mode the environment hands it."""
+"""The Ray session never writes into HOME, whatever auth mode the environment hands it, and a start that
+times out is made again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,3 +51,44 @@ def test_inherited_token_mode_keeps_the_token_in_memory_not_in_home(tmp_path):
     assert seen["mode"] == "token" and len(seen["token"]) == 64
     assert seen["worker_token"] == seen["token"]  # the Ray processes got it by inheritance, not a file
     assert seen["token_after"] is None  # and it left the process's environment with the session
+
+
+def _agent(root: psutil.Process) -> psutil.Process | None:
+    for p in root.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any("DashboardAgent" in a or "dashboard/agent.py" in a or "ray.dashboard.agent" in a
+                   for a in p.cmdline()):
+                return p
+    return None
+
+
+@pytest.mark.integration
+def test_a_ray_start_that_times_out_is_ended_and_made_again(tmp_path):
+    """Ray's raylet aborts when its dashboard agent has not reported its ports within ~15 s, as happens when a
+    busy machine starts the agent slowly. Here the first start's agent is really held (SIGSTOP): the
+    session ends that start's processes and starts Ray again, and the learner goes on."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "DRL_RAY_"))}
+    env.update(HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    script = SESSION.replace('print("SEEN "', 'print("INSIDE", flush=True); sys.stdin.readline(); print("SEEN "')
+    proc = subprocess.Popen([sys.executable, "-c", script, str(run_dir)], env=env, cwd=tmp_path, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        root, deadline, held = psutil.Process(proc.pid), time.monotonic() + 60, None
+        while held is None and time.monotonic() < deadline and proc.poll() is None:
+            held = _agent(root)
+            time.sleep(0.02)
+        assert held is not None, "no dashboard agent appeared"
+        held.suspend()  # SIGSTOP: it never reports its ports
+        assert proc.stdout.readline() == "INSIDE\n", proc.stderr.read()[-3000:]
+        with contextlib.suppress(psutil.NoSuchProcess):
+            assert held.status() == psutil.STATUS_ZOMBIE, "the failed start's agent still runs"
+        out, err = proc.communicate("\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert "did not come up in time (attempt 1 of 3" in err
+    assert json.loads(out.split("SEEN ", 1)[1])["worker_token"] is None  # a Ray task ran in the new start

@@ -42,6 +42,11 @@ def ray_tmpdir(run_dir: str | Path) -> tuple[Path, bool]:
     return Path(f"/tmp/stoa-ray-{digest}"), True
 
 
+#: tries of a local Ray start. Its raylet waits about 15 s for the dashboard agent (a Python process) to report
+#: its ports and aborts when it has not: on a busy 2-core machine the agent's imports alone can take longer.
+#: Ray offers no setting for that wait, so a start that times out is ended and made again.
+_START_ATTEMPTS = 3
+
 _ENV_KEYS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED", "PYTHONPATH",
              "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 
@@ -80,7 +85,7 @@ def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: in
             kwargs = dict(address=address)
         import ray
 
-        ctx = ray.init(**kwargs, log_to_driver=True, configure_logging=False)
+        ctx = _init(address is None, **kwargs, log_to_driver=True, configure_logging=False)
         if address is None and ctx.address_info.get("node_ip_address") != "127.0.0.1":
             log.warning("Ray's node address is %s, not loopback", ctx.address_info.get("node_ip_address"))
         try:
@@ -103,10 +108,33 @@ def init_standalone(*, num_cpus: int | None = None) -> None:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     _loopback_only()
     _set_auth(os.environ)
+    _init(True, include_dashboard=False, dashboard_host="127.0.0.1", num_cpus=num_cpus, log_to_driver=True,
+          configure_logging=False)
+
+
+def _init(local: bool, **kwargs):
+    """`ray.init(**kwargs)`; a local start that timed out is ended (the processes it started, by PID) and
+    made again, up to _START_ATTEMPTS in all."""
+    import psutil
     import ray
 
-    ray.init(include_dashboard=False, dashboard_host="127.0.0.1", num_cpus=num_cpus, log_to_driver=True,
-             configure_logging=False)
+    me = psutil.Process()
+    for attempt in range(1, _START_ATTEMPTS + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            return ray.init(**kwargs)
+        except Exception as e:  # Ray raises a bare Exception for this
+            if not local or "timed out during startup" not in str(e) or attempt == _START_ATTEMPTS:
+                raise
+            started = [p for p in me.children(recursive=True) if p.pid not in before]
+            for p in started:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(started, timeout=30)
+            ray.shutdown()
+            log.warning("Ray's node did not come up in time (attempt %d of %d; a busy machine starts its "
+                        "agents slowly): ended its %d processes, starting it again", attempt, _START_ATTEMPTS,
+                        len(started))
 
 
 def _loopback_only() -> None:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .taskkit import stoa_task
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from .taskkit import REPO_ROOT, stoa_task
 
 
 @stoa_task(help={

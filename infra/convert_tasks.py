@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-from .taskkit import UsageError, int_flag, stoa_task
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from .taskkit import REPO_ROOT, UsageError, int_flag, stoa_task
 
 
 def convert_command(hf_dir: str, out: str, *, rotary_base: float | None = None, recipe: str | None = None,

@@ -9,9 +9,7 @@ from pathlib import Path
 
 from invoke import Exit
 
-from .taskkit import confirm, int_flag, need_run, stoa_task
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from .taskkit import REPO_ROOT, confirm, int_flag, need_run, stoa_task
 
 
 def _need_run(run: str | None) -> str:

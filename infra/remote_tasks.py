@@ -14,9 +14,7 @@ import json
 
 from invoke import Exit
 
-from trainer.config import REPO_ROOT
-
-from .taskkit import UsageError, confirm, int_flag, need_run, stoa_task
+from .taskkit import REPO_ROOT, UsageError, confirm, int_flag, need_run, stoa_task
 
 _COMMON = {
     "run": "run id (default: DRL_RUN)",

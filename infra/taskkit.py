@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from invoke import Exit, task
 
@@ -23,6 +24,9 @@ from worker_contract.cli import (
     report_bug,
     user_errors,
 )
+
+#: the checkout the tasks run in (tasks.py sits at its top)
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def stoa_task(*args, **kwargs) -> Callable:

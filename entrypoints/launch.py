@@ -61,12 +61,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+#: what a machine with an NVIDIA (or ROCm) driver has; torch.cuda sees no GPU without one of them
+_GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
+
+
 def has_cuda() -> bool:
     """A CUDA GPU torch can use (DRL_NO_GPU=1 pretends there is none)."""
     from worker_contract.env import env_bool
 
     if env_bool("DRL_NO_GPU", os.environ.get("DRL_NO_GPU", "")):
         return False
+    if not any(os.path.exists(p) for p in _GPU_DRIVER_PATHS):
+        return False  # no GPU driver on this machine: spares importing torch (about 3 s of CPU)
     try:
         import torch
     except ImportError:

@@ -48,7 +48,8 @@ def test_contract_core_installs_and_imports_alone(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
-    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # --no-compile: the check imports each module once, so byte-compiling botocore and numpy up front is waste
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
     subprocess.run(pip + deps, check=True, timeout=300, capture_output=True)
     subprocess.run(pip + ["--no-deps", str(src)], check=True, timeout=300, capture_output=True)
 

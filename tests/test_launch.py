@@ -164,3 +164,24 @@ def test_old_module_path_runs_the_same_launcher():
     assert "python -m entrypoints.launch" in subprocess.run(
         [sys.executable, "-m", "trainer.launch", "--help"], env=full, cwd=REPO, capture_output=True, text=True,
         timeout=120).stdout
+
+
+#: runs the launch as `python -m entrypoints.launch` does and says, at exit, whether torch was imported
+_WATCH_IMPORTS = ("import atexit, runpy, sys\n"
+                  "atexit.register(lambda: print('TORCH_IMPORTED', 'torch' in sys.modules, file=sys.stderr))\n"
+                  "sys.argv = ['launch', *sys.argv[1:]]\n"
+                  "runpy.run_module('entrypoints.launch', run_name='__main__', alter_sys=True)\n")
+
+
+@pytest.mark.parametrize("args", [("--recipe", "gsm8k"), ("--recipe", "psqa"),
+                                  ("--recipe", "gsm8k", "--host", "root@203.0.113.7")])
+def test_a_dry_run_does_not_import_torch_on_a_machine_without_a_gpu_driver(args):
+    """Importing torch costs about 3 s of CPU, and neither the dry run nor the choice of mode needs it where
+    the machine has no GPU driver (DRL_NO_GPU is not set here: the launch finds that out itself)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("DRL_", "R2_"))}
+    full.update(PYTHONPATH=str(REPO), DRL_DRY_RUN="1", **R2)  # with credentials: the gpu mode is possible
+    p = subprocess.run([sys.executable, "-c", _WATCH_IMPORTS, *args, "--run", "dry-imports"], env=full, cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    driver = any(os.path.exists(path) for path in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd"))
+    assert f"TORCH_IMPORTED {driver}" in p.stderr, p.stderr[-2000:]

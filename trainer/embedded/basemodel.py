@@ -21,15 +21,19 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from worker_contract.tasks import Problem, Task
-from worker_contract.worker.sampling import sample
 
 from ..config import EmbeddedBaseConfig
 from ..progress import progress
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it is used: the launcher's dry run and a run that installs the shipped base read
+# this module's config digest and report without it (importing torch costs about 3 s of CPU)
 
 #: ChatML, the format Qwen2 instruct models use; the tiny base speaks it too so MODEL= swaps cleanly.
 CHAT_TEMPLATE = (
@@ -88,6 +92,7 @@ def build_tokenizer(texts: Sequence[str], vocab_size: int):
 
 
 def build_model(tokenizer, cfg: EmbeddedBaseConfig):
+    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -112,6 +117,8 @@ def prompt_ids(tokenizer, task: Task, problem: Problem) -> list[int]:
 def _sft_batch(tokenizer, task: Task, problems: list[Problem], directs: list[bool]) -> tuple[torch.Tensor, ...]:
     """Right-padded (ids, labels, attention mask); labels are -100 on the prompt and padding. Where
     `directs` is true the target is the bare final answer instead of the worked solution."""
+    import torch
+
     rows = []
     for p, direct in zip(problems, directs, strict=True):
         pid = prompt_ids(tokenizer, task, p)
@@ -133,6 +140,8 @@ class SFTSteps:
     bare final answer (`cfg.sft_direct_fraction`). The caller sets the model's training mode."""
 
     def __init__(self, model, tokenizer, task: Task, cfg: EmbeddedBaseConfig):
+        import torch
+
         self.model, self.tokenizer, self.task, self.cfg = model, tokenizer, task, cfg
         self.train = task.dataset("train")
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -145,6 +154,8 @@ class SFTSteps:
     def step(self, index: int) -> torch.Tensor:
         """One optimizer step on batch `index` of the training split (batches cycle over it); the loss,
         detached (reading it is the caller's choice, since on a GPU that waits for the step)."""
+        import torch
+
         cfg, train = self.cfg, self.train
         batch = [train[(index * cfg.sft_batch_size + j) % len(train)] for j in range(cfg.sft_batch_size)]
         directs = [self.rng.random() < cfg.sft_direct_fraction for _ in batch]
@@ -173,6 +184,10 @@ def supervise(model, tokenizer, task: Task, cfg: EmbeddedBaseConfig,
 def evaluate(model, tokenizer, task: Task, problems: Sequence[Problem], *, max_new_tokens: int,
              temperature: float = 1.0, greedy: bool = True, batch_size: int = 100, seed: int = 0) -> float:
     """Accuracy on `problems` under the task's own reward (the same code that scores rollouts)."""
+    import torch
+
+    from worker_contract.worker.sampling import sample
+
     if not problems:
         return 0.0
     gen = torch.Generator().manual_seed(seed)
@@ -209,6 +224,8 @@ def weights_digest(path: str | Path) -> str:
 
 def build_environment() -> dict[str, str]:
     """What, besides the config, decides a build's last bits (BaseReport.built_on)."""
+    import torch
+
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "machine": platform.machine()}
 
@@ -253,6 +270,7 @@ def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new
     if shipped is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         return _install(SHIPPED_BASE, out, shipped)
+    import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars would tear the launcher's display
@@ -297,6 +315,8 @@ def _one_thread():
     follows the thread count, and 1200 supervised steps grow that last-bit difference into another base
     (32-35% held-out and a different RL gain for the same config); on one thread every machine builds the
     same weights, at about 1.25x the time of two (docs/embedded.md)."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -1,6 +1,7 @@
 """How long our processes take to start: every CLI call, worker, learner actor and test subprocess pays it.
 
-    python -m bench startup [--runs 7] [--ml-dtypes DIR ...] [--out bench/results/startup.json]
+    python -m bench.startup [--runs 7] [--ml-dtypes DIR ...] [--out bench/results/startup.json]
+    python -m bench startup   (the same with its defaults, as `nox -s bench` runs it)
 
 Each command runs `--runs` times in turn with the others (interleaved, so a busy moment hits all alike);
 the result keeps min, median and max wall seconds. `--ml-dtypes DIR` (a `pip install --target DIR
@@ -23,15 +24,18 @@ from .common import write_result
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
-#: name -> argv; what a user or the suite starts most often
+#: name -> (argv, extra environment); what a user or the suite starts most often
 COMMANDS = {
-    "python": [sys.executable, "-c", "pass"],
-    "import ml_dtypes": [sys.executable, "-c", "import ml_dtypes"],
-    "import worker_contract.tensors": [sys.executable, "-c", "import worker_contract.tensors"],
-    "import trainer.config": [sys.executable, "-c", "import trainer.config"],
-    "invoke --list": [str(BIN / "invoke"), "--list"],
-    "python -m entrypoints.launch --help": [sys.executable, "-m", "entrypoints.launch", "--help"],
-    "python -m worker_contract.worker --help": [sys.executable, "-m", "worker_contract.worker", "--help"],
+    "python": ([sys.executable, "-c", "pass"], {}),
+    "import ml_dtypes": ([sys.executable, "-c", "import ml_dtypes"], {}),
+    "import worker_contract.tensors": ([sys.executable, "-c", "import worker_contract.tensors"], {}),
+    "import trainer.config": ([sys.executable, "-c", "import trainer.config"], {}),
+    "invoke --list": ([str(BIN / "invoke"), "--list"], {}),
+    "python -m entrypoints.launch --help": ([sys.executable, "-m", "entrypoints.launch", "--help"], {}),
+    "DRL_DRY_RUN=1 python -m entrypoints.launch --recipe gsm8k": (
+        [sys.executable, "-m", "entrypoints.launch", "--recipe", "gsm8k", "--run", "bench-startup"],
+        {"DRL_DRY_RUN": "1"}),
+    "python -m worker_contract.worker --help": ([sys.executable, "-m", "worker_contract.worker", "--help"], {}),
 }
 
 
@@ -47,7 +51,7 @@ def _time(argv: list[str], env: dict[str, str]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench startup", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=7, help="runs of each command (default 7)")
     parser.add_argument("--ml-dtypes", type=Path, action="append", default=[], metavar="DIR",
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1:
         parser.error(f"--runs {args.runs} must be at least 1")
     base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    cases: dict[str, tuple[list[str], dict[str, str]]] = {name: (cmd, base) for name, cmd in COMMANDS.items()}
+    cases = {name: (cmd, {**base, **extra}) for name, (cmd, extra) in COMMANDS.items()}
     versions = {"installed": _version("import ml_dtypes; print(ml_dtypes.__version__)", base)}
     for folder in args.ml_dtypes:
         if not (folder / "ml_dtypes").is_dir():
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**base, "PYTHONPATH": str(folder.resolve())}
         version = _version("import ml_dtypes; print(ml_dtypes.__version__)", env)
         versions[str(folder)] = version
-        cases[f"import ml_dtypes {version} ({folder.name})"] = (COMMANDS["import ml_dtypes"], env)
+        cases[f"import ml_dtypes {version} ({folder.name})"] = (COMMANDS["import ml_dtypes"][0], env)
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(args.runs):
         for name, (cmd, env) in cases.items():

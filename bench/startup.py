@@ -39,9 +39,9 @@ COMMANDS = {
 }
 
 
-def _version(code: str, env: dict[str, str]) -> str:
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          cwd=REPO).stdout.strip()
+def _ml_dtypes_version(env: dict[str, str]) -> str:
+    return subprocess.run([sys.executable, "-c", "import ml_dtypes; print(ml_dtypes.__version__)"], env=env,
+                          capture_output=True, text=True, cwd=REPO).stdout.strip()
 
 
 def _time(argv: list[str], env: dict[str, str]) -> float:
@@ -62,13 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--runs {args.runs} must be at least 1")
     base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     cases = {name: (cmd, {**base, **extra}) for name, (cmd, extra) in COMMANDS.items()}
-    versions = {"installed": _version("import ml_dtypes; print(ml_dtypes.__version__)", base)}
+    versions = {"installed": _ml_dtypes_version(base)}
     for folder in args.ml_dtypes:
         if not (folder / "ml_dtypes").is_dir():
             parser.error(f"--ml-dtypes {folder}: no ml_dtypes package in it (pip install --target {folder} "
                          "ml_dtypes==X)")
         env = {**base, "PYTHONPATH": str(folder.resolve())}
-        version = _version("import ml_dtypes; print(ml_dtypes.__version__)", env)
+        version = _ml_dtypes_version(env)
         versions[str(folder)] = version
         cases[f"import ml_dtypes {version} ({folder.name})"] = (COMMANDS["import ml_dtypes"][0], env)
     times: dict[str, list[float]] = {name: [] for name in cases}

@@ -112,17 +112,14 @@ class _HashingFile:
         self.n += len(b)
 
 
-def sweep_dead_writers_shards(tmp_dir: str | Path | None = None) -> list[Path]:
-    """Delete the shard files that killed writers left in the temp dir, and say which. A SIGKILL (or a box
+def sweep_dead_writers_shards(tmp_dir: str | Path | None = None) -> None:
+    """Delete the shard files that killed writers left in the temp dir. A SIGKILL (or a box
     crash) skips the `finally` that removes them, and each is up to 2 GiB: a learner restarted after
     crashes would fill /tmp. Only files named with a PID that runs no more are touched."""
-    removed = []
     for path in Path(tmp_dir or tempfile.gettempdir()).glob(f"{_SHARD_TMP_PREFIX}*-*.safetensors"):
         pid = path.name[len(_SHARD_TMP_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and not _running(int(pid)):
             path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed
 
 
 def _running(pid: int) -> bool:

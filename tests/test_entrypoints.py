@@ -105,8 +105,7 @@ def test_process_mains_of_trainer_are_shims_of_entrypoints():
     for module, target in shims.items():
         assert target in blocks and target.startswith("entrypoints."), (module, target)
     # the old commands the docs, closed issues and users' notes name
-    assert shims == {"trainer.launch": "entrypoints.launch", "trainer.native": "entrypoints.learner",
-                     "trainer.psqa_eval": "entrypoints.psqa_eval"}
+    assert shims == {"trainer.launch": "entrypoints.launch", "trainer.native": "entrypoints.learner"}
 
 
 def test_both_launchers_start_the_one_learner_command(tmp_path):
@@ -117,7 +116,7 @@ def test_both_launchers_start_the_one_learner_command(tmp_path):
 
     cfg = resolve("gsm8k", {}, {"run": "one-learner-1"})
     native = learner_command(cfg, BoxPaths(remote_dir=str(tmp_path), run=cfg.run), sys.executable)
-    embedded = learner_argv(sys.executable, tmp_path / "recipe.json", tmp_path, tmp_path)  # trainer/embedded/localprocs.py
+    embedded = learner_argv(sys.executable, tmp_path / "recipe.json", tmp_path, tmp_path)  # embedded/localprocs.py
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for argv in (native, embedded):
         assert argv[1:3] == ["-m", "entrypoints.learner"]

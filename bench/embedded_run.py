@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or common.RESULTS / f"embedded_{args.recipe}_cpu.json")
     launch = [sys.executable, "-m", "entrypoints.launch", "--recipe", args.recipe, "--run", run,
               "--worker", args.worker]
+    tree = common.provenance()  # the code that runs; the checkout may move on while it does
     load_before = os.getloadavg()
     t0 = time.monotonic()
     console = subprocess.run(launch, cwd=REPO, capture_output=True, text=True)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
               "wall_s": round(wall, 1), "load_before": load_before, "load_after": os.getloadavg(),
               **summarise(rows), "raw": [raw_metrics.name, raw_logs.name]}
     common.write_result(f"embedded_{args.recipe}_cpu", result, out, argv=argv if argv is not None else sys.argv[1:],
-                        module="bench.embedded_run")
+                        module="bench.embedded_run", tree=tree)
     print(f"{out}: held-out {result.get('heldout_first')} -> {result.get('heldout_last')} "
           f"(best {result.get('heldout_best')}) in {result['steps']} steps, {wall:.0f} s, exit {console.returncode}")
     return 0 if console.returncode == 0 else 1

@@ -145,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from embedded.run import EmbeddedPaths, run_embedded
-    from infra.retriever import serve_argv
     from trainer.config import resolve
 
     ROOT.mkdir(parents=True, exist_ok=True)
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve("psqa", {}, over, embedded=True)  # MODEL=: the recipe's embedded.model_overrides
     base_s = time.monotonic() - t0
     t_rl = time.monotonic()
-    rc = run_embedded(cfg, Console(width=140), root=ROOT, retriever_argv=serve_argv)
+    rc = run_embedded(cfg, Console(width=140), root=ROOT)
     rl_s = time.monotonic() - t_rl
     rows = [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()] \
         if paths.metrics.exists() else []

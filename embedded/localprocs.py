@@ -119,7 +119,7 @@ def start_learner(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path,
                   extra_env: dict[str, str] | None = None) -> Child:
     recipe = paths.run_dir / "recipe.json"
     recipe.write_text(cfg.model_dump_json(indent=2))
-    from trainer.native.learner import learner_argv
+    from infra.native_launch import learner_argv
 
     argv = learner_argv(sys.executable, recipe, model_dir, paths.run_dir)
     return procs.start("learner", argv, {**child_env(cfg), **(extra_env or {})}, paths.run_dir / "learner.log")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import shutil
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+from infra.retriever import serve_argv
 from trainer.config import RecipeConfig
 
 from .heldout import HeldoutEvaluator
@@ -52,8 +52,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: (corpus JSONL, port) -> the command serving it on 127.0.0.1 (infra.retriever.serve_argv)
-RetrieverArgv = Callable[[Path, int], list[str]]
 
 
 def worker_flags(cfg: RecipeConfig, url: str) -> list[str]:
@@ -81,8 +79,8 @@ def build_base(cfg: RecipeConfig, paths, data: Path, search, console) -> Path:
 class PsqaServices:
     """The data and the retriever of one embedded psqa session; `stop` after every other child has stopped."""
 
-    def __init__(self, cfg: RecipeConfig, paths, retriever_argv: RetrieverArgv):
-        self.cfg, self.paths, self.retriever_argv = cfg, paths, retriever_argv
+    def __init__(self, cfg: RecipeConfig, paths):
+        self.cfg, self.paths = cfg, paths
         self.procs = Processes(record=paths.run_dir)
         self.data: Path | None = None
         self.url: str | None = None
@@ -92,7 +90,7 @@ class PsqaServices:
 
         self.data = ensure_data(self.cfg, self.paths)
         port = free_port()
-        child = self.procs.start("retriever", self.retriever_argv(self.data / "corpus.jsonl", port), child_env(self.cfg),
+        child = self.procs.start("retriever", serve_argv(self.data / "corpus.jsonl", port), child_env(self.cfg),
                                  self.paths.run_dir / "retriever.log")
         self.url = f"http://127.0.0.1:{port}"
         client, deadline = RetrieverClient(self.url, timeout_s=2.0, retries=0), time.monotonic() + timeout_s
@@ -173,8 +171,7 @@ class PsqaHeldoutEvaluator(HeldoutEvaluator):
                 "eval/response_tokens": point.response_tokens}
 
 
-def plan_lines(cfg: RecipeConfig, paths, middle: list[str], tail: list[str],
-               retriever_argv: RetrieverArgv | None) -> list[str]:
+def plan_lines(cfg: RecipeConfig, paths, middle: list[str], tail: list[str]) -> list[str]:
     """What the embedded psqa run will do, for the dry run (`middle`: embedded/run.py's run.json, learner and
     worker lines; `tail`: its stop and metrics lines)."""
     p, e = cfg.embedded.psqa, cfg.embedded
@@ -183,8 +180,7 @@ def plan_lines(cfg: RecipeConfig, paths, middle: list[str], tail: list[str],
             f"build and cache (or reuse) the base under {paths.cache}/psqa-base-<digest>: embedded.psqa_base."
             f"ensure_psqa_base, a small LFM2-MoE supervised into the search format "
             f"(PsqaBaseConfig{'(' + ', '.join(f'{k}={v!r}' for k, v in p.base.items()) + ')' if p.base else ' defaults'})")
-    serve = (" ".join(["python", *retriever_argv(data / "corpus.jsonl", 0)[1:]]).replace("--port 0", "--port <a free port>")
-             if retriever_argv else "(the caller's retriever command)")
+    serve = " ".join(["python", *serve_argv(data / "corpus.jsonl", 0)[1:]]).replace("--port 0", "--port <a free port>")
     return [
         "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the PaperSearchQA miniature on this "
         "machine",

@@ -73,9 +73,9 @@ def gsm8k_data_available() -> bool:
     return True
 
 
-def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> list[str]:
-    """What `run_embedded` will do, for the dry run (`retriever_argv`: as run_embedded takes it)."""
-    from trainer.native.learner import learner_argv
+def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
+    """What `run_embedded` will do, for the dry run."""
+    from infra.native_launch import learner_argv
 
     from .basemodel import config_digest
 
@@ -119,7 +119,7 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> 
     if cfg.task == "psqa":
         from . import psqa
 
-        return psqa.plan_lines(cfg, paths, middle, tail, retriever_argv)
+        return psqa.plan_lines(cfg, paths, middle, tail)
     return [
         "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the whole loop on this machine",
         f"1. {base}", *middle,
@@ -197,12 +197,10 @@ class _Interrupts:
             self.procs.signal_all(signal.SIGKILL)
 
 
-def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR, retriever_argv=None) -> int:
+def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR) -> int:
     """The embedded run, start to summary; the exit status of `make gsm8k` (0 ok, 1 failed, 130 Ctrl-C).
 
-    `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default).
-    `retriever_argv` (psqa): (corpus, port) -> the retriever's command, infra.retriever.serve_argv (trainer/
-    names no infra module; entrypoints/launch.py passes it)."""
+    `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default)."""
     from rich.console import Console
 
     console = console or Console()
@@ -228,10 +226,7 @@ def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR, retr
     if cfg.task == "psqa":  # the generated corpus and the retriever (embedded/psqa.py)
         from .psqa import PsqaServices
 
-        if retriever_argv is None:
-            raise ValueError("the embedded psqa run needs the retriever's command: pass "
-                             "retriever_argv=infra.retriever.serve_argv (python -m entrypoints.launch does)")
-        services = PsqaServices(cfg, paths, retriever_argv)
+        services = PsqaServices(cfg, paths)
     try:
         return _run_locked(cfg, paths, console, services)
     finally:

@@ -119,10 +119,9 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
         out("(no DRL_* contract or R2_* variables set)")
     if mode == "embedded":
         from embedded.run import plan_lines
-        from infra.retriever import serve_argv
 
         out("# will run:")
-        for line in plan_lines(cfg, paths, retriever_argv=serve_argv):
+        for line in plan_lines(cfg, paths):
             out(line)
 
 
@@ -194,9 +193,8 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
         dry_run(cfg, mode, why, env, out)
         return 0
     from embedded.run import run_embedded
-    from infra.retriever import serve_argv
 
-    return run_embedded(cfg, retriever_argv=serve_argv)  # psqa: the retriever child's command (trainer names no infra)
+    return run_embedded(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

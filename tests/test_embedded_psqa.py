@@ -56,14 +56,13 @@ def _run(root: Path, run: str, model: Path, **over) -> tuple[int, str]:
     from rich.console import Console
 
     from embedded.run import run_embedded
-    from infra.retriever import serve_argv
 
     tiny = {"run": run, "model.path": str(model), "algo.groups_per_step": 2, "algo.max_new_tokens": 48,
             "embedded.eval_every": 2, "embedded.eval_problems": 6, "embedded.psqa.entities": 300,
             "embedded.psqa.heldout_entities": 30, "train.save_interval": 2}
     cfg = resolve("psqa", env={}, overrides={**tiny, **over}, embedded=True)
     buf = io.StringIO()
-    rc = run_embedded(cfg, console=Console(file=buf, width=160), root=root, retriever_argv=serve_argv)
+    rc = run_embedded(cfg, console=Console(file=buf, width=160), root=root)
     return rc, buf.getvalue()
 
 

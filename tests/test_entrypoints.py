@@ -109,10 +109,9 @@ def test_process_mains_of_trainer_are_shims_of_entrypoints():
 
 
 def test_both_launchers_start_the_one_learner_command(tmp_path):
-    from infra.native_launch import learner_command
+    from infra.native_launch import learner_argv, learner_command
     from infra.slime_launch import BoxPaths
     from trainer.config import resolve
-    from trainer.native.learner import learner_argv
 
     cfg = resolve("gsm8k", {}, {"run": "one-learner-1"})
     native = learner_command(cfg, BoxPaths(remote_dir=str(tmp_path), run=cfg.run), sys.executable)

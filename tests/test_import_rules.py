@@ -27,10 +27,10 @@ ALLOWED: dict[str, set[str] | None] = {
     "entrypoints": None, "bench": None, "tasks": None, "noxfile": None,
 }
 #: file -> the process mains above it that it may name as a `python -m` command, never import (an argv string):
-#: the old commands' shims re-execute their entry point, and trainer.native.learner's LEARNER_MODULE is the learner
+#: the old commands' shims re-execute their entry point, and infra.native_launch's LEARNER_MODULE is the learner
 #: process both launchers start
 SHIMS = {"trainer.launch": {"entrypoints.launch"}, "trainer.native.__main__": {"entrypoints.learner"},
-         "trainer.native.learner": {"entrypoints.learner"}}
+         "infra.native_launch": {"entrypoints.learner"}}
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?")
 
 

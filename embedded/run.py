@@ -250,8 +250,8 @@ def _lock_run(paths: EmbeddedPaths):
 
 
 def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=None) -> int:
+    from infra.ops.plots import plot_run
     from trainer.models import IdentityMismatch
-    from trainer.plots import plot_run
     from worker_contract.manifest import ContractMismatch, RunExists
     from worker_contract.tasks import get_task
 

@@ -21,8 +21,8 @@ WORKERS = (("torch", "torch", None), ("mlx-float32", "mlx", "float32"), ("mlx-bf
 
 
 def _base_model(cfg) -> Path:
-    from trainer.embedded.basemodel import ensure_base
-    from trainer.embedded.run import STOA_DIR
+    from embedded.basemodel import ensure_base
+    from embedded.run import STOA_DIR
     from worker_contract.tasks import get_task
 
     rep = ensure_base(cfg.embedded.base, get_task(cfg.task), STOA_DIR / "cache", max_new_tokens=cfg.algo.max_new_tokens,

@@ -128,7 +128,7 @@ class _Heldout:
         self.max_new_tokens, self.plane = cfg.algo.max_new_tokens, cfg.contract.plane
 
     def __call__(self) -> tuple[int, float]:
-        from trainer.embedded.basemodel import evaluate
+        from embedded.basemodel import evaluate
         from worker_contract.planes import get_plane
 
         self.rec.follow()
@@ -249,7 +249,7 @@ def _mean(values) -> float | None:
 
 def build_base(preset: Preset, work: Path, log=print) -> tuple[str, dict]:
     """The preset's base (built once, cached under `work`/cache), and what building it measured."""
-    from trainer.embedded.basemodel import ensure_base
+    from embedded.basemodel import ensure_base
     from worker_contract.tasks import get_task
 
     cfg = resolve("gsm8k", env={}, overrides=preset.recipe, embedded=True)
@@ -283,7 +283,7 @@ def _validation_accuracy(path: str, task, preset: Preset, max_new_tokens: int) -
     """Greedy accuracy of a base on bench.common.validation_problems (as many as the preset's held-out)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.embedded.basemodel import evaluate
+    from embedded.basemodel import evaluate
 
     from .common import validation_problems
 

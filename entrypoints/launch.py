@@ -4,7 +4,7 @@ What `make gsm8k RUN=<id>` runs. It resolves the recipe (trainer.config.resolve)
 runs, in this order:
     --host given                                   -> infra.remote.launch_remote (the GPU box over SSH)
     a CUDA GPU here and R2 credentials or DRL_STORE -> infra.launch_gpu.launch_on_this_box
-    otherwise                                      -> the embedded default (trainer.embedded.run)
+    otherwise                                      -> the embedded default (embedded.run)
 DRL_DRY_RUN=1 prints the fully resolved configuration and exactly what would run (secrets redacted) and
 changes nothing. An unknown recipe or a bad run id is refused with exit status 2.
 """
@@ -104,7 +104,7 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
     from worker_contract.env import R2_VARS, REDACTED, SECRET_VARS
 
     if mode == "embedded":
-        from trainer.embedded.run import STOA_DIR, EmbeddedPaths, embedded_cfg
+        from embedded.run import STOA_DIR, EmbeddedPaths, embedded_cfg
 
         paths = EmbeddedPaths(STOA_DIR, cfg.run)
         cfg = embedded_cfg(cfg, paths)
@@ -118,11 +118,10 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
     if not shown:
         out("(no DRL_* contract or R2_* variables set)")
     if mode == "embedded":
-        from infra.retriever import serve_argv
-        from trainer.embedded.run import plan_lines
+        from embedded.run import plan_lines
 
         out("# will run:")
-        for line in plan_lines(cfg, paths, retriever_argv=serve_argv):
+        for line in plan_lines(cfg, paths):
             out(line)
 
 
@@ -193,10 +192,9 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
     if dry:
         dry_run(cfg, mode, why, env, out)
         return 0
-    from infra.retriever import serve_argv
-    from trainer.embedded.run import run_embedded
+    from embedded.run import run_embedded
 
-    return run_embedded(cfg, retriever_argv=serve_argv)  # psqa: the retriever child's command (trainer names no infra)
+    return run_embedded(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

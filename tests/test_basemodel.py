@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from embedded import basemodel
+from embedded.basemodel import ensure_base
 from trainer.config import EmbeddedBaseConfig, resolve
-from trainer.embedded import basemodel
-from trainer.embedded.basemodel import ensure_base
 from worker_contract.tasks import get_task
 
 #: the recipe's width (a narrower model's products are too small for torch to split across threads)

@@ -40,7 +40,7 @@ TINY = {
 def _run(root: Path, run: str, **over):
     from rich.console import Console
 
-    from trainer.embedded.run import run_embedded
+    from embedded.run import run_embedded
 
     cfg = resolve("gsm8k", env={}, overrides={"run": run, **TINY, **over}, embedded=True)
     buf = io.StringIO()
@@ -84,7 +84,7 @@ def _wait_gone(root: Path, timeout: float = 30.0) -> list[str]:
 def test_a_second_launcher_of_the_same_run_is_refused(tmp_path):
     from rich.console import Console
 
-    from trainer.embedded.run import EmbeddedPaths, _lock_run, run_embedded
+    from embedded.run import EmbeddedPaths, _lock_run, run_embedded
 
     paths = EmbeddedPaths(tmp_path, "busy-run")
     paths.run_dir.mkdir(parents=True)
@@ -180,9 +180,9 @@ def test_model_option_runs_the_same_loop_on_a_model_from_disk_with_real_gsm8k_da
     """MODEL=/path: no base is built; the task is the real GSM8K (here a local copy of a few rows)."""
     from rich.console import Console
 
+    from embedded.basemodel import _render, build_model, build_tokenizer
+    from embedded.run import run_embedded
     from trainer.config import EmbeddedBaseConfig
-    from trainer.embedded.basemodel import _render, build_model, build_tokenizer
-    from trainer.embedded.run import run_embedded
     from worker_contract.tasks import get_task
 
     rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
@@ -228,7 +228,7 @@ def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path):
     rebuilds it from scratch and compares: tests/test_basemodel.py)."""
     from rich.console import Console
 
-    from trainer.embedded.run import run_embedded
+    from embedded.run import run_embedded
 
     run = "e2e-rises"
     # the recipe's 600 s budget is for a user's machine; a loaded CI box may take longer for the 60 steps,

@@ -46,7 +46,7 @@ SlimeSample, TrainOut, EvalOut, FROM_SLIME = slime_types()
 @pytest.fixture(scope="module")
 def box(tmp_path_factory):
     """A tiny HF model dir, a file bucket with run.json + v1 published by infra.anchor, the recipe file."""
-    from trainer.embedded.basemodel import build_model, build_tokenizer
+    from embedded.basemodel import build_model, build_tokenizer
 
     root = tmp_path_factory.mktemp("box")
     task = get_task("arithmetic")

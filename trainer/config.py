@@ -87,10 +87,10 @@ class EmbeddedBaseConfig(_Model):
 
 
 class EmbeddedPsqaConfig(_Model):
-    """The embedded psqa run's pieces (trainer/embedded/psqa.py): generated corpus, retriever, base, evaluation."""
+    """The embedded psqa run's pieces (embedded/psqa.py): generated corpus, retriever, base, evaluation."""
 
     entities: int = Field(3000, ge=10)
-    """Abstracts of the generated corpus (trainer/embedded/psqa_synth.py), three facts and three questions each."""
+    """Abstracts of the generated corpus (embedded/psqa_synth.py), three facts and three questions each."""
     heldout_entities: int = Field(200, ge=1)
     """Entities whose questions are held out for evaluation (never trained on)."""
     seed: int = 0
@@ -104,7 +104,7 @@ class EmbeddedPsqaConfig(_Model):
     eval_k: int = Field(1, ge=1)
     """Samples per held-out question (pass@1 is their mean cover-EM)."""
     base: dict[str, Any] = {}
-    """trainer/embedded/psqa_base.py's PsqaBaseConfig fields that differ from its defaults (the base built here)."""
+    """embedded/psqa_base.py's PsqaBaseConfig fields that differ from its defaults (the base built here)."""
 
 
 class EmbeddedConfig(_Model):

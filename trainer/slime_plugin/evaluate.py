@@ -44,8 +44,8 @@ def eval_output(args: Any, rollout_id: int, ctx: PluginContext):
     """Generate and score the held-out problems; returns slime's RolloutFnEvalOutput."""
     from transformers import AutoTokenizer
 
-    from trainer.embedded.basemodel import prompt_ids
     from worker_contract.tasks import get_task
+    from worker_contract.tasks.base import render_prompt
 
     Sample, _, EvalOutput, _ = slime_types()
     hf_dir = getattr(args, "hf_checkpoint", None) or ctx.cfg.model.path
@@ -60,7 +60,7 @@ def eval_output(args: Any, rollout_id: int, ctx: PluginContext):
     temp = getattr(args, "eval_temperature", None)
     sampling = {"temperature": m.temperature if temp is None else float(temp), "top_p": m.top_p,
                 "max_new_tokens": int(getattr(args, "eval_max_response_len", None) or m.max_new_tokens)}
-    prompts = [prompt_ids(tok, task, p) for p in problems]
+    prompts = [render_prompt(tok, task.messages(p)) for p in problems]
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         answers = list(pool.map(lambda ids: _generate(url, ids, sampling), prompts))
     samples, rewards, truncated = [], [], []

@@ -54,7 +54,7 @@ def build_learning_base(out: Path, *, max_steps: int, target: float, eval_every:
     import torch
 
     from embedded.basemodel import SFTSteps, _render, build_model, build_tokenizer, evaluate
-    from trainer.config import EmbeddedBaseConfig
+    from embedded.config import EmbeddedBaseConfig
     from worker_contract.tasks import get_task
 
     cfg = EmbeddedBaseConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536,

@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from rich.console import Console
 
+    from embedded.config import resolve_embedded
     from embedded.run import EmbeddedPaths, run_embedded
-    from trainer.config import resolve
 
     ROOT.mkdir(parents=True, exist_ok=True)
     run = args.run or f"psqa-gpu-{int(time.time())}"
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             "embedded.eval_every": args.eval_every, "embedded.eval_problems": args.eval_problems,
             "embedded.worker_backends": ["torch"] * args.workers}
     paths = EmbeddedPaths(ROOT, run)
-    cfg = resolve("psqa", {}, over, embedded=True)
+    cfg = resolve_embedded("psqa", {}, over)
     t0 = time.monotonic()
     model_dir, base = build_base(cfg, paths, args)
     over["model.path"] = str(model_dir)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         over["algo.lr"] = args.lr
     if args.groups_per_step is not None:
         over["algo.groups_per_step"] = args.groups_per_step
-    cfg = resolve("psqa", {}, over, embedded=True)  # MODEL=: the recipe's embedded.model_overrides
+    cfg = resolve_embedded("psqa", {}, over)  # MODEL=: the recipe's embedded.model_overrides
     base_s = time.monotonic() - t0
     t_rl = time.monotonic()
     rc = run_embedded(cfg, Console(width=140), root=ROOT)

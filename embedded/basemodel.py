@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from trainer.config import EmbeddedBaseConfig
 from trainer.progress import progress
 from worker_contract.tasks import Problem, Task
+
+from .config import EmbeddedBaseConfig
 
 if TYPE_CHECKING:
     import torch

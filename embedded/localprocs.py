@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.children import CHILDREN_DIR, process_start_time
-from trainer.config import REPO_ROOT, RecipeConfig
+from trainer.config import REPO_ROOT
+
+from .config import EmbeddedRecipe
 
 
 def _die_with_parent() -> None:
@@ -107,7 +109,7 @@ class Processes:
                 (self.record / CHILDREN_DIR / f"{c.name}.json").unlink(missing_ok=True)
 
 
-def child_env(cfg: RecipeConfig) -> dict[str, str]:
+def child_env(cfg: EmbeddedRecipe) -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
                DRL_N_SAMPLES=str(cfg.contract.n_samples), DRL_PULSE_PLANE=cfg.contract.plane,
@@ -115,7 +117,7 @@ def child_env(cfg: RecipeConfig) -> dict[str, str]:
     return env
 
 
-def start_learner(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path,
+def start_learner(procs: Processes, cfg: EmbeddedRecipe, paths, model_dir: Path,
                   extra_env: dict[str, str] | None = None) -> Child:
     recipe = paths.run_dir / "recipe.json"
     recipe.write_text(cfg.model_dump_json(indent=2))
@@ -125,19 +127,19 @@ def start_learner(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path,
     return procs.start("learner", argv, {**child_env(cfg), **(extra_env or {})}, paths.run_dir / "learner.log")
 
 
-def worker_backends(cfg: RecipeConfig) -> list[str]:
+def worker_backends(cfg: EmbeddedRecipe) -> list[str]:
     """The local workers' backends, one per worker: `embedded.worker_backends`, else `workers` x `worker_backend`."""
     e = cfg.embedded
     return list(e.worker_backends) or [e.worker_backend] * e.workers
 
 
-def per_worker_cap(cfg: RecipeConfig) -> int:
+def per_worker_cap(cfg: EmbeddedRecipe) -> int:
     """Groups a local worker samples per version: together the workers make one step's batch per version,
     so on a shared CPU they do not burn cycles on groups that would go stale before the learner uses them."""
     return max(1, -(-cfg.algo.groups_per_step // len(worker_backends(cfg))))
 
 
-def worker_env(cfg: RecipeConfig, trainer_key_fingerprint: str) -> dict[str, str]:
+def worker_env(cfg: EmbeddedRecipe, trainer_key_fingerprint: str) -> dict[str, str]:
     """A local worker's environment: the join card's key fingerprint too, so the worker accepts run.json
     (and the pointer and patches it signs) only under the key this launcher holds, as a remote joiner does.
 
@@ -147,7 +149,7 @@ def worker_env(cfg: RecipeConfig, trainer_key_fingerprint: str) -> dict[str, str
     return {**child_env(cfg), "DRL_TRAINER_KEY_FINGERPRINT": trainer_key_fingerprint, "CUDA_VISIBLE_DEVICES": ""}
 
 
-def worker_argv(cfg: RecipeConfig, model_dir: Path | str, i: int, backend: str,
+def worker_argv(cfg: EmbeddedRecipe, model_dir: Path | str, i: int, backend: str,
                 extra_args: list[str] | None = None) -> list[str]:
     """The command line of local worker `i` (1-based), as started and as the dry run prints it."""
     return [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
@@ -155,7 +157,7 @@ def worker_argv(cfg: RecipeConfig, model_dir: Path | str, i: int, backend: str,
             "--max-groups-per-version", str(per_worker_cap(cfg)), "--backend", backend, *(extra_args or [])]
 
 
-def start_workers(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path, trainer_key_fingerprint: str,
+def start_workers(procs: Processes, cfg: EmbeddedRecipe, paths, model_dir: Path, trainer_key_fingerprint: str,
                   extra_args: list[str] | None = None, extra_env: dict[str, str] | None = None) -> list[Child]:
     out = []
     for i, backend in enumerate(worker_backends(cfg), start=1):

@@ -16,20 +16,20 @@ import time
 from pathlib import Path
 
 from infra.retriever import serve_argv
-from trainer.config import RecipeConfig
 
+from .config import EmbeddedRecipe
 from .heldout import HeldoutEvaluator
 from .localprocs import Processes, child_env
 
 
-def data_dir(cfg: RecipeConfig, paths) -> Path:
+def data_dir(cfg: EmbeddedRecipe, paths) -> Path:
     from .psqa_synth import GENERATOR_VERSION  # another generator writes other bytes: another cache dir
 
     p = cfg.embedded.psqa
     return paths.cache / f"psqa-data-g{GENERATOR_VERSION}-{p.entities}-{p.heldout_entities}-{p.seed}"
 
 
-def ensure_data(cfg: RecipeConfig, paths) -> Path:
+def ensure_data(cfg: EmbeddedRecipe, paths) -> Path:
     """corpus.jsonl / train.jsonl / test.jsonl, written once (seeded, the same bytes on every machine)."""
     from .psqa_synth import write_dataset
 
@@ -54,18 +54,18 @@ def free_port() -> int:
 
 
 
-def worker_flags(cfg: RecipeConfig, url: str) -> list[str]:
+def worker_flags(cfg: EmbeddedRecipe, url: str) -> list[str]:
     p = cfg.embedded.psqa
     return ["--retriever-url", url, "--retriever-tier", p.retriever_tier, "--max-turns", str(p.max_turns)]
 
 
-def worker_env(cfg: RecipeConfig, url: str, data: Path) -> dict[str, str]:
+def worker_env(cfg: EmbeddedRecipe, url: str, data: Path) -> dict[str, str]:
     """What a psqa worker adds to the local workers' environment: the contract's KV mode, the retriever, the data."""
     return {"DRL_KV_MODE": cfg.contract.kv_mode or "paged_prefix", "DRL_RETRIEVER_URL": url,
             "DRL_PSQA_DIR": str(data)}
 
 
-def build_base(cfg: RecipeConfig, paths, data: Path, search, console) -> Path:
+def build_base(cfg: EmbeddedRecipe, paths, data: Path, search, console) -> Path:
     """The one call to embedded/psqa_base.py: the small LFM2-MoE supervised into the search format (cached)."""
     from .psqa_base import PsqaBaseConfig, ensure_psqa_base
 
@@ -79,7 +79,7 @@ def build_base(cfg: RecipeConfig, paths, data: Path, search, console) -> Path:
 class PsqaServices:
     """The data and the retriever of one embedded psqa session; `stop` after every other child has stopped."""
 
-    def __init__(self, cfg: RecipeConfig, paths):
+    def __init__(self, cfg: EmbeddedRecipe, paths):
         self.cfg, self.paths = cfg, paths
         self.procs = Processes(record=paths.run_dir)
         self.data: Path | None = None
@@ -109,7 +109,7 @@ class PsqaServices:
 
         return search_tool(RetrieverClient(self.url), k=k, strict=True)
 
-    def prepare_model(self, cfg: RecipeConfig, console) -> tuple[RecipeConfig, Path]:
+    def prepare_model(self, cfg: EmbeddedRecipe, console) -> tuple[EmbeddedRecipe, Path]:
         if cfg.model.path:
             return cfg, Path(cfg.model.path)
         model_dir = build_base(cfg, self.paths, self.data, self.search(), console)
@@ -120,7 +120,7 @@ class PsqaServices:
 
         return PsqaTask(str(self.data))
 
-    def evaluator(self, cfg: RecipeConfig, store, model_dir: Path) -> PsqaHeldoutEvaluator:
+    def evaluator(self, cfg: EmbeddedRecipe, store, model_dir: Path) -> PsqaHeldoutEvaluator:
         e = cfg.embedded
         return PsqaHeldoutEvaluator(store, cfg.run, cfg.contract.plane, model_dir, self.task(),
                                     problems=e.eval_problems, max_new_tokens=cfg.algo.max_new_tokens,
@@ -171,7 +171,7 @@ class PsqaHeldoutEvaluator(HeldoutEvaluator):
                 "eval/response_tokens": point.response_tokens}
 
 
-def plan_lines(cfg: RecipeConfig, paths, middle: list[str], tail: list[str]) -> list[str]:
+def plan_lines(cfg: EmbeddedRecipe, paths, middle: list[str], tail: list[str]) -> list[str]:
     """What the embedded psqa run will do, for the dry run (`middle`: embedded/run.py's run.json, learner and
     worker lines; `tail`: its stop and metrics lines)."""
     p, e = cfg.embedded.psqa, cfg.embedded

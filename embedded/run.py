@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import REPO_ROOT, RecipeConfig
+from trainer.config import REPO_ROOT
 
+from .config import EmbeddedRecipe
 from .localprocs import Child, Processes, per_worker_cap, start_learner, start_workers, worker_backends
 
 STOA_DIR = REPO_ROOT / ".stoa"
@@ -54,7 +55,7 @@ class EmbeddedPaths:
         return self.run_dir / "metrics.jsonl"
 
 
-def embedded_cfg(cfg: RecipeConfig, paths: EmbeddedPaths) -> RecipeConfig:
+def embedded_cfg(cfg: EmbeddedRecipe, paths: EmbeddedPaths) -> EmbeddedRecipe:
     """The recipe as the embedded run uses it: the file store, the hf backend, `max_steps` steps."""
     train = cfg.train.model_copy(update={"backend": "hf", "num_steps": cfg.embedded.max_steps})
     model = cfg.model.model_copy(update={"hf_id": None})  # built here or given with MODEL=: never fetched
@@ -73,7 +74,7 @@ def gsm8k_data_available() -> bool:
     return True
 
 
-def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
+def plan_lines(cfg: EmbeddedRecipe, paths: EmbeddedPaths) -> list[str]:
     """What `run_embedded` will do, for the dry run."""
     from infra.native_launch import learner_argv
 
@@ -129,7 +130,7 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths) -> list[str]:
 
 
 # -- the run -------------------------------------------------------------------------------------------
-def prepare_model(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> tuple[RecipeConfig, Path]:
+def prepare_model(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console) -> tuple[EmbeddedRecipe, Path]:
     """The model directory (MODEL= or the cached small base, built now if needed) and the final recipe."""
     from worker_contract.tasks import get_task
 
@@ -158,7 +159,7 @@ def prepare_model(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> tuple[Rec
     return cfg.model_copy(update={"model": model}), Path(report.path)
 
 
-def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
+def publish_contract(cfg: EmbeddedRecipe, paths: EmbeddedPaths, model_dir: Path):
     """run.json (created, or resumed with an identical contract) and the run's signing key; returns the
     store, the manifest and the fingerprint of the key this launcher holds (the workers' join card value)."""
     from trainer.run_init import create_run
@@ -197,7 +198,7 @@ class _Interrupts:
             self.procs.signal_all(signal.SIGKILL)
 
 
-def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR) -> int:
+def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) -> int:
     """The embedded run, start to summary; the exit status of `make gsm8k` (0 ok, 1 failed, 130 Ctrl-C).
 
     `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default)."""
@@ -248,7 +249,7 @@ def _lock_run(paths: EmbeddedPaths):
     return f
 
 
-def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console, services=None) -> int:
+def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=None) -> int:
     from trainer.models import IdentityMismatch
     from trainer.plots import plot_run
     from worker_contract.manifest import ContractMismatch, RunExists

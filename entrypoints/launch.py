@@ -1,7 +1,7 @@
 """`python -m entrypoints.launch --recipe gsm8k --run RUN [--host H] [--model PATH] [--ssh-key K] [--remote-dir D]`
 
-What `make gsm8k RUN=<id>` runs. It resolves the recipe (trainer.config.resolve), then picks where the job
-runs, in this order:
+What `make gsm8k RUN=<id>` runs. It resolves the recipe (embedded.config.resolve_embedded: trainer.config.resolve
+with the `embedded:` section typed), then picks where the job runs, in this order:
     --host given                                   -> infra.remote.launch_remote (the GPU box over SSH)
     a CUDA GPU here and R2 credentials or DRL_STORE -> infra.launch_gpu.launch_on_this_box
     otherwise                                      -> the embedded default (embedded.run)
@@ -128,7 +128,8 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
 def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
            out: Callable[[str], None] = print) -> int:
     args = parse_args(argv)
-    from trainer.config import REPO_ROOT, load_recipe_file, recipe_path, resolve
+    from embedded.config import resolve_embedded
+    from trainer.config import REPO_ROOT, load_recipe_file, recipe_path
     from worker_contract import layout
     from worker_contract.env import EnvError, default_store_url, load_env, parse_env
 
@@ -171,7 +172,7 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
             from trainer.models.hf_io import load_hf_config
 
             load_hf_config(args.model)
-        cfg = resolve(args.recipe, env, overrides, embedded=mode == "embedded", override_names=FLAG_NAMES)
+        cfg = resolve_embedded(args.recipe, env, overrides, local=mode == "embedded", override_names=FLAG_NAMES)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -39,9 +39,9 @@ def _orphaned():  # the test run ended without stopping us (SIGKILL, a CI timeou
 threading.Thread(target=_orphaned, daemon=True).start()
 from pathlib import Path
 from embedded.basemodel import ensure_base
-from trainer.config import resolve
+from embedded.config import resolve_embedded
 from worker_contract.tasks import get_task
-cfg = resolve("gsm8k", env={}, overrides={"run": "slow-lane-base"}, embedded=True)
+cfg = resolve_embedded("gsm8k", env={}, overrides={"run": "slow-lane-base"})
 report = ensure_base(cfg.embedded.base, get_task(cfg.task), Path(sys.argv[1]), max_new_tokens=cfg.algo.max_new_tokens,
                      eval_problems=cfg.embedded.eval_problems, use_shipped=False, show_progress=True)
 print(f"base {report.path}: held-out {report.heldout_accuracy:.4f} after {report.sft_steps} steps, {report.sft_seconds} s")

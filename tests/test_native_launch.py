@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from sshd import sshd_server  # noqa: F401  (fixture)
 
-from trainer.config import REPO_ROOT, EmbeddedBaseConfig, resolve
+from embedded.config import EmbeddedBaseConfig
+from trainer.config import REPO_ROOT, resolve
 
 pytestmark = pytest.mark.integration
 

@@ -107,13 +107,12 @@ def test_teardown_stops_the_children_a_killed_launcher_left(tmp_path):
 
         from rich.console import Console
 
+        from embedded.config import resolve_embedded
         from embedded.run import run_embedded
-        from trainer.config import resolve
 
         buf = io.StringIO()
         # (a model that is not there: were the launch not refused, it would stop at the model, not train)
-        cfg = resolve("gsm8k", env={}, overrides={"run": run, "model.path": str(tmp_path / "no-model")},
-                      embedded=True)
+        cfg = resolve_embedded("gsm8k", env={}, overrides={"run": run, "model.path": str(tmp_path / "no-model")})
         assert run_embedded(cfg, console=Console(file=buf, width=300), root=tmp_path / ".stoa") == 2
         assert f"learner (pid {pids['learner']})" in buf.getvalue(), buf.getvalue()
         assert "worker-9" not in buf.getvalue() and not (tmp_path / ".stoa" / "bucket").exists()

@@ -18,7 +18,7 @@ def save_tiny_qwen2(out: Path, *, hidden_size: int, intermediate_size: int) -> P
     """A 1-layer Qwen2 (2 heads, 1 KV head) and its 300-token tokenizer saved as an HF directory in `out`
     (seconds to build)."""
     from embedded.basemodel import _render, build_model, build_tokenizer
-    from trainer.config import EmbeddedBaseConfig
+    from embedded.config import EmbeddedBaseConfig
 
     torch.set_num_threads(1)
     task = get_task("arithmetic")

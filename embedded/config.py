@@ -100,7 +100,8 @@ class EmbeddedConfig(_Model):
     base: EmbeddedBaseConfig = EmbeddedBaseConfig()
     overrides: dict[str, Any] = {}
     """Recipe values the embedded run replaces (dotted keys, e.g. `algo.lr: 2.0e-4`): the tiny CPU model
-    needs its own learning rate, response budget and so on. Applied by `resolve(..., embedded=True)`."""
+    needs its own learning rate, response budget and so on. Applied by `resolve_embedded` (below) for a run
+    on this machine."""
     model_overrides: dict[str, Any] = {}
     """The same for an embedded run on a real model from disk (MODEL=/path), instead of `overrides`."""
 

@@ -237,21 +237,16 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
 
 
 def _lock_run(paths: EmbeddedPaths):
-    """An exclusive lock on the run dir (released when the process ends), or None if another holds it."""
-    import fcntl
+    """An exclusive lock on the run dir (released when the process ends), or None if another holds it: the
+    one run lock, infra.boxops.lock_run_dir, which `invoke stop|teardown` and `make clean` read too."""
+    from infra.boxops import lock_run_dir
 
-    f = open(paths.run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None
-    return f
+    return lock_run_dir(paths.run_dir, create=True)
 
 
 def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=None) -> int:
+    from infra.ops.plots import plot_run
     from trainer.models import IdentityMismatch
-    from trainer.plots import plot_run
     from worker_contract.manifest import ContractMismatch, RunExists
     from worker_contract.tasks import get_task
 

@@ -3,8 +3,7 @@
 The one learner process, whichever launcher starts it: the native launch on a GPU box (detached,
 infra/native_launch.py) and the embedded run (a child of the launcher, embedded/localprocs.py). Its work is
 trainer.native.learner.serve (Ray on 127.0.0.1, run_learner until `train.num_steps` steps or SIGTERM/SIGINT, which
-stop it after the step in hand); its last line is `{"learner_done": {...}}`. `python -m trainer.native`
-re-executes this. A missing or invalid input is one sentence and exit status 2.
+stop it after the step in hand); its last line is `{"learner_done": {...}}`. A missing or invalid input is one sentence and exit status 2.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def status(c, run=None, store=None, watch=False, json_=False, host=None, ssh_key
 })
 def plot(c, run=None, out=None):
     """PNG plots of reward, held-out accuracy, staleness, gate drops and patch size by step."""
-    from trainer.plots import plot_run
+    from infra.ops.plots import plot_run
 
     run_dir = REPO_ROOT / ".stoa" / "runs" / _need_run(run)
     metrics = run_dir / "metrics.jsonl"

@@ -177,8 +177,6 @@ ROWS = [
         env={**DRY, "DRL_RUN": "from-env", "DRL_STORE": "file:///srv/stoa-bucket"},
         says=("from-env", "--store file:///srv/stoa-bucket", "run.json in the store file:///srv/stoa-bucket"),
         never=(".stoa/bucket",)),
-    Row("launch-old-path", ["python", "-m", "trainer.launch", "--recipe", "nosuch", "--run", "x"],
-        says=("nosuch",)),
     # the reader is gone before the first line is written (`true` reads nothing): BrokenPipeError, quietly
     Row("launch-broken-pipe", ["bash", "-c", "python -m entrypoints.launch --recipe gsm8k --run x | true"],
         rc=0, lines=None, env=DRY),
@@ -315,7 +313,6 @@ ROWS = [
     Row("learner-cli-no-args", ["python", "-m", "entrypoints.learner"], says=("--recipe-json",)),
     Row("learner-missing-recipe", ["python", "-m", "entrypoints.learner", "--recipe-json", "{tmp}/none.json",
                                    "--model-dir", "{tmp}", "--state-dir", ".stoa/runs/seed-run"], says=("none.json",)),
-    Row("native-shim-no-args", ["python", "-m", "trainer.native"], says=("--recipe-json",)),  # the old command
     Row("psqa-eval-no-args", ["python", "-m", "entrypoints.psqa_eval"], says=("--out",)),
     Row("retriever-cli-port", ["python", "-m", "infra.retriever", "serve", "--corpus", "x.jsonl", "--port", "99999"],
         says=("--port",)),

@@ -2,7 +2,8 @@
 
 - exactly one function under trainer/ and entrypoints/ calls `run_learner` (trainer.native.learner.serve), and one
   process main calls that: entrypoints/learner.py. A second learner main fails here;
-- a `__main__` block under trainer/ only re-executes `python -m entrypoints.<name>` (an old command's shim);
+- trainer/ has no process main at all (no `__main__` block, no `__main__.py`): the old commands
+  `python -m trainer.launch`, `trainer.native` and `trainer.psqa_eval` are gone, not re-executed;
 - both launchers' learner command is the one `python -m entrypoints.learner` accepts (a real process).
 More in docs/map.md (process mains).
 """
@@ -73,22 +74,6 @@ def main_blocks() -> dict[str, ast.If]:
     return out
 
 
-def reexecuted(block: ast.If) -> str | None:
-    """The entry point a shim's block re-executes (`os.execv(sys.executable, [sys.executable, "-m", M,
-    *sys.argv[1:]])`, optionally after `os.environ.setdefault(...)`), or None if the block does more."""
-    calls = [n for n in ast.walk(block) if isinstance(n, ast.Call)]
-    if any(_dotted(c.func) not in ("os.execv", "os.environ.setdefault") for c in calls):
-        return None
-    execs = [c for c in calls if _dotted(c.func) == "os.execv"]
-    if len(execs) != 1 or not isinstance(argv := execs[0].args[1], ast.List) or len(argv.elts) != 4:
-        return None
-    m, module, rest = argv.elts[1], argv.elts[2], argv.elts[3]
-    if not (isinstance(m, ast.Constant) and m.value == "-m" and isinstance(module, ast.Constant)
-            and isinstance(rest, ast.Starred)):
-        return None
-    return module.value
-
-
 def test_one_learner_main():
     assert callers("run_learner") == {"trainer.native.learner.serve"}, (
         "the learner process's work is trainer.native.learner.serve; a second caller of run_learner is a second "
@@ -97,15 +82,24 @@ def test_one_learner_main():
     assert "entrypoints.learner" in main_blocks()
 
 
-def test_process_mains_of_trainer_are_shims_of_entrypoints():
+def test_trainer_has_no_process_main():
     blocks = main_blocks()
-    shims = {m: reexecuted(b) for m, b in blocks.items() if m.startswith("trainer.")}
-    bad = sorted(m for m, target in shims.items() if target is None)
-    assert not bad, f"process mains under trainer/ (give each a thin file in entrypoints/): {bad}"
-    for module, target in shims.items():
-        assert target in blocks and target.startswith("entrypoints."), (module, target)
-    # the old commands the docs, closed issues and users' notes name
-    assert shims == {"trainer.launch": "entrypoints.launch", "trainer.native": "entrypoints.learner"}
+    assert {"entrypoints.launch", "entrypoints.learner", "entrypoints.psqa_eval"} <= set(blocks)
+    mains = sorted(m for m in blocks if m.startswith("trainer."))
+    assert not mains, f"process mains under trainer/ (give each a thin file in entrypoints/): {mains}"
+    assert not list((REPO / "trainer").rglob("__main__.py"))
+
+
+def test_the_old_commands_are_gone():
+    """`python -m trainer.launch` and `python -m trainer.native` (old names of the launcher and the learner) run
+    nothing now: Python refuses them (the commands are `python -m entrypoints.launch | learner`)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for old, why in (("trainer.launch", "No module named trainer.launch"),
+                     ("trainer.native", "'trainer.native' is a package and cannot be directly executed")):
+        # -S: this tree alone (an editable install of another checkout would answer for a module gone here)
+        p = subprocess.run([sys.executable, "-S", "-m", old, "--help"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 1 and why in p.stderr and not p.stdout, (old, p.returncode, p.stdout, p.stderr)
 
 
 def test_both_launchers_start_the_one_learner_command(tmp_path):

@@ -26,7 +26,8 @@ import pytest
 import zstandard
 from soakstats import record, soak_trials
 
-from trainer.rollouts.source import DROP_REASONS, MAX_TRACKED_WORKERS, BatchRules, RecordRules, RolloutSource
+from trainer.rollouts.pool import DROP_REASONS, MAX_TRACKED_WORKERS, BatchRules, RecordRules
+from trainer.rollouts.source import RolloutSource
 from worker_contract import layout
 from worker_contract.schema import MAX_DECOMPRESSED_BYTES, MAX_RECORD_BYTES
 from worker_contract.store.file import FileStore

@@ -27,10 +27,9 @@ ALLOWED: dict[str, set[str] | None] = {
     "entrypoints": None, "bench": None, "tasks": None, "noxfile": None,
 }
 #: file -> the process mains above it that it may name as a `python -m` command, never import (an argv string):
-#: the old commands' shims re-execute their entry point, and infra.native_launch's LEARNER_MODULE is the learner
-#: process both launchers start
-SHIMS = {"trainer.launch": {"entrypoints.launch"}, "trainer.native.__main__": {"entrypoints.learner"},
-         "infra.native_launch": {"entrypoints.learner"}}
+#: infra.native_launch's LEARNER_MODULE is the learner process both launchers start (`python -m infra.launch_gpu`
+#: starts it on the box by itself)
+COMMANDS = {"infra.native_launch": {"entrypoints.learner"}}
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?")
 
 
@@ -115,7 +114,7 @@ def layer_violations(modules, imports, strings) -> list[str]:
             continue
         for how, targets in (("imports", imports[m]), ("names", strings[m])):
             for t in sorted(targets):
-                if unit(t) != unit(m) and unit(t) not in allowed and t not in SHIMS.get(m, ()):
+                if unit(t) != unit(m) and unit(t) not in allowed and t not in COMMANDS.get(m, ()):
                     bad.append(f"{modules[m].relative_to(REPO)} {how} {t} ({unit(m)} may import "
                                f"{', '.join(sorted(allowed)) or 'nothing of ours'})")
     return bad

@@ -154,18 +154,6 @@ def test_help_is_instant_and_lists_the_flags():
     assert probe.stdout.strip() == "False"
 
 
-def test_old_module_path_runs_the_same_launcher():
-    """`python -m trainer.launch` (older docs, outside scripts) re-executes entrypoints.launch unchanged."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("DRL_", "R2_"))}
-    full.update({"PYTHONPATH": str(REPO), "DRL_NO_GPU": "1", "DRL_DRY_RUN": "1"})
-    old = subprocess.run([sys.executable, "-m", "trainer.launch", "--recipe", "gsm9k", "--run", "x1"], env=full,
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert old.returncode == 2 and "unknown recipe 'gsm9k'" in old.stderr
-    assert "python -m entrypoints.launch" in subprocess.run(
-        [sys.executable, "-m", "trainer.launch", "--help"], env=full, cwd=REPO, capture_output=True, text=True,
-        timeout=120).stdout
-
-
 #: runs the launch as `python -m entrypoints.launch` does and says, at exit, whether torch was imported
 _WATCH_IMPORTS = ("import atexit, runpy, sys\n"
                   "atexit.register(lambda: print('TORCH_IMPORTED', 'torch' in sys.modules, file=sys.stderr))\n"

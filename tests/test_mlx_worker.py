@@ -105,7 +105,8 @@ def _mlx_fresh_logprobs(policy, prompt, response, temperature):
 
 @pytest.mark.parametrize("plane", PLANES)
 def test_joins_and_writes_records_the_learners_source_accepts(tmp_path, tiny_model_dir, plane):
-    from trainer.rollouts.source import BatchRules, RecordRules, RolloutSource
+    from trainer.rollouts.pool import BatchRules, RecordRules
+    from trainer.rollouts.source import RolloutSource
 
     store = FileStore(tmp_path / "bucket")
     cfg, manifest, _, _ = _publish_run(store, tiny_model_dir, plane)

@@ -120,7 +120,8 @@ def test_a_top_p_below_1_run_is_followed_by_both_workers(tmp_path, tiny_model_di
     names it in its records, records the nucleus log-probs, and the learner's source drops nothing."""
     if backend == "mlx":
         pytest.importorskip("mlx_lm", reason="the MLX worker needs mlx-lm")
-    from trainer.rollouts.source import BatchRules, RecordRules, RolloutSource
+    from trainer.rollouts.pool import BatchRules, RecordRules
+    from trainer.rollouts.source import RolloutSource
     from worker_contract.worker.loop import Worker, WorkerSettings
 
     n, run = 4, "nucleus-run"

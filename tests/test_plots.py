@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from trainer.plots import PLOTS, plot_run, read_metrics, series_for
+from infra.ops.plots import PLOTS, plot_run, read_metrics, series_for
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -10,7 +10,8 @@ import time
 import pytest
 import zstandard
 
-from trainer.rollouts.source import DROP_REASONS, BatchRules, RecordRules, RolloutSource
+from trainer.rollouts.pool import DROP_REASONS, BatchRules, RecordRules
+from trainer.rollouts.source import RolloutSource
 from worker_contract import layout
 from worker_contract.schema import RolloutRecord, encode_record
 from worker_contract.store.file import FileStore

@@ -327,7 +327,7 @@ def test_engines_agree_on_loss_and_gradient(box, plugin):
     num_microbatches / global_batch_size and divided by num_microbatches as Megatron does). The policy is
     a free log-prob per response token, so the gradient compared is d loss / d logp, token by token."""
     from trainer import step
-    from trainer.rollouts.source import Group
+    from trainer.rollouts.pool import Group
     from trainer.slime_plugin.rollout import group_to_samples
     from trainer.step import collate
 

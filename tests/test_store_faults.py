@@ -22,7 +22,8 @@ from soakstats import record, soak_trials
 from bench.faultproxy import KINDS, FaultProxy
 from trainer.algo import policy_loss
 from trainer.backends import get_backend
-from trainer.publish.publisher import Publisher, PublishError
+from trainer.publish.pointer import PublishError
+from trainer.publish.publisher import Publisher
 from trainer.rollouts.source import RolloutSource
 from trainer.step import collate
 from worker_contract import layout

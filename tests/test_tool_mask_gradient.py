@@ -59,7 +59,7 @@ def _native_grad(records, algo) -> torch.Tensor:
 
 
 def _slime_grad(records, algo) -> torch.Tensor:
-    from trainer.rollouts.source import Group
+    from trainer.rollouts.pool import Group
     from trainer.slime_plugin.rollout import group_to_samples
 
     samples = [s for gi, r in enumerate(records)

@@ -75,7 +75,8 @@ def _worker(store, model_dir, **over):
 def test_uploads_search_episode_groups_the_source_accepts(run_store, model_dir, retriever, backend, caplog):
     if backend == "mlx":
         pytest.importorskip("mlx_lm", reason="the MLX worker needs mlx-lm")
-    from trainer.rollouts.source import BatchRules, RecordRules, RolloutSource
+    from trainer.rollouts.pool import BatchRules, RecordRules
+    from trainer.rollouts.source import RolloutSource
 
     store, (cfg, manifest) = run_store
     caplog.set_level("INFO", logger="worker")

@@ -31,7 +31,7 @@ from worker_contract.store import PreconditionFailed, Store
 from worker_contract.tensors import digest_of_entries, is_torch, state_entries, to_numpy, to_torch
 
 from ..progress import progress as progress_bar
-from .pointer import MAX_SKIPS, PointerWriter, PublishError, VersionClaims, VersionState
+from .pointer import PointerWriter, PublishError, VersionClaims
 
 
 class EncoderChoice(StrEnum):
@@ -143,7 +143,6 @@ class PatchEncoder:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_SKIPS", "EncoderChoice", "PublishError", "PublishKind", "Publisher", "VersionState", "drop_aliases"]
 
 
 class PublishKind(StrEnum):

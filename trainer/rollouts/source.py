@@ -25,12 +25,9 @@ from worker_contract.store import NotFound, ObjectInfo, Store, StoreError
 
 from .pool import (
     DROP_REASONS,
-    LOGPROB_POSITIVE_TOL,
-    MAX_TRACKED_WORKERS,
     OTHER_WORKER,
     Batch,
     BatchRules,
-    Group,
     GroupPool,
     RecordRules,
     Tally,
@@ -45,8 +42,6 @@ log = logging.getLogger(__name__)
 #: records read ahead of judging hold at most this many bytes (a single larger record is read alone)
 READ_AHEAD_BYTES = 64 << 20
 
-__all__ = ["DROP_REASONS", "LOGPROB_POSITIVE_TOL", "MAX_TRACKED_WORKERS", "OTHER_WORKER", "Batch", "BatchRules",
-           "Group", "RecordRules", "RolloutSource"]
 
 
 class RolloutSource:

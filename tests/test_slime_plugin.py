@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from infra.anchor import publish_base_anchor
-from infra.launch_gpu import step_write_recipe
+from infra.box_steps import step_write_recipe
 from infra.slime_launch import BoxPaths
 from trainer import algo
 from trainer.config import EmbeddedBaseConfig, resolve

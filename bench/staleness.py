@@ -168,9 +168,9 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
     backend = get_backend(cfg.train.backend).load(base_dir, cfg, device=preset.device)
     publisher = Publisher(store, manifest, key, anchor_interval=cfg.train.anchor_interval, progress=False)
     base_state = backend.state_dict_hf()
-    version = publisher.publish_anchor(base_state)
+    version = publisher.publish_anchor(base_state).version
     for _ in range(cell.lag):  # versions 1..k+1 hold the base: groups are k versions old from step 1 on
-        version = publisher.publish(base_state)
+        version = publisher.publish(base_state).version
     env = {"DRL_N_SAMPLES": str(cfg.contract.n_samples), "DRL_PULSE_PLANE": cfg.contract.plane,
            "DRL_TRAINER_KEY_FINGERPRINT": run.fingerprint}
     worker = Worker(WorkerSettings(store=url, run=cfg.run, model_dir=str(base_dir), worker_id=f"lag{cell.lag}",
@@ -217,7 +217,7 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
                if k in m},
         })
         t = tick("train_s", t)
-        version = publisher.publish(backend.state_dict_hf())
+        version = publisher.publish(backend.state_dict_hf()).version
         t = tick("publish_s", t)
         if step == preset.steps or (preset.eval_every and step % preset.eval_every == 0):
             evaluated, acc = heldout()

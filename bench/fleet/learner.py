@@ -134,15 +134,14 @@ class _Publishing(threading.Thread):
                 state, self.pending = self.pending, None
             t0 = time.monotonic()
             try:
-                version = self.pub.publish(state)
+                done = self.pub.publish(state)
             except Exception as e:  # a failed publish delays workers; it does not stop learning
                 self.failures += 1
                 log.warning("publish failed: %s", e)
                 continue
-            st = self.pub.last_stats
-            self.log.append({"version": version, "t": time.time(), "s": time.monotonic() - t0, "kind": st.get("kind"),
-                             "bytes": st.get("bytes")})
-            self.current = version
+            self.log.append({"version": done.version, "t": time.time(), "s": time.monotonic() - t0,
+                             "kind": str(done.kind), "bytes": done.stats.get("bytes")})
+            self.current = done.version
 
 
 def _rss_mb() -> float:

@@ -107,9 +107,9 @@ def run(shape: str, device: str, plane: str, hash_threads: int | None = None) ->
         pub.publish(steps[1])  # warm-up: kernels, allocator, thread pool
         base_host = {k: to_numpy(v) for k, v in pub._base.items()}  # v2, as a worker holds it
         _sync(device)
-        version = pub.publish(steps[2])
+        done = pub.publish(steps[2])
         _sync(device)
-        stats = dict(pub.last_stats)
+        version, stats = done.version, dict(done.stats)
         patch = store.get(layout.patch_key(manifest.run, version))
         want = device_plane(plane, steps[2])
         _sync(device)

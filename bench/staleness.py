@@ -144,11 +144,9 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
     import torch
     from transformers.utils import logging as hf_logging
 
-    from trainer.audit import WorkerAudit
     from trainer.backends import get_backend
-    from trainer.publish.publisher import Publisher
-    from trainer.rollouts.source import RolloutSource
     from trainer.run_init import create_run
+    from trainer.session import LearnerSession, RolloutSide
     from trainer.step import train_on
     from worker_contract.store import open_store
     from worker_contract.tasks import get_task
@@ -166,22 +164,23 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
     run = create_run(cfg, store, base_dir, root / "trainer.key", publish_base=False)
     manifest, key = run.manifest, run.key
     backend = get_backend(cfg.train.backend).load(base_dir, cfg, device=preset.device)
-    publisher = Publisher(store, manifest, key, anchor_interval=cfg.train.anchor_interval, progress=False)
+    # the learner's parts as the native learner wires them (trainer/session.py); publishing in lock-step
+    session = LearnerSession(cfg, store, manifest, key, progress=False)
+    side = RolloutSide(store, manifest, cfg.algo, poll_interval_s=0.05)
     base_state = backend.state_dict_hf()
-    version = publisher.publish_anchor(base_state)
+    version = session.publish_start(base_state, side.counts())
     for _ in range(cell.lag):  # versions 1..k+1 hold the base: groups are k versions old from step 1 on
-        version = publisher.publish(base_state)
+        version = session.publishing.publish_now(base_state, 0, session.report(None, counts=side.counts())).version
     env = {"DRL_N_SAMPLES": str(cfg.contract.n_samples), "DRL_PULSE_PLANE": cfg.contract.plane,
            "DRL_TRAINER_KEY_FINGERPRINT": run.fingerprint}
     worker = Worker(WorkerSettings(store=url, run=cfg.run, model_dir=str(base_dir), worker_id=f"lag{cell.lag}",
                                    seed=cell.seed, threads=preset.threads, lag_versions=cell.lag), env=env)
     if not worker.setup(threading.Event()):
         raise RuntimeError(f"{cell.name}: the worker did not join")
-    source = RolloutSource.from_manifest(store, manifest, cfg.algo)
     heldout = _Heldout(store, cfg, str(base_dir), preset.eval_problems, preset.device, preset.threads)
     train = get_task(cfg.task).dataset("train")
     rng = random.Random(f"staleness-prompts:{cell.seed}")  # the same prompts for every cell of a seed
-    audit = WorkerAudit()  # groups sampled at the learner's own weights (k = 0): worker vs learner log-probs
+    audit = session.audit  # groups sampled at the learner's own weights (k = 0): worker vs learner log-probs
     _, base_acc = heldout()
     curve: list[list[float]] = [[0, base_acc]]
     steps: list[dict] = []
@@ -201,10 +200,11 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
         for record in worker.sample_groups(problems):
             worker.upload(record)
         t = tick("sample_s", t)
-        batch = source.next_batch(version)
-        if batch is None or len(batch.groups) != cfg.algo.groups_per_step:
+        got = side.next_batch(version, timeout_s=0.0)
+        if got is None or len(got[0].groups) != cfg.algo.groups_per_step:
             raise RuntimeError(f"{cell.name} step {step}: the source assembled no full batch "
-                               f"(drops {dict(source.drops)})")
+                               f"(drops {dict(side.source.drops)})")
+        batch, note = got
         # the native step (trainer/step.py); lock-step publishing: `version` holds exactly these weights
         m = train_on(backend, [g.record for g in batch.groups], cfg.algo, audit, version)
         steps.append({
@@ -217,13 +217,15 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
                if k in m},
         })
         t = tick("train_s", t)
-        version = publisher.publish(backend.state_dict_hf())
+        session.step = step
+        version = session.publishing.publish_now(backend.state_dict_hf(), step, session.report(note, m)).version
         t = tick("publish_s", t)
         if step == preset.steps or (preset.eval_every and step % preset.eval_every == 0):
             evaluated, acc = heldout()
             assert evaluated == version, (evaluated, version)
             curve.append([step, acc])
             tick("eval_s", t)
+    session.close()
     lags = sorted({s["learner_version"] - v for s in steps for v in s["group_versions"]})
     if lags != [cell.lag]:  # the cell measures nothing if its groups were not exactly k versions old
         raise RuntimeError(f"{cell.name}: the learner used groups {lags} versions old, not {cell.lag}")
@@ -238,7 +240,7 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
         **stats.cell_fractions(steps, cell.objective), "time_s": {k: round(v, 2) for k, v in clock.items()},
         "gate_drop_frac_mean": _mean(s.get("gate_drop_frac") for s in steps),
         "ratio_max": max((s.get("ratio_max", 0.0) for s in steps), default=0.0),
-        "audit": audit.metrics(), "drops": dict(source.drops), "wall_s": round(time.monotonic() - t0, 1), "per_step": steps,
+        "audit": audit.metrics(), "drops": dict(side.source.drops), "wall_s": round(time.monotonic() - t0, 1), "per_step": steps,
         "staleness_bound": cfg.algo.staleness, "reuse_cap": cfg.algo.reuse_cap, "lr": cfg.algo.lr,
     }
 

@@ -91,20 +91,26 @@ def build_tokenizer(texts: Sequence[str], vocab_size: int):
     )
 
 
-def build_model(tokenizer, cfg: EmbeddedBaseConfig):
+def tiny_causal_lm(config_cls, model_cls, tokenizer, *, seed: int, **fields):
+    """A randomly initialised `model_cls` (seeded) sized by `fields`, with what every embedded base shares: the
+    tokenizer's vocabulary and special ids, tied embeddings, plain RoPE of base 10000."""
     import torch
+
+    config = config_cls(vocab_size=len(tokenizer), tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                        architectures=[model_cls.__name__], **fields)
+    torch.manual_seed(seed)
+    return model_cls(config)
+
+
+def build_model(tokenizer, cfg: EmbeddedBaseConfig):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=512, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-        architectures=["Qwen2ForCausalLM"],
-    )
-    torch.manual_seed(cfg.seed)
-    return Qwen2ForCausalLM(config)
+    return tiny_causal_lm(Qwen2Config, Qwen2ForCausalLM, tokenizer, seed=cfg.seed, hidden_size=cfg.hidden_size,
+                          intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                          max_position_embeddings=512)
 
 
 def prompt_ids(tokenizer, task: Task, problem: Problem) -> list[int]:
@@ -154,12 +160,17 @@ class SFTSteps:
     def step(self, index: int) -> torch.Tensor:
         """One optimizer step on batch `index` of the training split (batches cycle over it); the loss,
         detached (reading it is the caller's choice, since on a GPU that waits for the step)."""
-        import torch
 
         cfg, train = self.cfg, self.train
         batch = [train[(index * cfg.sft_batch_size + j) % len(train)] for j in range(cfg.sft_batch_size)]
         directs = [self.rng.random() < cfg.sft_direct_fraction for _ in batch]
-        ids, labels, attn = (t.to(self.model.device) for t in _sft_batch(self.tokenizer, self.task, batch, directs))
+        return self.update(*_sft_batch(self.tokenizer, self.task, batch, directs))
+
+    def update(self, ids, labels, attn) -> torch.Tensor:
+        """One optimizer step on a batch of (ids, labels, attention mask): the loss, detached."""
+        import torch
+
+        ids, labels, attn = (t.to(self.model.device) for t in (ids, labels, attn))
         loss = self.model(input_ids=ids, attention_mask=attn, labels=labels).loss
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

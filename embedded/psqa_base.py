@@ -39,7 +39,15 @@ from worker_contract.tasks.psqa import (
 )
 
 from . import psqa_synth
-from .basemodel import SFTSteps, _one_thread, build_environment, build_tokenizer, prompt_ids, weights_digest
+from .basemodel import (
+    SFTSteps,
+    _one_thread,
+    build_environment,
+    build_tokenizer,
+    prompt_ids,
+    tiny_causal_lm,
+    weights_digest,
+)
 
 #: bump when the recipe below changes in a way the digest cannot see
 BUILD_VERSION = 1
@@ -254,18 +262,12 @@ def make_tokenizer(texts: Sequence[str], vocab_size: int):
 def build_model(tokenizer, cfg: PsqaBaseConfig):
     from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
 
-    config = Lfm2MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=len(cfg.layer_types),
-        layer_types=list(cfg.layer_types), num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        num_dense_layers=cfg.num_dense_layers, num_experts=cfg.num_experts,
-        num_experts_per_tok=cfg.experts_per_token, max_position_embeddings=1024, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-        architectures=["Lfm2MoeForCausalLM"],
-    )
-    torch.manual_seed(cfg.seed)
-    return Lfm2MoeForCausalLM(config)
+    return tiny_causal_lm(
+        Lfm2MoeConfig, Lfm2MoeForCausalLM, tokenizer, seed=cfg.seed, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
+        num_hidden_layers=len(cfg.layer_types), layer_types=list(cfg.layer_types), num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, num_dense_layers=cfg.num_dense_layers, num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.experts_per_token, max_position_embeddings=1024)
 
 
 class _Steps(SFTSteps):
@@ -279,14 +281,7 @@ class _Steps(SFTSteps):
     def step(self, index: int) -> torch.Tensor:
         short = index < self.cfg.short_steps
         batch = [self.source.trace(self.order.choice(self.source.train), short) for _ in range(self.cfg.sft_batch_size)]
-        ids, labels, attn = (t.to(self.model.device) for t in batch_tensors(batch, self.tokenizer.pad_token_id))
-        loss = self.model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.sched.step()
-        return loss.detach()
+        return self.update(*batch_tensors(batch, self.tokenizer.pad_token_id))
 
 
 # ------------------------------------------------------------------------------------------ evaluation

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.boxops import lock_run_dir
 from trainer.config import REPO_ROOT
 
 from .config import EmbeddedRecipe
@@ -208,7 +209,7 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
     paths = EmbeddedPaths(Path(root), cfg.run)
     cfg = embedded_cfg(cfg, paths)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
-    lock = _lock_run(paths)
+    lock = lock_run_dir(paths.run_dir, create=True)  # the lock infra/boxops.py's stop and teardown look at
     if lock is None:
         console.print(f"[red]run {cfg.run!r} is already running on this machine[/] (lock {paths.run_dir}/.lock); "
                       "stop it first, or choose another RUN")
@@ -234,14 +235,6 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
         if services is not None:
             services.stop()  # last: workers finishing a group and the final evaluation still search
         lock.close()
-
-
-def _lock_run(paths: EmbeddedPaths):
-    """An exclusive lock on the run dir (released when the process ends), or None if another holds it: the
-    one run lock, infra.boxops.lock_run_dir, which `invoke stop|teardown` and `make clean` read too."""
-    from infra.boxops import lock_run_dir
-
-    return lock_run_dir(paths.run_dir, create=True)
 
 
 def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=None) -> int:

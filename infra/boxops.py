@@ -194,7 +194,7 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
 SHIPPED_MARK = ".stoa-tree.sha256"
 
 
-#: the lock a running `make gsm8k RUN=<run>` holds on its run dir (lock_run_dir, taken by embedded/run.py)
+#: the lock a running `make gsm8k RUN=<run>` holds on its run dir (embedded/run.py takes it with `lock_run_dir`)
 RUN_LOCK = ".lock"
 
 

@@ -3,14 +3,14 @@
 `make gsm8k RUN=<id>` on a GPU box with R2 credentials (and no HOST) calls `launch_on_this_box`; with
 `HOST=user@box` the tree is shipped and `python3 -m infra.launch_gpu --recipe-json ...` runs this same
 function on the box (infra/remote). Each step can run again: it checks what is already there first.
-These are the slime engine's steps; `train.engine: native` runs infra/native_launch.py's.
+These are the slime engine's steps (`SLIME_BOX_STEPS`); `train.engine: native` runs infra/native_launch.py's.
+Each step is written once (infra/steps.py `Step`): the dry run's plan and the launch read the same list.
 More in docs/quickstart-gpu.md (module notes).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -20,7 +20,8 @@ from typing import Any
 
 from trainer.config import REPO_ROOT, RecipeConfig
 
-from .launch_plan import LaunchPlan, LaunchStep, remote_steps, render_plan
+from .box_steps import DOWNLOAD_MODEL, WRITE_RECIPE, BoxLaunch, box_report, start_once
+from .launch_plan import LaunchPlan, LaunchStep, render_plan
 from .slime_launch import (
     KNOWN_HF_CONFIGS,
     BoxPaths,
@@ -29,27 +30,7 @@ from .slime_launch import (
     launch_command,
     rotary_base,
 )
-from .steps import StepFailed, run_command, run_steps
-
-REMOTE_STEPS = remote_steps(
-    check_box="nvidia-smi, ~100 GB free, slime/Megatron-LM dirs, Python imports (infra/box_check.py)",
-    install_deps="pip-install only the contract's missing dependencies")
-BOX_STEPS = [
-    LaunchStep(name="check_box", where="box", gpu_only=True, summary="the same checks, on the box itself"),
-    LaunchStep(name="write_recipe", where="box", summary="resolved recipe to <state>/recipe.json for the plugin"),
-    LaunchStep(name="download_model", where="box", gpu_only=True,
-               summary="huggingface_hub.snapshot_download into .stoa/models (skips what it has)"),
-    LaunchStep(name="convert_model", where="box", gpu_only=True,
-               summary="python -m infra.convert with --rotary-base = HF rope_theta (skipped if converted)"),
-    LaunchStep(name="apply_patches", where="box", gpu_only=True,
-               summary="infra/patches onto slime; refused if the box's slime does not fit"),
-    LaunchStep(name="publish_anchor", where="box", gpu_only=True,
-               summary="run.json (create or identical resume) and the base as the v1 anchor"),
-    LaunchStep(name="start_ray", where="box", gpu_only=True,
-               summary="ray start --head --dashboard-host 127.0.0.1 (skipped if Ray is up)"),
-    LaunchStep(name="launch_trainer", where="box", gpu_only=True,
-               summary="setsid ray job submit ... train.py, log to logs/<run>.log, pid file (skipped if alive)"),
-]
+from .steps import Step, StepFailed, bound, plan_of, run_command, run_steps
 
 
 # -- the plan -------------------------------------------------------------------------------------------
@@ -118,15 +99,9 @@ def build_plan(cfg: RecipeConfig, *, host: str | None, remote_dir: str, env: Map
             notes.append(f"cannot launch yet: {e}")
     if store.startswith("file://"):
         notes.append("DRL_STORE is a file store: workers on other machines cannot reach it")
-    box = BOX_STEPS
-    if cfg.task == "psqa":  # the fleet reference pulls its converted base from the bucket (infra/psqa_setup.py)
-        from .psqa_setup import plan_steps
-
-        box = plan_steps(BOX_STEPS)
-    steps = (REMOTE_STEPS if host else []) + box
     return LaunchPlan(run=cfg.run, recipe=cfg.model_dump(mode="json"), env=contract_env(cfg, env, store),
                       command=command, slime_args=args, host=host, remote_dir=remote_dir,
-                      log_file=paths.log_file, steps=steps, notes=notes)
+                      log_file=paths.log_file, steps=launch_steps(cfg, host), notes=notes)
 
 
 def _native_plan(cfg: RecipeConfig, paths: BoxPaths, *, host: str | None, env: Mapping[str, str],
@@ -143,8 +118,28 @@ def _native_plan(cfg: RecipeConfig, paths: BoxPaths, *, host: str | None, env: M
     python = "python3" if host else sys.executable
     return LaunchPlan(run=cfg.run, recipe=cfg.model_dump(mode="json"), env=contract_env(cfg, env, store),
                       command=nl.learner_command(cfg, paths, python), slime_args=[], host=host,
-                      remote_dir=paths.remote_dir, log_file=paths.log_file,
-                      steps=(nl.NATIVE_REMOTE_STEPS if host else []) + nl.NATIVE_BOX_STEPS, notes=notes)
+                      remote_dir=paths.remote_dir, log_file=paths.log_file, steps=launch_steps(cfg, host),
+                      notes=notes)
+
+
+def box_steps(cfg: RecipeConfig) -> list[Step]:
+    """The on-box launch of this recipe's engine, in order: what the plan lists and what runs."""
+    if cfg.train.engine == "native":
+        from .native_launch import NATIVE_BOX_STEPS
+
+        return NATIVE_BOX_STEPS
+    if cfg.task == "psqa":  # the fleet reference pulls its converted base from the bucket (infra/psqa_setup.py)
+        from .psqa_setup import psqa_box_steps
+
+        return psqa_box_steps(SLIME_BOX_STEPS)
+    return SLIME_BOX_STEPS
+
+
+def launch_steps(cfg: RecipeConfig, host: str | None) -> list[LaunchStep]:
+    """The plan's steps: over SSH the remote ones (infra/remote/deploy.py) first, then the box's."""
+    from .remote.deploy import remote_steps
+
+    return plan_of((remote_steps(cfg.train.engine) if host else []) + box_steps(cfg))
 
 
 def slime_args_without_model(cfg: RecipeConfig, paths: BoxPaths, trainer_only: TrainerOnly) -> list[str]:
@@ -165,37 +160,8 @@ def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
     from . import box_check
 
     report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir)
-    if not report["ok"]:
-        raise StepFailed("check_box:\n" + "\n".join(f"  {k}: {v['error']}" for k, v in report.items()
-                                                     if isinstance(v, dict) and not v["ok"]))
-    gpus = ", ".join(f"{g['name']} ({g['memory_mib'] // 1024} GiB, driver {g['driver']})" for g in report["gpu"]["gpus"])
-    slime = report.get("slime")
-    return f"{gpus}; {report['disk']['free_gb']} GB free" + (
-        f"; slime {slime['commit']} {slime.get('date', '')}".rstrip() if slime else "")
-
-
-def step_write_recipe(cfg: RecipeConfig, paths: BoxPaths) -> str:
-    target = Path(paths.recipe_file)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
-    if target.exists() and target.read_text() == text:
-        return "unchanged"
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(target)
-    return str(target)
-
-
-def step_download_model(cfg: RecipeConfig, paths: BoxPaths) -> str:
-    hf_dir = Path(paths.hf_dir(cfg.model.hf_id))
-    if cfg.model.path:
-        if not (hf_dir / "config.json").is_file():
-            raise StepFailed(f"download_model: MODEL={hf_dir} has no config.json; point MODEL at an HF model dir")
-        return f"using {hf_dir}"
-    from huggingface_hub import snapshot_download
-
-    snapshot_download(repo_id=cfg.model.hf_id, local_dir=str(hf_dir))
-    return str(hf_dir)
+    answer, slime = box_report(report), report.get("slime")
+    return answer + (f"; slime {slime['commit']} {slime.get('date', '')}".rstrip() if slime else "")
 
 
 def step_convert_model(cfg: RecipeConfig, paths: BoxPaths) -> str:
@@ -243,13 +209,7 @@ def step_start_ray(cfg: RecipeConfig, paths: BoxPaths) -> str:
 
 
 def step_launch_trainer(cfg: RecipeConfig, paths: BoxPaths, plan: LaunchPlan) -> str:
-    from .boxops import alive_pid, start_detached
-
-    pid = alive_pid(paths.pid_file)
-    if pid is not None:
-        return f"trainer already running (pid {pid}); log {paths.log_file}"
-    pid = start_detached(plan.command, log_file=paths.log_file, pid_file=paths.pid_file, cwd=cfg.launch.slime_dir)
-    return f"pid {pid}, log {paths.log_file} (follow: invoke logs --run {cfg.run} --follow)"
+    return start_once("trainer", plan.command, cfg, paths, cwd=cfg.launch.slime_dir)
 
 
 def launch_on_this_box(cfg: RecipeConfig, *, dry_run: bool = False, out: Callable[[str], None] = print,
@@ -264,38 +224,7 @@ def launch_on_this_box(cfg: RecipeConfig, *, dry_run: bool = False, out: Callabl
         return 0
     paths = BoxPaths(remote_dir=str(REPO_ROOT), run=plan.run, model_dir_override=cfg.model.path)
     cfg = cfg.model_copy(update={"store": plan.env["DRL_STORE"]})
-    if cfg.train.engine == "native":
-        return run_steps(native_steps(cfg, paths, out), out, err=err)
-    steps: list[tuple[str, Callable[[], str]]] = [
-        ("check_box", lambda: step_check_box(cfg, paths)),
-        ("write_recipe", lambda: step_write_recipe(cfg, paths)),
-        ("download_model", lambda: step_download_model(cfg, paths)),
-        ("convert_model", lambda: step_convert_model(cfg, paths)),
-        ("apply_patches", lambda: step_apply_patches(cfg, paths)),
-        ("publish_anchor", lambda: step_publish_anchor(cfg, paths)),
-        ("start_ray", lambda: step_start_ray(cfg, paths)),
-        ("launch_trainer", lambda: _launch_with_fresh_plan(cfg, paths, env)),
-    ]
-    if cfg.task == "psqa":
-        from .psqa_setup import run_steps_for
-
-        steps = run_steps_for(cfg, paths, steps)
-    return run_steps(steps, out, err=err)
-
-
-def native_steps(cfg: RecipeConfig, paths: BoxPaths, out: Callable[[str], None]) -> list[tuple[str, Callable[[], str]]]:
-    """The native engine's on-box steps (infra/native_launch.py), sharing write_recipe and download_model."""
-    from . import native_launch as nl
-
-    return [
-        ("check_box", lambda: nl.step_check_box(cfg, paths)),
-        ("install_packages", lambda: nl.step_install_packages()),
-        ("write_recipe", lambda: step_write_recipe(cfg, paths)),
-        ("download_model", lambda: step_download_model(cfg, paths)),
-        ("publish_run", lambda: nl.step_publish_run(cfg, paths)),
-        ("launch_learner", lambda: nl.step_launch_learner(cfg, paths)),
-        ("wait_learner", lambda: nl.step_wait_learner(cfg, paths, log=out)),
-    ]
+    return run_steps(bound(box_steps(cfg), BoxLaunch(cfg, paths, env, out)), out, err=err)
 
 
 def _launch_with_fresh_plan(cfg: RecipeConfig, paths: BoxPaths, env: Mapping[str, str]) -> str:
@@ -305,6 +234,28 @@ def _launch_with_fresh_plan(cfg: RecipeConfig, paths: BoxPaths, env: Mapping[str
         raise StepFailed("launch_trainer: " + "; ".join(n for n in plan.notes if "cannot launch" in n
                                                          or "refuses" in n))
     return step_launch_trainer(cfg, paths, plan)
+
+
+def _step(name: str, summary: str, run: Callable[[BoxLaunch], str], gpu_only: bool = True) -> Step:
+    return Step(LaunchStep(name=name, where="box", gpu_only=gpu_only, summary=summary), run)
+
+
+#: the slime engine's on-box launch, in order (the dry run prints `info`, the launch runs `run`)
+SLIME_BOX_STEPS = [
+    _step("check_box", "the same checks, on the box itself", lambda b: step_check_box(b.cfg, b.paths)),
+    WRITE_RECIPE,
+    DOWNLOAD_MODEL,
+    _step("convert_model", "python -m infra.convert with --rotary-base = HF rope_theta (skipped if converted)",
+          lambda b: step_convert_model(b.cfg, b.paths)),
+    _step("apply_patches", "infra/patches onto slime; refused if the box's slime does not fit",
+          lambda b: step_apply_patches(b.cfg, b.paths)),
+    _step("publish_anchor", "run.json (create or identical resume) and the base as the v1 anchor",
+          lambda b: step_publish_anchor(b.cfg, b.paths)),
+    _step("start_ray", "ray start --head --dashboard-host 127.0.0.1 (skipped if Ray is up)",
+          lambda b: step_start_ray(b.cfg, b.paths)),
+    _step("launch_trainer", "setsid ray job submit ... train.py, log to logs/<run>.log, pid file (skipped if alive)",
+          lambda b: _launch_with_fresh_plan(b.cfg, b.paths, b.env)),
+]
 
 
 def main(argv: list[str] | None = None) -> int:

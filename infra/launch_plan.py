@@ -42,24 +42,6 @@ class LaunchStep(BaseModel):
     """True when the step needs the GPU box (a CUDA GPU, the slime image)."""
 
 
-def remote_steps(*, check_box: str, install_deps: str, before_launch: list[LaunchStep] | None = None
-                 ) -> list[LaunchStep]:
-    """The steps a launch over SSH (infra/remote) takes before the box's own steps, in order; each engine
-    says what its `check_box` and `install_deps` cover, and any steps of its own before `box_launch`."""
-    return [
-        LaunchStep(name="connect", where="local", summary="open the SSH connection (Fabric; key-only if SSH_KEY)"),
-        LaunchStep(name="check_box", where="remote", gpu_only=True, summary=check_box),
-        LaunchStep(name="ship_tree", where="remote",
-                   summary="tar of the tree (no .venv/.stoa/.git/.r2env) over SFTP; skipped when its digest matches"),
-        LaunchStep(name="ship_credentials", where="remote",
-                   summary="R2 values to <remote_dir>/.r2env, created 0600 before any byte is written"),
-        LaunchStep(name="install_deps", where="remote", summary=install_deps),
-        *(before_launch or []),
-        LaunchStep(name="box_launch", where="remote", gpu_only=True,
-                   summary="python3 -m infra.launch_gpu on the box: the on-box steps below"),
-    ]
-
-
 class LaunchPlan(BaseModel):
     """Everything a launch will do, resolved; printed by the dry run and read by the preflight."""
 

@@ -16,34 +16,13 @@ from pathlib import Path
 
 from trainer.config import RecipeConfig
 
-from .launch_plan import LaunchStep, remote_steps
+from .box_steps import DOWNLOAD_MODEL, WRITE_RECIPE, box_report, start_once
+from .launch_plan import LaunchStep
 from .slime_launch import BoxPaths
-from .steps import StepFailed
+from .steps import Step, StepFailed
 
 #: seconds `wait_learner` waits for the learner's first anchor (model load and anchor upload of a 1.5B model)
 WAIT_LEARNER_S = 900.0
-
-NATIVE_REMOTE_STEPS = remote_steps(
-    check_box="nvidia-smi, ~100 GB free, torch and transformers import (infra/box_check.py --engine native)",
-    install_deps="pip-install the contract's dependencies, megatron-core and ray, only what does not import",
-    before_launch=[LaunchStep(name="write_recipe", where="remote", summary="the resolved recipe to <state>/recipe.json")])
-NATIVE_BOX_STEPS = [
-    LaunchStep(name="check_box", where="box", gpu_only=True,
-               summary="GPU and driver, disk, torch/transformers/huggingface_hub/safetensors import"),
-    LaunchStep(name="install_packages", where="box",
-               summary="pip-install megatron-core and ray into this Python, only if they do not import"),
-    LaunchStep(name="write_recipe", where="box", summary="resolved recipe to <state>/recipe.json"),
-    LaunchStep(name="download_model", where="box", gpu_only=True,
-               summary="huggingface_hub.snapshot_download into .stoa/models (skips what it has)"),
-    LaunchStep(name="publish_run", where="box",
-               summary="run.json (create or identical resume) and trainer.key (0600); the learner publishes v1"),
-    LaunchStep(name="launch_learner", where="box", gpu_only=True,
-               summary="setsid python -m entrypoints.learner (Ray on 127.0.0.1, dashboard 127.0.0.1:8265), log to "
-                       "logs/<run>.log, pid file (skipped if alive)"),
-    LaunchStep(name="wait_learner", where="box", gpu_only=True,
-               summary="until the learner's anchor is the pointer; then it waits for rollouts"),
-]
-
 
 #: the learner process's module (entrypoints/learner.py), as both launchers start it: `python -m infra.launch_gpu`
 #: runs on the box by itself, so it names the learner's main as a command, never imports it
@@ -80,16 +59,12 @@ def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
     from . import box_check
 
     report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir, engine="native")
-    if not report["ok"]:
-        raise StepFailed("check_box:\n" + "\n".join(f"  {k}: {v['error']}" for k, v in report.items()
-                                                     if isinstance(v, dict) and not v["ok"]))
-    gpus = ", ".join(f"{g['name']} ({g['memory_mib'] // 1024} GiB, driver {g['driver']})" for g in report["gpu"]["gpus"])
+    answer = box_report(report)
     missing = report["imports"].get("installable", [])
     if len(report["gpu"]["gpus"]) < cfg.train.tensor_parallel:
         raise StepFailed(f"check_box: train.tensor_parallel={cfg.train.tensor_parallel} needs that many GPUs on "
                          f"this host; it has {len(report['gpu']['gpus'])}")
-    return (f"{gpus}; {report['disk']['free_gb']} GB free"
-            + (f"; to install: {', '.join(missing)}" if missing else ""))
+    return answer + (f"; to install: {', '.join(missing)}" if missing else "")
 
 
 def step_install_packages(python: str = sys.executable) -> str:
@@ -122,15 +97,12 @@ def _learner_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def step_launch_learner(cfg: RecipeConfig, paths: BoxPaths, python: str = sys.executable,
                         env: Mapping[str, str] | None = None) -> str:
-    from .boxops import alive_pid, start_detached
+    from .boxops import alive_pid
 
-    pid = alive_pid(paths.pid_file)
-    if pid is not None:
-        return f"learner already running (pid {pid}); log {paths.log_file}"
-    _mark_pointer(cfg, paths)
-    pid = start_detached(learner_command(cfg, paths, python), log_file=paths.log_file, pid_file=paths.pid_file,
-                         env=_learner_env(env), cwd=paths.remote_dir)
-    return f"pid {pid}, log {paths.log_file} (follow: invoke logs --run {cfg.run} --follow)"
+    if alive_pid(paths.pid_file) is None:
+        _mark_pointer(cfg, paths)
+    return start_once("learner", learner_command(cfg, paths, python), cfg, paths, env=_learner_env(env),
+                      cwd=paths.remote_dir)
 
 
 def _pointer(cfg: RecipeConfig, paths: BoxPaths) -> int:
@@ -186,3 +158,26 @@ def step_wait_learner(cfg: RecipeConfig, paths: BoxPaths, *, timeout_s: float = 
             said = time.monotonic()
             log(f"  waiting for the learner's anchor (pointer v{now}); log {paths.log_file}")
         time.sleep(poll_s)
+
+
+#: the native engine's on-box launch, in order (the dry run prints `info`, the launch runs `run`)
+NATIVE_BOX_STEPS = [
+    Step(LaunchStep(name="check_box", where="box", gpu_only=True,
+                    summary="GPU and driver, disk, torch/transformers/huggingface_hub/safetensors import"),
+         lambda b: step_check_box(b.cfg, b.paths)),
+    Step(LaunchStep(name="install_packages", where="box",
+                    summary="pip-install megatron-core and ray into this Python, only if they do not import"),
+         lambda b: step_install_packages()),
+    WRITE_RECIPE,
+    DOWNLOAD_MODEL,
+    Step(LaunchStep(name="publish_run", where="box",
+                    summary="run.json (create or identical resume) and trainer.key (0600); the learner publishes v1"),
+         lambda b: step_publish_run(b.cfg, b.paths)),
+    Step(LaunchStep(name="launch_learner", where="box", gpu_only=True,
+                    summary="setsid python -m entrypoints.learner (Ray on 127.0.0.1, dashboard 127.0.0.1:8265), log "
+                            "to logs/<run>.log, pid file (skipped if alive)"),
+         lambda b: step_launch_learner(b.cfg, b.paths)),
+    Step(LaunchStep(name="wait_learner", where="box", gpu_only=True,
+                    summary="until the learner's anchor is the pointer; then it waits for rollouts"),
+         lambda b: step_wait_learner(b.cfg, b.paths, log=b.out)),
+]

@@ -188,39 +188,26 @@ def step_base_model(cfg, paths, store) -> str:
                        hf_id=cfg.model.hf_id, fetch=fetch, convert=convert, provenance=provenance)
 
 
-def box_steps(cfg, paths) -> list[tuple[str, Callable[[], str]]]:
-    """The psqa-specific steps, in the place of download_model / convert_model."""
+def psqa_box_steps(steps: list) -> list:
+    """The slime engine's on-box steps (infra/steps.py `Step`s) for the psqa recipe: download_model replaced
+    by base_model and install_lfm2_plugin, convert_model dropped (the base step does both)."""
     from worker_contract.store import open_store
 
-    return [
-        ("base_model", lambda: step_base_model(cfg, paths, open_store(cfg.store))),
-        ("install_lfm2_plugin", lambda: step_install_lfm2_plugin(cfg, paths)),
-    ]
+    from .launch_plan import LaunchStep
+    from .steps import Step
 
-
-def _substitute(items: list, name_of: Callable, mine: list) -> list:
-    """`items` with download_model replaced by `mine` and convert_model dropped (the base step does both)."""
+    mine = [Step(LaunchStep(name="base_model", where="box", gpu_only=True,
+                            summary="pull bases/lfm25/ (HF dir + torch_dist, sha256 checked); when absent download, "
+                                    "convert and publish it there, manifest last"),
+                 lambda b: step_base_model(b.cfg, b.paths, open_store(b.cfg.store))),
+            Step(LaunchStep(name="install_lfm2_plugin", where="box", gpu_only=True,
+                            summary="slime's Python imports our LFM2 modules and builds the --spec layer spec"),
+                 lambda b: step_install_lfm2_plugin(b.cfg, b.paths))]
     out: list = []
-    for item in items:
-        if name_of(item) == "download_model":
+    for step in steps:
+        if step.info.name == "download_model":
             out += mine
-        elif name_of(item) != "convert_model":
-            out.append(item)
+        elif step.info.name != "convert_model":
+            out.append(step)
     return out
 
-
-def plan_steps(steps: list) -> list:
-    """The launch plan's box steps for the psqa recipe (what the dry run prints)."""
-    from .launch_plan import LaunchStep
-
-    mine = [LaunchStep(name="base_model", where="box", gpu_only=True,
-                       summary="pull bases/lfm25/ (HF dir + torch_dist, sha256 checked); when absent download, "
-                               "convert and publish it there, manifest last"),
-            LaunchStep(name="install_lfm2_plugin", where="box", gpu_only=True,
-                       summary="slime's Python imports our LFM2 modules and builds the --spec layer spec")]
-    return _substitute(steps, lambda s: s.name, mine)
-
-
-def run_steps_for(cfg, paths, steps: list[tuple[str, Callable[[], str]]]) -> list[tuple[str, Callable[[], str]]]:
-    """The on-box (name, fn) steps for the psqa recipe."""
-    return _substitute(steps, lambda s: s[0], box_steps(cfg, paths))

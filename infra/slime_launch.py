@@ -136,17 +136,9 @@ def _num(x: float) -> str:
 
 def rotary_base(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> float:
     """The rotary base to launch with: the HF rope_theta; a recipe value that differs is refused."""
-    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
-    theta = hf_config.get("rope_theta") or params.get("rope_theta")
-    if theta is None:
-        raise ValueError("the model's config.json has no rope_theta; cannot check the rotary base")
-    if cfg.model.rotary_base is not None and float(cfg.model.rotary_base) != float(theta):
-        raise ValueError(
-            f"model.rotary_base={cfg.model.rotary_base} differs from the HF config's rope_theta={theta}: the "
-            "trainer would be a different model than the workers. Remove model.rotary_base from the recipe "
-            "(it then follows rope_theta) or fix it to the HF value."
-        )
-    return float(theta)
+    from trainer.models.identity import checked_rotary_base
+
+    return checked_rotary_base(hf_config, cfg.model.rotary_base)
 
 
 def model_args(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> list[str]:

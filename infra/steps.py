@@ -1,10 +1,16 @@
-"""A launch is a list of named steps run in order; each reports its result, the first failure stops it."""
+"""A launch is one list of steps (`Step`: what the plan prints and what runs) run in order; each reports its
+result, the first failure stops it."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .launch_plan import LaunchStep
 
 
 class StepFailed(RuntimeError):
@@ -36,3 +42,22 @@ def run_command(step: str, argv: list[str], env: Mapping[str, str] | None = None
         raise StepFailed(f"{step}: `{' '.join(argv[:4])} ...` exited {res.returncode}:\n"
                          f"{(res.stderr or res.stdout).strip()[-3000:]}")
     return res.stdout
+
+
+@dataclass(frozen=True)
+class Step:
+    """One launch step, written once: what the plan prints (`info`) and what runs (`run`, given the launch's
+    context: infra/box_steps.py's BoxLaunch on the box, infra/remote's RemoteLaunch over SSH)."""
+
+    info: LaunchStep
+    run: Callable[[Any], str]
+
+
+def plan_of(steps: list[Step]) -> list[LaunchStep]:
+    """The steps as the launch plan lists them."""
+    return [s.info for s in steps]
+
+
+def bound(steps: list[Step], ctx: Any) -> list[tuple[str, Callable[[], str]]]:
+    """The steps as `run_steps` runs them, each given `ctx`."""
+    return [(s.info.name, functools.partial(s.run, ctx)) for s in steps]

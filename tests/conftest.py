@@ -141,6 +141,16 @@ class MotoServer:
         return name
 
 
+@pytest.fixture(scope="module")
+def dist():
+    """A gloo process group and megatron's parallel state for one test module (tests/megatron_cpu.py)."""
+    from tests import megatron_cpu
+
+    megatron_cpu.init_distributed()
+    yield
+    megatron_cpu.shutdown_distributed()
+
+
 @pytest.fixture(scope="session")
 def moto_server():
     import logging

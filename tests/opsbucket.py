@@ -70,13 +70,14 @@ def build_run(store, run: str, *, pointer: int, anchor_interval: int, workers: d
     create_or_resume(store, manifest, resume=False)
     pub = Publisher(store, manifest, key, anchor_interval=anchor_interval, progress=False)
     policy = TinyPolicy()
-    assert pub.publish_anchor(policy.state()) == 1
+    assert pub.publish_anchor(policy.state()).version == 1
     built = Built(run=run, pointer=pointer, anchors=[1], manifest=manifest, key=key, now=now)
     total: dict[str, int] = {}
     for v in range(2, pointer + 1):
         policy.step()
-        assert pub.publish(policy.state()) == v
-        stats = pub.last_stats
+        done = pub.publish(policy.state())
+        assert done.version == v
+        stats = done.stats
         if "anchor" in stats["kind"]:
             built.anchors.append(v)
         delta = drops_of(v)

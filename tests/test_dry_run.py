@@ -181,7 +181,7 @@ def test_plan_round_trip_and_refusals(clean_env):
 
 def test_a_rotary_base_other_than_rope_theta_is_refused(clean_env):
     cfg = resolve("gsm8k", env={"DRL_RUN": "dry-rope"}, overrides={"model.rotary_base": 10000})
-    with pytest.raises(ValueError, match="rope_theta=1000000"):
+    with pytest.raises(ValueError, match="rotary base 10000 .recipe model.rotary_base.*rope_theta 1000000"):
         build_plan(cfg, host=None, remote_dir="/root/dRL", env=CREDS, store="r2://stoa-dry").slime_args  # noqa: B018
 
 

@@ -50,7 +50,8 @@ class Published:
 
     def bump(self) -> int:
         self.state["model.a.weight"][torch.randint(0, 64, (3,))] += 1.0
-        return self.pub.publish(self.state)
+        self.last = self.pub.publish(self.state)
+        return self.last.version
 
     def snapshot(self) -> tuple[int, str, dict[str, bytes]]:
         return self.rec.version, self.rec.digest, {k: v.tobytes() for k, v in self.rec.state.items()}
@@ -177,8 +178,8 @@ def test_a_squatted_version_is_taken_back_and_followers_go_on(pub, how):
     the run key for that version, so it is a squatter's: the trainer deletes it and publishes there."""
     squat(pub, 4, how)
     v = pub.bump()
-    assert v == 4 and pub.pub.last_stats["kind"] == "patch" and pub.pointer().version == 4
-    assert pub.pub.last_stats["forged_versions_reclaimed"] == 1
+    assert v == 4 and pub.last.kind == "patch" and pub.pointer().version == 4
+    assert pub.last.stats["forged_versions_reclaimed"] == 1
     assert layout.anchor_prefix(RUN, 4) + "README.txt" not in pub.store.list_keys(layout.anchors_prefix(RUN))
     got = pub.rec.follow()
     assert got is not None and got[0] == 4 and pub.same_as_trainer(got[1])
@@ -191,7 +192,7 @@ def test_a_squatter_on_the_next_100_versions_does_not_stop_publishing(pub):
         squat(pub, v, SQUATS[v % len(SQUATS)])
     published = [pub.bump() for _ in range(3)]
     restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
-    published.append(restarted.publish_anchor(pub.state))  # a restart meets the squatter too
+    published.append(restarted.publish_anchor(pub.state).version)  # a restart meets the squatter too
     assert published == [4, 5, 6, 7]
     assert pub.pub.forged_versions_reclaimed == 3 and restarted.forged_versions_reclaimed == 1
     assert pub.pointer().version == 7
@@ -214,11 +215,11 @@ def test_the_trainers_own_crashed_attempts_are_skipped_never_reused(pub):
     pub.store.delete(layout.anchor_manifest_key(RUN, 5))
     pub.evil_anchor(6, key=pub.key)
     before = {k: pub.store.get(k) for k in pub.store.list_keys(layout.run_prefix(RUN)) if "/v0" in k}
-    assert pub.bump() == 7 and pub.pub.last_stats["kind"] == "anchor"
+    assert pub.bump() == 7 and pub.last.kind == "anchor"
     assert pub.rec.follow()[0] == 7
     restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
     pub.store.put_if_absent(layout.patch_key(RUN, 8), pub.evil_patch(7, 8, key=pub.key))  # crashed again
-    assert restarted.publish_anchor(pub.state) == 9
+    assert restarted.publish_anchor(pub.state).version == 9
     assert pub.pub.forged_versions_reclaimed == restarted.forged_versions_reclaimed == 0
     assert all(pub.store.get(k) == data for k, data in before.items())  # left as they were
     assert pub.rec.follow()[0] == 9 and pub.rec.digest == pub.pointer().result_digest
@@ -277,11 +278,11 @@ def test_the_trainer_publishes_over_a_forged_pointer(pub, forgery, caplog):
         pub.rec.follow()
     with caplog.at_level("WARNING", logger="trainer.publish.publisher"):
         v = pub.bump()
-    assert v == 4 and pub.pointer().version == 4 and pub.pub.last_stats["kind"] == "patch"
-    assert pub.pub.last_stats["forged_pointer_reclaimed"] == 1
+    assert v == 4 and pub.pointer().version == 4 and pub.last.kind == "patch"
+    assert pub.last.stats["forged_pointer_reclaimed"] == 1
     assert "current.json did not verify under the run key" in caplog.text
     assert pub.rec.follow()[0] == 4 and pub.same_as_trainer(pub.rec.state)
-    assert pub.bump() == 5 and pub.pub.last_stats["forged_pointer_reclaimed"] == 1  # nothing more to reclaim
+    assert pub.bump() == 5 and pub.last.stats["forged_pointer_reclaimed"] == 1  # nothing more to reclaim
     pub.verified()
 
 
@@ -294,8 +295,9 @@ def test_a_restarted_trainer_publishes_over_a_forged_pointer_above_everything_it
     pub.store.put(layout.pointer_key(RUN), forged_pointers(pub)["unsigned"])
     restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
     assert restarted.current_version() == 4
-    assert restarted.publish_anchor(pub.state) == 5
-    assert restarted.last_stats["forged_pointer_reclaimed"] == 1 and pub.pointer().version == 5
+    done = restarted.publish_anchor(pub.state)
+    assert done.version == 5
+    assert done.stats["forged_pointer_reclaimed"] == 1 and pub.pointer().version == 5
     assert pub.rec.follow()[0] == 5
     pub.verified()
 
@@ -306,7 +308,7 @@ def test_a_forged_pointer_before_the_first_publish_is_replaced_by_v1(store):
     store.put(layout.pointer_key(RUN), make_pointer(RUN, 7, 1, "blake3:" + "0" * 64, generate_private_key()).to_bytes())
     pub = Publisher(store, man, key, anchor_interval=10, progress=False)
     assert pub.current_version() is None
-    assert pub.publish_anchor({"model.w": torch.ones(64)}) == 1
+    assert pub.publish_anchor({"model.w": torch.ones(64)}).version == 1
     assert read_pointer(store, RUN, man.trainer_public_key)[0].version == 1
     assert verify_run(store, RUN, out=lambda line: None)
 
@@ -363,7 +365,7 @@ def test_keys_the_layout_does_not_make_stop_neither_the_trainer_nor_verify(pub):
     pub.store.put(layout.anchors_prefix(RUN) + "latest/manifest.json", b"{}")
     pub.store.put(layout.pointer_key(RUN), forged_pointers(pub)["unsigned"])  # the trainer lists the bucket
     restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
-    assert restarted.publish_anchor(pub.state) == 4
+    assert restarted.publish_anchor(pub.state).version == 4
     assert pub.bump() == 5
     assert Reconstructor(pub.store, RUN, plane="bf16").join()[0] == 5  # anchor v4 named by the pointer
     pub.verified()
@@ -372,7 +374,7 @@ def test_keys_the_layout_does_not_make_stop_neither_the_trainer_nor_verify(pub):
 def test_a_follower_passes_keys_the_layout_does_not_make(pub):
     pub.store.put(layout.anchors_prefix(RUN) + "latest/manifest.json", b"{}")
     restarted = Publisher(pub.store, pub.man, pub.key, anchor_interval=100, progress=False)
-    assert restarted.publish_anchor(pub.state) == 4
+    assert restarted.publish_anchor(pub.state).version == 4
     assert pub.rec.follow()[0] == 4
 
 
@@ -398,7 +400,7 @@ def test_a_bumped_pointer_neither_crashes_workers_nor_outlives_a_trainer_start(t
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
-    assert pub.publish(model.state_dict()) == 2
+    assert pub.publish(model.state_dict()).version == 2
     altered = json.loads(store.get(layout.pointer_key(WRUN)))
     altered["version"] += 5  # the trainer's signature over other contents
     store.put(layout.pointer_key(WRUN), json.dumps(altered).encode())

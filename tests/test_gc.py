@@ -129,7 +129,7 @@ def test_plan_from_an_older_pointer_stays_safe(store, built):
     store.delete(layout.anchor_shard_key(RUN, 12, 0))
     # the trainer restarts meanwhile and publishes a fresh anchor (v12) and moves the pointer to it
     pub = Publisher(store, built.manifest, built.key, anchor_interval=4, progress=False)
-    assert pub.publish_anchor(TinyPolicy(seed=3).state()) == 12
+    assert pub.publish_anchor(TinyPolicy(seed=3).state()).version == 12
     apply_gc(store, plan)
     assert anchor_versions(store, RUN) == [9, 12]
     assert verify_run(store, RUN, out=lambda s: None) and cold_join(store)[0] == 12
@@ -190,15 +190,15 @@ def test_gc_after_a_resume_that_anchored_inside_the_collected_rollouts(file_stor
     create_or_resume(file_store, manifest, resume=False)
     policy = TinyPolicy()
     pub = Publisher(file_store, manifest, key, anchor_interval=20, progress=False)
-    assert pub.publish_anchor(policy.state()) == 1
+    assert pub.publish_anchor(policy.state()).version == 1
     for v in range(2, 134):
         policy.step()
-        assert pub.publish(policy.state()) == v
+        assert pub.publish(policy.state()).version == v
     resumed = Publisher(file_store, manifest, key, anchor_interval=20, progress=False)  # a rerun of the run
-    assert resumed.publish_anchor(policy.state()) == 134
+    assert resumed.publish_anchor(policy.state()).version == 134
     for v in range(135, 139):
         policy.step()
-        assert resumed.publish(policy.state()) == v
+        assert resumed.publish(policy.state()).version == v
     for v in range(1, 139):
         file_store.put_if_absent(layout.rollout_key(run, v, "w1", f"g{v:04d}"), record(run, "w1", f"g{v:04d}", v, 0.0))
     assert anchor_versions(file_store, run) == [1, 21, 41, 61, 81, 101, 121, 134]

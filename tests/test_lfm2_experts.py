@@ -8,14 +8,7 @@ import pytest
 import torch
 
 from tests import megatron_cpu
-from tests.test_lfm2_megatron import _disk_state, _megatron, _tiny_hf
-
-
-@pytest.fixture(scope="module")
-def dist():
-    megatron_cpu.init_distributed()
-    yield
-    megatron_cpu.shutdown_distributed()
+from tests.test_lfm2_megatron import _tiny_hf
 
 
 def _loss(mg, ids):
@@ -35,8 +28,8 @@ def test_grouped_experts_equal_the_expert_loop(dist, tmp_path):
     from trainer.models.lfm2_experts import GroupedExperts, set_grouped, stacked
 
     torch.set_num_threads(2)
-    state, cfg = _disk_state(_tiny_hf(), tmp_path)
-    mg = _megatron(cfg, state).train()
+    state, cfg = megatron_cpu.saved_state(_tiny_hf(), tmp_path)
+    mg = megatron_cpu.megatron_from_hf(cfg, state).train()
     experts = [m for m in mg.modules() if isinstance(m, GroupedExperts)]
     assert len(experts) == 3
     # the experts' weights are slices of one buffer: the grouped GEMM reads them in place, no copy
@@ -82,8 +75,8 @@ def test_gradients_match_transformers(dist, tmp_path):
     experts as the HF model's: the same loss and the same gradient for every weight, in fp32."""
     torch.set_num_threads(2)
     hf = _tiny_hf().train()
-    state, cfg = _disk_state(hf, tmp_path)
-    mg = _megatron(cfg, state).train()
+    state, cfg = megatron_cpu.saved_state(hf, tmp_path)
+    mg = megatron_cpu.megatron_from_hf(cfg, state).train()
     # token 0 is the config's pad_token_id: HF's embedding gives its row no gradient, megatron's does
     ids = torch.randint(1, 96, (2, 15), generator=torch.Generator().manual_seed(3))
     loss_mg, grads_mg = _grads(mg, ids)

@@ -17,7 +17,6 @@ LAYERS = ["conv", "full_attention", "conv", "full_attention", "conv"]
 
 
 def _tiny_hf(out: Path | None = None, dtype=torch.float32):
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
 
     torch.manual_seed(0)
@@ -37,29 +36,17 @@ def _tiny_hf(out: Path | None = None, dtype=torch.float32):
                 b.normal_(0.0, 0.1)
     model = model.to(dtype)
     if out is not None:
-        model.save_pretrained(out)
-        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(96)}, unk_token="t0"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        tok.save(str(out / "tokenizer.json"))
-        (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0].content }}"}))
+        megatron_cpu.save_with_tokenizer(model, out, 96)
     return model
 
 
-@pytest.fixture(scope="module")
-def dist():
-    megatron_cpu.init_distributed()
-    yield
-    megatron_cpu.shutdown_distributed()
-
-
-_disk_state, _megatron = megatron_cpu.saved_state, megatron_cpu.megatron_from_hf
 
 
 def test_forward_parity_with_transformers(dist, tmp_path):
     torch.set_num_threads(2)
     hf = _tiny_hf()
-    state, cfg = _disk_state(hf, tmp_path)
-    mg = _megatron(cfg, state)
+    state, cfg = megatron_cpu.saved_state(hf, tmp_path)
+    mg = megatron_cpu.megatron_from_hf(cfg, state)
     ids = torch.randint(0, 96, (3, 13), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(13)[None].expand(3, -1)
     with torch.no_grad():
@@ -75,16 +62,16 @@ def test_forward_parity_with_transformers(dist, tmp_path):
         bent = dict(state)
         bent[key] = state[key] + delta
         with torch.no_grad():
-            assert (_megatron(cfg, bent)(ids, pos, attention_mask=None) - ref).abs().max().item() > 1e-4, key
+            assert (megatron_cpu.megatron_from_hf(cfg, bent)(ids, pos, attention_mask=None) - ref).abs().max().item() > 1e-4, key
     # megatron's own (unfused) attention gives the same logits given an explicit causal mask
     mask = torch.triu(torch.ones(1, 1, 13, 13, dtype=torch.bool), 1)
     with torch.no_grad():
-        assert (_megatron(cfg, state, "local")(ids, pos, attention_mask=mask) - ref).abs().max().item() < 1e-5
+        assert (megatron_cpu.megatron_from_hf(cfg, state, "local")(ids, pos, attention_mask=mask) - ref).abs().max().item() < 1e-5
 
 
 def test_gradients_flow_but_expert_bias_is_frozen(dist, tmp_path):
-    state, cfg = _disk_state(_tiny_hf(), tmp_path)
-    mg = _megatron(cfg, state).train()
+    state, cfg = megatron_cpu.saved_state(_tiny_hf(), tmp_path)
+    mg = megatron_cpu.megatron_from_hf(cfg, state).train()
     ids = torch.randint(0, 96, (2, 9))
     loss = mg(ids, torch.arange(9)[None].expand(2, -1), attention_mask=None, labels=ids).mean()
     loss.backward()
@@ -99,9 +86,9 @@ def test_name_round_trip_is_exact(dist, tmp_path):
     from trainer.models.model import full_state
     from trainer.models.registry import get_architecture
 
-    state, cfg = _disk_state(_tiny_hf(), tmp_path)
+    state, cfg = megatron_cpu.saved_state(_tiny_hf(), tmp_path)
     arch = get_architecture(cfg)
-    back = arch.megatron_to_hf(full_state(_megatron(cfg, state)), cfg)
+    back = arch.megatron_to_hf(full_state(megatron_cpu.megatron_from_hf(cfg, state)), cfg)
     assert set(back) == set(state)
     assert all(torch.equal(back[k].float(), state[k].float()) for k in state)
     # transformers' fused in-memory expert form maps to the same Megatron tensors
@@ -118,7 +105,7 @@ def test_unsupported_configs_are_refused(tmp_path):
     from trainer.models.hf_io import ConvertError
     from trainer.models.registry import get_architecture
 
-    _, cfg = _disk_state(_tiny_hf(), tmp_path)
+    _, cfg = megatron_cpu.saved_state(_tiny_hf(), tmp_path)
     arch = get_architecture(cfg)
     for bad in ({"conv_bias": True}, {"norm_topk_prob": False}, {"layer_types": ["conv"] * 4 + ["sliding"]}):
         with pytest.raises(ConvertError, match="unsupported"):

@@ -6,17 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from tests import megatron_cpu
-
-
-@pytest.fixture(scope="module")
-def dist():
-    megatron_cpu.init_distributed()
-    yield
-    megatron_cpu.shutdown_distributed()
-
 
 def test_lfm2_step_bench_runs_tiny_on_cpu(dist, tmp_path):
     from bench import lfm2_step

@@ -41,14 +41,6 @@ def make_tiny_llama(out: Path | None = None, *, scaling: dict | None = None, tie
     return model
 
 
-@pytest.fixture(scope="module")
-def dist():
-    megatron_cpu.init_distributed()
-    yield
-    megatron_cpu.shutdown_distributed()
-
-
-_saved, _megatron = megatron_cpu.saved_state, megatron_cpu.megatron_from_hf
 
 
 def _fused_rope_logits(model, ids):
@@ -71,13 +63,13 @@ def _fused_rope_logits(model, ids):
 def test_forward_parity_with_transformers(dist, tmp_path, scaling, tied):
     torch.set_num_threads(2)
     hf = make_tiny_llama(scaling=scaling, tied=tied)
-    state, cfg = _saved(hf, tmp_path)
+    state, cfg = megatron_cpu.saved_state(hf, tmp_path)
     assert not any(k.endswith("_proj.bias") for k in state)
     ids = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(40)[None].expand(3, -1)
     with torch.no_grad():
         ref = hf(ids).logits
-        mg = _megatron(cfg, state)
+        mg = megatron_cpu.megatron_from_hf(cfg, state)
         out = mg(ids, pos, attention_mask=None)
         fused = _fused_rope_logits(mg, ids)
     for got in (out, fused):
@@ -91,7 +83,7 @@ def test_forward_parity_with_transformers(dist, tmp_path, scaling, tied):
     rope = {"rope_theta": 500000.0, **LLAMA3} if scaling is None else {"rope_type": "default", "rope_theta": 500000.0}
     other = {**cfg, "rope_parameters": rope}
     with torch.no_grad():
-        assert (_megatron(other, state)(ids, pos, attention_mask=None) - ref).abs().max().item() > 1e-3
+        assert (megatron_cpu.megatron_from_hf(other, state)(ids, pos, attention_mask=None) - ref).abs().max().item() > 1e-3
 
 
 def test_inv_freq_is_transformers_bit_for_bit():
@@ -115,9 +107,9 @@ def test_name_round_trip_is_exact_and_biases_are_refused(dist, tmp_path):
     from trainer.models.registry import get_architecture
 
     for tied in (False, True):
-        state, cfg = _saved(make_tiny_llama(scaling=LLAMA3, tied=tied), tmp_path / str(tied))
+        state, cfg = megatron_cpu.saved_state(make_tiny_llama(scaling=LLAMA3, tied=tied), tmp_path / str(tied))
         arch = get_architecture(cfg)
-        back = arch.megatron_to_hf(full_state(_megatron(cfg, state)), cfg)
+        back = arch.megatron_to_hf(full_state(megatron_cpu.megatron_from_hf(cfg, state)), cfg)
         assert set(back) == set(state)
         assert all(torch.equal(back[k], state[k]) for k in state)
     for bad, why in (({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias"),

@@ -138,7 +138,7 @@ def test_follows_patches_bit_exact_with_the_torch_workers_state(tmp_path, tiny_m
     problem = get_task("arithmetic").dataset("train")[0]
     for v in (2, 3, 4):
         _perturb(model, v)
-        assert pub.publish(model.state_dict()) == v
+        assert pub.publish(model.state_dict()).version == v
         assert mw.sample_group(problem).policy_version == v - 1  # not followed mid-group: the old weights
         assert mw.sync() == v and tw.sync() == v
         _assert_mlx_holds(mw, tw, plane)
@@ -154,7 +154,7 @@ def test_a_tampered_patch_is_refused_and_the_weights_kept(tmp_path, tiny_model_d
     assert w.setup(threading.Event())
     before = {k: _bits(v).copy() for k, v in flat_parameters(w.policy.model).items()}
     _perturb(model, 2)
-    assert pub.publish(model.state_dict()) == 2
+    assert pub.publish(model.state_dict()).version == 2
     key = layout.patch_key(RUN, 2)
     blob = bytearray(store.get(key))
     blob[-100] ^= 0x01  # one bit of the patch body

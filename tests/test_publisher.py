@@ -25,16 +25,17 @@ def test_publish_sequence_objects_pointer_and_stats(store):
     pub = Publisher(store, manifest, key, anchor_interval=2, progress=False)
     policy = TinyPolicy()
     assert pub.current_version() is None
-    assert pub.publish_anchor(policy.state()) == 1
-    assert pub.last_stats["kind"] == "anchor" and pub.last_stats["bytes"] > 0
-    versions = []
+    first = pub.publish_anchor(policy.state())
+    assert first.version == 1 and first.kind == "anchor" and first.stats["bytes"] > 0
+    versions, done = [], first
     for _ in range(3):
         policy.step()
-        versions.append(pub.publish(policy.state()))
+        done = pub.publish(policy.state())
+        versions.append(done.version)
         assert pub.current_version() == versions[-1]
     assert versions == [2, 3, 4]
     assert anchor_versions(store, manifest.run) == [1, 3]
-    stats = pub.last_stats
+    stats = done.stats
     assert stats["kind"] == "patch" and stats["patch_bytes"] < stats["full_bytes"] / 4
     assert stats["encoder"] == "numpy"  # host tensors: the numpy encoder (CUDA ones take the torch one)
     assert 0.5 < stats["sparsity"] < 1 and stats["latency_s"] > 0
@@ -86,14 +87,14 @@ def test_leftovers_of_a_crashed_attempt_are_skipped_never_reused(store, tmp_path
     store.put(layout.patch_key(manifest.run, 3), crashed_patch)
     policy.step()
     restarted = Publisher(store, manifest, key, anchor_interval=10, progress=False)
-    assert restarted.publish_anchor(policy.state()) == 4
+    assert restarted.publish_anchor(policy.state()).version == 4
     policy.step()
-    assert restarted.publish(policy.state()) == 5
+    assert restarted.publish(policy.state()).version == 5
     assert pub.current_version() == 5
     # the first publisher's in-memory base is stale: it must not patch from it, and not reuse a version
     policy.step()
-    assert pub.publish(policy.state()) == 6
-    assert pub.last_stats["kind"] == "anchor"
+    done = pub.publish(policy.state())
+    assert done.version == 6 and done.kind == "anchor"
     assert store.get(layout.patch_key(manifest.run, 3)) == crashed_patch  # the trainer's own object, untouched
 
 
@@ -147,8 +148,8 @@ def test_torch_encoder_publishes_the_same_bytes(tmp_path, plane):
         pub.publish_anchor(policy.state())
         for _ in range(3):
             policy.step()
-            pub.publish(policy.state())
-            assert pub.last_stats["encoder"] == encoder and pub.last_stats["plane_s"] >= 0
+            done = pub.publish(policy.state())
+            assert done.stats["encoder"] == encoder and done.stats["plane_s"] >= 0
         runs[encoder] = (store, manifest)
         assert verify_run(store, manifest.run, out=lambda s: None)
     (s_np, m_np), (s_t, m_t) = runs["numpy"], runs["torch"]

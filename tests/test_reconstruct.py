@@ -28,10 +28,10 @@ def _published(store, plane="bf16", n=5, anchor_interval=3):
     manifest, key = make_run(store, plane=plane, anchor_interval=anchor_interval)
     pub = Publisher(store, manifest, key, anchor_interval=anchor_interval, progress=False)
     policy = TinyPolicy()
-    states = {pub.publish_anchor(policy.state()): get_plane(plane).from_hf(policy.state())}
+    states = {pub.publish_anchor(policy.state()).version: get_plane(plane).from_hf(policy.state())}
     for _ in range(n - 1):
         policy.step()
-        states[pub.publish(policy.state())] = get_plane(plane).from_hf(policy.state())
+        states[pub.publish(policy.state()).version] = get_plane(plane).from_hf(policy.state())
     return manifest, key, pub, policy, states
 
 
@@ -49,7 +49,7 @@ def test_join_then_follow_is_bit_exact(store, plane):
     assert rec.follow() is None
     for _ in range(2):
         policy.step()
-        states[pub.publish(policy.state())] = get_plane(plane).from_hf(policy.state())
+        states[pub.publish(policy.state()).version] = get_plane(plane).from_hf(policy.state())
     version, state = rec.follow()
     assert version == 7
     assert_same_bits(state, states[7])
@@ -65,7 +65,7 @@ def test_lagging_follower_holds_each_version_exactly_k_behind(store):
     assert rec.join(behind=2)[0] == 1  # only v1 exists
     for pointer in range(2, 9):
         policy.step()
-        states[pub.publish(policy.state())] = get_plane("bf16").from_hf(policy.state())
+        states[pub.publish(policy.state()).version] = get_plane("bf16").from_hf(policy.state())
         got = rec.follow(behind=2)
         assert (got is None) == (pointer <= 3)
         assert rec.version == max(1, pointer - 2)
@@ -114,7 +114,7 @@ def test_forged_pointer_is_refused(store):
 def test_forged_patch_is_refused_and_last_good_state_kept(store):
     manifest, key, pub, policy, states, rec = _follower(store)
     policy.step()
-    v = pub.publish(policy.state())
+    v = pub.publish(policy.state()).version
     raw = store.get(layout.patch_key(manifest.run, v))
     store.delete(layout.patch_key(manifest.run, v))
     store.put(layout.patch_key(manifest.run, v), sign_patch(raw, signing.generate_private_key()))

@@ -23,7 +23,7 @@ import torch
 
 from embedded.config import EmbeddedBaseConfig
 from infra.anchor import publish_base_anchor
-from infra.launch_gpu import step_write_recipe
+from infra.box_steps import step_write_recipe
 from infra.slime_launch import BoxPaths
 from trainer import algo
 from trainer.config import resolve
@@ -409,7 +409,7 @@ def test_after_train_publishes_each_new_policy(box, plugin):
             for p in list(model.parameters())[:3]:
                 p.add_(0.01 * (step + 1))
         versions.append(publish.after_train(slime_args(), step, [model]))
-        kinds.append(ctx.session().publisher.last_stats["kind"])
+        kinds.append(ctx.session().publishing.last.stats["kind"])
     assert versions == [start + 1, start + 2]
     assert kinds[0] == "anchor" and kinds[1] in ("patch", "patch+anchor")  # a fresh process anchors first
     pointer, _ = read_pointer(box["store"], RUN, ctx.manifest.trainer_public_key)

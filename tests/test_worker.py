@@ -106,7 +106,7 @@ def test_worker_swaps_weights_only_between_groups(run_store, tiny_model_dir):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    assert pub.publish(model.state_dict()) == 2
+    assert pub.publish(model.state_dict()).version == 2
     # a group sampled now still belongs to the version the worker holds
     problem = get_task("arithmetic").dataset("train")[0]
     assert w.sample_group(problem).policy_version == 1

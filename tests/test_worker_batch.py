@@ -51,7 +51,7 @@ def test_batched_groups_come_from_one_version_and_match_a_fresh_forward(tmp_path
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
-        assert pub.publish(model.state_dict()) == 2
+        assert pub.publish(model.state_dict()).version == 2
 
     store.publish = publish_v2
     w = _worker(store, tiny_model_dir, max_groups=5, batch_groups=3)

@@ -97,6 +97,6 @@ def create_run(cfg: RecipeConfig, store: Any, model_dir: str | Path, key_file: s
     current = pub.current_version()
     if current is not None:
         return RunStart(manifest, key, fingerprint(pub_b64), base_version=None, pointer=current, reclaimed=reclaimed)
-    version = pub.publish_anchor(dict(iter_tensors(safetensors_files(model_dir))))
-    return RunStart(manifest, key, fingerprint(pub_b64), base_version=version, pointer=None,
-                    anchor_bytes=int((pub.last_stats or {}).get("anchor_bytes", 0)), reclaimed=reclaimed)
+    done = pub.publish_anchor(dict(iter_tensors(safetensors_files(model_dir))))
+    return RunStart(manifest, key, fingerprint(pub_b64), base_version=done.version, pointer=None,
+                    anchor_bytes=int(done.stats["anchor_bytes"]), reclaimed=reclaimed)

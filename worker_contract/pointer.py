@@ -35,8 +35,7 @@ class Pointer(BaseModel):
     signature: str = Field("", description="Base64 Ed25519 over the pointer without this field.")
 
     def signing_bytes(self) -> bytes:
-        body = self.model_dump(mode="json", exclude={"signature"})
-        return _SIG_CONTEXT + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return signing.body_bytes(self, _SIG_CONTEXT)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()

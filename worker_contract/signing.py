@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import stat
 from pathlib import Path
@@ -68,6 +69,13 @@ def fingerprint(public_b64: str) -> str:
     """OpenSSH-style fingerprint (SHA256:<base64, no padding>) of a raw public key, for the join card."""
     digest = hashlib.sha256(base64.b64decode(public_b64)).digest()
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def body_bytes(obj, context: bytes) -> bytes:
+    """What a signed object's signature covers: `context` (which kind of object) and its fields but
+    `signature`, as canonical JSON (sorted keys, no spaces). `obj`: a pydantic model with a `signature`."""
+    body = obj.model_dump(mode="json", exclude={"signature"})
+    return context + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def sign(key: Ed25519PrivateKey, message: bytes) -> str:

@@ -3,7 +3,7 @@
 It creates the run (run.json, the v1 anchor), then loops like trainer/native/learner.py does: the source polls
 in a background thread (`run_poller`), the learner takes a batch (`next_batch`), spends `step_s` as its
 GPU would, changes `change_frac` of its small model's weights and hands the state to a publishing thread
-(the newest state replaces one still waiting, as the learner's publisher actor does). Every poll is timed,
+(trainer/session.py's LearnerSession: the newest state replaces one still waiting, as in the learner). Every poll is timed,
 every use of a group is logged with its upload-to-use latency, and the process's RSS is sampled. When the
 fleet stops, a final drain polls until nothing new comes, so every group inside the window was read.
 """
@@ -20,8 +20,8 @@ from typing import BinaryIO
 import numpy as np
 
 from trainer.config import AlgoConfig
-from trainer.publish.publisher import Publisher
 from trainer.rollouts.source import RolloutSource
+from trainer.step import note_batch, source_counts
 from worker_contract import layout
 from worker_contract.manifest import RunManifest, create_or_resume
 from worker_contract.signing import generate_private_key, public_key_b64
@@ -102,47 +102,28 @@ def manifest_for(spec: FleetSpec, run: str, key) -> RunManifest:
                        anchor_interval=spec.anchor_interval, trainer_public_key=public_key_b64(key))
 
 
-class _Publishing(threading.Thread):
-    """Publishes states off the step's path; a newer state replaces one still waiting."""
+def _session(spec: FleetSpec, store: Store, man: RunManifest, key, algo: AlgoConfig, publishes: list[dict]):
+    """The learner's train side as the native learner builds it (trainer/session.py: publisher, publish queue,
+    version stats), each finished publish also logged with its wall time for the fleet's figures."""
+    from trainer.config import RecipeConfig, TrainConfig
+    from trainer.session import LearnerSession
 
-    def __init__(self, pub: Publisher):
-        super().__init__(daemon=True)
-        self.pub, self.cond = pub, threading.Condition()
-        self.pending: dict | None = None
-        self.closed = False
-        self.current = pub.current_version() or 0
-        self.log: list[dict] = []
-        self.failures = 0
+    cfg = RecipeConfig(name="fleet", task="gsm8k", run=man.run, algo=algo,
+                       train=TrainConfig(anchor_interval=spec.anchor_interval))
+    session = LearnerSession(cfg, store, man, key, progress=False)
+    # with a real fleet's sizes the small anchor is cut into as many shards as the real one (bf16: 2 bytes a weight)
+    plane_bytes = spec.tensors * spec.tensor_shape[0] * spec.tensor_shape[1] * 2
+    session.publisher.shard_bytes = -(-plane_bytes // spec.anchor_shards) if spec.anchor_bytes else None
+    write = session.publishing.on_published
 
-    def submit(self, state: dict) -> None:
-        with self.cond:
-            self.pending = state
-            self.cond.notify()
+    def on_published(result, report) -> None:
+        publishes.append({"version": result.version, "t": time.time(), "s": result.stats.get("latency_s"),
+                          "kind": result.stats.get("kind"), "bytes": result.stats.get("bytes")})
+        if write is not None:
+            write(result, report)
 
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify()
-
-    def run(self) -> None:
-        while True:
-            with self.cond:
-                while self.pending is None and not self.closed:
-                    self.cond.wait()
-                if self.pending is None:
-                    return
-                state, self.pending = self.pending, None
-            t0 = time.monotonic()
-            try:
-                version = self.pub.publish(state)
-            except Exception as e:  # a failed publish delays workers; it does not stop learning
-                self.failures += 1
-                log.warning("publish failed: %s", e)
-                continue
-            st = self.pub.last_stats
-            self.log.append({"version": version, "t": time.time(), "s": time.monotonic() - t0, "kind": st.get("kind"),
-                             "bytes": st.get("bytes")})
-            self.current = version
+    session.publishing.on_published = on_published
+    return session
 
 
 def _rss_mb() -> float:
@@ -160,22 +141,19 @@ def learner_process(spec: FleetSpec, run: str, endpoint: str, stop_event, ready,
     rng = np.random.default_rng(spec.seed)
     state = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal(spec.tensor_shape, dtype=np.float32) * 0.02
              for i in range(spec.tensors)}
-    # with a real fleet's sizes the small anchor is cut into as many shards as the real one (bf16: 2 bytes a weight)
-    plane_bytes = spec.tensors * spec.tensor_shape[0] * spec.tensor_shape[1] * 2
-    shard_bytes = -(-plane_bytes // spec.anchor_shards) if spec.anchor_bytes else None
-    pub = Publisher(store, man, key, anchor_interval=spec.anchor_interval, progress=False, shard_bytes=shard_bytes)
-    pub.publish_anchor(state)
     algo = AlgoConfig(staleness=spec.staleness, reuse_cap=spec.reuse_cap, groups_per_step=spec.batch,
                       max_new_tokens=spec.max_new_tokens, temperature=1.0)
     source = TimedSource.from_manifest(store, man, algo, **spec.source_options)
     source.polls = []
     journal: list[tuple[str, str]] = []
     source.tally.on_drop = lambda key, reason: journal.append((key, reason))
-    publishing = _Publishing(pub)
-    publishing.start()
+    publishes: list[dict] = []
+    session = _session(spec, store, man, key, algo, publishes)
+    session.publish_start(state, source_counts(source))
+    publishes.clear()  # the start's anchor is the first version, not a publish of the loop
     stop = threading.Event()
     poller = threading.Thread(target=source.run_poller, args=(stop, spec.poll_interval_s), daemon=True)
-    source.poll(publishing.current)  # names the version, so the background poller starts
+    source.poll(session.current)  # names the version, so the background poller starts
     poller.start()
     rss: list[tuple[float, float]] = [(time.time(), _rss_mb())]
     uses: list[tuple] = []
@@ -183,7 +161,7 @@ def learner_process(spec: FleetSpec, run: str, endpoint: str, stop_event, ready,
     ready.set()
     last_rss = time.monotonic()
     while not stop_event.is_set():
-        current = publishing.current
+        current = session.take_published()
         t0 = time.monotonic()
         batch = source.next_batch(current, timeout_s=2.0, poll_interval_s=spec.poll_interval_s)
         if time.monotonic() - last_rss >= 1.0:
@@ -198,22 +176,22 @@ def learner_process(spec: FleetSpec, run: str, endpoint: str, stop_event, ready,
             a = state[name]
             idx = rng.integers(0, a.size, int(a.size * spec.change_frac))
             a.flat[idx] += rng.standard_normal(idx.size, dtype=np.float32) * 0.002
-        publishing.submit({k: v.copy() for k, v in state.items()})
+        session.step += 1
+        session.hand_off({k: v.copy() for k, v in state.items()}, session.report(note_batch(batch, source)))
         steps.append({"t": now, "wait_s": time.monotonic() - t0 - spec.step_s, "version": current,
                       "groups": len(batch.groups)})
     stop.set()
     poller.join(timeout=60)
-    publishing.close()
-    publishing.join(timeout=120)
-    drain = _drain(source, publishing.current)
+    session.close()
+    drain = _drain(source, session.current)
     rss.append((time.time(), _rss_mb()))
     out_queue.put(("learner", {
-        "uses": uses, "steps": steps, "polls": source.polls, "publishes": publishing.log,
-        "publish_failures": publishing.failures, "rss": rss, "read": sorted(store.read),
+        "uses": uses, "steps": steps, "polls": source.polls, "publishes": publishes,
+        "publish_failures": session.publishing.failures, "rss": rss, "read": sorted(store.read),
         "drops": dict(source.drops), "accepted": source.accepted, "metrics": source.metrics(),
         "worker_stats": source.worker_stats(), "journal": journal,
-        "current": publishing.current, "window": list(source.window(publishing.current)), "drain": drain,
-        "public_key": man.trainer_public_key, "forged_reclaimed": pub.forged_pointer_reclaimed,
+        "current": session.current, "window": list(source.window(session.current)), "drain": drain,
+        "public_key": man.trainer_public_key, "forged_reclaimed": session.publisher.forged_pointer_reclaimed,
     }))
 
 

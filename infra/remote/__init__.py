@@ -12,9 +12,8 @@ The launch ships the tree and the credentials, then runs `python3 -m infra.launc
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from trainer.config import REPO_ROOT, RecipeConfig
 
@@ -35,9 +34,8 @@ def launch_remote(cfg: RecipeConfig, *, host: str, ssh_key: str | None = None, r
     from ..launch_gpu import build_plan, resolve_store
     from ..launch_plan import render_plan
     from ..slime_launch import BoxPaths
-    from ..steps import run_steps
+    from ..steps import bound, run_steps
     from . import deploy
-    from .ssh import q, run
 
     parse_host(host)
     remote_dir = remote_dir or cfg.launch.remote_dir
@@ -53,14 +51,8 @@ def launch_remote(cfg: RecipeConfig, *, host: str, ssh_key: str | None = None, r
     if dry_run:
         return 0
     creds = {k: env[k] for k in SHIPPED_VARS if env.get(k)}
-    from ..box_check import NATIVE_INSTALLABLE
-
-    extra = list(NATIVE_INSTALLABLE.values()) if cfg.train.engine == "native" else []  # a plain PyTorch image
     cfg = cfg.model_copy(update={"store": store, "launch": cfg.launch.model_copy(update={"remote_dir": remote_dir})})
     paths = BoxPaths(remote_dir=remote_dir, run=plan.run, model_dir_override=cfg.model.path)
-    recipe_json = json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
-    launch = (f"cd {q(remote_dir)} && {q(python)} -m infra.launch_gpu "
-              f"--recipe-json {q(str(PurePosixPath(paths.recipe_file)))}")
     try:
         import paramiko
 
@@ -69,18 +61,9 @@ def launch_remote(cfg: RecipeConfig, *, host: str, ssh_key: str | None = None, r
         ssh_errors = ()
     conn = connect(host, ssh_key)
     try:
-        steps = [
-            ("connect", lambda: (run(conn, "connect", "true"), f"connected to {host}")[1]),
-            ("check_box", lambda: deploy.check_box(conn, remote_dir=remote_dir, slime_dir=cfg.launch.slime_dir,
-                                                   megatron_dir=cfg.launch.megatron_dir, python=python,
-                                                   engine=cfg.train.engine)),
-            ("ship_tree", lambda: deploy.ship_tree(conn, repo_root, remote_dir)),
-            ("ship_credentials", lambda: deploy.ship_credentials(conn, remote_dir, creds)),
-            ("install_deps", lambda: deploy.install_deps(conn, remote_dir, repo_root, python, extra=extra)),
-            ("write_recipe", lambda: deploy.write_recipe(conn, remote_dir, paths.recipe_file, recipe_json)),
-            ("box_launch", lambda: (run(conn, "box_launch", launch, stream=True), "trainer launched")[1]),
-        ]
-        return run_steps(steps, out, catch=ssh_errors)
+        ctx = deploy.RemoteLaunch(conn=conn, host=host, cfg=cfg, recipe_file=paths.recipe_file, repo_root=repo_root,
+                                  python=python, creds=creds)
+        return run_steps(bound(deploy.remote_steps(cfg.train.engine), ctx), out, catch=ssh_errors)
     finally:
         conn.close()
 

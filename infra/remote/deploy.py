@@ -1,4 +1,5 @@
-"""Deploy steps over SSH: check the box, ship the tree, ship the credentials, install missing dependencies.
+"""Deploy steps over SSH: check the box, ship the tree, ship the credentials, install missing dependencies;
+`remote_steps`: the remote launch's one list of steps (the plan and the launch read it).
 
 Each step is idempotent. The tree travels as one deterministic tar.gz over SFTP (no rsync needed on either
 side); its sha256 and file list are kept on the box, so an unchanged tree is not shipped again and files
@@ -16,10 +17,13 @@ import os
 import subprocess
 import tarfile
 import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
+from ..launch_plan import LaunchStep
+from ..steps import Step
 from .ssh import RemoteStepError, q, run
 
 #: directories never shipped (virtual envs, local run state, VCS, caches)
@@ -202,3 +206,66 @@ def write_recipe(conn, remote_dir: str, recipe_file: str, recipe_json: str) -> s
     run(conn, "write_recipe", f"mkdir -p {q(PurePosixPath(recipe_file).parent)}")
     conn.sftp().putfo(io.BytesIO(recipe_json.encode()), recipe_file)
     return recipe_file
+
+
+@dataclass(frozen=True)
+class RemoteLaunch:
+    """What a remote launch step is given: the open connection and the launch's resolved values."""
+
+    conn: Any
+    host: str
+    cfg: Any  # the resolved RecipeConfig (store and remote_dir set)
+    recipe_file: str
+    repo_root: str | Path
+    python: str = "python3"
+    creds: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def remote_dir(self) -> str:
+        return self.cfg.launch.remote_dir
+
+    def recipe_json(self) -> str:
+        return json.dumps(self.cfg.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+    def box_command(self) -> str:
+        return (f"cd {q(self.remote_dir)} && {q(self.python)} -m infra.launch_gpu "
+                f"--recipe-json {q(str(PurePosixPath(self.recipe_file)))}")
+
+
+def _native_extra(r: RemoteLaunch) -> list[str]:
+    from ..box_check import NATIVE_INSTALLABLE
+
+    return list(NATIVE_INSTALLABLE.values()) if r.cfg.train.engine == "native" else []  # a plain PyTorch image
+
+
+def remote_steps(engine: str) -> list[Step]:
+    """The steps a launch over SSH takes before the box's own ones, in order (the plan prints `info`,
+    infra/remote's launch runs them with a RemoteLaunch)."""
+    native = engine == "native"
+
+    def step(name: str, summary: str, run_: Callable[[RemoteLaunch], str], gpu_only: bool = False) -> Step:
+        return Step(LaunchStep(name=name, where="local" if name == "connect" else "remote", summary=summary,
+                               gpu_only=gpu_only), run_)
+
+    return [
+        step("connect", "open the SSH connection (Fabric; key-only if SSH_KEY)",
+             lambda r: (run(r.conn, "connect", "true"), f"connected to {r.host}")[1]),
+        step("check_box", "nvidia-smi, ~100 GB free, torch and transformers import (infra/box_check.py --engine "
+             "native)" if native else "nvidia-smi, ~100 GB free, slime/Megatron-LM dirs, Python imports "
+             "(infra/box_check.py)",
+             lambda r: check_box(r.conn, remote_dir=r.remote_dir, slime_dir=r.cfg.launch.slime_dir,
+                                 megatron_dir=r.cfg.launch.megatron_dir, python=r.python, engine=engine),
+             gpu_only=True),
+        step("ship_tree", "tar of the tree (no .venv/.stoa/.git/.r2env) over SFTP; skipped when its digest matches",
+             lambda r: ship_tree(r.conn, r.repo_root, r.remote_dir)),
+        step("ship_credentials", "R2 values to <remote_dir>/.r2env, created 0600 before any byte is written",
+             lambda r: ship_credentials(r.conn, r.remote_dir, r.creds)),
+        step("install_deps", "pip-install the contract's dependencies, megatron-core and ray, only what does not "
+             "import" if native else "pip-install only the contract's missing dependencies",
+             lambda r: install_deps(r.conn, r.remote_dir, r.repo_root, r.python, extra=_native_extra(r))),
+        step("write_recipe", "the resolved recipe to <state>/recipe.json",
+             lambda r: write_recipe(r.conn, r.remote_dir, r.recipe_file, r.recipe_json())),
+        step("box_launch", "python3 -m infra.launch_gpu on the box: the on-box steps below",
+             lambda r: (run(r.conn, "box_launch", r.box_command(), stream=True), "trainer launched")[1],
+             gpu_only=True),
+    ]

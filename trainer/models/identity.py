@@ -176,6 +176,23 @@ def _diff(left: Mapping[str, Any], right: Mapping[str, Any]) -> list[tuple[str, 
     return [(k, left[k], right[k]) for k in left if k in right and left[k] != right[k]]
 
 
+def _rotary_problem(theta: float, rotary_base: float | None, source: str) -> str | None:
+    if rotary_base is None or float(rotary_base) == theta:
+        return None
+    return (f"rotary base {_num(rotary_base)} ({source}) differs from the HF config's rope_theta {_num(theta)}: the "
+            f"trainer would be a different model from the workers. Remove the override or set it to {_num(theta)}")
+
+
+def checked_rotary_base(hf_config: Mapping[str, Any], rotary_base: float | None,
+                        source: str = "recipe model.rotary_base") -> float:
+    """The rotary base to build or launch with, read once for every caller: the HF config's (hf_io.rope_theta_of);
+    a `rotary_base` override that differs is refused (IdentityMismatch naming both values and the fix)."""
+    theta = rope_theta_of(hf_config)
+    if problem := _rotary_problem(theta, rotary_base, source):
+        raise IdentityMismatch(problem)
+    return theta
+
+
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
@@ -194,13 +211,7 @@ def check_model_identity(
     Returns `hf` when everything agrees; raises IdentityMismatch naming every differing field, both
     values, and the fix.
     """
-    problems: list[str] = []
-    if rotary_base is not None and float(rotary_base) != hf.rope_theta:
-        problems.append(
-            f"rotary base {_num(rotary_base)} ({rotary_base_source}) differs from the HF config's "
-            f"rope_theta {_num(hf.rope_theta)}: the trainer would be a different model from the workers. "
-            f"Remove the override or set it to {_num(hf.rope_theta)}"
-        )
+    problems: list[str] = [p for p in [_rotary_problem(hf.rope_theta, rotary_base, rotary_base_source)] if p]
     mine = hf.model_dump()
     if checkpoint is not None:
         theirs = {k: v for k, v in checkpoint.model_dump().items() if k not in _CHECKPOINT_ONLY}

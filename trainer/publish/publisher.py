@@ -4,6 +4,7 @@
     pub.publish_anchor(hf_state)   # the base model (v1), or a fresh anchor after a resume (pointer + 1)
     pub.publish(hf_state)          # next version: a patch against the last published state, plus an
                                    # anchor every `anchor_interval` versions
+Both return `PublishResult`: the version, its kind (anchor, patch, patch+anchor) and its figures.
 `PatchEncoder` keeps the last published plane state as the next patch's base: on the GPU for CUDA
 tensors (worker_contract/planes/device.py, pulse/torch_encode.py), numpy on the host; the same bytes.
 More in docs/architecture.md (module notes).
@@ -146,7 +147,7 @@ log = logging.getLogger(__name__)
 
 
 class PublishKind(StrEnum):
-    """What one publish wrote (`kind` in `last_stats` and in the version's stats object)."""
+    """What one publish wrote (`PublishResult.kind`, and `kind` in the version's stats object)."""
 
     ANCHOR = "anchor"
     """A full anchor and the pointer: the start of a chain."""
@@ -154,6 +155,16 @@ class PublishKind(StrEnum):
     """A signed patch against the previous version, and the pointer."""
     PATCH_AND_ANCHOR = "patch+anchor"
     """A patch, and an anchor of the same version because one was due (`anchor_interval`)."""
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What one publish did: the version it made visible, how, and its figures."""
+
+    version: int
+    kind: PublishKind
+    stats: dict[str, Any]
+    """`kind`, `version`, bytes written, timings and the forgery counters (the version's stats object)."""
 
 
 class Publisher:
@@ -173,7 +184,6 @@ class Publisher:
         self.shard_bytes = shard_bytes
         self.claims = VersionClaims(store, self.run, self.public_key)
         self.pointer = PointerWriter(store, self.run, key, self.public_key, self.claims.newest_signed)
-        self.last_stats: dict[str, Any] = {}
 
     # -- what the counters and the base are, for callers and checks --------------------------------------
     @property
@@ -212,8 +222,8 @@ class Publisher:
         chain is complete (trainer/publish/pointer.py); returns the sentence saying so, None if it verified."""
         return self.pointer.reclaim()
 
-    def publish_anchor(self, state: Mapping[str, Any]) -> int:
-        """A full anchor at pointer + 1 (1 for the first), or the next free version; returns the version."""
+    def publish_anchor(self, state: Mapping[str, Any]) -> PublishResult:
+        """A full anchor at pointer + 1 (1 for the first), or the next free version."""
         t0 = time.monotonic()
         plane_state, on_device = self.encoder.to_plane(state)
         host = {k: to_numpy(v) for k, v in plane_state.items()} if on_device else plane_state
@@ -225,57 +235,60 @@ class Publisher:
         self.pointer.advance(version, version, digest_of_entries(entries))
         self.encoder.remember(plane_state, entries, version, anchor=True)
         full = sum(a.nbytes for a in host.values())
-        self.last_stats = {"kind": PublishKind.ANCHOR, "version": version, "bytes": anchor_bytes, "anchor_bytes": anchor_bytes,
-                           "full_bytes": full, "upload_s": upload_s, "latency_s": time.monotonic() - t0,
-                           **self._counters()}
-        return version
+        return self._done(PublishKind.ANCHOR, version, {
+            "bytes": anchor_bytes, "anchor_bytes": anchor_bytes, "full_bytes": full, "upload_s": upload_s,
+            "latency_s": time.monotonic() - t0})
 
-    def publish(self, state: Mapping[str, Any]) -> int:
-        """The next version: a signed patch against the last published state (plus an anchor when due)."""
-        enc = self.encoder
-        if enc.base is None:
-            return self.publish_anchor(state)
-        t0 = time.monotonic()
-        version = enc.base_version + 1
-        if self.pointer.floor() != enc.base_version or not self.claims.claim(version):
-            # our base is not what the pointer names, or a crashed attempt holds the version: restart the
-            # chain with a full anchor at a free version
-            return self.publish_anchor(state)
-        t_enc = time.monotonic()
+    def publish(self, state: Mapping[str, Any]) -> PublishResult:
+        """The next version: a signed patch against the last published state (plus an anchor when due); a
+        full anchor instead wherever no patch can be made (no base yet, our base is not what the pointer
+        names, or the version is taken: a crashed attempt or a racing writer). One fall-back, here."""
+        return self._publish_patch(state) or self.publish_anchor(state)
+
+    def _publish_patch(self, state: Mapping[str, Any]) -> PublishResult | None:
+        enc, t0 = self.encoder, time.monotonic()
+        version = None if enc.base_version is None else enc.base_version + 1
+        if version is None or self.pointer.floor() != enc.base_version or not self.claims.claim(version):
+            return None
         out = enc.encode(state, version)
         header = read_header(out.patch)
         assert header.result_digest == digest_of_entries(out.entries)
-        encode_s = time.monotonic() - t_enc
+        encode_s = time.monotonic() - t0
         signed = sign_patch(out.patch, self.key)
-        key = layout.patch_key(self.run, version)
-        self.claims.attempted.add(version)
-        try:
-            etag = self.store.put_if_absent(key, signed)
-        except PreconditionFailed:
-            return self.publish_anchor(state)
-        info = self.store.head(key)
-        if info is None or info.size != len(signed) or info.etag.strip('"') != etag.strip('"'):
-            raise PublishError(f"{key} did not land intact (read back {info})")
+        if not self._put_patch(version, signed):
+            return None
         anchor_bytes = 0
         due = version - (enc.anchor_version or 0) >= self.anchor_interval
         if due:
             host = dict(out.host)
             host.update({k: to_numpy(v) for k, v in out.plane_state.items() if k not in host})  # unchanged tensors
             anchor_bytes = self._upload_anchor(version, host, out.entries)
-        upload_s = time.monotonic() - t_enc - encode_s
+        upload_s = time.monotonic() - t0 - encode_s
         self.pointer.advance(version, version if due else enc.anchor_version, header.result_digest)
         enc.remember(out.plane_state, out.entries, version, anchor=due)
-        changed = sum(t.changed for t in header.tensors)
-        words = sum(t.count for t in header.tensors)
+        changed, words = sum(t.changed for t in header.tensors), sum(t.count for t in header.tensors)
         full = sum(nbytes(a) for a in out.plane_state.values())
-        self.last_stats = {
-            "kind": PublishKind.PATCH_AND_ANCHOR if due else PublishKind.PATCH, "version": version, "bytes": len(signed) + anchor_bytes,
-            "patch_bytes": len(signed), "anchor_bytes": anchor_bytes, "full_bytes": full,
-            "compression": full / len(signed), "changed": changed, "sparsity": 1.0 - changed / max(words, 1),
-            "encoder": "torch" if out.on_device else "numpy",
-            "plane_s": out.plane_s, "encode_s": encode_s, "upload_s": upload_s, "latency_s": time.monotonic() - t0,
-            **self._counters()}
-        return version
+        return self._done(PublishKind.PATCH_AND_ANCHOR if due else PublishKind.PATCH, version, {
+            "bytes": len(signed) + anchor_bytes, "patch_bytes": len(signed), "anchor_bytes": anchor_bytes,
+            "full_bytes": full, "compression": full / len(signed), "changed": changed,
+            "sparsity": 1.0 - changed / max(words, 1), "encoder": "torch" if out.on_device else "numpy",
+            "plane_s": out.plane_s, "encode_s": encode_s, "upload_s": upload_s, "latency_s": time.monotonic() - t0})
+
+    def _put_patch(self, version: int, signed: bytes) -> bool:
+        """Write the signed patch create-only and read it back; False when the version was taken meanwhile."""
+        key = layout.patch_key(self.run, version)
+        self.claims.attempted.add(version)
+        try:
+            etag = self.store.put_if_absent(key, signed)
+        except PreconditionFailed:
+            return False
+        info = self.store.head(key)
+        if info is None or info.size != len(signed) or info.etag.strip('"') != etag.strip('"'):
+            raise PublishError(f"{key} did not land intact (read back {info})")
+        return True
+
+    def _done(self, kind: PublishKind, version: int, stats: dict[str, Any]) -> PublishResult:
+        return PublishResult(version, kind, {"kind": kind, "version": version, **stats, **self._counters()})
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _upload_anchor(self, version: int, plane_state: dict[str, np.ndarray], entries: list[dict]) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .publisher import Publisher, PublishKind
+from .publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,9 @@ class PublishQueue:
                 self._cond.notify_all()
 
     def _publish(self, state: Mapping[str, Any], step: int, *, anchor: bool = False, ready=None) -> Published:
-        t0 = time.monotonic()
         device = _cuda_device(state)
         if device is None:
-            version = self.publisher.publish_anchor(state) if anchor else self.publisher.publish(state)
+            done = self.publisher.publish_anchor(state) if anchor else self.publisher.publish(state)
         else:  # on the thread's own stream, after the snapshot's copy, so the next step's kernels overlap
             import torch
 
@@ -172,15 +171,12 @@ class PublishQueue:
             with torch.cuda.stream(self._stream):
                 if ready is not None:
                     self._stream.wait_event(ready)
-                version = self.publisher.publish_anchor(state) if anchor else self.publisher.publish(state)
+                done = self.publisher.publish_anchor(state) if anchor else self.publisher.publish(state)
             self._stream.synchronize()  # done with the snapshot before its memory can be reused
-        stats = {k: v for k, v in (self.publisher.last_stats or {}).items()
-                 if isinstance(v, int | float | str | bool)}
-        stats.setdefault("latency_s", time.monotonic() - t0)
+        stats = {k: v for k, v in done.stats.items() if isinstance(v, int | float | str | bool)}
         stats.setdefault("patch_bytes", stats.get("bytes"))
-        stats["version"] = version
-        stats["kind"] = str(PublishKind.ANCHOR if anchor else stats.get("kind", PublishKind.PATCH))
-        return Published(step, version, stats)
+        stats["kind"] = str(done.kind)
+        return Published(step, done.version, stats)
 
     def _finish(self, result: Published, report: Any) -> None:
         with self._cond:

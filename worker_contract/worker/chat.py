@@ -36,3 +36,36 @@ class ChatTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+class ChatPolicy:
+    """What both workers' policies share (worker/model.py's torch one, worker/mlx_model.py's): the chat
+    tokenizer and its text side (prompt ids, a tool turn's encode and decode) and the search-episode loop;
+    each policy supplies its sampling engine (`episode_engine`)."""
+
+    def __init__(self, model_dir: str | Path):
+        self.chat = ChatTokenizer(model_dir)
+        self.tokenizer, self.eos_ids, self.pad_id = self.chat.tokenizer, self.chat.eos_ids, self.chat.pad_id
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.chat.prompt_ids(messages)
+
+    def encode(self, text: str) -> list[int]:
+        """A tool turn's ids, tokenized on its own (no special tokens added)."""
+        return self.chat.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.chat.decode(token_ids)
+
+    def episode_engine(self, *, temperature: float, top_p: float, **options):
+        """The engine worker/episodes.py samples turns with (options: the policy's own, e.g. `greedy`)."""
+        raise NotImplementedError
+
+    def sample_episodes(self, prompt: list[int], n: int, *, temperature: float, top_p: float, max_new_tokens: int,
+                        search, max_turns: int = 4, **options):
+        """n search episodes of one prompt, one shared prompt prefill (worker/episodes.py): (episodes, counts)."""
+        from .episodes import sample_episode_group
+
+        engine = self.episode_engine(temperature=temperature, top_p=top_p, **options)
+        return sample_episode_group(engine, self.eos_ids, prompt, n, encode=self.encode, search=search,
+                                    max_new_tokens=max_new_tokens, max_turns=max_turns)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .chat import ChatTokenizer
+from .chat import ChatPolicy
 from .completion import Completion
 from .mlx_weights import mlx_model_name, quantized_modules, to_mlx
 
@@ -120,12 +120,11 @@ def load_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], *
     return mine
 
 
-class MlxPolicy:
+class MlxPolicy(ChatPolicy):
     def __init__(self, model_dir: str | Path, *, plane: str, seed: int = 0, dtype: str = "auto"):
         import mlx.core as mx
 
-        self.chat = ChatTokenizer(model_dir)
-        self.tokenizer, self.eos_ids, self.pad_id = self.chat.tokenizer, self.chat.eos_ids, self.chat.pad_id
+        super().__init__(model_dir)
         self.model, self.architecture, self.config = build_model(model_dir)
         self.plane = plane
         self.dtype = resolve_dtype(dtype)
@@ -140,9 +139,6 @@ class MlxPolicy:
             raise ValueError(f"this policy was built for plane {self.plane!r}, not {plane!r}")
         self._quantized = load_plane_into(self.model, self.architecture, state, dtype=self.dtype,
                                           quantized=self._quantized)
-
-    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.chat.prompt_ids(messages)
 
     def sample(self, prompt: list[int], n: int, *, temperature: float, top_p: float,
                max_new_tokens: int) -> list[Completion]:
@@ -160,22 +156,10 @@ class MlxPolicy:
         return [self.sample(p, n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
                 for p in prompts]
 
-    def sample_episodes(self, prompt: list[int], n: int, *, temperature: float, top_p: float, max_new_tokens: int,
-                        search, max_turns: int = 4):
-        """n search episodes of one prompt, one shared prompt prefill (worker/episodes.py): (episodes, counts)."""
+    def episode_engine(self, *, temperature: float, top_p: float):
         import mlx.core as mx
 
-        from .episodes import sample_episode_group
         from .mlx_sampling import MlxEngine
 
         self.key, key = mx.random.split(self.key)
-        engine = MlxEngine(self.model, self.decode, temperature=temperature, top_p=top_p, key=key)
-        return sample_episode_group(engine, self.eos_ids, prompt, n, encode=self.encode, search=search,
-                                    max_new_tokens=max_new_tokens, max_turns=max_turns)
-
-    def encode(self, text: str) -> list[int]:
-        """A tool turn's ids, tokenized on its own (no special tokens added)."""
-        return self.chat.encode(text)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.chat.decode(token_ids)
+        return MlxEngine(self.model, self.decode, temperature=temperature, top_p=top_p, key=key)

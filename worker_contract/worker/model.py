@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from ..tensors import to_torch
-from .chat import ChatTokenizer
+from .chat import ChatPolicy
 from .sampling import Completion, sample
 
 
-class PolicyModel:
+class PolicyModel(ChatPolicy):
     def __init__(self, model_dir: str | Path, *, threads: int | None = None, seed: int = 0,
                  device: str | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -27,8 +27,7 @@ class PolicyModel:
             torch.set_num_threads(threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.chat = ChatTokenizer(model_dir)
-        self.tokenizer, self.eos_ids, self.pad_id = self.chat.tokenizer, self.chat.eos_ids, self.chat.pad_id
+        super().__init__(model_dir)
         config = AutoConfig.from_pretrained(str(model_dir))
         self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
@@ -59,9 +58,6 @@ class PolicyModel:
                 raise ValueError(f"{name}: published shape {tuple(t.shape)}, model shape {tuple(params[name].shape)}")
             params[name].copy_(t.to(params[name].dtype))
 
-    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.chat.prompt_ids(messages)
-
     def sample(self, prompt: list[int], n: int, *, temperature: float, top_p: float,
                max_new_tokens: int) -> list[Completion]:
         return sample(self.model, [prompt] * n, temperature=temperature, top_p=top_p,
@@ -76,20 +72,8 @@ class PolicyModel:
                       generator=self.generator)
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    def sample_episodes(self, prompt: list[int], n: int, *, temperature: float, top_p: float, max_new_tokens: int,
-                        search, max_turns: int = 4, greedy: bool = False):
-        """n search episodes of one prompt, one shared prompt prefill (worker/episodes.py): (episodes, counts)."""
-        from .episodes import sample_episode_group
+    def episode_engine(self, *, temperature: float, top_p: float, greedy: bool = False):
         from .sampling import TorchEngine
 
-        engine = TorchEngine(self.model, self.decode, temperature=temperature, top_p=top_p, greedy=greedy,
-                             generator=self.generator)
-        return sample_episode_group(engine, self.eos_ids, prompt, n, encode=self.encode, search=search,
-                                    max_new_tokens=max_new_tokens, max_turns=max_turns)
-
-    def encode(self, text: str) -> list[int]:
-        """A tool turn's ids, tokenized on its own (no special tokens added)."""
-        return self.chat.encode(text)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.chat.decode(token_ids)
+        return TorchEngine(self.model, self.decode, temperature=temperature, top_p=top_p, greedy=greedy,
+                           generator=self.generator)

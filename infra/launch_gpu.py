@@ -119,10 +119,10 @@ def build_plan(cfg: RecipeConfig, *, host: str | None, remote_dir: str, env: Map
     if store.startswith("file://"):
         notes.append("DRL_STORE is a file store: workers on other machines cannot reach it")
     box = BOX_STEPS
-    if cfg.task == "psqa":  # the fleet reference pulls its converted base from the bucket (infra/psqa_setup.py)
-        from .psqa_setup import plan_steps
+    from . import psqa_setup
 
-        box = plan_steps(BOX_STEPS)
+    if psqa_setup.applies(cfg):  # the fleet reference pulls its converted base from the bucket
+        box = psqa_setup.plan_steps(BOX_STEPS)
     steps = (REMOTE_STEPS if host else []) + box
     return LaunchPlan(run=cfg.run, recipe=cfg.model_dump(mode="json"), env=contract_env(cfg, env, store),
                       command=command, slime_args=args, host=host, remote_dir=remote_dir,
@@ -276,10 +276,10 @@ def launch_on_this_box(cfg: RecipeConfig, *, dry_run: bool = False, out: Callabl
         ("start_ray", lambda: step_start_ray(cfg, paths)),
         ("launch_trainer", lambda: _launch_with_fresh_plan(cfg, paths, env)),
     ]
-    if cfg.task == "psqa":
-        from .psqa_setup import run_steps_for
+    from . import psqa_setup
 
-        steps = run_steps_for(cfg, paths, steps)
+    if psqa_setup.applies(cfg):
+        steps = psqa_setup.run_steps_for(cfg, paths, steps)
     return run_steps(steps, out, err=err)
 
 

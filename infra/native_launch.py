@@ -145,9 +145,9 @@ def _mark_pointer(cfg: RecipeConfig, paths: BoxPaths) -> None:
 
 def join_hint(cfg: RecipeConfig) -> str:
     """What the operator does next: print the join card (a search task's with the shared retriever's URL)."""
-    from worker_contract.tasks import MULTI_TURN_TASKS
+    from worker_contract.tasks import get_task
 
-    url = " --retriever-url http://<retriever-host>:8000" if cfg.task in MULTI_TURN_TASKS else ""
+    url = " --retriever-url http://<retriever-host>:8000" if "retriever" in get_task(cfg.task).services else ""
     return f"hand out the join card (invoke joincard --run {cfg.run}{url})"
 
 

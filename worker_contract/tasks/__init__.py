@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .base import (
+    SERVICES,
     SPLITS,
     CachedSplitTask,
     LazySplit,
@@ -42,16 +43,25 @@ def _psqa() -> Task:
     return PsqaTask()
 
 
-#: task name -> factory. Add a task by writing its module and one line here.
+#: task name -> factory (a Task subclass or a function returning one). Add a task by writing its module and
+#: one line here, or by `register_task` from the task's own module (docs/extending.md).
 TASKS: dict[str, Callable[[], Task]] = {
     "gsm8k": _gsm8k,
     "arithmetic": _arithmetic,
     "psqa": _psqa,
 }
 
-#: the registered tasks sampled as multi-turn tool episodes (a tool turn is a loss-mask-0 span); the others are
-#: one prompt and one sampled turn per sample
-MULTI_TURN_TASKS: frozenset[str] = frozenset({"psqa"})
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Register a Task subclass under its `name` (usable as a class decorator); a name taken by another
+    task is refused."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)) or not getattr(cls, "name", ""):
+        raise ValueError(f"register_task takes a Task subclass with a `name`; got {cls!r}")
+    known = TASKS.get(cls.name)
+    if known is not None and known is not cls:
+        raise ValueError(f"task name {cls.name!r} is taken; pick another `name` for {cls.__qualname__}")
+    TASKS[cls.name] = cls
+    return cls
 
 
 def get_task(name: str) -> Task:
@@ -61,5 +71,5 @@ def get_task(name: str) -> Task:
     return TASKS[name]()
 
 
-__all__ = ["Problem", "Task", "CachedSplitTask", "LazySplit", "TASKS", "MULTI_TURN_TASKS", "SPLITS", "Split", "get_task", "check_split",
-           "hf_datasets", "local_split_path"]
+__all__ = ["Problem", "Task", "CachedSplitTask", "LazySplit", "TASKS", "SERVICES", "SPLITS", "Split", "get_task",
+           "register_task", "check_split", "hf_datasets", "local_split_path"]

@@ -18,6 +18,21 @@ def test_every_recipe_file_is_registered():
     assert RECIPE_FILES, "no recipes under runs/"
     for path in RECIPE_FILES:
         assert path.resolve() in registered, f"{path} is not in trainer.config.RECIPES"
+    assert set(RECIPES) == {"gsm8k", "psqa"}  # the names users type
+
+
+def test_the_recipe_list_is_the_files_under_runs(tmp_path):
+    """A new recipe is a file: the list is read from the folder, and one name given twice is refused."""
+    from trainer.config import _scan_recipes
+
+    (tmp_path / "toy.yaml").write_text("# a toy\nname: toy\ntask: arithmetic\n")
+    (tmp_path / "fleet").mkdir()
+    (tmp_path / "fleet" / "recipe.yaml").write_text("name: 'fleetish'\ntask: psqa\n")
+    (tmp_path / "fleet" / "notes.yaml").write_text("name: ignored\n")  # only recipe.yaml inside a folder
+    assert _scan_recipes(tmp_path) == {"toy": "toy.yaml", "fleetish": "fleet/recipe.yaml"}
+    (tmp_path / "again.yaml").write_text("name: toy\n")
+    with pytest.raises(ValueError, match="both give name: toy"):
+        _scan_recipes(tmp_path)
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

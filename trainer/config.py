@@ -19,11 +19,29 @@ from worker_contract.planes import PlaneName
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
 
-#: recipe name -> file under runs/ (one registry; unknown names are refused with this list)
-RECIPES: dict[str, str] = {
-    "gsm8k": "gsm8k.yaml",
-    "psqa": "psqa-decoupled/recipe.yaml",
-}
+
+
+def _scan_recipes(runs_dir: Path) -> dict[str, str]:
+    """recipe name -> its file under runs/: every `runs/*.yaml` and `runs/*/recipe.yaml`, under the `name:` it
+    gives (read as one top-level line, not parsed: every process start builds this). Two files of one name
+    are refused."""
+    import re
+
+    found: dict[str, str] = {}
+    for path in sorted([*runs_dir.glob("*.yaml"), *runs_dir.glob("*/recipe.yaml")]):
+        m = re.search(r"^name:\s*['\"]?([A-Za-z0-9_.-]+)", path.read_text(encoding="utf-8"), re.MULTILINE)
+        if m is None:
+            continue  # not a recipe (tests/test_recipes.py fails on a recipe-looking file without a name)
+        rel = path.relative_to(runs_dir).as_posix()
+        if m[1] in found:
+            raise ValueError(f"runs/{found[m[1]]} and runs/{rel} both give name: {m[1]}; rename one")
+        found[m[1]] = rel
+    return found
+
+
+#: recipe name -> file under runs/, derived from the files there (one registry; unknown names are refused with
+#: this list): a new recipe is a file, nothing else
+RECIPES: dict[str, str] = _scan_recipes(RUNS_DIR)
 
 
 class _Model(BaseModel):

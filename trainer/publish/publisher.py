@@ -5,7 +5,7 @@
     pub.publish(hf_state)          # next version: a patch against the last published state, plus an
                                    # anchor every `anchor_interval` versions
 `PatchEncoder` keeps the last published plane state as the next patch's base: on the GPU for CUDA
-tensors (worker_contract/planes/device.py, pulse/torch_encode.py), numpy on the host; the same bytes.
+tensors (each plane's `from_hf_torch`, pulse/torch_encode.py), numpy on the host; the same bytes.
 More in docs/architecture.md (module notes).
 """
 
@@ -110,9 +110,7 @@ class PatchEncoder:
             return self.plane.from_hf(state), False
         if self.encoder is EncoderChoice.AUTO and not any(t.device.type == "cuda" for t in tensors):
             return self.plane.from_hf(state), False
-        from worker_contract.planes.device import from_hf
-
-        return from_hf(self.plane_name, state), True
+        return self.plane.from_hf_torch(state), True
 
     def encode(self, state: Mapping[str, Any], version: int) -> Encoded:
         """`state` as a patch from the base (at `base_version`) to `version`."""

@@ -234,7 +234,11 @@ def rollout_args(cfg: RecipeConfig) -> list[str]:
 
 
 def objective_args(cfg: RecipeConfig) -> list[str]:
+    """slime's flags for the recipe's objective; one slime's hooks cannot build is refused in one sentence."""
+    from trainer.objectives import check_engine
+
     a = cfg.algo
+    check_engine(a.objective, "slime")
     return [
         "--advantage-estimator", "grpo", "--disable-grpo-std-normalization",
         "--custom-reward-post-process-path", REWARD_POST_FN,

@@ -2,9 +2,10 @@
 behaviour log-probs under the asymmetric DPPO gate, plus `kl_coef` times the k3 KL to the frozen
 reference, on Dr.GRPO advantages (reward minus group mean).
 
-`policy_loss` is the one objective both engines run (the native learner through trainer/step.py, slime
-through trainer/slime_plugin/objective.py), so a variant of the objective changes it here, once. The
-names below are fixed: outside checks call them.
+`objective_loss` is the loss of the native engine (trainer/step.py): the registered objective's policy term
+(trainer/objectives.py, over one `LossInputs`) and what all objectives share; slime runs the recipe's
+objective from these same functions (trainer/slime_plugin/objective.py). The names below are fixed: outside
+checks call them.
 More in docs/objective.md (module notes).
 """
 
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+
+from .objectives import LossInputs, get_objective
 
 if TYPE_CHECKING:
     from .config import AlgoConfig
@@ -172,32 +175,25 @@ def policy_loss(
     mask: torch.Tensor,
     cfg: AlgoConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The recipe's loss for one (micro-)batch and its metrics: the objective of both engines.
+    """`objective_loss` on loose tensors: logp, behavior_logp, ref_logp and mask `[B, R]`, advantages `[B]` (per
+    sequence) or `[B, R]`."""
+    return objective_loss(LossInputs.make(logp, behavior_logp, ref_logp, advantages, mask), cfg)
 
-    logp, behavior_logp, ref_logp and mask are `[B, R]` over response positions; advantages are `[B]`
-    (per sequence) or `[B, R]`. Returns (scalar loss, metrics); fractions are over mask tokens. Both terms
-    are means over the rows, so a backend weights each micro-batch by its share of the rows.
+
+def objective_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one (micro-)batch and its metrics: the recipe's `algo.objective` from the registry
+    (trainer/objectives.py) for the policy term, then what every objective shares: the Dr.GRPO reducer over
+    the tokens it keeps, `kl_coef` times the k3 KL to the reference, and the metrics (fractions are over mask
+    tokens). Both terms are means over the rows, so a backend weights each micro-batch by its share of the rows.
     """
-    adv = advantages if advantages.dim() == logp.dim() else advantages.unsqueeze(-1)
-    adv = adv.to(logp.dtype).expand_as(logp)
+    logp, mask, adv = x.logprobs, x.loss_mask, x.advantages
     valid = mask.bool()
-    gate = cfg.gate
-    ratio = ratio_from_logp(logp, behavior_logp)
-    if cfg.objective == "recipe":  # the gate, then dual-clip PPO on the ratio to the behaviour policy
-        keep = dppo_keep_mask(logp, behavior_logp, adv, gate.delta_low, gate.delta_high, gate.divergence)
-        pg = dual_clip_loss(ratio, adv, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
-    elif cfg.objective == "ppo":  # plain PPO clipping on that ratio: no gate, no dual clip
-        keep = torch.ones_like(valid)
-        pg = ppo_clip_loss(ratio, adv, cfg.eps_clip, cfg.eps_clip_high)
-    elif cfg.objective == "no_is":  # no importance correction at all
-        keep = torch.ones_like(valid)
-        pg = no_is_loss(logp, adv)
-    else:
-        raise ValueError(f"algo.objective={cfg.objective!r} is not known; use recipe, ppo or no_is")
+    term = get_objective(cfg.objective).fn(x, cfg)
+    keep = term.keep
     keep_f = keep.to(logp.dtype)
-    pg_loss = drgrpo_reduce(pg * keep_f, mask, cfg.max_new_tokens)
-    if ref_logp is not None and cfg.kl_coef != 0:
-        kl = k3_kl(logp, ref_logp)
+    pg_loss = drgrpo_reduce(term.loss * keep_f, mask, cfg.max_new_tokens)
+    if x.ref_logprobs is not None and cfg.kl_coef != 0:
+        kl = k3_kl(logp, x.ref_logprobs)
         kl_loss = sequence_mean_reduce(kl, keep_f * mask.to(logp.dtype), mask)
     else:
         kl = torch.zeros_like(logp)
@@ -206,7 +202,7 @@ def policy_loss(
 
     with torch.no_grad():
         n = max(int(valid.sum()), 1)
-        r = ratio.detach()
+        r = ratio_from_logp(logp, x.old_logprobs).detach()
         clip_low = valid & (adv < 0) & (r < 1.0 - cfg.eps_clip)
         clip_high = valid & (adv > 0) & (r > 1.0 + cfg.eps_clip_high)
         clip_dual = valid & (adv < 0) & (r > cfg.eps_clip_c)

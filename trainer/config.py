@@ -193,11 +193,12 @@ class OptimConfig(_Model):
 class AlgoConfig(_Model):
     """The learner's objective and data gates (docs/objective.md)."""
 
-    objective: Literal["recipe", "ppo", "no_is"] = "recipe"
-    """The policy-gradient term. `recipe`: the DPPO gate and dual-clip PPO on the ratio to the behaviour
-    policy; `ppo`: plain PPO clipping on that ratio, no gate, no dual clip; `no_is`: no importance correction
-    (the gradient -A grad log pi, as if every group were on-policy). The last two exist to measure the
-    recipe against (bench/staleness.py); advantages, reducer and KL term are the same for all three."""
+    objective: str = "recipe"
+    """The policy-gradient term, a name in trainer/objectives.py's registry. `recipe`: the DPPO gate and
+    dual-clip PPO on the ratio to the behaviour policy; `ppo`: plain PPO clipping on that ratio, no gate, no dual
+    clip; `no_is`: no importance correction (the gradient -A grad log pi, as if every group were on-policy). The
+    last two exist to measure the recipe against (bench/staleness.py); advantages, reducer and KL term are the
+    same for all."""
     groups_per_step: int = Field(8, ge=1)
     """Prompt groups per learner step."""
     staleness: int = Field(3, ge=0)
@@ -227,6 +228,13 @@ class AlgoConfig(_Model):
     """Nucleus cutoff (1.0 = off). Only 1.0 is accepted for now (`_top_p_is_scored`)."""
     max_new_tokens: int = Field(1024, ge=1)
     """Response budget; also the Dr.GRPO reducer's constant length."""
+
+    @field_validator("objective")
+    @classmethod
+    def _objective_is_registered(cls, v: str) -> str:
+        from .objectives import get_objective
+
+        return get_objective(v).name
 
     @field_validator("top_p")
     @classmethod
@@ -336,10 +344,10 @@ class RecipeConfig(_Model):
         return self
 
     @model_validator(mode="after")
-    def _objective_runs_natively(self) -> RecipeConfig:
-        if self.algo.objective != "recipe" and self.train.engine != "native":
-            raise ValueError(f"algo.objective={self.algo.objective!r} runs on the native engine only (slime's loss "
-                             "hooks build the recipe's objective): set train.engine: native")
+    def _objective_runs_on_the_engine(self) -> RecipeConfig:
+        from .objectives import check_engine
+
+        check_engine(self.algo.objective, self.train.engine)
         return self
 
 

@@ -58,7 +58,7 @@ def check_credentials(ctx: Context) -> Row:
 
 def check_store(ctx: Context) -> Row:
     """Workers on other machines can reach the store: a fleet (or a remote box) needs R2 / S3."""
-    remote = ctx.profile.name == "fleet" or ctx.plan.host is not None
+    remote = ctx.profile.remote_store or ctx.plan.host is not None
     ok = not remote or _scheme(ctx.store_url) in ("r2", "s3")
     return _row("store", ok, ctx.store_url, "r2://<bucket> or s3://<bucket>" if remote else "any store",
                 "fill .r2env with the four R2 values (the store then defaults to r2://$R2_BUCKET) or set "

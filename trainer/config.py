@@ -314,6 +314,41 @@ class LaunchConfig(_Model):
     """Extra slime flags appended verbatim (prefer a recipe field)."""
 
 
+class PreflightConfig(_Model):
+    """What the preflight (infra/preflight.py) holds a launch of this recipe to: its profile's name and the
+    recipe keys whose values the launch may not change. The required values are this recipe's own (its file
+    over the defaults), never copies of them."""
+
+    profile: str = "quickstart"
+    """The profile name DRL_PREFLIGHT_PROFILE (or --profile) selects this recipe's checks by; a launch of this
+    recipe is checked under it by default."""
+    pinned: list[str] = ["contract.n_samples", "contract.plane"]
+    """Recipe keys (dotted) whose launch value must equal this recipe's: the environment or command line may not
+    move them. Keys the preflight compares: contract.n_samples, contract.plane, contract.kv_mode,
+    train.save_interval, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c, algo.staleness, algo.reuse_cap,
+    algo.kl_coef, algo.groups_per_step."""
+    remote_store: bool = False
+    """Workers run on other machines, so the store must be r2:// or s3:// even without a HOST."""
+    min_free_disk_gb: float = 100.0
+    """Free disk the box needs when the model's size is not known (for a known model the preflight computes it:
+    infra.slime_launch.disk_need_gb)."""
+
+    @field_validator("pinned")
+    @classmethod
+    def _pinned_keys_are_compared(cls, v: list[str]) -> list[str]:
+        bad = [k for k in v if k not in PINNABLE]
+        if bad:
+            raise ValueError(f"preflight.pinned names {', '.join(bad)}, which the preflight does not compare; "
+                             f"use some of: {', '.join(PINNABLE)}")
+        return v
+
+
+#: the recipe keys a preflight profile can pin (each has its check in infra/preflight_checks.py)
+PINNABLE = ("contract.n_samples", "contract.plane", "contract.kv_mode", "train.save_interval", "algo.eps_clip",
+            "algo.eps_clip_high", "algo.eps_clip_c", "algo.staleness", "algo.reuse_cap", "algo.kl_coef",
+            "algo.groups_per_step")
+
+
 class RecipeConfig(_Model):
     """A complete run recipe: what `make <recipe> RUN=...` runs."""
 
@@ -330,6 +365,7 @@ class RecipeConfig(_Model):
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
     launch: LaunchConfig = LaunchConfig()
+    preflight: PreflightConfig = PreflightConfig()
     embedded: EmbeddedConfig = EmbeddedConfig()
 
     @model_validator(mode="after")

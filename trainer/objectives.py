@@ -1,15 +1,10 @@
-"""The objective registry: each policy-gradient term is one function over one typed input, `LossInputs`.
+"""The objective registry: each policy-gradient term is one function over one typed input, `LossInputs`,
+registered with `@register_objective(name, slime=False)` and returning a `PolicyTerm` (per-token loss, kept tokens).
 
-    @register_objective("name", slime=False)
-    def my_term(x: LossInputs, algo: AlgoConfig) -> PolicyTerm: ...
-
-`algo.objective` in a recipe names one; the native learner (trainer/step.py -> `trainer.algo.objective_loss`)
-runs it, then applies what every objective shares: the Dr.GRPO reducer over `keep`, the k3 KL to the reference
-and the metrics. `slime=True` says slime's loss hooks (trainer/slime_plugin/objective.py) compute the same
-term; any other objective is refused on the slime engine in one sentence (`check_engine`).
-
-No torch at import (the recipe's config validates names against this registry in processes without torch);
-the functions import it when they run.
+`algo.objective` names one; the native learner runs it (`trainer.algo.objective_loss`, which adds the reducer,
+the KL and the metrics every objective shares). `slime=True` says slime's hooks compute the same term; any other
+is refused on the slime engine in one sentence (`check_engine`). No torch at import: the recipe's config
+validates names against this registry where torch is absent. Signatures: docs/extending.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Weight planes: the form weights take in anchors and patches (`DRL_PULSE_PLANE`).
 
-Each plane is a module with one small interface:
-    NAME                            the plane's name in run.json and the env contract
-    from_hf(state) -> plane         HF-named tensors (torch or numpy, any float dtype) -> the plane's tensors
-    from_hf_torch(state) -> plane   its torch twin: the same bits as torch tensors on the tensors' own device
-                                    (the publisher makes the plane on the learner's GPU), always fresh copies
-    to_dense(plane) -> dense        plane tensors -> HF-named dense tensors, for a worker running a dense model
-    quantized_tensors(plane)        names of the plane tensors that are quantized
-Plane tensors are numpy arrays (bf16 through ml_dtypes), so a worker needs no torch; a module imports torch only
-inside `from_hf_torch`. A new plane is its module plus one line in `PLANES` (or `register_plane(module)` from
-anywhere); every schema's plane type (`PlaneName`) checks against this registry when it validates.
+Each plane is a module defining `INTERFACE`: NAME; from_hf(state) -> plane tensors (numpy); from_hf_torch(state),
+its torch twin (the same bits on the tensors' device, fresh copies: the publisher makes the plane on the GPU);
+to_dense(plane) -> HF-named dense tensors (for a worker); quantized_tensors(plane). Plane tensors are numpy (bf16
+through ml_dtypes), so a worker needs no torch; a module imports torch only inside `from_hf_torch`. A new plane
+is its module plus one line in `PLANES` (or `register_plane(module)`); every schema's `PlaneName` checks this
+registry when it validates. Signatures: docs/extending.md.
 """
 
 from __future__ import annotations

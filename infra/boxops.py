@@ -300,6 +300,12 @@ def _other_live_runs(root: Path, run: str) -> list[str]:
                   if d.name != run and (alive_pid(d / "trainer.pid") is not None or run_is_live(d)))
 
 
+def live_runs(root: str | Path) -> list[str]:
+    """Every run of this tree that a process holds right now (its lock, or its detached trainer alive):
+    `make clean STATE=1` deletes nothing while one does."""
+    return _other_live_runs(Path(root), "")
+
+
 def _refuse_live_run(root: Path, run: str, what: str) -> None:
     """A run whose lock is held by a process that is not the detached trainer `stop` can end (a `make gsm8k`
     in a terminal): refuse, so its key, metrics and checkpoints are never deleted under it."""
@@ -353,8 +359,18 @@ def teardown_actions(remote_dir: str, run: str, *, purge: bool = False) -> list[
     if purge:
         for p in _run_paths(root, run):
             if p.exists():
-                actions.append(f"delete {p}{'/' if p.is_dir() else ''}")
+                actions.append(f"delete {p}{'/' if p.is_dir() else ''}{_what_goes(p)}")
     return actions
+
+
+def _what_goes(path: Path) -> str:
+    """What a purged run dir holds that cannot be made again, said in the plan before anything goes."""
+    if not path.is_dir():
+        return ""
+    named = (("trainer.key", "trainer.key, the run's signing key: without it the run can never resume or publish "
+              "again"), ("checkpoints", "its checkpoints"), ("metrics.jsonl", "its metrics"))
+    held = [what for name, what in named if (path / name).exists()]
+    return f" ({'; '.join(held)})" if held else ""
 
 
 def teardown(remote_dir: str, run: str, *, purge: bool = False, dry_run: bool = False, log=print) -> dict:

@@ -254,7 +254,7 @@ def measure(args, result: dict, save) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg = recipe(args)
     result["train"] = cfg.train.model_dump()
-    result["optim"] = cfg.algo.optim.model_dump()
+    result["optim"] = cfg.optim.model_dump()
     parts = set(args.parts.split(","))
     if "optim" in parts:
         from bench import lfm2_optim

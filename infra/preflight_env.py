@@ -201,8 +201,8 @@ def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
         return _row("box.gpu_memory", False, f"not estimated: transformers cannot build {cfg.get('model_type')!r}",
                     "the learner's estimate within the GPU", "check the model's config.json", warn=True)
     tokens, tp = lm.tokens_per_micro_batch(train, algo.max_new_tokens), train.tensor_parallel
-    moment_bytes = 2 if algo.optim.moment_dtype == "bfloat16" else 4
-    est = lm.moe_peak_gib(cfg, params, tokens, offload=train.optimizer_offload,
+    moment_bytes = 2 if ctx.cfg.optim.moment_dtype == "bfloat16" else 4
+    est = lm.moe_peak_gib(cfg, params, tokens, offload=ctx.cfg.optim.offload,
                           recompute=train.gradient_checkpointing, moment_bytes=moment_bytes, tp=tp)
     cards = []
     for card, gib in lm.CARDS.items():
@@ -219,8 +219,8 @@ def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
            f"lower train.micro_batch_size or set train.max_tokens_per_gpu: {leanest} with the leanest plan, or "
            "rent a larger GPU" if leanest else
            "rent a GPU with more memory, or set train.tensor_parallel to spread the model over this box's GPUs")
-    plan = (f"offload {train.optimizer_offload:g}, {'recompute' if train.gradient_checkpointing else 'no recompute'}, "
-            f"{algo.optim.moment_dtype} moments")
+    plan = (f"offload {ctx.cfg.optim.offload:g}, {'recompute' if train.gradient_checkpointing else 'no recompute'}, "
+            f"{ctx.cfg.optim.moment_dtype} moments")
     return _row("box.gpu_memory", est <= lm.USABLE * gpu,
                 f"~{est:.0f} GiB per GPU ({params / 1e9:.1f} B parameters, {plan}) at {tokens} tokens per "
                 f"micro-batch; the GPU has {gpu:.0f} GiB. Plans by card: {'; '.join(cards)}",

@@ -162,7 +162,7 @@ def model_args(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> list[str]:
 #: slime (Megatron) checkpoint (bf16 weights, the fp32 master copy, two fp32 Adam moments: 2 + 4 + 8)
 MODEL_BYTES, CHECKPOINT_BYTES = 4, 14
 #: a native-engine checkpoint per parameter: the fp32 masters (the weights are made from them on resume) and
-#: Adam's two moments in algo.optim.moment_dtype
+#: Adam's two moments in optim.moment_dtype
 NATIVE_MASTER_BYTES, MOMENT_BYTES = 4, {"float32": 4, "bfloat16": 2}
 #: logs, the compile caches, the state dir
 DISK_SLACK_GB = 5.0
@@ -202,7 +202,7 @@ def checkpoint_bytes(cfg: RecipeConfig) -> int:
     """Bytes per parameter of one checkpoint: slime's Megatron checkpoint, or the native engine's masters
     and moments (12 with float32 moments, 8 with bfloat16)."""
     if cfg.train.engine == "native":
-        return NATIVE_MASTER_BYTES + 2 * MOMENT_BYTES[cfg.algo.optim.moment_dtype]
+        return NATIVE_MASTER_BYTES + 2 * MOMENT_BYTES[cfg.optim.moment_dtype]
     return CHECKPOINT_BYTES
 
 
@@ -253,15 +253,16 @@ def objective_args(cfg: RecipeConfig) -> list[str]:
 
 
 def optimizer_args(cfg: RecipeConfig) -> list[str]:
-    """AdamW from the recipe's `algo.optim` (the native learner reads the same fields); fp32 master weights
-    and moments are Megatron's defaults. The memory plan maps to Megatron's own: bf16 moments through its
-    precision-aware optimizer, `train.optimizer_offload` through its CPU offload of that share."""
-    a, o, offload = cfg.algo, cfg.algo.optim, cfg.train.optimizer_offload
+    """AdamW from the recipe's `optim` section (the native learner reads the same fields): a constant learning
+    rate, no warm-up; fp32 master weights and moments are Megatron's defaults. The memory plan maps to Megatron's
+    own: bf16 moments through its precision-aware optimizer, `optim.offload` through its CPU offload of that
+    share."""
+    o, offload = cfg.optim, cfg.optim.offload
     args = [
-        "--optimizer", "adam", "--lr", _num(a.lr), "--lr-decay-style", o.lr_schedule,
-        "--lr-warmup-iters", str(o.lr_warmup_steps), "--weight-decay", _num(a.weight_decay),
+        "--optimizer", "adam", "--lr", _num(o.lr), "--lr-decay-style", "constant",
+        "--lr-warmup-iters", "0", "--weight-decay", _num(o.weight_decay),
         "--adam-beta1", _num(o.beta1), "--adam-beta2", _num(o.beta2), "--adam-eps", _num(o.eps),
-        "--clip-grad", _num(a.grad_clip), "--seed", str(cfg.train.seed),
+        "--clip-grad", _num(o.grad_clip), "--seed", str(cfg.train.seed),
     ]
     if o.moment_dtype == "bfloat16":
         args += ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import AlgoConfig, ContractConfig, GateConfig, ModelConfig, RecipeConfig, TrainConfig
+from trainer.config import (
+    AlgoConfig,
+    ContractConfig,
+    GateConfig,
+    ModelConfig,
+    OptimConfig,
+    RecipeConfig,
+    TrainConfig,
+)
 from worker_contract import layout
 from worker_contract.manifest import RunManifest
 from worker_contract.schema import RolloutRecord, Sample, SamplingParams, encode_record
@@ -45,8 +53,9 @@ def recipe(staleness: int = 3, **train_kw) -> RecipeConfig:
         name="test", task="arithmetic",
         contract=ContractConfig(n_samples=N_SAMPLES, plane="bf16"),
         model=ModelConfig(dtype="float32"),
-        algo=AlgoConfig(groups_per_step=2, staleness=staleness, reuse_cap=2, max_new_tokens=MAX_NEW, lr=1e-3,
+        algo=AlgoConfig(groups_per_step=2, staleness=staleness, reuse_cap=2, max_new_tokens=MAX_NEW,
                         temperature=1.0, gate=GateConfig(divergence="tv", delta_low=0.2, delta_high=0.2)),
+        optim=OptimConfig(lr=1e-3),
         train=TrainConfig(**train),
     )
 

@@ -73,3 +73,36 @@ def test_top_p_below_1_is_refused_naming_the_field_the_value_and_why(top_p):
     for out_of_range in (0.0, 1.5):
         with pytest.raises(ValueError, match="algo.top_p"):
             resolve("gsm8k", env={}, overrides={"algo.top_p": out_of_range})
+
+
+OLD_OPTIM = """
+name: old
+task: arithmetic
+algo:
+  lr: 2.0e-5
+  weight_decay: 0.01
+  grad_clip: 0.5
+  optim: {beta1: 0.8, beta2: 0.99, eps: 1.0e-7, lr_schedule: constant, lr_warmup_steps: 0, master_dtype: float32,
+          moment_dtype: bfloat16}
+train: {backend: megatron, optimizer_offload: 0.25}
+"""
+
+
+def test_a_recipe_with_the_old_optimizer_keys_means_what_it_meant(tmp_path):
+    """The optimizer was split across algo, algo.optim and train; its settings are one `optim` section now, and
+    a recipe file, an override or a printed plan using the old keys keeps its meaning."""
+    old = tmp_path / "old.yaml"
+    old.write_text(OLD_OPTIM)
+    cfg = resolve(str(old), env={})
+    o = cfg.optim
+    assert (o.lr, o.weight_decay, o.grad_clip, o.beta1, o.beta2, o.eps, o.moment_dtype, o.offload) == (
+        2e-5, 0.01, 0.5, 0.8, 0.99, 1e-7, "bfloat16", 0.25)
+    assert resolve(str(old), env={}, overrides={"algo.lr": 3e-5}).optim.lr == 3e-5  # an old-name override wins
+    assert resolve(str(old), env={}, overrides={"optim.lr": 4e-5}).optim.lr == 4e-5
+    assert RecipeConfig.model_validate(load_recipe_file(old)).optim == o  # a tree validated as it is
+    with pytest.raises(ValueError, match="lr_schedule='cosine' is not supported"):
+        resolve(str(old), env={}, overrides={"algo.optim.lr_schedule": "cosine"})
+    both = tmp_path / "both.yaml"
+    both.write_text(OLD_OPTIM + "optim: {lr: 1.0e-6}\n")
+    with pytest.raises(ValueError, match="both algo.lr .* and optim.lr: keep optim.lr"):
+        resolve(str(both), env={})

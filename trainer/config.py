@@ -168,9 +168,17 @@ class GateConfig(_Model):
 
 
 class OptimConfig(_Model):
-    """AdamW and its schedule, read by both engines (the native optimizer's param groups, the slime
-    launch's flags); tests/test_optim_parity.py fails on any difference between them."""
+    """AdamW, every setting in one place, read by both engines (the native optimizer's param groups, the slime
+    launch's flags; tests/test_optim_parity.py fails on any difference between them) and by the memory plan.
+    Fixed, not settings: a constant learning rate with no warm-up (an RL run has no known length to decay
+    over) and float32 master weights (the model computes in `model.dtype`)."""
 
+    lr: float = 1e-6
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
     beta1: float = Field(0.9, gt=0, lt=1)
     """Adam's first-moment decay."""
     beta2: float = Field(0.999, gt=0, lt=1)
@@ -178,16 +186,16 @@ class OptimConfig(_Model):
     (docs/performance.md); the slime launch passed a hard-coded 0.98 before, so slime runs now use 0.999."""
     eps: float = Field(1e-8, gt=0)
     """Adam's epsilon."""
-    lr_schedule: Literal["constant"] = "constant"
-    """Learning-rate schedule over RL steps. Only `constant`: an RL run has no known length to decay over."""
-    lr_warmup_steps: int = Field(0, ge=0, le=0)
-    """Linear warm-up steps. Only 0 is accepted until both engines implement a warm-up the same way."""
-    master_dtype: Literal["float32"] = "float32"
-    """Precision of the master weights the optimizer updates (the model computes in `model.dtype`)."""
     moment_dtype: Literal["float32", "bfloat16"] = "float32"
     """Precision of Adam's two moments. `bfloat16` (native engine, megatron backend): stored in bf16, computed in
     float32 from float32 master weights, as DeepSeek-V3 trained; half their memory (bench/results/lfm2_moments_cpu.json
     compares the loss curves)."""
+    offload: float = Field(0.0, ge=0, le=1)
+    """megatron backend (native engine; slime: Megatron's --optimizer-offload-fraction): the share of parameters,
+    largest first, whose float32 master weights and Adam moments live in pinned host memory; each step streams
+    them through the GPU for the update (PCIe time, no CPU arithmetic). 0 keeps every state on the GPU. The GPU
+    then holds per parameter only the bf16 weights, the bf16 reference and the float32 gradient
+    (docs/performance.md)."""
 
 
 class AlgoConfig(_Model):
@@ -214,14 +222,6 @@ class AlgoConfig(_Model):
     """Dual-clip constant c > 1: the loss of a negative-advantage token is capped at c*|A|."""
     kl_coef: float = 0.001
     """Coefficient of the k3 KL to the reference model."""
-    lr: float = 1e-6
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip."""
-    optim: OptimConfig = OptimConfig()
-    """AdamW's betas, epsilon, schedule and state precision (both engines)."""
     temperature: float = 1.0
     """Sampling temperature; the learner divides logits by it too, so ratios compare like with like."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -270,12 +270,6 @@ class TrainConfig(_Model):
     """Padded tokens per forward/backward chunk on one GPU (rows x longest sequence), as slime's
     `--max-tokens-per-gpu` with `--use-dynamic-batch-size`; when set, micro_batch_size is not used. Larger
     chunks mean fewer, larger kernel launches (faster) and more activation memory; the update is the same."""
-    optimizer_offload: float = Field(0.0, ge=0, le=1)
-    """megatron backend (native engine; slime: Megatron's --optimizer-offload-fraction): the share of parameters,
-    largest first, whose float32 master weights and
-    Adam moments live in pinned host memory; each step streams them through the GPU for the update (PCIe time, no
-    CPU arithmetic). 0 keeps every state on the GPU. The GPU then holds per parameter only the bf16 weights, the
-    bf16 reference and the float32 gradient (docs/performance.md)."""
     cuda_graphs: bool = False
     """megatron backend, tensor_parallel 1: replay the training pass's decoder as CUDA graphs, one per
     micro-batch shape (lengths padded to a multiple of 128). Pays where micro-batches are small (the
@@ -363,20 +357,27 @@ class RecipeConfig(_Model):
     contract: ContractConfig = ContractConfig()
     model: ModelConfig = ModelConfig()
     algo: AlgoConfig = AlgoConfig()
+    optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     launch: LaunchConfig = LaunchConfig()
     preflight: PreflightConfig = PreflightConfig()
     embedded: EmbeddedConfig = EmbeddedConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        """A recipe written with the keys before a section moved means what it meant (`RENAMED`)."""
+        return migrate(data) if isinstance(data, Mapping) else data
+
     @model_validator(mode="after")
     def _memory_plan_needs_megatron(self) -> RecipeConfig:
         on_hf = (self.train.engine, self.train.backend) == ("native", "hf")
-        if self.algo.optim.moment_dtype != "float32" and on_hf:
-            raise ValueError("algo.optim.moment_dtype=bfloat16 runs on the megatron backend (native engine) or on "
+        if self.optim.moment_dtype != "float32" and on_hf:
+            raise ValueError("optim.moment_dtype=bfloat16 runs on the megatron backend (native engine) or on "
                              "slime, not on train.backend: hf: set train.backend: megatron, or moment_dtype: float32")
-        if self.train.optimizer_offload > 0 and on_hf:
-            raise ValueError("train.optimizer_offload runs on the megatron backend (native engine) or on slime, not "
-                             "on train.backend: hf: set train.backend: megatron, or train.optimizer_offload: 0")
+        if self.optim.offload > 0 and on_hf:
+            raise ValueError("optim.offload runs on the megatron backend (native engine) or on slime, not "
+                             "on train.backend: hf: set train.backend: megatron, or optim.offload: 0")
         return self
 
     @model_validator(mode="after")
@@ -409,7 +410,66 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
+#: recipe keys that moved to their owner's section: old dotted key -> new. A recipe, an override or a printed
+#: launch plan that uses the old key means what it meant (the optimizer was split across algo, algo.optim and
+#: train before it became one `optim` section)
+RENAMED: dict[str, str] = {
+    "algo.lr": "optim.lr", "algo.weight_decay": "optim.weight_decay", "algo.grad_clip": "optim.grad_clip",
+    "algo.optim.beta1": "optim.beta1", "algo.optim.beta2": "optim.beta2", "algo.optim.eps": "optim.eps",
+    "algo.optim.moment_dtype": "optim.moment_dtype", "train.optimizer_offload": "optim.offload",
+}
+#: old keys that accepted one value only and are gone: that value is dropped, any other is refused
+DROPPED: dict[str, Any] = {"algo.optim.lr_schedule": "constant", "algo.optim.lr_warmup_steps": 0,
+                           "algo.optim.master_dtype": "float32"}
+
+
+def _pop_dotted(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    *parents, leaf = dotted.split(".")
+    node: Any = tree
+    for p in parents:
+        node = node.get(p) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or leaf not in node:
+        return False, None
+    return True, node.pop(leaf)
+
+
+def _dropped(dotted: str, value: Any) -> bool:
+    """True for a gone key holding its one accepted value; a ValueError naming the key for any other value."""
+    if dotted not in DROPPED:
+        return False
+    if value != DROPPED[dotted]:
+        raise ValueError(f"{dotted}={value!r} is not supported: only {DROPPED[dotted]!r} ever was, and the key is "
+                         "gone; remove it from the recipe")
+    return True
+
+
+def migrate(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A recipe tree with every old key (`RENAMED`, `DROPPED`) moved to its section; a tree giving one value
+    under both the old and the new key is refused."""
+    import copy
+
+    tree = copy.deepcopy(dict(data))
+    for old, new in RENAMED.items():
+        found, value = _pop_dotted(tree, old)
+        if not found:
+            continue
+        if _pop_dotted(copy.deepcopy(tree), new)[0]:
+            raise ValueError(f"the recipe gives both {old} (its old name) and {new}: keep {new}")
+        _set_dotted(tree, new, value)
+    for old in DROPPED:
+        found, value = _pop_dotted(tree, old)
+        if found:
+            _dropped(old, value)
+    algo = tree.get("algo")
+    if isinstance(algo, dict) and algo.get("optim") == {}:
+        del algo["optim"]
+    return tree
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    if _dropped(dotted, value):
+        return
+    dotted = RENAMED.get(dotted, dotted)
     node = tree
     *parents, leaf = dotted.split(".")
     for p in parents:
@@ -494,7 +554,7 @@ def resolve(
     import os
 
     env = os.environ if env is None else env
-    tree = load_recipe_file(recipe_path(recipe))
+    tree = migrate(load_recipe_file(recipe_path(recipe)))
     if embedded:
         emb = tree.get("embedded") or {}
         which = "model_overrides" if (overrides or {}).get("model.path") else "overrides"

@@ -64,11 +64,10 @@ class HFBackend(Backend):
         for p in self.reference.parameters():
             p.data = p.data.to(self.compute_dtype)
         self.reference.requires_grad_(False)
-        algo = cfg.algo
+        o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
-            lr=algo.lr, weight_decay=algo.weight_decay, betas=(algo.optim.beta1, algo.optim.beta2),
-            eps=algo.optim.eps,
+            lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
         )
         self._check_head(self.model)
 
@@ -140,7 +139,7 @@ class HFBackend(Backend):
             (loss * (mb.rows / batch.rows)).backward()
             parts.append((mb.rows, metrics))
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.algo.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
         out = combine_metrics(parts)
         out["grad_norm"] = float(grad_norm)
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])

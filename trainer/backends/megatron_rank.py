@@ -105,15 +105,16 @@ class MegatronRank:
 
     def _setup_optimizer(self) -> None:
         """The memory plan's optimizer: torch's fused AdamW on float32 masters on the GPU (the default), or
-        MasterAdamW (megatron_optim.py) where algo.optim.moment_dtype or train.optimizer_offload ask for
+        MasterAdamW (megatron_optim.py) where optim.moment_dtype or optim.offload ask for
         another layout. `self.grads`: the float32 gradients the step reads (None: the params' own .grad)."""
         from .megatron_optim import MasterAdamW
 
-        algo, o, offload = self.cfg.algo, self.cfg.algo.optim, self.cfg.train.optimizer_offload
+        o = self.cfg.optim
+        offload = o.offload
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.plan_optimizer = o.moment_dtype != "float32" or offload > 0
         if self.plan_optimizer:
-            self.optimizer = MasterAdamW(self.params, lr=algo.lr, weight_decay=algo.weight_decay,
+            self.optimizer = MasterAdamW(self.params, lr=o.lr, weight_decay=o.weight_decay,
                                          betas=(o.beta1, o.beta2), eps=o.eps, moments=o.moment_dtype, offload=offload)
             self.masters, self.grads = self.optimizer.masters, self.optimizer.grads
         elif self.dtype == torch.float32:
@@ -125,7 +126,7 @@ class MegatronRank:
             self.grads = [m.grad for m in self.masters]
         if not self.plan_optimizer:
             on_cuda = self.device.type == "cuda"
-            self.optimizer = torch.optim.AdamW(self.masters, lr=algo.lr, weight_decay=algo.weight_decay,
+            self.optimizer = torch.optim.AdamW(self.masters, lr=o.lr, weight_decay=o.weight_decay,
                                                betas=(o.beta1, o.beta2), eps=o.eps, fused=on_cuda or None,
                                                foreach=None if on_cuda else True)
         # which grads this rank counts in the global norm: its TP shards, and replicated ones on rank 0
@@ -267,7 +268,7 @@ class MegatronRank:
         out["grad_norm"] = float(norm)
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         if math.isfinite(out["grad_norm"]):
-            coef = self.cfg.algo.grad_clip / (norm + 1e-6)
+            coef = self.cfg.optim.grad_clip / (norm + 1e-6)
             if float(coef) < 1.0:
                 torch._foreach_mul_(self.grads or [p.grad for p in self.params if p.grad is not None], coef)
             self.optimizer.step()
@@ -313,7 +314,7 @@ class MegatronRank:
             raise ValueError(f"{file} was written with tensor_parallel={state['tp_size']}; "
                              f"resume with train.tensor_parallel={state['tp_size']}")
         if self.plan_optimizer != ("exp_avg_sq" in state["optimizer"]):
-            raise ValueError(f"{file} was written under another algo.optim.moment_dtype / train.optimizer_offload "
+            raise ValueError(f"{file} was written under another optim.moment_dtype / optim.offload "
                              "plan; resume with the plan it was written with")
         if self.plan_optimizer:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -110,7 +110,7 @@ def recipe(args):
 
 
 def _loss_fn(algo):
-    from trainer.algo import policy_loss
+    from trainer.objectives import policy_loss
 
     return lambda lp, mb: policy_loss(lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo)
 

@@ -265,9 +265,9 @@ def graphs_check(model_dir: Path, args) -> dict:
     (which differs by bf16 rounding where padding changes a GEMM's shape, and so its reduction)."""
     import torch
 
-    from trainer.algo import policy_loss
     from trainer.backends.megatron import MegatronBackend
     from trainer.config import resolve
+    from trainer.objectives import policy_loss
 
     cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": args.micro_batch, "model.dtype": "bfloat16"})
     cfg.train.max_tokens_per_gpu = None
@@ -348,9 +348,9 @@ def _graphs_state(backend) -> dict | None:
 def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float) -> dict:
     import torch
 
-    from trainer.algo import policy_loss
     from trainer.backends.base import micro_batches
     from trainer.config import resolve
+    from trainer.objectives import policy_loss
 
     name, _, mb = variant.partition("@")
     if name not in VARIANTS:
@@ -421,10 +421,10 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
 def _tp2_rank(rank: int, port: int, model_dir: str, args, out: str) -> None:
     import torch
 
-    from trainer.algo import policy_loss
     from trainer.backends.megatron import init_parallel
     from trainer.backends.megatron_rank import MegatronRank
     from trainer.config import resolve
+    from trainer.objectives import policy_loss
 
     dev = torch.device("cuda", rank)
     init_parallel(rank, 2, dev, port=port)

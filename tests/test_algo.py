@@ -13,10 +13,10 @@ from trainer.algo import (
     drgrpo_reduce,
     dual_clip_loss,
     k3_kl,
-    policy_loss,
     sequence_mean_reduce,
 )
 from trainer.config import AlgoConfig, GateConfig
+from trainer.objectives import policy_loss
 
 L = math.log
 
@@ -224,8 +224,7 @@ PINNED = {
 
 @pytest.mark.parametrize("objective", sorted(PINNED))
 def test_each_built_in_objective_gives_the_pinned_loss_on_a_fixed_seed(objective):
-    from trainer.algo import objective_loss
-    from trainer.objectives import LossInputs
+    from trainer.objectives import LossInputs, objective_loss
 
     logp, blp, ref, adv, mask = _seeded_batch()
     cfg = AlgoConfig(objective=objective, max_new_tokens=12, kl_coef=0.05)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from learner_fixtures import make_record, manifest, put_record, recipe, save_tiny_model, tiny_model
 
-from trainer.algo import policy_loss
 from trainer.backends import get_backend
 from trainer.backends.base import token_logprobs
+from trainer.objectives import policy_loss
 from trainer.step import collate
 
 torch.set_num_threads(1)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests import megatron_cpu
-from trainer.algo import policy_loss
 from trainer.config import AlgoConfig, ModelConfig, OptimConfig, RecipeConfig, TrainConfig
 from trainer.models import IdentityMismatch
+from trainer.objectives import policy_loss
 
 VOCAB = 64
 

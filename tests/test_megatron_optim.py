@@ -81,7 +81,7 @@ def _backend(tmp_path, **over):
 
 
 def _step(backend, batch):
-    from trainer.algo import policy_loss
+    from trainer.objectives import policy_loss
 
     algo = backend._local.cfg.algo
     batch.ref_logp = backend.logprobs(batch, reference=True)

@@ -57,7 +57,7 @@ def _moments(args: list[str]) -> str:
 
 def native_settings(backend, batch) -> dict:
     """What the native learner's AdamW holds, and what its learning rate does over two steps."""
-    from trainer.algo import policy_loss
+    from trainer.objectives import policy_loss
 
     opt = backend.optimizer if hasattr(backend, "optimizer") else backend._local.optimizer
     cfg = backend.cfg if hasattr(backend, "cfg") else backend._local.cfg

@@ -23,8 +23,8 @@ import torch
 from learner_fixtures import make_record, recipe, save_tiny_model
 
 from trainer import checkpoint
-from trainer.algo import policy_loss
 from trainer.backends import get_backend
+from trainer.objectives import policy_loss
 from trainer.step import collate
 
 torch.set_num_threads(1)

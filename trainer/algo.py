@@ -2,24 +2,17 @@
 behaviour log-probs under the asymmetric DPPO gate, plus `kl_coef` times the k3 KL to the frozen
 reference, on Dr.GRPO advantages (reward minus group mean).
 
-`objective_loss` is the loss of the native engine (trainer/step.py): the registered objective's policy term
-(trainer/objectives.py, over one `LossInputs`) and what all objectives share; slime runs the recipe's
-objective from these same functions (trainer/slime_plugin/objective.py). The names below are fixed: outside
-checks call them.
+The pieces every objective is built from: trainer/objectives.py composes them into the registered objectives
+and the native engine's loss (`objective_loss`); slime runs the recipe's objective from these same functions
+(trainer/slime_plugin/objective.py). The names below are fixed: outside checks call them.
 More in docs/objective.md (module notes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
-
-from .objectives import LossInputs, get_objective
-
-if TYPE_CHECKING:
-    from .config import AlgoConfig
 
 #: ratio = exp(logp - behavior_logp) is computed with the log difference clamped to this range
 LOG_RATIO_CLAMP = 20.0
@@ -158,69 +151,3 @@ def sequence_mean_reduce(values: torch.Tensor, keep: torch.Tensor, mask: torch.T
     keep = keep.to(values.dtype)
     per_row = (values * keep).sum(dim=-1) / mask.to(values.dtype).sum(dim=-1).clamp(min=1.0)
     return per_row.sum() / values.shape[0]
-
-
-def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
-    sel = x.detach()[mask]
-    if sel.numel() == 0:
-        return 0.0, 0.0, 0.0
-    return float(sel.mean()), float(sel.max()), float(sel.min())
-
-
-def policy_loss(
-    logp: torch.Tensor,
-    behavior_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cfg: AlgoConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """`objective_loss` on loose tensors: logp, behavior_logp, ref_logp and mask `[B, R]`, advantages `[B]` (per
-    sequence) or `[B, R]`."""
-    return objective_loss(LossInputs.make(logp, behavior_logp, ref_logp, advantages, mask), cfg)
-
-
-def objective_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one (micro-)batch and its metrics: the recipe's `algo.objective` from the registry
-    (trainer/objectives.py) for the policy term, then what every objective shares: the Dr.GRPO reducer over
-    the tokens it keeps, `kl_coef` times the k3 KL to the reference, and the metrics (fractions are over mask
-    tokens). Both terms are means over the rows, so a backend weights each micro-batch by its share of the rows.
-    """
-    logp, mask, adv = x.logprobs, x.loss_mask, x.advantages
-    valid = mask.bool()
-    term = get_objective(cfg.objective).fn(x, cfg)
-    keep = term.keep
-    keep_f = keep.to(logp.dtype)
-    pg_loss = drgrpo_reduce(term.loss * keep_f, mask, cfg.max_new_tokens)
-    if x.ref_logprobs is not None and cfg.kl_coef != 0:
-        kl = k3_kl(logp, x.ref_logprobs)
-        kl_loss = sequence_mean_reduce(kl, keep_f * mask.to(logp.dtype), mask)
-    else:
-        kl = torch.zeros_like(logp)
-        kl_loss = logp.new_zeros(())
-    loss = pg_loss + cfg.kl_coef * kl_loss
-
-    with torch.no_grad():
-        n = max(int(valid.sum()), 1)
-        r = ratio_from_logp(logp, x.old_logprobs).detach()
-        clip_low = valid & (adv < 0) & (r < 1.0 - cfg.eps_clip)
-        clip_high = valid & (adv > 0) & (r > 1.0 + cfg.eps_clip_high)
-        clip_dual = valid & (adv < 0) & (r > cfg.eps_clip_c)
-        r_mean, r_max, r_min = _masked_stats(r, valid)
-        kl_mean, kl_max, _ = _masked_stats(kl, valid)
-        metrics = {
-            "loss": float(loss.detach()),
-            "pg_loss": float(pg_loss.detach()),
-            "kl_loss": float(kl_loss.detach()),
-            "gate_drop_frac": float((valid & ~keep).sum()) / n,
-            "clip_low_frac": float(clip_low.sum()) / n,
-            "clip_high_frac": float(clip_high.sum()) / n,
-            "clip_dual_frac": float(clip_dual.sum()) / n,
-            "ratio_mean": r_mean,
-            "ratio_max": r_max,
-            "ratio_min": r_min,
-            "kl_mean": kl_mean,
-            "kl_max": kl_max,
-            "tokens": float(valid.sum()),
-        }
-    return loss, metrics

@@ -1,7 +1,7 @@
 """The objective registry: each policy-gradient term is one function over one typed input, `LossInputs`,
 registered with `@register_objective(name, slime=False)` and returning a `PolicyTerm` (per-token loss, kept tokens).
 
-`algo.objective` names one; the native learner runs it (`trainer.algo.objective_loss`, which adds the reducer,
+`algo.objective` names one; the native learner runs it (`objective_loss` here, which adds the reducer,
 the KL and the metrics every objective shares). `slime=True` says slime's hooks compute the same term; any other
 is refused on the slime engine in one sentence (`check_engine`). No torch at import: the recipe's config
 validates names against this registry where torch is absent. Signatures: docs/extending.md.
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-    from .config import AlgoConfig
+#: the recipe's `algo` section (trainer.config.AlgoConfig; named loosely here, so that config, which validates
+#: `algo.objective` against this registry, and this module do not import each other)
+AlgoConfig = Any
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class PolicyTerm:
     """`[B, R]` bool: False where the objective drops a token's gradient (the DPPO gate); all True otherwise."""
 
 
-ObjectiveFn = Callable[[LossInputs, "AlgoConfig"], PolicyTerm]
+ObjectiveFn = Callable[[LossInputs, AlgoConfig], PolicyTerm]
 
 
 @dataclass(frozen=True)
@@ -131,3 +133,74 @@ def no_is(x: LossInputs, algo: AlgoConfig) -> PolicyTerm:
     from .algo import no_is_loss
 
     return PolicyTerm(no_is_loss(x.logprobs, x.advantages), torch.ones_like(x.loss_mask, dtype=torch.bool))
+
+
+# -- the native engine's loss: a registered term and what every objective shares ----------------------------
+def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+    sel = x.detach()[mask]
+    if sel.numel() == 0:
+        return 0.0, 0.0, 0.0
+    return float(sel.mean()), float(sel.max()), float(sel.min())
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: AlgoConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`objective_loss` on loose tensors: logp, behavior_logp, ref_logp and mask `[B, R]`, advantages `[B]` (per
+    sequence) or `[B, R]`."""
+    return objective_loss(LossInputs.make(logp, behavior_logp, ref_logp, advantages, mask), cfg)
+
+
+def objective_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one (micro-)batch and its metrics: the recipe's `algo.objective` from the registry
+    for the policy term, then what every objective shares: the Dr.GRPO reducer over
+    the tokens it keeps, `kl_coef` times the k3 KL to the reference, and the metrics (fractions are over mask
+    tokens). Both terms are means over the rows, so a backend weights each micro-batch by its share of the rows.
+    """
+    import torch
+
+    from .algo import drgrpo_reduce, k3_kl, ratio_from_logp, sequence_mean_reduce
+
+    logp, mask, adv = x.logprobs, x.loss_mask, x.advantages
+    valid = mask.bool()
+    term = get_objective(cfg.objective).fn(x, cfg)
+    keep = term.keep
+    keep_f = keep.to(logp.dtype)
+    pg_loss = drgrpo_reduce(term.loss * keep_f, mask, cfg.max_new_tokens)
+    if x.ref_logprobs is not None and cfg.kl_coef != 0:
+        kl = k3_kl(logp, x.ref_logprobs)
+        kl_loss = sequence_mean_reduce(kl, keep_f * mask.to(logp.dtype), mask)
+    else:
+        kl = torch.zeros_like(logp)
+        kl_loss = logp.new_zeros(())
+    loss = pg_loss + cfg.kl_coef * kl_loss
+
+    with torch.no_grad():
+        n = max(int(valid.sum()), 1)
+        r = ratio_from_logp(logp, x.old_logprobs).detach()
+        clip_low = valid & (adv < 0) & (r < 1.0 - cfg.eps_clip)
+        clip_high = valid & (adv > 0) & (r > 1.0 + cfg.eps_clip_high)
+        clip_dual = valid & (adv < 0) & (r > cfg.eps_clip_c)
+        r_mean, r_max, r_min = _masked_stats(r, valid)
+        kl_mean, kl_max, _ = _masked_stats(kl, valid)
+        metrics = {
+            "loss": float(loss.detach()),
+            "pg_loss": float(pg_loss.detach()),
+            "kl_loss": float(kl_loss.detach()),
+            "gate_drop_frac": float((valid & ~keep).sum()) / n,
+            "clip_low_frac": float(clip_low.sum()) / n,
+            "clip_high_frac": float(clip_high.sum()) / n,
+            "clip_dual_frac": float(clip_dual.sum()) / n,
+            "ratio_mean": r_mean,
+            "ratio_max": r_max,
+            "ratio_min": r_min,
+            "kl_mean": kl_mean,
+            "kl_max": kl_max,
+            "tokens": float(valid.sum()),
+        }
+    return loss, metrics

@@ -197,9 +197,8 @@ def note_batch(batch: Batch, source: RolloutSource) -> BatchNote:
 
 # -- the step -------------------------------------------------------------------------------------------
 def loss_fn(algo: AlgoConfig) -> LossFn:
-    """The objective as a backend's loss function: `algo.objective_loss` on each micro-batch's `LossInputs`."""
-    from .algo import objective_loss
-    from .objectives import LossInputs
+    """The objective as a backend's loss function: `objectives.objective_loss` on each micro-batch's `LossInputs`."""
+    from .objectives import LossInputs, objective_loss
 
     def loss(logp, mb: TrainBatch):
         return objective_loss(LossInputs.make(logp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask),

@@ -3,6 +3,7 @@ contract the fleet preflight and REPRODUCE.md promise."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,21 @@ def test_a_recipe_with_the_old_optimizer_keys_means_what_it_meant(tmp_path):
     both.write_text(OLD_OPTIM + "optim: {lr: 1.0e-6}\n")
     with pytest.raises(ValueError, match="both algo.lr .* and optim.lr: keep optim.lr"):
         resolve(str(both), env={})
+
+
+@pytest.mark.parametrize(("over", "says"), [
+    ({"algo.lrr": 1e-5}, "'lrr' is no key of algo; known: objective"),
+    ({"optim.lr": "fast"}, "override optim.lr='fast': Input should be a valid number"),
+    ({"algo.groups_per_step": 0}, "override algo.groups_per_step=0: Input should be greater than or equal to 1"),
+    ({"embedded.workers": 3}, "'embedded' is no key of the recipe"),
+])
+def test_embedded_overrides_are_typed_by_the_recipe_schema(over, says):
+    """Each key of embedded.overrides names a recipe value and each value has that value's type, checked when the
+    section validates (an untyped dotted-key dict took any of these until the run started)."""
+    from embedded.config import EmbeddedConfig
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        EmbeddedConfig(overrides=over)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        EmbeddedConfig(model_overrides=over)
+    assert EmbeddedConfig(overrides={"algo.lr": 2e-5, "train.max_tokens_per_gpu": None}).overrides["algo.lr"] == 2e-5

@@ -55,6 +55,11 @@ class Task(abc.ABC):
     #: what its held-out evaluation's score is called in reports and plots
     heldout_label: ClassVar[str] = "held-out accuracy"
 
+    def stand_in(self) -> str | None:
+        """The registered task that stands in for this one where its data cannot be loaded on this machine (the
+        local runs switch to it and say so); None when the data loads, or when no task stands in."""
+        return None
+
     def batch_metrics(self, samples: Sequence[Sample]) -> Mapping[str, float]:
         """Task-specific `rollout/...` metrics of one learner batch's samples (added to the pool's own);
         none by default."""

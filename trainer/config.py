@@ -9,10 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from worker_contract.planes import PlaneName
 
@@ -382,6 +390,43 @@ def migrate(data: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(algo, dict) and algo.get("optim") == {}:
         del algo["optim"]
     return tree
+
+
+def check_override(dotted: str, value: Any) -> Any:
+    """`value` checked as the recipe key `dotted` (an old name means its new key): a key that names no leaf of
+    the recipe, or a value of the wrong type or out of range, is a ValueError naming the key, the value and the
+    known keys. What an override section (`embedded.overrides`) holds is typed by this."""
+    from pydantic import TypeAdapter
+
+    if _dropped(dotted, value):
+        return value
+    parts = RENAMED.get(dotted, dotted).split(".")
+    node: type[BaseModel] = RecipeConfig
+    for i, part in enumerate(parts):
+        if part not in node.model_fields or part == "embedded":
+            where = ".".join(parts[:i]) or "the recipe"
+            known = ", ".join(k for k in node.model_fields if k != "embedded")
+            raise ValueError(f"override {dotted}={value!r}: {part!r} is no key of {where}; known: {known}")
+        field = node.model_fields[part]
+        if i < len(parts) - 1:
+            if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+                raise ValueError(f"override {dotted}={value!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
+            node = field.annotation
+    try:
+        kind = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+        return TypeAdapter(kind).validate_python(value)
+    except ValidationError as e:
+        msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ValueError(f"override {dotted}={value!r}: {msg}") from None
+
+
+def _check_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: check_override(k, v) for k, v in values.items()}
+
+
+#: recipe values keyed by their dotted recipe key, each key and value checked against the recipe's schema
+#: (`check_override`): the type of a section of overrides, such as `embedded.overrides`
+RecipeOverrides = Annotated[dict[str, Any], AfterValidator(_check_overrides)]
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

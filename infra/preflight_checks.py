@@ -68,7 +68,7 @@ class Profile(BaseModel):
 
 
 #: pinned recipe key -> the slime flag that carries it
-_FLAGS = {"train.save_interval": "--save-interval", "algo.eps_clip": "--eps-clip",
+_FLAGS = {"checkpoint.interval": "--save-interval", "algo.eps_clip": "--eps-clip",
           "algo.eps_clip_high": "--eps-clip-high", "algo.eps_clip_c": "--eps-clip-c"}
 _ALGO = ("algo.staleness", "algo.reuse_cap", "algo.kl_coef")
 
@@ -224,9 +224,9 @@ def check_save_interval(ctx: Context) -> Row:
     seen = ctx.flag("--save-interval")
     if want is None:
         return _row("recipe.save_interval", seen is not None, f"--save-interval {seen}", "set",
-                    "set train.save_interval in the recipe")
+                    "set checkpoint.interval in the recipe")
     return _row("recipe.save_interval", seen == want, f"--save-interval {seen}", f"--save-interval {want}",
-                f"set train.save_interval: {want}, the {ctx.profile.recipe} recipe's value (it is pinned)")
+                f"set checkpoint.interval: {want}, the {ctx.profile.recipe} recipe's value (it is pinned)")
 
 
 def check_dual_clip(ctx: Context) -> Row:

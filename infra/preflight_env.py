@@ -238,11 +238,11 @@ def check_disk(ctx: Context) -> Row:
     hf, _ = hf_config(ctx)
     estimate = slime_launch.disk_need_gb(ctx.cfg, hf) if hf is not None else None
     need = estimate if estimate is not None else ctx.profile.min_free_disk_gb
-    ckpts = ctx.cfg.train.keep_checkpoints
+    ckpts = ctx.cfg.checkpoint.keep
     return _row("box.disk", free_gb >= need, f"{free_gb:.0f} GB free under {ctx.plan.remote_dir}",
                 f">= {need:.0f} GB", f"free disk on the box or rent a larger disk (need {need:.0f} GB for the "
                 f"model, its Megatron copy, {ckpts} + 1 {ctx.cfg.train.engine}-engine checkpoints "
-                f"(train.keep_checkpoints: {ckpts}) and logs)")
+                f"(checkpoint.keep: {ckpts}) and logs)")
 
 
 def check_ray_dashboard(ctx: Context) -> Row:

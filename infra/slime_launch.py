@@ -189,12 +189,12 @@ def model_params(c: Mapping[str, Any]) -> int | None:
 
 
 def disk_need_gb(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> float | None:
-    """Disk the run needs under the remote dir: the model twice, and `train.keep_checkpoints` + 1 checkpoints
+    """Disk the run needs under the remote dir: the model twice, and `checkpoint.keep` + 1 checkpoints
     (K complete ones and the one being written) of the engine's size (`checkpoint_bytes`)."""
     params = model_params(hf_config)
     if params is None:
         return None
-    ckpts = cfg.train.keep_checkpoints + 1
+    ckpts = cfg.checkpoint.keep + 1
     return round(params * (MODEL_BYTES + ckpts * checkpoint_bytes(cfg)) / 1e9 + DISK_SLACK_GB)
 
 
@@ -217,7 +217,7 @@ def checkpoint_args(cfg: RecipeConfig, paths: BoxPaths) -> list[str]:
     hf_id = cfg.model.hf_id
     return [
         "--hf-checkpoint", paths.hf_dir(hf_id), "--ref-load", paths.torch_dist_dir(hf_id),
-        "--load", paths.ckpt_dir, "--save", paths.ckpt_dir, "--save-interval", str(cfg.train.save_interval),
+        "--load", paths.ckpt_dir, "--save", paths.ckpt_dir, "--save-interval", str(cfg.checkpoint.interval),
     ]
 
 

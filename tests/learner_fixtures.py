@@ -13,6 +13,7 @@ import torch
 
 from trainer.config import (
     AlgoConfig,
+    CheckpointConfig,
     ContractConfig,
     GateConfig,
     ModelConfig,
@@ -46,8 +47,11 @@ def save_tiny_model(path: Path, seed: int = 0) -> Path:
 
 
 def recipe(staleness: int = 3, **train_kw) -> RecipeConfig:
-    train = dict(backend="hf", micro_batch_size=4, save_interval=2, anchor_interval=3, num_steps=6,
+    """A small recipe; `train_kw` are TrainConfig's fields, and `save_interval` / `keep_checkpoints` (the old
+    names) set the checkpoint section."""
+    train = dict(backend="hf", micro_batch_size=4, anchor_interval=3, num_steps=6,
                  seed=7, poll_interval_s=0.05, vocab_chunk=24)
+    ckpt = {"interval": train_kw.pop("save_interval", 2), "keep": train_kw.pop("keep_checkpoints", 2)}
     train.update(train_kw)
     return RecipeConfig(
         name="test", task="arithmetic",
@@ -57,6 +61,7 @@ def recipe(staleness: int = 3, **train_kw) -> RecipeConfig:
                         temperature=1.0, gate=GateConfig(divergence="tv", delta_low=0.2, delta_high=0.2)),
         optim=OptimConfig(lr=1e-3),
         train=TrainConfig(**train),
+        checkpoint=CheckpointConfig(**ckpt),
     )
 
 

@@ -50,7 +50,7 @@ def test_fleet_recipe_contract():
     cfg = resolve("psqa", env={})
     assert (cfg.contract.n_samples, cfg.contract.plane, cfg.contract.kv_mode) == (8, "int8g64", "paged_prefix")
     assert (cfg.algo.eps_clip, cfg.algo.eps_clip_high, cfg.algo.eps_clip_c) == (10000, 19, 20)
-    assert (cfg.algo.staleness, cfg.algo.reuse_cap, cfg.train.save_interval) == (3, 2, 4)
+    assert (cfg.algo.staleness, cfg.algo.reuse_cap, cfg.checkpoint.interval) == (3, 2, 4)
     assert cfg.model.hf_id == "LiquidAI/LFM2.5-8B-A1B" and cfg.train.backend == "megatron"
     # the environment layer still wins over the recipe (precedence), and bad values are refused
     assert resolve("psqa", env={"DRL_N_SAMPLES": "16"}).contract.n_samples == 16

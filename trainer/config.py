@@ -175,6 +175,15 @@ class AlgoConfig(_Model):
         return v
 
 
+class CheckpointConfig(_Model):
+    """Learner checkpoints on disk (model, optimizer, RNG, step, consumption ledger), both engines."""
+
+    interval: int = Field(4, ge=1)
+    """Checkpoint every this many steps."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept on disk: the newest and the ones before it (2 = newest + one previous)."""
+
+
 class TrainConfig(_Model):
     """Learner mechanics."""
 
@@ -198,8 +207,6 @@ class TrainConfig(_Model):
     """megatron backend, tensor_parallel 1: replay the training pass's decoder as CUDA graphs, one per
     micro-batch shape (lengths padded to a multiple of 128). Pays where micro-batches are small (the
     forward is then launch-bound); costs a few seconds of capture per new shape."""
-    save_interval: int = Field(4, ge=1)
-    """Checkpoint every this many steps (model, optimizer, RNG, step, consumption ledger)."""
     anchor_interval: int = Field(10, ge=1)
     """A full anchor every this many versions (bounds a cold joiner's catch-up)."""
     num_steps: int = Field(1000, ge=1)
@@ -215,8 +222,6 @@ class TrainConfig(_Model):
     gradient_checkpointing: bool = False
     """Recompute activations in backward (hf backend; megatron backend: each decoder layer's, from its input):
     less memory, about a third more compute."""
-    keep_checkpoints: int = Field(2, ge=1)
-    """Checkpoints kept on disk: the newest and the ones before it (2 = newest + one previous)."""
 
 
 class LaunchConfig(_Model):
@@ -243,7 +248,7 @@ class PreflightConfig(_Model):
     pinned: list[str] = ["contract.n_samples", "contract.plane"]
     """Recipe keys (dotted) whose launch value must equal this recipe's: the environment or command line may not
     move them. Keys the preflight compares: contract.n_samples, contract.plane, contract.kv_mode,
-    train.save_interval, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c, algo.staleness, algo.reuse_cap,
+    checkpoint.interval, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c, algo.staleness, algo.reuse_cap,
     algo.kl_coef, algo.groups_per_step."""
     remote_store: bool = False
     """Workers run on other machines, so the store must be r2:// or s3:// even without a HOST."""
@@ -262,7 +267,7 @@ class PreflightConfig(_Model):
 
 
 #: the recipe keys a preflight profile can pin (each has its check in infra/preflight_checks.py)
-PINNABLE = ("contract.n_samples", "contract.plane", "contract.kv_mode", "train.save_interval", "algo.eps_clip",
+PINNABLE = ("contract.n_samples", "contract.plane", "contract.kv_mode", "checkpoint.interval", "algo.eps_clip",
             "algo.eps_clip_high", "algo.eps_clip_c", "algo.staleness", "algo.reuse_cap", "algo.kl_coef",
             "algo.groups_per_step")
 
@@ -283,6 +288,7 @@ class RecipeConfig(_Model):
     algo: AlgoConfig = AlgoConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     launch: LaunchConfig = LaunchConfig()
     preflight: PreflightConfig = PreflightConfig()
     embedded: dict[str, Any] = {}
@@ -338,11 +344,12 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
 
 #: recipe keys that moved to their owner's section: old dotted key -> new. A recipe, an override or a printed
 #: launch plan that uses the old key means what it meant (the optimizer was split across algo, algo.optim and
-#: train before it became one `optim` section)
+#: train before it became one `optim` section; checkpoints were two fields of train)
 RENAMED: dict[str, str] = {
     "algo.lr": "optim.lr", "algo.weight_decay": "optim.weight_decay", "algo.grad_clip": "optim.grad_clip",
     "algo.optim.beta1": "optim.beta1", "algo.optim.beta2": "optim.beta2", "algo.optim.eps": "optim.eps",
     "algo.optim.moment_dtype": "optim.moment_dtype", "train.optimizer_offload": "optim.offload",
+    "train.save_interval": "checkpoint.interval", "train.keep_checkpoints": "checkpoint.keep",
 }
 #: old keys that accepted one value only and are gone: that value is dropped, any other is refused
 DROPPED: dict[str, Any] = {"algo.optim.lr_schedule": "constant", "algo.optim.lr_warmup_steps": 0,

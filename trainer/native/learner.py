@@ -226,7 +226,7 @@ def run_learner(
                 logger.log(step, metrics)  # before the checkpoint: every checkpointed step is in the log
                 if on_step is not None:
                     on_step(metrics)
-                if step % cfg.train.save_interval == 0:
+                if step % cfg.checkpoint.interval == 0:
                     ray.get(learner.save.remote())
             final = ray.get(learner.finish.remote())
             ray.get(source.stop.remote())

@@ -182,3 +182,29 @@ def test_a_toy_task_and_a_toy_plane_from_a_folder_run_through_the_loop(toy_folde
     for name in want:
         assert got[name].dtype == np.float16 or got[name].dtype == want[name].dtype, name
         assert np.array_equal(words(got[name]), words(want[name])), name
+
+
+def test_a_task_module_in_the_tasks_package_is_found_by_its_name(tmp_path, monkeypatch):
+    """A task shipped in worker_contract/tasks/ is its module alone: named after the task, it registers itself
+    when the name is first asked for (the folder is put on the package's path here; no repository file is
+    edited). An unknown name is still refused with the known ones."""
+    import worker_contract.tasks as tasks
+
+    (tmp_path / "toy_found.py").write_text(textwrap.dedent('''
+        from worker_contract.tasks import register_task
+        from worker_contract.tasks.arithmetic import ArithmeticTask
+
+
+        @register_task
+        class Found(ArithmeticTask):
+            name = "toy-found"
+    '''))
+    monkeypatch.setattr(tasks, "__path__", [*tasks.__path__, str(tmp_path)])
+    try:
+        assert "toy-found" not in tasks.TASKS and tasks.is_task("toy-found")
+        assert tasks.get_task("toy-found").name == "toy-found"
+        with pytest.raises(ValueError, match="unknown task 'toy-lost'; known tasks: arithmetic"):
+            tasks.get_task("toy-lost")
+    finally:
+        tasks.TASKS.pop("toy-found", None)
+        sys.modules.pop("worker_contract.tasks.toy_found", None)

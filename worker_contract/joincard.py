@@ -22,7 +22,7 @@ from . import env as envmod
 from .manifest import ContractMismatch, format_diff, load_manifest
 from .signing import fingerprint
 from .store import NotFound, Store, open_store
-from .tasks import TASKS, get_task
+from .tasks import get_task, is_task
 from .tasks.psqa_retrieval import check_url
 
 FORMATS = ("text", "env", "json")
@@ -161,7 +161,7 @@ def render(card: JoinCard, fmt: str = "text", reveal: bool = False) -> str:
         return "\n".join(head + [f"{k}={shlex.quote(v)}" for k, v in rows])
     width = max(len(k) for k, _ in rows)
     lines = [f"Join card for run {card.run}", ""] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    if card.task in TASKS and "retriever" in get_task(card.task).services:  # a search task: how each tier joins
+    if card.task and is_task(card.task) and "retriever" in get_task(card.task).services:  # a search task: how each tier joins
         if not card.retriever_url:
             lines.append(f"  {'DRL_RETRIEVER_URL'.ljust(width)}  (not set; the fleet task needs one: "
                          "--retriever-url or DRL_RETRIEVER_URL)")

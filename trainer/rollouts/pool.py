@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from worker_contract import layout
 from worker_contract.schema import MAX_RECORD_BYTES, RolloutRecord
-from worker_contract.tasks import TASKS, get_task
+from worker_contract.tasks import get_task, is_task
 
 if TYPE_CHECKING:
     from worker_contract.manifest import RunManifest
@@ -332,7 +332,7 @@ class GroupPool:
         }
         for lag in range(self.staleness + 1):
             m[f"rollout/staleness_hist/{lag}"] = float(sum(g.lag == lag for g in groups))
-        for task in sorted({g.record.task for g in groups} & set(TASKS)):  # the task's own metrics (its hook)
+        for task in sorted(t for t in {g.record.task for g in groups} if is_task(t)):  # the task's own metrics
             m.update(get_task(task).batch_metrics([s for g in groups if g.record.task == task
                                                    for s in g.record.samples]))
         return m

@@ -32,7 +32,7 @@ from ..reconstruct import PointerRefused, SyncError
 from ..schema import RolloutRecord, Sample, SamplingParams, encode_record
 from ..signing import fingerprint
 from ..store import NotFound, PreconditionFailed, Store, StoreError, open_store
-from ..tasks import TASKS, Problem, get_task
+from ..tasks import TASKS, Problem, get_task, is_task
 
 log = logging.getLogger("worker")
 
@@ -234,7 +234,7 @@ class Worker:
         check_contract(manifest, self.n_samples, self.plane)
         check_kv_mode(manifest, parse_env(self.env).kv_mode, self.s.backend)
         check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
-        if manifest.task not in TASKS:
+        if not is_task(manifest.task):
             raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}; this worker samples "
                                    f"{', '.join(sorted(TASKS))}")
         self.task = get_task(manifest.task)

@@ -239,7 +239,7 @@ def compare(backend, args, cfg, counts, rate, sync) -> dict:
         gc.collect()
     set_grouped(rank.model, True)
     set_grouped(rank.reference, True)
-    rank.recompute = set_recompute(rank.model, cfg.train.gradient_checkpointing)
+    rank.recompute = set_recompute(rank.model, cfg.compute.gradient_checkpointing)
     return out
 
 
@@ -278,7 +278,7 @@ def measure(args, result: dict, save) -> None:
     save()
     if "step" in parts:
         batch = synthetic_batch(args.rows, args.prompt, args.response, backend.vocab_size)
-        counts["micro_batches"] = len(micro_batches(batch, cfg.train))
+        counts["micro_batches"] = len(micro_batches(batch, cfg.compute))
         r = run_steps(backend, batch, cfg, 1, args.steps, sync, f"lfm2 {args.layers} layers")
         r.update(rates(r, args.rows * (args.prompt + args.response), counts["active_params"], result["matmul_bf16_tflops"]))
         result["step"] = r

@@ -234,7 +234,7 @@ def step_start_ray(cfg: RecipeConfig, paths: BoxPaths) -> str:
     if subprocess.run(["ray", "status"], capture_output=True, check=False).returncode == 0:
         return "Ray is already up"
     run_command("start_ray", ["ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
-                       "--dashboard-port", "8265", "--num-gpus", str(cfg.train.tensor_parallel),
+                       "--dashboard-port", "8265", "--num-gpus", str(cfg.compute.tensor_parallel),
                        "--disable-usage-stats"])
     marker = Path(paths.remote_dir) / ".stoa" / "ray.started"
     marker.parent.mkdir(parents=True, exist_ok=True)

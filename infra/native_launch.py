@@ -65,9 +65,9 @@ def learner_command(cfg: RecipeConfig, paths: BoxPaths, python: str = sys.execut
 
 
 def plan_notes(cfg: RecipeConfig) -> list[str]:
-    t = cfg.train
-    return [f"engine native: trainer.native.learner on the {t.backend} backend, tensor parallel {t.tensor_parallel} "
-            f"(one Ray actor per GPU of this host above 1), micro-batches of {t.max_tokens_per_gpu or '-'} "
+    t, c = cfg.train, cfg.compute
+    return [f"engine native: trainer.native.learner on the {t.backend} backend, tensor parallel {c.tensor_parallel} "
+            f"(one Ray actor per GPU of this host above 1), micro-batches of {c.max_tokens_per_gpu or '-'} "
             "tokens; ENGINE=slime launches slime's train.py instead (the slime image)",
             "staleness and reuse are enforced by the learner's rollout source "
             f"(bound {cfg.algo.staleness}, cap {cfg.algo.reuse_cap})",
@@ -85,8 +85,8 @@ def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
                                                      if isinstance(v, dict) and not v["ok"]))
     gpus = ", ".join(f"{g['name']} ({g['memory_mib'] // 1024} GiB, driver {g['driver']})" for g in report["gpu"]["gpus"])
     missing = report["imports"].get("installable", [])
-    if len(report["gpu"]["gpus"]) < cfg.train.tensor_parallel:
-        raise StepFailed(f"check_box: train.tensor_parallel={cfg.train.tensor_parallel} needs that many GPUs on "
+    if len(report["gpu"]["gpus"]) < cfg.compute.tensor_parallel:
+        raise StepFailed(f"check_box: compute.tensor_parallel={cfg.compute.tensor_parallel} needs that many GPUs on "
                          f"this host; it has {len(report['gpu']['gpus'])}")
     return (f"{gpus}; {report['disk']['free_gb']} GB free"
             + (f"; to install: {', '.join(missing)}" if missing else ""))

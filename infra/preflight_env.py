@@ -156,7 +156,7 @@ def check_gpu(ctx: Context) -> Row:
     assert ctx.run_box is not None
     rc, out = ctx.run_box("nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1")
     gpus = [ln.strip() for ln in out.splitlines() if ln.strip()] if rc == 0 else []
-    need = ctx.cfg.train.tensor_parallel
+    need = ctx.cfg.compute.tensor_parallel
     mib = [float(m.group(1)) for g in gpus if (m := re.search(r",\s*([\d.]+)\s*MiB\s*$", g))]
     if mib:
         ctx.facts["gpu_gib"] = min(mib) / 1024  # the smallest GPU bounds the learner
@@ -173,7 +173,7 @@ def check_gpu_memory(ctx: Context) -> Row:
 
     cfg, src = hf_config(ctx)
     gpu = ctx.facts.get("gpu_gib")
-    train, new_tokens = ctx.cfg.train, ctx.cfg.algo.max_new_tokens
+    train, new_tokens = ctx.cfg.compute, ctx.cfg.algo.max_new_tokens
     if cfg is not None and gpu is not None and is_moe(cfg):
         return _moe_gpu_memory(ctx, cfg, gpu)
     est = learner_peak_gib(cfg, train, new_tokens) if cfg is not None else None
@@ -186,7 +186,7 @@ def check_gpu_memory(ctx: Context) -> Row:
     return _row("box.gpu_memory", est <= USABLE * gpu,
                 f"~{est:.0f} GiB per GPU at {tokens} tokens per micro-batch; the GPU has {gpu:.0f} GiB",
                 f"<= {USABLE * gpu:.0f} GiB ({USABLE:.0%})",
-                f"set train.max_tokens_per_gpu: {fit} in the recipe (the largest that fits by this estimate), "
+                f"set compute.max_tokens_per_gpu: {fit} in the recipe (the largest that fits by this estimate), "
                 "or rent a GPU with more memory", warn=True)
 
 
@@ -195,15 +195,15 @@ def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
     card users rent (infra/learner_memory.py, fitted to the H200 measurements)."""
     from infra import learner_memory as lm
 
-    train, algo = ctx.cfg.train, ctx.cfg.algo
+    compute, algo = ctx.cfg.compute, ctx.cfg.algo
     params = lm.total_params(cfg)
     if params is None:
         return _row("box.gpu_memory", False, f"not estimated: transformers cannot build {cfg.get('model_type')!r}",
                     "the learner's estimate within the GPU", "check the model's config.json", warn=True)
-    tokens, tp = lm.tokens_per_micro_batch(train, algo.max_new_tokens), train.tensor_parallel
+    tokens, tp = lm.tokens_per_micro_batch(compute, algo.max_new_tokens), compute.tensor_parallel
     moment_bytes = 2 if ctx.cfg.optim.moment_dtype == "bfloat16" else 4
     est = lm.moe_peak_gib(cfg, params, tokens, offload=ctx.cfg.optim.offload,
-                          recompute=train.gradient_checkpointing, moment_bytes=moment_bytes, tp=tp)
+                          recompute=compute.gradient_checkpointing, moment_bytes=moment_bytes, tp=tp)
     cards = []
     for card, gib in lm.CARDS.items():
         plan = lm.moe_plan_for(cfg, params, tokens, gib, tp)
@@ -216,10 +216,10 @@ def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
     fit = lm.moe_plan_for(cfg, params, tokens, gpu, tp)
     leanest = lm.moe_tokens_that_fit(cfg, params, gpu, tp)
     fix = (f"set {lm.describe_plan(fit[0], fit[1])} in the recipe (~{fit[2]:.0f} GiB)" if fit else
-           f"lower train.micro_batch_size or set train.max_tokens_per_gpu: {leanest} with the leanest plan, or "
+           f"lower compute.micro_batch_size or set compute.max_tokens_per_gpu: {leanest} with the leanest plan, or "
            "rent a larger GPU" if leanest else
-           "rent a GPU with more memory, or set train.tensor_parallel to spread the model over this box's GPUs")
-    plan = (f"offload {ctx.cfg.optim.offload:g}, {'recompute' if train.gradient_checkpointing else 'no recompute'}, "
+           "rent a GPU with more memory, or set compute.tensor_parallel to spread the model over this box's GPUs")
+    plan = (f"offload {ctx.cfg.optim.offload:g}, {'recompute' if compute.gradient_checkpointing else 'no recompute'}, "
             f"{ctx.cfg.optim.moment_dtype} moments")
     return _row("box.gpu_memory", est <= lm.USABLE * gpu,
                 f"~{est:.0f} GiB per GPU ({params / 1e9:.1f} B parameters, {plan}) at {tokens} tokens per "

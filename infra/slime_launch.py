@@ -208,7 +208,7 @@ def checkpoint_bytes(cfg: RecipeConfig) -> int:
 
 # -- the slime flags ------------------------------------------------------------------------------------
 def cluster_args(cfg: RecipeConfig, trainer_only: TrainerOnly) -> list[str]:
-    gpus = cfg.train.tensor_parallel
+    gpus = cfg.compute.tensor_parallel
     args = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(gpus)]
     return args + (["--rollout-num-gpus", "0"] if trainer_only == "rollout-num-gpus-0" else ["--debug-train-only"])
 
@@ -274,17 +274,17 @@ def optimizer_args(cfg: RecipeConfig) -> list[str]:
 def perf_args(cfg: RecipeConfig, hf_config: Mapping[str, Any] | None = None) -> list[str]:
     """Parallelism, batching and precision. Sequence parallelism at TP > 1, except for a model with short
     conv layers (LFM2's `layer_types`): the conv runs along the sequence and refuses a split one."""
-    tp = cfg.train.tensor_parallel
+    tp = cfg.compute.tensor_parallel
     convs = "conv" in ((hf_config or {}).get("layer_types") or [])
     args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "1",
-            "--context-parallel-size", "1", "--micro-batch-size", str(cfg.train.micro_batch_size)]
-    if cfg.train.max_tokens_per_gpu is not None:  # token-budget micro-batches, as our backends do
-        args += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cfg.train.max_tokens_per_gpu)]
+            "--context-parallel-size", "1", "--micro-batch-size", str(cfg.compute.micro_batch_size)]
+    if cfg.compute.max_tokens_per_gpu is not None:  # token-budget micro-batches, as our backends do
+        args += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cfg.compute.max_tokens_per_gpu)]
     if tp > 1 and not convs:
         args.append("--sequence-parallel")
     if cfg.model.dtype == "bfloat16":
         args.append("--bf16")
-    if cfg.train.gradient_checkpointing:  # as the native learner: every decoder layer recomputed in backward
+    if cfg.compute.gradient_checkpointing:  # as the native learner: every decoder layer recomputed in backward
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return args + ["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
                    "--attention-softmax-in-fp32", "--attention-backend", "flash"]

@@ -14,6 +14,7 @@ import torch
 from trainer.config import (
     AlgoConfig,
     CheckpointConfig,
+    ComputeConfig,
     ContractConfig,
     GateConfig,
     ModelConfig,
@@ -47,11 +48,14 @@ def save_tiny_model(path: Path, seed: int = 0) -> Path:
 
 
 def recipe(staleness: int = 3, **train_kw) -> RecipeConfig:
-    """A small recipe; `train_kw` are TrainConfig's fields, and `save_interval` / `keep_checkpoints` (the old
-    names) set the checkpoint section."""
-    train = dict(backend="hf", micro_batch_size=4, anchor_interval=3, num_steps=6,
-                 seed=7, poll_interval_s=0.05, vocab_chunk=24)
+    """A small recipe; `train_kw` are the fields train held before its split (TrainConfig's, ComputeConfig's,
+    and `save_interval` / `keep_checkpoints` for the checkpoint section)."""
+    train = dict(backend="hf", anchor_interval=3, num_steps=6, seed=7, poll_interval_s=0.05)
     ckpt = {"interval": train_kw.pop("save_interval", 2), "keep": train_kw.pop("keep_checkpoints", 2)}
+    compute = {"micro_batch_size": 4, "vocab_chunk": 24}
+    compute.update({k: train_kw.pop(k) for k in list(train_kw) if k in ComputeConfig.model_fields})
+    if "compute_dtype" in train_kw:
+        compute["dtype"] = train_kw.pop("compute_dtype")
     train.update(train_kw)
     return RecipeConfig(
         name="test", task="arithmetic",
@@ -61,6 +65,7 @@ def recipe(staleness: int = 3, **train_kw) -> RecipeConfig:
                         temperature=1.0, gate=GateConfig(divergence="tv", delta_low=0.2, delta_high=0.2)),
         optim=OptimConfig(lr=1e-3),
         train=TrainConfig(**train),
+        compute=ComputeConfig(**compute),
         checkpoint=CheckpointConfig(**ckpt),
     )
 

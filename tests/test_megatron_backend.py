@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests import megatron_cpu
-from trainer.config import AlgoConfig, ModelConfig, OptimConfig, RecipeConfig, TrainConfig
+from trainer.config import AlgoConfig, ComputeConfig, ModelConfig, OptimConfig, RecipeConfig, TrainConfig
 from trainer.models import IdentityMismatch
 from trainer.objectives import policy_loss
 
@@ -21,7 +21,7 @@ def recipe(backend: str, tp: int = 1, rotary_base: float | None = None, dtype: s
     return RecipeConfig(
         name="t", task="arithmetic", model=ModelConfig(dtype=dtype, rotary_base=rotary_base),
         algo=AlgoConfig(max_new_tokens=8, temperature=0.8), optim=OptimConfig(lr=1e-3),
-        train=TrainConfig(backend=backend, micro_batch_size=3, tensor_parallel=tp),
+        train=TrainConfig(backend=backend), compute=ComputeConfig(micro_batch_size=3, tensor_parallel=tp),
     )
 
 

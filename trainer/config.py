@@ -184,16 +184,11 @@ class CheckpointConfig(_Model):
     """Checkpoints kept on disk: the newest and the ones before it (2 = newest + one previous)."""
 
 
-class TrainConfig(_Model):
-    """Learner mechanics."""
+class ComputeConfig(_Model):
+    """How a step runs on the learner's devices: chunking, parallelism, precision of the forward, recompute and
+    graphs. A memory and speed plan: the update is the same whatever these hold."""
 
-    engine: Literal["native", "slime"] = "native"
-    """Which learner a GPU box runs: `native`, our Ray learner (trainer/native/learner.py) with `backend`, on any
-    CUDA box with torch, megatron-core and Ray; or `slime`, slime's train.py with our plugin (the slime
-    image). The embedded run on a machine without a GPU is always native. `ENGINE=` on the make line."""
-    backend: Literal["hf", "megatron"] = "hf"
-    """Learner backend: transformers (CPU, single GPU) or megatron-core (GPU scale)."""
-    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """hf backend: the dtype of the forward (the weights stay float32). `auto`: model.dtype on CUDA,
     float32 on CPU. The embedded run's small model takes float32 on a GPU too: in bf16 it is measurably
     another model than the float32 one its CPU workers sample (docs/embedded.md)."""
@@ -207,21 +202,33 @@ class TrainConfig(_Model):
     """megatron backend, tensor_parallel 1: replay the training pass's decoder as CUDA graphs, one per
     micro-batch shape (lengths padded to a multiple of 128). Pays where micro-batches are small (the
     forward is then launch-bound); costs a few seconds of capture per new shape."""
-    anchor_interval: int = Field(10, ge=1)
-    """A full anchor every this many versions (bounds a cold joiner's catch-up)."""
-    num_steps: int = Field(1000, ge=1)
-    """Learner steps before the run ends."""
     tensor_parallel: int = Field(1, ge=1)
     """Tensor-parallel size (megatron backend)."""
-    seed: int = 1234
-    """Global seed."""
-    poll_interval_s: float = 2.0
-    """How often the rollout source lists the bucket when it is waiting for groups."""
     vocab_chunk: int = Field(8192, ge=1)
     """Vocabulary rows per chunk when computing log-probs (bounds the logits held at once)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (hf backend; megatron backend: each decoder layer's, from its input):
     less memory, about a third more compute."""
+
+
+class TrainConfig(_Model):
+    """The learner's loop: which engine and backend, how long, its seed, how it polls and how often it anchors."""
+
+    engine: Literal["native", "slime"] = "native"
+    """Which learner a GPU box runs: `native`, our Ray learner (trainer/native/learner.py) with `backend`, on any
+    CUDA box with torch, megatron-core and Ray; or `slime`, slime's train.py with our plugin (the slime
+    image). The embedded run on a machine without a GPU is always native. `ENGINE=` on the make line."""
+    backend: Literal["hf", "megatron"] = "hf"
+    """Learner backend: transformers (CPU, single GPU) or megatron-core (GPU scale)."""
+    anchor_interval: int = Field(10, ge=1)
+    """A full anchor every this many versions (bounds a cold joiner's catch-up)."""
+    num_steps: int = Field(1000, ge=1)
+    """Learner steps before the run ends."""
+    seed: int = 1234
+    """Global seed."""
+    poll_interval_s: float = 2.0
+    """How often the rollout source lists the bucket when it is waiting for groups."""
+
 
 
 class LaunchConfig(_Model):
@@ -288,6 +295,7 @@ class RecipeConfig(_Model):
     algo: AlgoConfig = AlgoConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    compute: ComputeConfig = ComputeConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     launch: LaunchConfig = LaunchConfig()
     preflight: PreflightConfig = PreflightConfig()
@@ -344,12 +352,18 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
 
 #: recipe keys that moved to their owner's section: old dotted key -> new. A recipe, an override or a printed
 #: launch plan that uses the old key means what it meant (the optimizer was split across algo, algo.optim and
-#: train before it became one `optim` section; checkpoints were two fields of train)
+#: train before it became one `optim` section; checkpoints and the compute plan were fields of train)
 RENAMED: dict[str, str] = {
     "algo.lr": "optim.lr", "algo.weight_decay": "optim.weight_decay", "algo.grad_clip": "optim.grad_clip",
     "algo.optim.beta1": "optim.beta1", "algo.optim.beta2": "optim.beta2", "algo.optim.eps": "optim.eps",
     "algo.optim.moment_dtype": "optim.moment_dtype", "train.optimizer_offload": "optim.offload",
     "train.save_interval": "checkpoint.interval", "train.keep_checkpoints": "checkpoint.keep",
+    "train.compute_dtype": "compute.dtype", "train.micro_batch_size": "compute.micro_batch_size",
+    "train.max_tokens_per_gpu": "compute.max_tokens_per_gpu",
+    "train.tensor_parallel": "compute.tensor_parallel",
+    "train.cuda_graphs": "compute.cuda_graphs",
+    "train.gradient_checkpointing": "compute.gradient_checkpointing",
+    "train.vocab_chunk": "compute.vocab_chunk",
 }
 #: old keys that accepted one value only and are gone: that value is dropped, any other is refused
 DROPPED: dict[str, Any] = {"algo.optim.lr_schedule": "constant", "algo.optim.lr_warmup_steps": 0,

@@ -77,10 +77,10 @@ class MegatronRank:
                 for layer in m.decoder.layers:
                     layer.compile()
         self.reference.eval().requires_grad_(False)
-        self.recompute = set_recompute(self.model, cfg.train.gradient_checkpointing)
+        self.recompute = set_recompute(self.model, cfg.compute.gradient_checkpointing)
         self._setup_optimizer()
         self.fused_wgrad = self._use_main_grads(fused_wgrad)
-        self.graphs = self._decoder_graphs(cfg.train.cuda_graphs if cuda_graphs is None else cuda_graphs)
+        self.graphs = self._decoder_graphs(cfg.compute.cuda_graphs if cuda_graphs is None else cuda_graphs)
 
     def vocab_size(self) -> int:
         return self.identity.vocab_size
@@ -156,7 +156,7 @@ class MegatronRank:
         sites = self._rope_sites.get(id(self.model), [])
         if not wanted or self.tp_size > 1 or not sites or self.recompute:
             if wanted:
-                log.info("train.cuda_graphs needs tensor_parallel 1, the sdpa attention and no "
+                log.info("compute.cuda_graphs needs tensor_parallel 1, the sdpa attention and no "
                          "gradient_checkpointing; running eagerly")
             return None
         return DecoderGraphs(self.model, sites, lambda t: self._rope_tables(self.model, t, self.dtype),
@@ -229,7 +229,7 @@ class MegatronRank:
         `_NOGRAD_TOKENS` tokens at a time (at least the recipe's micro-batch): fewer, larger launches."""
         model = self.reference if reference else self.model
         batch = batch.to(self.device)
-        chunks = micro_batches(batch, self.cfg.train, min_tokens=_NOGRAD_TOKENS)
+        chunks = micro_batches(batch, self.cfg.compute, min_tokens=_NOGRAD_TOKENS)
         return gather_logprobs(batch, chunks, lambda mb: self.response_logp(model, mb))
 
     # -- training ------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ class MegatronRank:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         batch = batch.to(self.device)
-        chunks = micro_batches(batch, self.cfg.train)
+        chunks = micro_batches(batch, self.cfg.compute)
         if self.graphs is not None and self.graphs.prepare([(mb.rows, int(mb.input_ids.shape[1])) for mb in chunks],
                                                            int(self.hf_cfg["hidden_size"]), self.dtype):
             self._zero_grads()  # the capture's warm-up passes accumulated into the master gradients
@@ -297,7 +297,7 @@ class MegatronRank:
         state = torch.load(file, map_location=self.device, weights_only=True)
         if state["tp_size"] != self.tp_size:
             raise ValueError(f"{file} was written with tensor_parallel={state['tp_size']}; "
-                             f"resume with train.tensor_parallel={state['tp_size']}")
+                             f"resume with compute.tensor_parallel={state['tp_size']}")
         if self.plan_optimizer != ("exp_avg_sq" in state["optimizer"]):
             raise ValueError(f"{file} was written under another optim.moment_dtype / optim.offload "
                              "plan; resume with the plan it was written with")

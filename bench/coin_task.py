@@ -30,13 +30,10 @@ class CoinTask(ArithmeticTask):
 
 
 def register() -> None:
-    """Make the task known in this process only: to the task registry and to the reference worker's list of
-    single-turn tasks it samples."""
-    from worker_contract.tasks import TASKS
-    from worker_contract.worker import loop
+    """Make the task known in this process only (the reference worker samples every registered task)."""
+    from worker_contract.tasks import register_task
 
-    TASKS[NAME] = CoinTask
-    loop.SINGLE_TURN_TASKS = loop.SINGLE_TURN_TASKS | {NAME}
+    register_task(CoinTask)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,7 +212,7 @@ def part_learning(args) -> dict:
     _log(f"base: {base['params'] / 1e6:.1f} M parameters, {base['sft_steps']} steps in {base['sft_seconds']} s")
     run = f"gpu-loop-learn{args.tag}-{int(time.time())}"
     cfg = resolve_cfg(run, base["path"], f"file://{root / 'bucket'}", {
-        "task": "arithmetic", "model.dtype": "float32", "algo.lr": args.lr, "algo.max_new_tokens": 48,
+        "task": "arithmetic", "model.dtype": "float32", "optim.lr": args.lr, "algo.max_new_tokens": 48,
         "train.backend": "megatron", "train.max_tokens_per_gpu": None, "train.micro_batch_size": 64,
         "train.save_interval": 50, "train.anchor_interval": 20, "train.poll_interval_s": 0.5,
         "train.num_steps": 100000})

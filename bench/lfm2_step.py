@@ -110,7 +110,7 @@ def recipe(args):
 
 
 def _loss_fn(algo):
-    from trainer.algo import policy_loss
+    from trainer.objectives import policy_loss
 
     return lambda lp, mb: policy_loss(lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo)
 
@@ -239,7 +239,7 @@ def compare(backend, args, cfg, counts, rate, sync) -> dict:
         gc.collect()
     set_grouped(rank.model, True)
     set_grouped(rank.reference, True)
-    rank.recompute = set_recompute(rank.model, cfg.train.gradient_checkpointing)
+    rank.recompute = set_recompute(rank.model, cfg.compute.gradient_checkpointing)
     return out
 
 
@@ -254,7 +254,7 @@ def measure(args, result: dict, save) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg = recipe(args)
     result["train"] = cfg.train.model_dump()
-    result["optim"] = cfg.algo.optim.model_dump()
+    result["optim"] = cfg.optim.model_dump()
     parts = set(args.parts.split(","))
     if "optim" in parts:
         from bench import lfm2_optim
@@ -278,7 +278,7 @@ def measure(args, result: dict, save) -> None:
     save()
     if "step" in parts:
         batch = synthetic_batch(args.rows, args.prompt, args.response, backend.vocab_size)
-        counts["micro_batches"] = len(micro_batches(batch, cfg.train))
+        counts["micro_batches"] = len(micro_batches(batch, cfg.compute))
         r = run_steps(backend, batch, cfg, 1, args.steps, sync, f"lfm2 {args.layers} layers")
         r.update(rates(r, args.rows * (args.prompt + args.response), counts["active_params"], result["matmul_bf16_tflops"]))
         result["step"] = r

@@ -41,10 +41,10 @@ def _parser() -> argparse.ArgumentParser:
                    "(CUDA graphs vs eager on ragged batches), tp2 (needs 2 GPUs)")
     p.add_argument("--variants", default="megatron,hf,megatron@8,megatron-graphs@8,megatron-unfused@8,hf@8,"
                    "megatron-graphs",
-                   help="learner-step backends, each with the recipe's micro-batches (train.max_tokens_per_gpu) "
+                   help="learner-step backends, each with the recipe's micro-batches (compute.max_tokens_per_gpu) "
                    "or @N for N rows each: megatron (sdpa spec, float32 "
                    "weight-gradient accumulation in the GEMM where torch can), megatron-unfused (the same, "
-                   "accumulating separately), megatron-graphs (train.cuda_graphs on), megatron-local (stock "
+                   "accumulating separately), megatron-graphs (compute.cuda_graphs on), megatron-local (stock "
                    "local spec), megatron-compiled "
                    "(experimental: torch.compile per layer), hf")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant (after 2 warm-up steps)")
@@ -207,7 +207,7 @@ def backend_parity(model_dir: Path, device: str, rows: int, prompt: int, respons
     from trainer.backends.megatron import MegatronBackend
     from trainer.config import resolve
 
-    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": 8})
+    cfg = resolve("gsm8k", env={}, overrides={"compute.micro_batch_size": 8})
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     batch = synthetic_batch(rows, prompt, response, hf.config.vocab_size, seed=1)
     ids = batch.input_ids.to(device)
@@ -259,18 +259,18 @@ def ragged_batch(rows: int, max_prompt: int, max_response: int, vocab: int, seed
 
 
 def graphs_check(model_dir: Path, args) -> dict:
-    """train.cuda_graphs on ragged batches (several micro-batch shapes, so several graphs sharing one pool):
+    """compute.cuda_graphs on ragged batches (several micro-batch shapes, so several graphs sharing one pool):
     three steps from the same weights, against the same padded calls run eagerly (which must agree to the
     bit: a replay that read or wrote the wrong memory would not) and against the unpadded eager path
     (which differs by bf16 rounding where padding changes a GEMM's shape, and so its reduction)."""
     import torch
 
-    from trainer.algo import policy_loss
     from trainer.backends.megatron import MegatronBackend
     from trainer.config import resolve
+    from trainer.objectives import policy_loss
 
-    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": args.micro_batch, "model.dtype": "bfloat16"})
-    cfg.train.max_tokens_per_gpu = None
+    cfg = resolve("gsm8k", env={}, overrides={"compute.micro_batch_size": args.micro_batch, "model.dtype": "bfloat16"})
+    cfg.compute.max_tokens_per_gpu = None
     runs = {}
     for mode in ("eager", "padded", "graphs"):
         be = MegatronBackend.load(model_dir, cfg, device=args.device, cuda_graphs=mode != "eager")
@@ -348,21 +348,21 @@ def _graphs_state(backend) -> dict | None:
 def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float) -> dict:
     import torch
 
-    from trainer.algo import policy_loss
     from trainer.backends.base import micro_batches
     from trainer.config import resolve
+    from trainer.objectives import policy_loss
 
     name, _, mb = variant.partition("@")
     if name not in VARIANTS:
         raise ValueError(f"variant {variant!r}: known are {', '.join(VARIANTS)}, each optionally @<rows>")
     overrides = {"model.dtype": "bfloat16" if args.device == "cuda" else "float32"}
     if mb:
-        overrides["train.micro_batch_size"] = int(mb)
+        overrides["compute.micro_batch_size"] = int(mb)
     elif args.tiny:
-        overrides["train.max_tokens_per_gpu"] = 4 * (args.prompt + args.response)
+        overrides["compute.max_tokens_per_gpu"] = 4 * (args.prompt + args.response)
     cfg = resolve("gsm8k", env={}, overrides=overrides)
     if mb:
-        cfg.train.max_tokens_per_gpu = None  # rows alone
+        cfg.compute.max_tokens_per_gpu = None  # rows alone
     algo = cfg.algo
     if name.startswith("megatron"):
         from trainer.backends.megatron import MegatronBackend
@@ -399,9 +399,9 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
         _profile_step(backend, batch, fn, Path(args.out).with_name("megatron_profile.txt"), args.device)
     tokens = args.rows * (args.prompt + args.response)
     step = statistics.median(times)
-    chunks = micro_batches(batch, cfg.train)
+    chunks = micro_batches(batch, cfg.compute)
     res = {"micro_batches": len(chunks), "rows_per_micro_batch": chunks[0].rows,
-           "max_tokens_per_gpu": cfg.train.max_tokens_per_gpu, "cuda_graphs": _graphs_state(backend),
+           "max_tokens_per_gpu": cfg.compute.max_tokens_per_gpu, "cuda_graphs": _graphs_state(backend),
            "fused_wgrad": bool(getattr(getattr(backend, "_local", None), "fused_wgrad", False)),
            "step_s": step, "ref_forward_s": statistics.median(ref_times), "steps_s": times,
            "tokens": tokens, "tokens_per_s": tokens / step, "mfu": 8 * n_params * tokens / step / (rate * 1e12),
@@ -421,14 +421,14 @@ def learner_step(variant: str, model_dir: Path, args, n_params: int, rate: float
 def _tp2_rank(rank: int, port: int, model_dir: str, args, out: str) -> None:
     import torch
 
-    from trainer.algo import policy_loss
     from trainer.backends.megatron import init_parallel
     from trainer.backends.megatron_rank import MegatronRank
     from trainer.config import resolve
+    from trainer.objectives import policy_loss
 
     dev = torch.device("cuda", rank)
     init_parallel(rank, 2, dev, port=port)
-    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": args.micro_batch, "train.tensor_parallel": 2})
+    cfg = resolve("gsm8k", env={}, overrides={"compute.micro_batch_size": args.micro_batch, "compute.tensor_parallel": 2})
     r = MegatronRank(model_dir, cfg, device=dev)
     batch = synthetic_batch(args.rows, args.prompt, args.response, r.identity.vocab_size)
     logp = r.logprobs(batch).cpu()
@@ -452,7 +452,7 @@ def tp2(model_dir: Path, args, n_params: int, rate: float) -> dict:
     from trainer.backends.megatron import MegatronBackend, _free_port
     from trainer.config import resolve
 
-    cfg = resolve("gsm8k", env={}, overrides={"train.micro_batch_size": args.micro_batch})
+    cfg = resolve("gsm8k", env={}, overrides={"compute.micro_batch_size": args.micro_batch})
     one = MegatronBackend.load(model_dir, cfg, device="cuda")
     batch = synthetic_batch(args.rows, args.prompt, args.response, one.vocab_size)
     ref = one.logprobs(batch).cpu()

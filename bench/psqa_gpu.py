@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, base = build_base(cfg, paths, args)
     over["model.path"] = str(model_dir)
     if args.lr is not None:
-        over["algo.lr"] = args.lr
+        over["optim.lr"] = args.lr
     if args.groups_per_step is not None:
         over["algo.groups_per_step"] = args.groups_per_step
     cfg = resolve_embedded("psqa", {}, over)  # MODEL=: the recipe's embedded.model_overrides

@@ -82,7 +82,7 @@ def run(shape: str, device: str, plane: str, hash_threads: int | None = None) ->
     from trainer.publish.publisher import Publisher
     from worker_contract import layout, signing
     from worker_contract.manifest import create_or_resume
-    from worker_contract.planes.device import from_hf as device_plane
+    from worker_contract.planes import get_plane
     from worker_contract.pulse import apply_patch, read_header
     from worker_contract.pulse.torch_encode import encode_tensor_torch
     from worker_contract.store import open_store
@@ -111,10 +111,10 @@ def run(shape: str, device: str, plane: str, hash_threads: int | None = None) ->
         _sync(device)
         version, stats = done.version, dict(done.stats)
         patch = store.get(layout.patch_key(manifest.run, version))
-        want = device_plane(plane, steps[2])
+        want = get_plane(plane).from_hf_torch(steps[2])
         _sync(device)
         t0 = time.perf_counter()
-        base_dev = device_plane(plane, steps[1])
+        base_dev = get_plane(plane).from_hf_torch(steps[1])
         for name in sorted(want):
             encode_tensor_torch(base_dev[name], want[name], str(want[name].dtype).removeprefix("torch."))
         _sync(device)

@@ -28,13 +28,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from embedded.config import EmbeddedBaseConfig, resolve_embedded
-from trainer.config import AlgoConfig, RecipeConfig
+from trainer.config import RecipeConfig
 
 from . import staleness_stats as stats
 from .common import RESULTS, git_commit, machine_info, provenance
 
 REPO = Path(__file__).resolve().parent.parent
-OBJECTIVES: tuple[str, ...] = tuple(AlgoConfig.model_fields["objective"].annotation.__args__)
+#: the built-in objectives (trainer/objectives.py's registry), the recipe's first
+OBJECTIVES: tuple[str, ...] = ("recipe", "ppo", "no_is")
 DEFAULT_LAGS = (0, 1, 2, 4, 8, 16)
 
 
@@ -78,14 +79,14 @@ PRESETS: dict[str, Preset] = {
     # within 30 steps, at lr 1e-4 (3.3x the recipe's), so the policy moves far enough per version that PPO's
     # clip range acts on stale groups; float32 on one CPU core per cell (on CUDA the workers would sample this
     # width-128 model in bf16, another model: docs/embedded.md), 16 cells at a time on a 16-core box
-    "power": Preset(recipe={"algo.lr": 1e-4}, steps=30, eval_every=5, eval_problems=400),
+    "power": Preset(recipe={"optim.lr": 1e-4}, steps=30, eval_every=5, eval_problems=400),
     # a base large enough that staleness shows (25 M parameters), built and supervised on the GPU; few, wide
     # layers, because a step of this size is launch-bound: its time goes with the number of layers
     "gpu": Preset(
         base=EmbeddedBaseConfig(hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4, intermediate_size=2048,
                                 vocab_size=512, sft_steps=250, sft_batch_size=64, sft_lr=1e-3),
         sft_candidates=(60, 120, 250, 500),
-        recipe={"algo.lr": 1e-5, "train.micro_batch_size": 64},
+        recipe={"optim.lr": 1e-5, "train.micro_batch_size": 64},
         steps=50, eval_every=25, eval_problems=300, device="cuda", threads=1),
 }
 
@@ -241,7 +242,7 @@ def run_cell(cell: Cell, preset: Preset, base_dir: str, work: str, sets: dict[st
         "gate_drop_frac_mean": _mean(s.get("gate_drop_frac") for s in steps),
         "ratio_max": max((s.get("ratio_max", 0.0) for s in steps), default=0.0),
         "audit": audit.metrics(), "drops": dict(side.source.drops), "wall_s": round(time.monotonic() - t0, 1), "per_step": steps,
-        "staleness_bound": cfg.algo.staleness, "reuse_cap": cfg.algo.reuse_cap, "lr": cfg.algo.lr,
+        "staleness_bound": cfg.algo.staleness, "reuse_cap": cfg.algo.reuse_cap, "lr": cfg.optim.lr,
     }
 
 
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="learner steps per cell (default: the preset's)")
     ap.add_argument("--jobs", type=int, default=1, help="cells run at once, one process each (default 1)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a recipe value for every cell, e.g. algo.lr=2e-5 (repeatable)")
+                    help="a recipe value for every cell, e.g. optim.lr=2e-5 (repeatable)")
     ap.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/staleness_<preset>.json)")
     ap.add_argument("--figure", type=Path, default=None, help="PNG (default docs/staleness_<preset>.png)")
     ap.add_argument("--work", type=Path, default=REPO / ".stoa" / "staleness", help="scratch buckets and base cache")
@@ -391,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * base_report['heldout_accuracy']:.1f}% ({base_report['sft_seconds']:.0f} s to build)", flush=True)
     settings = {"preset": args.preset, "steps": preset.steps, "sets": sets, "base": base_report["config_digest"],
                 "groups_per_step": cfg0.algo.groups_per_step, "n_samples": cfg0.contract.n_samples,
-                "eval_problems": preset.eval_problems, "lr": cfg0.algo.lr, "backend": cfg0.train.backend}
+                "eval_problems": preset.eval_problems, "lr": cfg0.optim.lr, "backend": cfg0.train.backend}
     doc = {"benchmark": "staleness", "settings": settings, "cells": []}
     if out.exists() and not args.fresh:
         old = json.loads(out.read_text())

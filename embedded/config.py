@@ -14,7 +14,7 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer.config import RecipeConfig, resolve
+from trainer.config import RecipeConfig, RecipeOverrides, resolve
 
 
 class _Model(BaseModel):
@@ -98,11 +98,11 @@ class EmbeddedConfig(_Model):
     eval_temperature: float | None = None
     """Sampling temperature of the held-out evaluation; None = greedy decoding."""
     base: EmbeddedBaseConfig = EmbeddedBaseConfig()
-    overrides: dict[str, Any] = {}
-    """Recipe values the embedded run replaces (dotted keys, e.g. `algo.lr: 2.0e-4`): the tiny CPU model
-    needs its own learning rate, response budget and so on. Applied by `resolve_embedded` (below) for a run
-    on this machine."""
-    model_overrides: dict[str, Any] = {}
+    overrides: RecipeOverrides = {}
+    """Recipe values the embedded run replaces (dotted recipe keys, e.g. `optim.lr: 2.0e-4`; each key must name a
+    recipe value and each value have its type: trainer.config.check_override): the tiny CPU model needs its own
+    learning rate, response budget and so on. Applied by `resolve_embedded(..., local=True)`."""
+    model_overrides: RecipeOverrides = {}
     """The same for an embedded run on a real model from disk (MODEL=/path), instead of `overrides`."""
 
 

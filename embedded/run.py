@@ -11,7 +11,6 @@ More in docs/embedded.md (module notes).
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -63,32 +62,30 @@ def embedded_cfg(cfg: EmbeddedRecipe, paths: EmbeddedPaths) -> EmbeddedRecipe:
     return cfg.model_copy(update={"store": cfg.store or paths.store_url, "train": train, "model": model})
 
 
-def gsm8k_data_available() -> bool:
-    """Whether the real GSM8K can be loaded here (a local copy, or the `datasets` package to fetch it)."""
-    local = os.environ.get("DRL_GSM8K_DIR")
-    if local:
-        return (Path(local) / "train.jsonl").exists()
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def local_services(task):
+    """The module that runs a task's services on this machine, or None for a task that calls none: a search task
+    (`services` names the retriever) gets embedded/psqa.py (a generated corpus, the retriever on 127.0.0.1, its
+    own base and held-out evaluation). Keyed on the task's hook, never on its name."""
+    if "retriever" in task.services:
+        from . import psqa
+
+        return psqa
+    return None
 
 
 def plan_lines(cfg: EmbeddedRecipe, paths: EmbeddedPaths) -> list[str]:
     """What `run_embedded` will do, for the dry run."""
     from infra.native_launch import learner_argv
+    from worker_contract.tasks import get_task
 
     from .basemodel import config_digest
 
-    py = "python"
+    py, kit = "python", local_services(get_task(cfg.task))
     if cfg.model.path:
         base = f"use the model at {cfg.model.path} (MODEL=); task {cfg.task}"
-    elif cfg.task == "psqa":
-        base = ""  # embedded/psqa.py's plan says how its base is built
+    elif kit is not None:
+        base = ""  # the services module's plan says how its base is built
     else:
-        from worker_contract.tasks import get_task
-
         d = paths.cache / f"base-{config_digest(cfg.embedded.base, get_task(cfg.task))}"
         b = cfg.embedded.base
         base = (f"{'reuse the cached' if (d / 'base.json').exists() else 'build and cache the'} base model {d}: "
@@ -118,10 +115,8 @@ def plan_lines(cfg: EmbeddedRecipe, paths: EmbeddedPaths) -> list[str]:
         "process cleanly; a rerun of the same RUN resumes",
         f"7. metrics {paths.metrics}; plots in {paths.run_dir}/plots/",
     ]
-    if cfg.task == "psqa":
-        from . import psqa
-
-        return psqa.plan_lines(cfg, paths, middle, tail)
+    if kit is not None:
+        return kit.plan_lines(cfg, paths, middle, tail)
     return [
         "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the whole loop on this machine",
         f"1. {base}", *middle,
@@ -136,10 +131,10 @@ def prepare_model(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console) -> tuple[E
     from worker_contract.tasks import get_task
 
     if cfg.model.path:
-        if cfg.task == "gsm8k" and not gsm8k_data_available():
-            console.print("[yellow]real GSM8K data is not available here (no `datasets` package, no "
-                          "DRL_GSM8K_DIR): using generated GSM8K-format problems (task arithmetic)[/]")
-            cfg = cfg.model_copy(update={"task": "arithmetic"})
+        if alt := get_task(cfg.task).stand_in():
+            console.print(f"[yellow]the data of task {cfg.task} cannot be loaded here (for GSM8K: no `datasets` "
+                          f"package, no DRL_GSM8K_DIR): task {alt} stands in for it[/]")
+            cfg = cfg.model_copy(update={"task": alt})
         return cfg, Path(cfg.model.path)
     from .basemodel import ensure_base
 
@@ -224,11 +219,11 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
                       + f"; wait for them to end, or stop them (`invoke stop --run {cfg.run} --local{where}`), "
                       "then run it again", markup=True, highlight=False)
         return 2
-    services = None
-    if cfg.task == "psqa":  # the generated corpus and the retriever (embedded/psqa.py)
-        from .psqa import PsqaServices
+    from worker_contract.tasks import get_task
 
-        services = PsqaServices(cfg, paths)
+    services = None
+    if (kit := local_services(get_task(cfg.task))) is not None:  # e.g. the generated corpus and the retriever
+        services = kit.PsqaServices(cfg, paths)
     try:
         return _run_locked(cfg, paths, console, services)
     finally:
@@ -271,7 +266,7 @@ def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=Non
                                      problems=cfg.embedded.eval_problems, max_new_tokens=cfg.algo.max_new_tokens,
                                      temperature=cfg.embedded.eval_temperature, metrics_path=paths.metrics)
     state = RunState(run=cfg.run, max_steps=cfg.train.num_steps, budget_s=cfg.embedded.time_budget_s,
-                     recipe=cfg.name)
+                     heldout_label=get_task(cfg.task).heldout_label)
     for row in MetricsTail(paths.metrics).read():  # earlier sessions of this run
         state.update(row)
     state.session_first_step = None

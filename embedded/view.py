@@ -52,7 +52,8 @@ class RunState:
     drops: dict[str, float] = field(default_factory=dict)
     workers: dict[str, float] = field(default_factory=dict)
     phase: str = "starting the learner and workers"
-    recipe: str = "gsm8k"
+    heldout_label: str = "held-out accuracy"
+    """The task's name for its held-out score (`Task.heldout_label`)."""
     search: dict[str, float] = field(default_factory=dict)
     """psqa: the latest train-side (rollout/*) and held-out (eval/*) search rate and share of correct answers
     found after a search."""
@@ -138,7 +139,7 @@ def panel(state: RunState):
 
 
 def _acc_label(state: RunState) -> str:
-    return "held-out cover-EM" if state.recipe == "psqa" else "held-out accuracy"
+    return state.heldout_label
 
 
 def status_line(state: RunState) -> str:

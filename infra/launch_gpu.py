@@ -128,10 +128,10 @@ def box_steps(cfg: RecipeConfig) -> list[Step]:
         from .native_launch import NATIVE_BOX_STEPS
 
         return NATIVE_BOX_STEPS
-    if cfg.task == "psqa":  # the fleet reference pulls its converted base from the bucket (infra/psqa_setup.py)
-        from .psqa_setup import psqa_box_steps
+    from . import psqa_setup
 
-        return psqa_box_steps(SLIME_BOX_STEPS)
+    if psqa_setup.applies(cfg):  # the fleet reference pulls its converted base from the bucket
+        return psqa_setup.psqa_box_steps(SLIME_BOX_STEPS)
     return SLIME_BOX_STEPS
 
 
@@ -200,7 +200,7 @@ def step_start_ray(cfg: RecipeConfig, paths: BoxPaths) -> str:
     if subprocess.run(["ray", "status"], capture_output=True, check=False).returncode == 0:
         return "Ray is already up"
     run_command("start_ray", ["ray", "start", "--head", "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
-                       "--dashboard-port", "8265", "--num-gpus", str(cfg.train.tensor_parallel),
+                       "--dashboard-port", "8265", "--num-gpus", str(cfg.compute.tensor_parallel),
                        "--disable-usage-stats"])
     marker = Path(paths.remote_dir) / ".stoa" / "ray.started"
     marker.parent.mkdir(parents=True, exist_ok=True)

@@ -137,5 +137,5 @@ def moe_tokens_that_fit(cfg: Mapping[str, Any], params: int, gpu_gib: float, tp:
 
 
 def describe_plan(offload: float, recompute: bool) -> str:
-    return (f"train.optimizer_offload: {offload:g}, train.gradient_checkpointing: {str(recompute).lower()}, "
-            "algo.optim.moment_dtype: bfloat16")
+    return (f"optim.offload: {offload:g}, compute.gradient_checkpointing: {str(recompute).lower()}, "
+            "optim.moment_dtype: bfloat16")

@@ -44,9 +44,9 @@ def learner_command(cfg: RecipeConfig, paths: BoxPaths, python: str = sys.execut
 
 
 def plan_notes(cfg: RecipeConfig) -> list[str]:
-    t = cfg.train
-    return [f"engine native: trainer.native.learner on the {t.backend} backend, tensor parallel {t.tensor_parallel} "
-            f"(one Ray actor per GPU of this host above 1), micro-batches of {t.max_tokens_per_gpu or '-'} "
+    t, c = cfg.train, cfg.compute
+    return [f"engine native: trainer.native.learner on the {t.backend} backend, tensor parallel {c.tensor_parallel} "
+            f"(one Ray actor per GPU of this host above 1), micro-batches of {c.max_tokens_per_gpu or '-'} "
             "tokens; ENGINE=slime launches slime's train.py instead (the slime image)",
             "staleness and reuse are enforced by the learner's rollout source "
             f"(bound {cfg.algo.staleness}, cap {cfg.algo.reuse_cap})",
@@ -61,8 +61,8 @@ def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
     report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir, engine="native")
     answer = box_report(report)
     missing = report["imports"].get("installable", [])
-    if len(report["gpu"]["gpus"]) < cfg.train.tensor_parallel:
-        raise StepFailed(f"check_box: train.tensor_parallel={cfg.train.tensor_parallel} needs that many GPUs on "
+    if len(report["gpu"]["gpus"]) < cfg.compute.tensor_parallel:
+        raise StepFailed(f"check_box: compute.tensor_parallel={cfg.compute.tensor_parallel} needs that many GPUs on "
                          f"this host; it has {len(report['gpu']['gpus'])}")
     return answer + (f"; to install: {', '.join(missing)}" if missing else "")
 
@@ -129,9 +129,9 @@ def _mark_pointer(cfg: RecipeConfig, paths: BoxPaths) -> None:
 
 def join_hint(cfg: RecipeConfig) -> str:
     """What the operator does next: print the join card (a search task's with the shared retriever's URL)."""
-    from worker_contract.tasks import MULTI_TURN_TASKS
+    from worker_contract.tasks import get_task
 
-    url = " --retriever-url http://<retriever-host>:8000" if cfg.task in MULTI_TURN_TASKS else ""
+    url = " --retriever-url http://<retriever-host>:8000" if "retriever" in get_task(cfg.task).services else ""
     return f"hand out the join card (invoke joincard --run {cfg.run}{url})"
 
 

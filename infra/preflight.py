@@ -16,29 +16,32 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROFILE_VAR = "DRL_PREFLIGHT_PROFILE"
-#: recipe name -> the profile it launches under when DRL_PREFLIGHT_PROFILE is unset
-DEFAULT_PROFILE = {"gsm8k": "quickstart", "psqa": "fleet"}
 
 
 def _checks():
-    """(check function, profiles it runs in, what it needs: None, "host" (a host was given) or "box" (a
-    working connection to the box)) in report order."""
+    """(check function, whether it runs under a profile, what it needs: None, "host" (a host was given) or
+    "box" (a working connection to the box)) in report order. A check of a pinned value runs where the
+    profile's recipe pins it (its `preflight.pinned`)."""
     from infra import preflight_checks as c
     from infra import preflight_env as e
 
-    both, quick, fleet = {"quickstart", "fleet"}, {"quickstart"}, {"fleet"}
+    def always(p):
+        return True
+
     return [
-        (c.check_n_samples, both, None), (c.check_plane, both, None), (c.check_kv_mode, fleet, None),
-        (c.check_contract_agrees, both, None),
-        (c.check_save_interval, fleet, None), (c.check_dual_clip, both, None), (c.check_gate, both, None),
-        (c.check_reducer, both, None), (c.check_no_save_hf, both, None),
-        (c.check_algo, quick, None), (c.check_batch, quick, None),
-        (c.check_rotary, both, None), (c.check_vocab_tokenizer, both, None),
-        (e.check_credentials, both, None), (e.check_store, both, None), (e.check_bucket, both, None),
-        (e.check_run_id, both, None), (e.check_base_anchor, both, None),
-        (e.check_ssh, both, "host"),
-        (e.check_gpu, both, "box"), (e.check_gpu_memory, both, "box"), (e.check_disk, both, "box"), (e.check_ray_dashboard, both, "box"),
-        (e.check_slime, both, "box"),
+        (c.check_n_samples, lambda p: p.n_samples is not None, None),
+        (c.check_plane, lambda p: p.plane is not None, None), (c.check_kv_mode, lambda p: p.kv_mode is not None, None),
+        (c.check_contract_agrees, always, None),
+        (c.check_save_interval, lambda p: "--save-interval" in p.fixed_flags, None),
+        (c.check_dual_clip, always, None), (c.check_gate, always, None),
+        (c.check_reducer, always, None), (c.check_no_save_hf, always, None),
+        (c.check_algo, lambda p: bool(p.algo), None), (c.check_batch, lambda p: p.batch_groups is not None, None),
+        (c.check_rotary, always, None), (c.check_vocab_tokenizer, always, None),
+        (e.check_credentials, always, None), (e.check_store, always, None), (e.check_bucket, always, None),
+        (e.check_run_id, always, None), (e.check_base_anchor, always, None),
+        (e.check_ssh, always, "host"),
+        (e.check_gpu, always, "box"), (e.check_gpu_memory, always, "box"), (e.check_disk, always, "box"),
+        (e.check_ray_dashboard, always, "box"), (e.check_slime, always, "box"),
     ]
 
 
@@ -73,14 +76,15 @@ def build_context(plan, *, profile: str, env: Mapping[str, str] | None = None, e
                   store: str | None = None, hf_dir: str | None = None, host: str | None = None,
                   run_box: Callable[[str], tuple[int, str]] | None = None, ssh_key: str | None = None):
     """Everything the checks read: the plan, its recipe, the local credentials, the store and run.json."""
-    from infra.preflight_checks import PROFILES, Context
+    from infra.preflight_checks import Context, profiles
     from trainer.config import validate_resolved
     from worker_contract.env import EnvError, default_store_url, load_env, redact
     from worker_contract.manifest import load_manifest
     from worker_contract.store import NotFound, open_store
 
-    if profile not in PROFILES:
-        raise ValueError(f"{PROFILE_VAR}={profile!r} is not a profile; known: {', '.join(sorted(PROFILES))}")
+    known = profiles()
+    if profile not in known:
+        raise ValueError(f"{PROFILE_VAR}={profile!r} is not a profile; known: {', '.join(sorted(known))}")
     cfg = validate_resolved(plan.recipe, f"the launch plan's recipe {plan.recipe.get('name')!r}")
     base = dict(os.environ if env is None else env)
     env_path = Path(env_file) if env_file else REPO_ROOT / ".r2env"
@@ -101,7 +105,7 @@ def build_context(plan, *, profile: str, env: Mapping[str, str] | None = None, e
         except Exception as e:
             box_error = f"{type(e).__name__}: {redact(str(e))[:200]}"
     local_hf = hf_dir or _local_hf_dir(plan, cfg)
-    ctx = Context(plan=plan, cfg=cfg, profile=PROFILES[profile], env=effective, env_file=env_path,
+    ctx = Context(plan=plan, cfg=cfg, profile=known[profile], env=effective, env_file=env_path,
                   env_error=env_error, store_url=url, hf_dir=Path(local_hf) if local_hf else None,
                   run_box=None if box_error else run_box)
     if host:
@@ -164,7 +168,7 @@ def _native_row(ctx):
                seen="native: " + " ".join(f"{k}={v}" for k, v in seen.items()) + f" eps_clip_c={a.eps_clip_c}",
                required=" ".join(f"{k}={v}" for k, v in want.items()) + " eps_clip_c>1 (trainer/algo.py: DPPO "
                "gate, dual clip, Dr.GRPO reducer, k3 KL)",
-               fix="" if not bad else f"set algo.{', algo.'.join(bad)} in runs/{p.recipe}.yaml as required")
+               fix="" if not bad else f"set algo.{', algo.'.join(bad)} as required (the {p.recipe} recipe's values)")
 
 
 def run_checks(ctx) -> list:
@@ -176,8 +180,8 @@ def run_checks(ctx) -> list:
     native = ctx.cfg.train.engine == "native"
     if native:
         rows.append(_native_row(ctx))
-    for fn, profiles, needs in _checks():
-        if ctx.profile.name not in profiles or (needs == "host" and "box" not in ctx.facts):
+    for fn, applies, needs in _checks():
+        if not applies(ctx.profile) or (needs == "host" and "box" not in ctx.facts):
             continue
         if native and fn.__name__ in SLIME_ONLY:
             continue
@@ -279,12 +283,15 @@ def main(argv: list[str] | None = None, stdin=None, env: Mapping[str, str] | Non
 
     env = dict(os.environ if env is None else env)
     try:
-        from infra.preflight_checks import PROFILES
+        from infra.preflight_checks import profiles
 
-        if args.profile and args.profile not in PROFILES:
-            raise ValueError(f"--profile={args.profile!r} is not a profile; known: {', '.join(sorted(PROFILES))}")
+        known = profiles()
+        if args.profile and args.profile not in known:
+            raise ValueError(f"--profile={args.profile!r} is not a profile; known: {', '.join(sorted(known))}")
         plan = read_plan(args, stdin or sys.stdin, env)
-        profile = args.profile or env.get(PROFILE_VAR) or DEFAULT_PROFILE.get(plan.recipe.get("name"), "quickstart")
+        # by default the profile the plan's recipe names in its preflight section
+        profile = args.profile or env.get(PROFILE_VAR) or (plan.recipe.get("preflight") or {}).get("profile",
+                                                                                                   "quickstart")
         ctx = build_context(plan, profile=profile, env=env, env_file=args.env_file, store=args.store,
                             hf_dir=args.hf_dir, host=args.host, ssh_key=args.ssh_key)
     except (PlanError, ValueError) as e:

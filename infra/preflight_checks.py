@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict
 from infra import slime_launch
 from infra.launch_plan import LaunchPlan
 from trainer.config import RecipeConfig
-from worker_contract.planes import PlaneName
 
 Status = Literal["PASS", "FAIL", "WARN"]
 
@@ -41,18 +40,19 @@ class Row(BaseModel):
 
 
 class Profile(BaseModel):
-    """What a launch profile requires (the run paths in README.md; the fleet's values from its recipe)."""
+    """What a launch profile requires: built from one recipe's `preflight` section and that recipe's own values
+    (`profile_of`), so a profile never copies a recipe value."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    name: Literal["quickstart", "fleet"]
-    """Profile name (DRL_PREFLIGHT_PROFILE)."""
+    name: str
+    """Profile name (DRL_PREFLIGHT_PROFILE): the recipe's preflight.profile."""
     recipe: str
     """The recipe this profile launches."""
-    n_samples: int = 8
-    """DRL_N_SAMPLES every worker must match."""
-    plane: PlaneName
-    """DRL_PULSE_PLANE."""
+    n_samples: int | None = None
+    """DRL_N_SAMPLES every worker must match (None: not pinned)."""
+    plane: str | None = None
+    """DRL_PULSE_PLANE (None: not pinned)."""
     kv_mode: str | None = None
     """DRL_KV_MODE the workers must run (None: not constrained)."""
     fixed_flags: dict[str, str] = {}
@@ -61,23 +61,51 @@ class Profile(BaseModel):
     """Recipe `algo` values the profile fixes (staleness, reuse cap, ref-KL)."""
     batch_groups: int | None = None
     """Prompt groups per step the profile fixes (each of n_samples samples)."""
+    remote_store: bool = False
+    """Workers run elsewhere: the store must be r2:// or s3://."""
     min_free_disk_gb: float = 100.0
-    """Free disk the box needs under the remote dir (models, checkpoints, logs) when the model's size is not
-    known; for a known model the check uses infra.slime_launch.disk_need_gb (the recipes: 67 / 172 GB on the
-    native engine, 76 / 272 on slime)."""
+    """Free disk the box needs when the model's size is not known (preflight.min_free_disk_gb)."""
 
 
-PROFILES: dict[str, Profile] = {
-    "quickstart": Profile(
-        name="quickstart", recipe="gsm8k", plane="bf16",
-        algo={"staleness": 3, "reuse_cap": 2, "kl_coef": 0.001}, batch_groups=8, min_free_disk_gb=76.0,
-    ),
-    "fleet": Profile(
-        name="fleet", recipe="psqa", plane="int8g64", kv_mode="paged_prefix",
-        fixed_flags={"--save-interval": "4", "--eps-clip": "10000", "--eps-clip-high": "19", "--eps-clip-c": "20"},
-        min_free_disk_gb=272.0,
-    ),
-}
+#: pinned recipe key -> the slime flag that carries it
+_FLAGS = {"checkpoint.interval": "--save-interval", "algo.eps_clip": "--eps-clip",
+          "algo.eps_clip_high": "--eps-clip-high", "algo.eps_clip_c": "--eps-clip-c"}
+_ALGO = ("algo.staleness", "algo.reuse_cap", "algo.kl_coef")
+
+
+def profile_of(recipe: str) -> Profile:
+    """The profile of a registered recipe: its `preflight` section, the pinned keys' values read from the recipe
+    itself (its file over the defaults; no environment)."""
+    from trainer.config import resolve
+
+    cfg = resolve(recipe, env={})
+    sec, pinned = cfg.preflight, set(cfg.preflight.pinned)
+
+    def val(dotted: str):
+        node = cfg
+        for part in dotted.split("."):
+            node = getattr(node, part)
+        return node
+
+    return Profile(name=sec.profile, recipe=recipe,
+                   n_samples=cfg.contract.n_samples if "contract.n_samples" in pinned else None,
+                   plane=cfg.contract.plane if "contract.plane" in pinned else None,
+                   kv_mode=cfg.contract.kv_mode if "contract.kv_mode" in pinned else None,
+                   fixed_flags={flag: _fmt(val(k)) for k, flag in _FLAGS.items() if k in pinned},
+                   algo={k.split(".")[1]: val(k) for k in _ALGO if k in pinned},
+                   batch_groups=cfg.algo.groups_per_step if "algo.groups_per_step" in pinned else None,
+                   remote_store=sec.remote_store, min_free_disk_gb=sec.min_free_disk_gb)
+
+
+def profiles() -> dict[str, Profile]:
+    """profile name -> Profile, one per recipe under runs/ (two recipes naming one profile: the first by name)."""
+    from trainer.config import RECIPES
+
+    out: dict[str, Profile] = {}
+    for recipe in sorted(RECIPES):
+        prof = profile_of(recipe)
+        out.setdefault(prof.name, prof)
+    return out
 
 
 @dataclass
@@ -196,9 +224,9 @@ def check_save_interval(ctx: Context) -> Row:
     seen = ctx.flag("--save-interval")
     if want is None:
         return _row("recipe.save_interval", seen is not None, f"--save-interval {seen}", "set",
-                    "set train.save_interval in the recipe")
+                    "set checkpoint.interval in the recipe")
     return _row("recipe.save_interval", seen == want, f"--save-interval {seen}", f"--save-interval {want}",
-                f"set train.save_interval: {want} in runs/psqa-decoupled/recipe.yaml")
+                f"set checkpoint.interval: {want}, the {ctx.profile.recipe} recipe's value (it is pinned)")
 
 
 def check_dual_clip(ctx: Context) -> Row:
@@ -212,7 +240,8 @@ def check_dual_clip(ctx: Context) -> Row:
     ok = all(_num_eq(ctx.flag(n), v) for n, v in want.items())
     required = " ".join(f"{n} {v}" for n, v in want.items())
     return _row("recipe.dual_clip", ok, seen, required,
-                "set algo.eps_clip: 10000, algo.eps_clip_high: 19, algo.eps_clip_c: 20 in the fleet recipe")
+                "set " + ", ".join(f"algo.{n.removeprefix('--').replace('-', '_')}: {v}" for n, v in want.items()
+                                   if v is not None) + f", the {ctx.profile.recipe} recipe's values (pinned)")
 
 
 def check_gate(ctx: Context) -> Row:
@@ -247,8 +276,8 @@ def check_algo(ctx: Context) -> Row:
         ok = ok and ctx.flag("--use-kl-loss") is True and _num_eq(kl_flag, want["kl_coef"])
     required = " ".join(f"{k}={v:g}" for k, v in want.items())
     return _row("recipe.algo", ok, seen_s, required,
-                "set algo.staleness: 3, algo.reuse_cap: 2 and algo.kl_coef: 0.001 in runs/gsm8k.yaml "
-                "(and no --kl-loss-coef in launch.extra_args)")
+                "set " + ", ".join(f"algo.{k}: {v:g}" for k, v in want.items())
+                + f", the {ctx.profile.recipe} recipe's values (and no --kl-loss-coef in launch.extra_args)")
 
 
 def check_batch(ctx: Context) -> Row:
@@ -262,7 +291,7 @@ def check_batch(ctx: Context) -> Row:
         whole = False
     return _row("recipe.batch", _num_eq(g, want_g) and whole, f"{g} groups x {n} samples (global batch {gb})",
                 f"{want_g} groups x DRL_N_SAMPLES samples (global batch their product)",
-                f"set algo.groups_per_step: {want_g} in runs/gsm8k.yaml, and remove any --rollout-batch-size or "
+                f"set algo.groups_per_step: {want_g} ({ctx.profile.recipe}'s value), and remove any --rollout-batch-size or "
                 "--global-batch-size from launch.extra_args")
 
 

@@ -58,7 +58,7 @@ def check_credentials(ctx: Context) -> Row:
 
 def check_store(ctx: Context) -> Row:
     """Workers on other machines can reach the store: a fleet (or a remote box) needs R2 / S3."""
-    remote = ctx.profile.name == "fleet" or ctx.plan.host is not None
+    remote = ctx.profile.remote_store or ctx.plan.host is not None
     ok = not remote or _scheme(ctx.store_url) in ("r2", "s3")
     return _row("store", ok, ctx.store_url, "r2://<bucket> or s3://<bucket>" if remote else "any store",
                 "fill .r2env with the four R2 values (the store then defaults to r2://$R2_BUCKET) or set "
@@ -156,7 +156,7 @@ def check_gpu(ctx: Context) -> Row:
     assert ctx.run_box is not None
     rc, out = ctx.run_box("nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1")
     gpus = [ln.strip() for ln in out.splitlines() if ln.strip()] if rc == 0 else []
-    need = ctx.cfg.train.tensor_parallel
+    need = ctx.cfg.compute.tensor_parallel
     mib = [float(m.group(1)) for g in gpus if (m := re.search(r",\s*([\d.]+)\s*MiB\s*$", g))]
     if mib:
         ctx.facts["gpu_gib"] = min(mib) / 1024  # the smallest GPU bounds the learner
@@ -173,7 +173,7 @@ def check_gpu_memory(ctx: Context) -> Row:
 
     cfg, src = hf_config(ctx)
     gpu = ctx.facts.get("gpu_gib")
-    train, new_tokens = ctx.cfg.train, ctx.cfg.algo.max_new_tokens
+    train, new_tokens = ctx.cfg.compute, ctx.cfg.algo.max_new_tokens
     if cfg is not None and gpu is not None and is_moe(cfg):
         return _moe_gpu_memory(ctx, cfg, gpu)
     est = learner_peak_gib(cfg, train, new_tokens) if cfg is not None else None
@@ -186,7 +186,7 @@ def check_gpu_memory(ctx: Context) -> Row:
     return _row("box.gpu_memory", est <= USABLE * gpu,
                 f"~{est:.0f} GiB per GPU at {tokens} tokens per micro-batch; the GPU has {gpu:.0f} GiB",
                 f"<= {USABLE * gpu:.0f} GiB ({USABLE:.0%})",
-                f"set train.max_tokens_per_gpu: {fit} in the recipe (the largest that fits by this estimate), "
+                f"set compute.max_tokens_per_gpu: {fit} in the recipe (the largest that fits by this estimate), "
                 "or rent a GPU with more memory", warn=True)
 
 
@@ -195,15 +195,15 @@ def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
     card users rent (infra/learner_memory.py, fitted to the H200 measurements)."""
     from infra import learner_memory as lm
 
-    train, algo = ctx.cfg.train, ctx.cfg.algo
+    compute, algo = ctx.cfg.compute, ctx.cfg.algo
     params = lm.total_params(cfg)
     if params is None:
         return _row("box.gpu_memory", False, f"not estimated: transformers cannot build {cfg.get('model_type')!r}",
                     "the learner's estimate within the GPU", "check the model's config.json", warn=True)
-    tokens, tp = lm.tokens_per_micro_batch(train, algo.max_new_tokens), train.tensor_parallel
-    moment_bytes = 2 if algo.optim.moment_dtype == "bfloat16" else 4
-    est = lm.moe_peak_gib(cfg, params, tokens, offload=train.optimizer_offload,
-                          recompute=train.gradient_checkpointing, moment_bytes=moment_bytes, tp=tp)
+    tokens, tp = lm.tokens_per_micro_batch(compute, algo.max_new_tokens), compute.tensor_parallel
+    moment_bytes = 2 if ctx.cfg.optim.moment_dtype == "bfloat16" else 4
+    est = lm.moe_peak_gib(cfg, params, tokens, offload=ctx.cfg.optim.offload,
+                          recompute=compute.gradient_checkpointing, moment_bytes=moment_bytes, tp=tp)
     cards = []
     for card, gib in lm.CARDS.items():
         plan = lm.moe_plan_for(cfg, params, tokens, gib, tp)
@@ -216,11 +216,11 @@ def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
     fit = lm.moe_plan_for(cfg, params, tokens, gpu, tp)
     leanest = lm.moe_tokens_that_fit(cfg, params, gpu, tp)
     fix = (f"set {lm.describe_plan(fit[0], fit[1])} in the recipe (~{fit[2]:.0f} GiB)" if fit else
-           f"lower train.micro_batch_size or set train.max_tokens_per_gpu: {leanest} with the leanest plan, or "
+           f"lower compute.micro_batch_size or set compute.max_tokens_per_gpu: {leanest} with the leanest plan, or "
            "rent a larger GPU" if leanest else
-           "rent a GPU with more memory, or set train.tensor_parallel to spread the model over this box's GPUs")
-    plan = (f"offload {train.optimizer_offload:g}, {'recompute' if train.gradient_checkpointing else 'no recompute'}, "
-            f"{algo.optim.moment_dtype} moments")
+           "rent a GPU with more memory, or set compute.tensor_parallel to spread the model over this box's GPUs")
+    plan = (f"offload {ctx.cfg.optim.offload:g}, {'recompute' if compute.gradient_checkpointing else 'no recompute'}, "
+            f"{ctx.cfg.optim.moment_dtype} moments")
     return _row("box.gpu_memory", est <= lm.USABLE * gpu,
                 f"~{est:.0f} GiB per GPU ({params / 1e9:.1f} B parameters, {plan}) at {tokens} tokens per "
                 f"micro-batch; the GPU has {gpu:.0f} GiB. Plans by card: {'; '.join(cards)}",
@@ -238,11 +238,11 @@ def check_disk(ctx: Context) -> Row:
     hf, _ = hf_config(ctx)
     estimate = slime_launch.disk_need_gb(ctx.cfg, hf) if hf is not None else None
     need = estimate if estimate is not None else ctx.profile.min_free_disk_gb
-    ckpts = ctx.cfg.train.keep_checkpoints
+    ckpts = ctx.cfg.checkpoint.keep
     return _row("box.disk", free_gb >= need, f"{free_gb:.0f} GB free under {ctx.plan.remote_dir}",
                 f">= {need:.0f} GB", f"free disk on the box or rent a larger disk (need {need:.0f} GB for the "
                 f"model, its Megatron copy, {ckpts} + 1 {ctx.cfg.train.engine}-engine checkpoints "
-                f"(train.keep_checkpoints: {ckpts}) and logs)")
+                f"(checkpoint.keep: {ckpts}) and logs)")
 
 
 def check_ray_dashboard(ctx: Context) -> Row:

@@ -22,6 +22,14 @@ from worker_contract import layout
 from worker_contract.store import NotFound, PreconditionFailed
 
 BASE_NAME = "lfm25"
+#: the model whose base the fleet shares through the bucket (`bases/<BASE_NAME>/`)
+BASE_HF_ID = "LiquidAI/LFM2.5-8B-A1B"
+
+
+def applies(cfg) -> bool:
+    """Whether a launch takes its base through these steps: the recipe trains the shared base's model (the
+    psqa recipe's LFM2.5); keyed on the model, never on the task's name."""
+    return cfg.model.hf_id == BASE_HF_ID
 MANIFEST_FORMAT = 1
 
 

@@ -154,7 +154,7 @@ def model_args(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> list[str]:
 #: slime (Megatron) checkpoint (bf16 weights, the fp32 master copy, two fp32 Adam moments: 2 + 4 + 8)
 MODEL_BYTES, CHECKPOINT_BYTES = 4, 14
 #: a native-engine checkpoint per parameter: the fp32 masters (the weights are made from them on resume) and
-#: Adam's two moments in algo.optim.moment_dtype
+#: Adam's two moments in optim.moment_dtype
 NATIVE_MASTER_BYTES, MOMENT_BYTES = 4, {"float32": 4, "bfloat16": 2}
 #: logs, the compile caches, the state dir
 DISK_SLACK_GB = 5.0
@@ -181,12 +181,12 @@ def model_params(c: Mapping[str, Any]) -> int | None:
 
 
 def disk_need_gb(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> float | None:
-    """Disk the run needs under the remote dir: the model twice, and `train.keep_checkpoints` + 1 checkpoints
+    """Disk the run needs under the remote dir: the model twice, and `checkpoint.keep` + 1 checkpoints
     (K complete ones and the one being written) of the engine's size (`checkpoint_bytes`)."""
     params = model_params(hf_config)
     if params is None:
         return None
-    ckpts = cfg.train.keep_checkpoints + 1
+    ckpts = cfg.checkpoint.keep + 1
     return round(params * (MODEL_BYTES + ckpts * checkpoint_bytes(cfg)) / 1e9 + DISK_SLACK_GB)
 
 
@@ -194,13 +194,13 @@ def checkpoint_bytes(cfg: RecipeConfig) -> int:
     """Bytes per parameter of one checkpoint: slime's Megatron checkpoint, or the native engine's masters
     and moments (12 with float32 moments, 8 with bfloat16)."""
     if cfg.train.engine == "native":
-        return NATIVE_MASTER_BYTES + 2 * MOMENT_BYTES[cfg.algo.optim.moment_dtype]
+        return NATIVE_MASTER_BYTES + 2 * MOMENT_BYTES[cfg.optim.moment_dtype]
     return CHECKPOINT_BYTES
 
 
 # -- the slime flags ------------------------------------------------------------------------------------
 def cluster_args(cfg: RecipeConfig, trainer_only: TrainerOnly) -> list[str]:
-    gpus = cfg.train.tensor_parallel
+    gpus = cfg.compute.tensor_parallel
     args = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(gpus)]
     return args + (["--rollout-num-gpus", "0"] if trainer_only == "rollout-num-gpus-0" else ["--debug-train-only"])
 
@@ -209,7 +209,7 @@ def checkpoint_args(cfg: RecipeConfig, paths: BoxPaths) -> list[str]:
     hf_id = cfg.model.hf_id
     return [
         "--hf-checkpoint", paths.hf_dir(hf_id), "--ref-load", paths.torch_dist_dir(hf_id),
-        "--load", paths.ckpt_dir, "--save", paths.ckpt_dir, "--save-interval", str(cfg.train.save_interval),
+        "--load", paths.ckpt_dir, "--save", paths.ckpt_dir, "--save-interval", str(cfg.checkpoint.interval),
     ]
 
 
@@ -226,7 +226,11 @@ def rollout_args(cfg: RecipeConfig) -> list[str]:
 
 
 def objective_args(cfg: RecipeConfig) -> list[str]:
+    """slime's flags for the recipe's objective; one slime's hooks cannot build is refused in one sentence."""
+    from trainer.objectives import check_engine
+
     a = cfg.algo
+    check_engine(a.objective, "slime")
     return [
         "--advantage-estimator", "grpo", "--disable-grpo-std-normalization",
         "--custom-reward-post-process-path", REWARD_POST_FN,
@@ -241,15 +245,16 @@ def objective_args(cfg: RecipeConfig) -> list[str]:
 
 
 def optimizer_args(cfg: RecipeConfig) -> list[str]:
-    """AdamW from the recipe's `algo.optim` (the native learner reads the same fields); fp32 master weights
-    and moments are Megatron's defaults. The memory plan maps to Megatron's own: bf16 moments through its
-    precision-aware optimizer, `train.optimizer_offload` through its CPU offload of that share."""
-    a, o, offload = cfg.algo, cfg.algo.optim, cfg.train.optimizer_offload
+    """AdamW from the recipe's `optim` section (the native learner reads the same fields): a constant learning
+    rate, no warm-up; fp32 master weights and moments are Megatron's defaults. The memory plan maps to Megatron's
+    own: bf16 moments through its precision-aware optimizer, `optim.offload` through its CPU offload of that
+    share."""
+    o, offload = cfg.optim, cfg.optim.offload
     args = [
-        "--optimizer", "adam", "--lr", _num(a.lr), "--lr-decay-style", o.lr_schedule,
-        "--lr-warmup-iters", str(o.lr_warmup_steps), "--weight-decay", _num(a.weight_decay),
+        "--optimizer", "adam", "--lr", _num(o.lr), "--lr-decay-style", "constant",
+        "--lr-warmup-iters", "0", "--weight-decay", _num(o.weight_decay),
         "--adam-beta1", _num(o.beta1), "--adam-beta2", _num(o.beta2), "--adam-eps", _num(o.eps),
-        "--clip-grad", _num(a.grad_clip), "--seed", str(cfg.train.seed),
+        "--clip-grad", _num(o.grad_clip), "--seed", str(cfg.train.seed),
     ]
     if o.moment_dtype == "bfloat16":
         args += ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
@@ -261,17 +266,17 @@ def optimizer_args(cfg: RecipeConfig) -> list[str]:
 def perf_args(cfg: RecipeConfig, hf_config: Mapping[str, Any] | None = None) -> list[str]:
     """Parallelism, batching and precision. Sequence parallelism at TP > 1, except for a model with short
     conv layers (LFM2's `layer_types`): the conv runs along the sequence and refuses a split one."""
-    tp = cfg.train.tensor_parallel
+    tp = cfg.compute.tensor_parallel
     convs = "conv" in ((hf_config or {}).get("layer_types") or [])
     args = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "1",
-            "--context-parallel-size", "1", "--micro-batch-size", str(cfg.train.micro_batch_size)]
-    if cfg.train.max_tokens_per_gpu is not None:  # token-budget micro-batches, as our backends do
-        args += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cfg.train.max_tokens_per_gpu)]
+            "--context-parallel-size", "1", "--micro-batch-size", str(cfg.compute.micro_batch_size)]
+    if cfg.compute.max_tokens_per_gpu is not None:  # token-budget micro-batches, as our backends do
+        args += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(cfg.compute.max_tokens_per_gpu)]
     if tp > 1 and not convs:
         args.append("--sequence-parallel")
     if cfg.model.dtype == "bfloat16":
         args.append("--bf16")
-    if cfg.train.gradient_checkpointing:  # as the native learner: every decoder layer recomputed in backward
+    if cfg.compute.gradient_checkpointing:  # as the native learner: every decoder layer recomputed in backward
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return args + ["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
                    "--attention-softmax-in-fp32", "--attention-backend", "flash"]

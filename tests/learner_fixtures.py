@@ -11,7 +11,17 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import AlgoConfig, ContractConfig, GateConfig, ModelConfig, RecipeConfig, TrainConfig
+from trainer.config import (
+    AlgoConfig,
+    CheckpointConfig,
+    ComputeConfig,
+    ContractConfig,
+    GateConfig,
+    ModelConfig,
+    OptimConfig,
+    RecipeConfig,
+    TrainConfig,
+)
 from worker_contract import layout
 from worker_contract.manifest import RunManifest
 from worker_contract.schema import RolloutRecord, Sample, SamplingParams, encode_record
@@ -38,16 +48,25 @@ def save_tiny_model(path: Path, seed: int = 0) -> Path:
 
 
 def recipe(staleness: int = 3, **train_kw) -> RecipeConfig:
-    train = dict(backend="hf", micro_batch_size=4, save_interval=2, anchor_interval=3, num_steps=6,
-                 seed=7, poll_interval_s=0.05, vocab_chunk=24)
+    """A small recipe; `train_kw` are the fields train held before its split (TrainConfig's, ComputeConfig's,
+    and `save_interval` / `keep_checkpoints` for the checkpoint section)."""
+    train = dict(backend="hf", anchor_interval=3, num_steps=6, seed=7, poll_interval_s=0.05)
+    ckpt = {"interval": train_kw.pop("save_interval", 2), "keep": train_kw.pop("keep_checkpoints", 2)}
+    compute = {"micro_batch_size": 4, "vocab_chunk": 24}
+    compute.update({k: train_kw.pop(k) for k in list(train_kw) if k in ComputeConfig.model_fields})
+    if "compute_dtype" in train_kw:
+        compute["dtype"] = train_kw.pop("compute_dtype")
     train.update(train_kw)
     return RecipeConfig(
         name="test", task="arithmetic",
         contract=ContractConfig(n_samples=N_SAMPLES, plane="bf16"),
         model=ModelConfig(dtype="float32"),
-        algo=AlgoConfig(groups_per_step=2, staleness=staleness, reuse_cap=2, max_new_tokens=MAX_NEW, lr=1e-3,
+        algo=AlgoConfig(groups_per_step=2, staleness=staleness, reuse_cap=2, max_new_tokens=MAX_NEW,
                         temperature=1.0, gate=GateConfig(divergence="tv", delta_low=0.2, delta_high=0.2)),
+        optim=OptimConfig(lr=1e-3),
         train=TrainConfig(**train),
+        compute=ComputeConfig(**compute),
+        checkpoint=CheckpointConfig(**ckpt),
     )
 
 

@@ -22,8 +22,8 @@ def save_loop(ckpt_root: str, model_dir: str) -> None:
     from learner_fixtures import make_record, recipe
 
     from trainer import checkpoint
-    from trainer.algo import policy_loss
     from trainer.backends import get_backend
+    from trainer.objectives import policy_loss
     from trainer.step import collate
 
     torch.set_num_threads(1)

@@ -13,10 +13,10 @@ from trainer.algo import (
     drgrpo_reduce,
     dual_clip_loss,
     k3_kl,
-    policy_loss,
     sequence_mean_reduce,
 )
 from trainer.config import AlgoConfig, GateConfig
+from trainer.objectives import policy_loss
 
 L = math.log
 
@@ -199,3 +199,64 @@ def test_policy_loss_without_reference_has_no_kl():
     logp = t(L(0.5), L(0.4)).reshape(1, 2)
     loss, m = policy_loss(logp, logp.clone(), None, t(1.0), torch.ones(1, 2), _cfg())
     assert loss.item() == pytest.approx(-2 / 4) and m["kl_mean"] == 0.0
+
+
+# -- the objective registry: the default's loss pinned, a registered term runs -------------------------------
+def _seeded_batch():
+    g = torch.Generator().manual_seed(1234)
+    b, r = 6, 9
+    logp = (-torch.rand(b, r, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    blp = (logp.detach() + torch.randn(b, r, generator=g, dtype=torch.float64) * 0.4).clamp(max=0.0)
+    ref = logp.detach() + torch.randn(b, r, generator=g, dtype=torch.float64) * 0.2
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    mask = (torch.rand(b, r, generator=g) > 0.25).to(torch.float64)
+    return logp, blp, ref, adv, mask
+
+
+#: loss, sum of the gradient, sum of its squares and the gate's drop share on `_seeded_batch`, computed by
+#: policy_loss at 14719cb (before the objectives became a registry over LossInputs): refactors keep them exactly
+PINNED = {
+    "recipe": (-0.003830370936795874, 0.013995888659457669, 0.0018122104819194376, 0.06976744186046512),
+    "ppo": (-0.02639890159872998, 0.013600958945473208, 0.0018122632702771318, 0.0),
+    "no_is": (-0.061875835876655974, -0.06121182992407136, 0.0025053327377044157, 0.0),
+}
+
+
+@pytest.mark.parametrize("objective", sorted(PINNED))
+def test_each_built_in_objective_gives_the_pinned_loss_on_a_fixed_seed(objective):
+    from trainer.objectives import LossInputs, objective_loss
+
+    logp, blp, ref, adv, mask = _seeded_batch()
+    cfg = AlgoConfig(objective=objective, max_new_tokens=12, kl_coef=0.05)
+    loss, m = objective_loss(LossInputs.make(logp, blp, ref, adv, mask), cfg)
+    loss.backward()
+    got = (loss.item(), float(logp.grad.sum()), float((logp.grad ** 2).sum()), m["gate_drop_frac"])
+    assert got == pytest.approx(PINNED[objective], rel=1e-12, abs=1e-15)
+
+
+def test_a_registered_objective_is_what_the_loss_runs_and_slime_refuses_it():
+    from trainer.config import resolve
+    from trainer.objectives import OBJECTIVES, PolicyTerm, register_objective
+
+    calls = []
+
+    @register_objective("test-half-no-is")
+    def half(x, algo):
+        calls.append(x.advantages.shape)
+        return PolicyTerm(-0.5 * x.advantages * torch.exp(x.logprobs - x.logprobs.detach()),
+                          torch.ones_like(x.loss_mask, dtype=torch.bool))
+
+    try:
+        logp, blp, ref, adv, mask = _seeded_batch()
+        loss, _ = policy_loss(logp, blp, None, adv, mask, AlgoConfig(objective="test-half-no-is", max_new_tokens=12))
+        want, _ = policy_loss(logp, blp, None, adv, mask, AlgoConfig(objective="no_is", max_new_tokens=12))
+        assert calls == [(6, 9)] and loss.item() == pytest.approx(want.item() / 2)
+        with pytest.raises(ValueError, match="taken"):
+            register_objective("recipe")(half)
+        with pytest.raises(ValueError, match=r"runs on the native engine only .*set train.engine: native") as e:
+            resolve("gsm8k", env={}, overrides={"algo.objective": "test-half-no-is", "train.engine": "slime"})
+        assert "\n" not in str(e.value)
+    finally:
+        OBJECTIVES.pop("test-half-no-is", None)
+    with pytest.raises(ValueError, match="known objectives: no_is, ppo, recipe"):
+        AlgoConfig(objective="test-half-no-is")

@@ -137,13 +137,13 @@ def test_fleet_recipe_defaults_to_the_native_engine(clean_env, monkeypatch):
     entrypoints.learner with the recipe's memory plan, and no slime flags."""
     monkeypatch.setenv("DRL_KV_MODE", "paged_prefix")
     cfg = resolve("psqa", env={"DRL_RUN": "dry-psqa-native", "DRL_KV_MODE": "paged_prefix"})
-    assert cfg.train.engine == "native" and cfg.algo.optim.moment_dtype == "bfloat16"
-    assert cfg.train.optimizer_offload == 1.0
+    assert cfg.train.engine == "native" and cfg.optim.moment_dtype == "bfloat16"
+    assert cfg.optim.offload == 1.0
     lines: list[str] = []
     assert launch_on_this_box(cfg, dry_run=True, out=lines.append) == 0
     plan = parse_plan("\n".join(lines))
     assert plan.slime_args == [] and "-m entrypoints.learner" in " ".join(plan.command)
-    assert plan.recipe["train"]["optimizer_offload"] == 1.0
+    assert plan.recipe["optim"]["offload"] == 1.0
 
 
 def test_make_level_dry_run_output_parses(clean_env, monkeypatch):

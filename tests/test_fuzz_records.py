@@ -473,8 +473,8 @@ def _learner_step_on(src: RolloutSource, tmp_path: Path) -> float:
     import torch
     from learner_fixtures import recipe, tiny_model
 
-    from trainer.algo import policy_loss
     from trainer.backends import get_backend
+    from trainer.objectives import policy_loss
     from trainer.step import collate
 
     torch.set_num_threads(1)

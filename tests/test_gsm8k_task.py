@@ -133,3 +133,15 @@ def test_heldout_problems_never_appear_in_training():
     assert not seen_train & set(held)
     assert {p.question for p in train[:5000]}.isdisjoint({p.question for p in test[: len(test)]})
     assert DEFAULT_SPLITS["train"].seed != DEFAULT_SPLITS["test"].seed
+
+
+def test_gsm8k_names_its_stand_in_where_its_data_cannot_be_loaded(tmp_path, monkeypatch):
+    """The local runs read which task stands in for GSM8K from the task (`stand_in`), not from its name."""
+    from worker_contract.tasks import get_task
+    from worker_contract.tasks.gsm8k import GSM8KTask
+
+    monkeypatch.delenv("DRL_GSM8K_DIR", raising=False)
+    assert GSM8KTask(local_dir=str(tmp_path)).stand_in() == "arithmetic"  # a copy without train.jsonl
+    (tmp_path / "train.jsonl").write_text("")
+    assert GSM8KTask(local_dir=str(tmp_path)).stand_in() is None
+    assert get_task("arithmetic").stand_in() is None and get_task("psqa").stand_in() is None

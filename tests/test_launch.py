@@ -58,7 +58,7 @@ def test_embedded_dry_run_prints_the_resolved_config_and_the_plan_and_no_secret(
     # the recipe resolved with the embedded overrides applied (the tiny model's own values)
     emb = cfg["embedded"]["overrides"]
     assert cfg["run"] == run and cfg["task"] == emb["task"] == "arithmetic"
-    assert cfg["algo"]["lr"] == emb["algo.lr"] and cfg["algo"]["max_new_tokens"] == emb["algo.max_new_tokens"]
+    assert cfg["optim"]["lr"] == emb["optim.lr"] and cfg["algo"]["max_new_tokens"] == emb["algo.max_new_tokens"]
     assert cfg["contract"] == {"n_samples": 8, "plane": "bf16", "kv_mode": None}
     assert cfg["algo"]["groups_per_step"] == 8 and cfg["algo"]["staleness"] == 3 and cfg["algo"]["reuse_cap"] == 2
     assert cfg["algo"]["kl_coef"] == 0.001
@@ -107,7 +107,7 @@ def test_psqa_without_host_dry_runs_the_embedded_miniature():
     assert (algo["staleness"], algo["reuse_cap"], algo["kl_coef"]) == (3, 2, 0.001)
     emb = cfg["embedded"]["overrides"]
     assert algo["groups_per_step"] == emb["algo.groups_per_step"] < 8
-    assert algo["max_new_tokens"] == emb["algo.max_new_tokens"] < 4096 and algo["lr"] == emb["algo.lr"]
+    assert algo["max_new_tokens"] == emb["algo.max_new_tokens"] < 4096 and cfg["optim"]["lr"] == emb["optim.lr"]
     assert cfg["train"]["engine"] == "native" and cfg["train"]["backend"] == "hf"
     assert "python -m infra.retriever serve --corpus" in out and "--host 127.0.0.1" in out
     assert "--backend torch" in out and "--backend mlx" in out and "--worker-id local-2" in out

@@ -13,9 +13,9 @@ import pytest
 import torch
 from learner_fixtures import make_record, manifest, put_record, recipe, save_tiny_model, tiny_model
 
-from trainer.algo import policy_loss
 from trainer.backends import get_backend
 from trainer.backends.base import token_logprobs
+from trainer.objectives import policy_loss
 from trainer.step import collate
 
 torch.set_num_threads(1)
@@ -133,7 +133,7 @@ def test_micro_batch_size_does_not_change_the_step(model_dir):
     for mbs in (8, 3, "tokens"):
         cfg = recipe(micro_batch_size=mbs if mbs != "tokens" else 1)
         if mbs == "tokens":
-            cfg.train.max_tokens_per_gpu = 2 * int((batch.prompt_lens + batch.response_lens).max())
+            cfg.compute.max_tokens_per_gpu = 2 * int((batch.prompt_lens + batch.response_lens).max())
         backend = get_backend("hf").load(model_dir, cfg, device="cpu")
         batch.ref_logp = backend.logprobs(batch, reference=True)
         m = backend.train_step(batch, lambda lp, mb, c=cfg: policy_loss(

@@ -79,7 +79,9 @@ def test_every_schema_takes_its_plane_names_from_the_plane_registry():
 
     from worker_contract.planes import PLANES, PlaneName
 
-    assert typing.get_args(PlaneName) == tuple(PLANES)
+    assert typing.get_args(PlaneName)[0] is str and set(PLANES) == {"bf16", "int8g64"}
+    with pytest.raises(ValueError, match="known: bf16, int8g64"):
+        make_manifest(plane="fp8")
     root = Path(__file__).resolve().parent.parent
     spelled = [str(p.relative_to(root)) for d in ("worker_contract", "trainer", "infra", "entrypoints")
                for p in (root / d).rglob("*.py") if re.search(r'Literal\[[^\]]*"int8g64"', p.read_text())]

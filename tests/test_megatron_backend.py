@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests import megatron_cpu
-from trainer.algo import policy_loss
-from trainer.config import AlgoConfig, ModelConfig, RecipeConfig, TrainConfig
+from trainer.config import AlgoConfig, ComputeConfig, ModelConfig, OptimConfig, RecipeConfig, TrainConfig
 from trainer.models import IdentityMismatch
+from trainer.objectives import policy_loss
 
 VOCAB = 64
 
@@ -20,8 +20,8 @@ VOCAB = 64
 def recipe(backend: str, tp: int = 1, rotary_base: float | None = None, dtype: str = "float32") -> RecipeConfig:
     return RecipeConfig(
         name="t", task="arithmetic", model=ModelConfig(dtype=dtype, rotary_base=rotary_base),
-        algo=AlgoConfig(lr=1e-3, max_new_tokens=8, temperature=0.8),
-        train=TrainConfig(backend=backend, micro_batch_size=3, tensor_parallel=tp),
+        algo=AlgoConfig(max_new_tokens=8, temperature=0.8), optim=OptimConfig(lr=1e-3),
+        train=TrainConfig(backend=backend), compute=ComputeConfig(micro_batch_size=3, tensor_parallel=tp),
     )
 
 

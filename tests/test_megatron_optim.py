@@ -1,5 +1,5 @@
 """The megatron backend's memory plan (trainer/backends/megatron_optim.py, megatron_rank.py), on the CPU:
-MasterAdamW is torch's AdamW; the recipe's algo.optim.moment_dtype and train.optimizer_offload reach the
+MasterAdamW is torch's AdamW; the recipe's optim.moment_dtype and optim.offload reach the
 optimizer (states seen where the plan puts them); train.gradient_checkpointing recomputes the same step."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_master_adamw_is_torch_adamw():
     assert {m.dtype for m in opt16.masters} == {torch.float32}
     for a, b in zip(ref, low, strict=True):
         assert (a - b).abs().max() < 1e-3 * 4  # lr x steps bounds the update; the rounding is far below it
-    with pytest.raises(ValueError, match="optimizer_offload"):
+    with pytest.raises(ValueError, match="optim.offload"):
         MasterAdamW(low, lr=1e-3, weight_decay=0.0, offload=1.5)
 
 
@@ -81,7 +81,7 @@ def _backend(tmp_path, **over):
 
 
 def _step(backend, batch):
-    from trainer.algo import policy_loss
+    from trainer.objectives import policy_loss
 
     algo = backend._local.cfg.algo
     batch.ref_logp = backend.logprobs(batch, reference=True)
@@ -118,12 +118,12 @@ def test_the_plan_reaches_the_optimizer(dist, tmp_path):
     _step(backend, batch)
     rank.load_checkpoint(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(masters, opt.masters, strict=True)) and opt.step_count == 1
-    with pytest.raises(ValueError, match="another algo.optim.moment_dtype"):
+    with pytest.raises(ValueError, match="another optim.moment_dtype"):
         _backend(tmp_path)._local.load_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="not on train.backend: hf"):
         resolve("psqa", env={}, overrides={"algo.optim.moment_dtype": "bfloat16", "train.backend": "hf",
                                            "train.engine": "native", "train.optimizer_offload": 0})
-    with pytest.raises(ValueError, match="optimizer_offload runs on the megatron backend"):
+    with pytest.raises(ValueError, match="optim.offload runs on the megatron backend"):
         resolve("psqa", env={}, overrides={"algo.optim.moment_dtype": "float32", "train.backend": "hf",
                                            "train.engine": "native", "train.optimizer_offload": 0.5})
 

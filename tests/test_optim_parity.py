@@ -15,8 +15,8 @@ from trainer.config import resolve
 
 VOCAB = 64
 #: non-default values, so an engine that ignores the recipe shows up as a difference
-ODD = {"algo.lr": 3e-4, "algo.weight_decay": 0.05, "algo.grad_clip": 0.7, "algo.optim.beta1": 0.85,
-       "algo.optim.beta2": 0.95, "algo.optim.eps": 1e-6}
+ODD = {"optim.lr": 3e-4, "optim.weight_decay": 0.05, "optim.grad_clip": 0.7, "optim.beta1": 0.85,
+       "optim.beta2": 0.95, "optim.eps": 1e-6}
 
 
 def _cfg(recipe: str, backend: str, over: dict):
@@ -57,17 +57,18 @@ def _moments(args: list[str]) -> str:
 
 def native_settings(backend, batch) -> dict:
     """What the native learner's AdamW holds, and what its learning rate does over two steps."""
-    from trainer.algo import policy_loss
+    from trainer.objectives import policy_loss
 
     opt = backend.optimizer if hasattr(backend, "optimizer") else backend._local.optimizer
-    algo = backend.cfg.algo if hasattr(backend, "cfg") else backend._local.cfg.algo
+    cfg = backend.cfg if hasattr(backend, "cfg") else backend._local.cfg
+    algo = cfg.algo
     fn = lambda lp, mb: policy_loss(lp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo)  # noqa: E731
     batch.ref_logp = backend.logprobs(batch, reference=True)
     lrs = [backend.train_step(batch, fn)["lr"] for _ in range(2)]
     (group,) = opt.param_groups
     state = next(iter(opt.state.values()))
     return {"lr": lrs[0], "betas": tuple(group["betas"]), "eps": group["eps"],
-            "weight_decay": group["weight_decay"], "clip": algo.grad_clip,
+            "weight_decay": group["weight_decay"], "clip": cfg.optim.grad_clip,
             "schedule": "constant" if lrs[0] == lrs[1] else "varies",
             "master_dtype": str(group["params"][0].dtype).removeprefix("torch."),
             "moment_dtype": str(state["exp_avg_sq"].dtype).removeprefix("torch."),
@@ -97,7 +98,7 @@ def test_native_and_slime_build_the_same_optimizer(tmp_path, mcore, recipe, back
 
     megatron_cpu.make_tiny_qwen2(tmp_path, vocab=VOCAB, hidden=32, ffn=64)
     if backend == "hf":  # the hf backend has no memory plan (refused there): both engines without one
-        over = {**over, "algo.optim.moment_dtype": "float32", "train.optimizer_offload": 0.0}
+        over = {**over, "optim.moment_dtype": "float32", "optim.offload": 0.0}
     cfg = _cfg(recipe, backend, over)
     kw = {"attention": "sdpa"} if backend == "megatron" else {}
     native = native_settings(get_backend(backend).load(tmp_path, cfg, device="cpu", **kw),

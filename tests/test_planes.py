@@ -148,7 +148,7 @@ def test_bf16_plane_casts_round_to_nearest_even_like_torch():
 @pytest.mark.parametrize("kind", ["random", "zero", "constant", "tiny", "ties", "negative", "mixed"])
 def test_device_quantize_matches_numpy_bit_for_bit(dtype, kind):
     torch = pytest.importorskip("torch")
-    from worker_contract.planes.device import quantize_torch
+    from worker_contract.planes.int8g64 import quantize_torch
     from worker_contract.tensors import to_numpy, to_torch
 
     rng = np.random.default_rng(hash(("device", dtype, kind)) % 2**32)
@@ -163,16 +163,15 @@ def test_device_quantize_matches_numpy_bit_for_bit(dtype, kind):
         np.testing.assert_array_equal(_bits(to_numpy(g)), _bits(e))
 
 
-@pytest.mark.parametrize("plane", ["bf16", "int8g64"])
+@pytest.mark.parametrize("plane", sorted(PLANES))
 def test_device_plane_equals_numpy_plane_and_copies(plane):
     torch = pytest.importorskip("torch")
-    from worker_contract.planes import device
     from worker_contract.tensors import to_numpy
 
     state = {k: torch.from_numpy(v) for k, v in _hf_state(np.random.default_rng(2)).items()}
     state["model.norm.weight"] = torch.ones(128, dtype=torch.bfloat16)  # already bf16: must still be copied
     want = get_plane(plane).from_hf(state)
-    got = device.from_hf(plane, state)
+    got = get_plane(plane).from_hf_torch(state)
     assert list(got) == list(want)
     for k in want:
         assert isinstance(got[k], torch.Tensor)
@@ -182,4 +181,4 @@ def test_device_plane_equals_numpy_plane_and_copies(plane):
     state["model.norm.weight"].add_(1)  # the learner updates in place; the published plane must not move
     assert float(got["model.norm.weight"][0]) == 1.0
     with pytest.raises(ValueError, match="known: bf16, int8g64"):
-        device.from_hf("fp8", state)
+        get_plane("fp8")

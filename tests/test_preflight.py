@@ -306,7 +306,7 @@ def test_box_gpu_memory_warns_before_an_out_of_memory_step(file_store, tmp_path)
     row = next(r for r in rows if r.check == "box.gpu_memory")
     assert row.status == "WARN" and fails(rows) == [], text
     assert "~66 GiB per GPU at 16384 tokens" in row.seen and "40 GiB" in row.seen
-    assert "train.max_tokens_per_gpu: 3072" in row.fix
+    assert "compute.max_tokens_per_gpu: 3072" in row.fix
     rows, text = report(make_plan("quickstart", file_store.url, remote_dir=str(tmp_path),
                                   overrides={"train.max_tokens_per_gpu": 3072}), "quickstart", run_box=small)
     assert next(r for r in rows if r.check == "box.gpu_memory").status == "PASS", text
@@ -323,7 +323,7 @@ def test_learner_memory_estimate_matches_the_measured_peaks():
     measured = json.loads((Path(__file__).parent.parent / "bench/results/megatron_gpu.json").read_text())
     cfg = KNOWN_HF_CONFIGS["Qwen/Qwen2.5-1.5B-Instruct"]
     assert dense_params(cfg) == measured["params"]
-    train = resolve("gsm8k", env={}).train
+    train = resolve("gsm8k", env={}).compute
     for variant in ("megatron", "megatron@8"):
         step = measured["step"][variant]
         train.max_tokens_per_gpu = step["rows_per_micro_batch"] * 512
@@ -627,4 +627,4 @@ def test_fleet_model_gpu_memory_by_card(file_store, tmp_path, gpu, status, seen)
     assert "80 GB: none at any batch" in row.seen and "141 GB: offload 1 (~" in row.seen, row.seen
     assert "180 GB: offload 0.5 (~" in row.seen, row.seen
     if status == "WARN":
-        assert "train.tensor_parallel" in row.fix and "max_tokens_per_gpu: 0" not in row.fix, row.fix
+        assert "compute.tensor_parallel" in row.fix and "max_tokens_per_gpu: 0" not in row.fix, row.fix

@@ -23,8 +23,8 @@ import torch
 from learner_fixtures import make_record, recipe, save_tiny_model
 
 from trainer import checkpoint
-from trainer.algo import policy_loss
 from trainer.backends import get_backend
+from trainer.objectives import policy_loss
 from trainer.step import collate
 
 torch.set_num_threads(1)
@@ -73,7 +73,7 @@ def test_only_the_newest_and_one_previous_are_kept(model_dir, tmp_path):
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-0000000006", "step-0000000008"]
     (tmp_path / "step-0000000010").mkdir()  # no state.json: not a checkpoint
     assert checkpoint.latest(tmp_path).name == "step-0000000008"
-    with pytest.raises(ValueError, match="keep_checkpoints=0"):
+    with pytest.raises(ValueError, match="checkpoint.keep=0"):
         checkpoint.save(tmp_path, checkpoint.TrainerState(9, {}, 9), backend, keep=0)
 
 

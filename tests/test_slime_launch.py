@@ -85,7 +85,7 @@ def test_the_disk_need_follows_the_engines_checkpoint():
 ])
 def test_the_preflight_asks_for_the_disk_the_checkpoints_take(tmp_path, recipe, profile, free_gb, ok):
     """Each slime checkpoint is 14 bytes a parameter (21.6 GB for Qwen2.5-1.5B, 116.8 GB for LFM2.5-8B-A1B),
-    kept K + 1 at a time (train.keep_checkpoints, then the save in progress), beside the model's two copies."""
+    kept K + 1 at a time (checkpoint.keep, then the save in progress), beside the model's two copies."""
     from infra import slime_launch as sl
     from infra.preflight import build_context
     from infra.preflight_env import check_disk
@@ -99,7 +99,7 @@ def test_the_preflight_asks_for_the_disk_the_checkpoints_take(tmp_path, recipe, 
     row = check_disk(ctx)
     assert (row.status == "PASS") is ok, row
     assert row.required == f">= {sl.disk_need_gb(ctx.cfg, hf):.0f} GB"
-    assert ok or f"{ctx.cfg.train.keep_checkpoints} + 1 slime-engine checkpoints" in row.fix
+    assert ok or f"{ctx.cfg.checkpoint.keep} + 1 slime-engine checkpoints" in row.fix
 
 
 def test_the_model_flags_come_from_the_architecture_registry():

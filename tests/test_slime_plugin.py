@@ -439,11 +439,11 @@ def _megatron_save(root, iteration: int, *, complete: bool = True) -> None:
 
 def test_after_train_keeps_the_recipes_number_of_slime_checkpoints(box, plugin, tmp_path):
     """slime's --save gets one checkpoint per --save-interval and Megatron deletes none (about 22 GB each
-    for the quickstart, 116 GB for psqa); the hook keeps train.keep_checkpoints complete ones, never the
+    for the quickstart, 116 GB for psqa); the hook keeps checkpoint.keep complete ones, never the
     newest, never a save that has not completed."""
     from transformers import AutoModelForCausalLM
 
-    keep = plugin_context.context().cfg.train.keep_checkpoints
+    keep = plugin_context.context().cfg.checkpoint.keep
     assert keep == 2
     model = AutoModelForCausalLM.from_pretrained(str(box["hf"]), torch_dtype=torch.bfloat16)
     save = tmp_path / "ckpt"

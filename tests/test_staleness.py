@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from bench import staleness  # noqa: E402
-from trainer.algo import policy_loss  # noqa: E402
 from trainer.config import AlgoConfig  # noqa: E402
+from trainer.objectives import policy_loss  # noqa: E402
 
 
 @pytest.fixture(scope="module")

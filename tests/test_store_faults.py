@@ -20,8 +20,8 @@ from learner_fixtures import make_record, manifest, recipe, save_tiny_model
 from soakstats import record, soak_trials
 
 from bench.faultproxy import KINDS, FaultProxy
-from trainer.algo import policy_loss
 from trainer.backends import get_backend
+from trainer.objectives import policy_loss
 from trainer.publish.pointer import PublishError
 from trainer.publish.publisher import Publisher
 from trainer.rollouts.source import RolloutSource

@@ -275,10 +275,10 @@ def test_the_tier_follows_the_machine_memory_and_the_flag_overrides_it(run_store
         assert said == tier, (args, env, last)
 
 
-def test_the_worker_samples_every_registered_task_in_its_kind():
-    """The worker's single-turn and episode sets are the task registry's, so a new task needs no worker edit."""
-    from worker_contract.tasks import MULTI_TURN_TASKS, TASKS
-    from worker_contract.worker.loop import EPISODE_TASKS, SINGLE_TURN_TASKS
+def test_the_task_says_how_it_is_sampled():
+    """The worker and the learner read a task's kind from its hooks, so a new task needs no edit outside it."""
+    from worker_contract.tasks import TASKS, get_task
 
-    assert SINGLE_TURN_TASKS | EPISODE_TASKS == set(TASKS) and EPISODE_TASKS == MULTI_TURN_TASKS == {"psqa"}
-    assert not SINGLE_TURN_TASKS & EPISODE_TASKS
+    assert {n for n in TASKS if get_task(n).multi_turn} == {"psqa"}
+    assert {n for n in TASKS if "retriever" in get_task(n).services} == {"psqa"}
+    assert get_task("gsm8k").batch_metrics([]) == {}

@@ -2,21 +2,17 @@
 behaviour log-probs under the asymmetric DPPO gate, plus `kl_coef` times the k3 KL to the frozen
 reference, on Dr.GRPO advantages (reward minus group mean).
 
-`policy_loss` is the one objective both engines run (the native learner through trainer/step.py, slime
-through trainer/slime_plugin/objective.py), so a variant of the objective changes it here, once. The
-names below are fixed: outside checks call them.
+The pieces every objective is built from: trainer/objectives.py composes them into the registered objectives
+and the native engine's loss (`objective_loss`); slime runs the recipe's objective from these same functions
+(trainer/slime_plugin/objective.py). The names below are fixed: outside checks call them.
 More in docs/objective.md (module notes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .config import AlgoConfig
 
 #: ratio = exp(logp - behavior_logp) is computed with the log difference clamped to this range
 LOG_RATIO_CLAMP = 20.0
@@ -155,76 +151,3 @@ def sequence_mean_reduce(values: torch.Tensor, keep: torch.Tensor, mask: torch.T
     keep = keep.to(values.dtype)
     per_row = (values * keep).sum(dim=-1) / mask.to(values.dtype).sum(dim=-1).clamp(min=1.0)
     return per_row.sum() / values.shape[0]
-
-
-def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
-    sel = x.detach()[mask]
-    if sel.numel() == 0:
-        return 0.0, 0.0, 0.0
-    return float(sel.mean()), float(sel.max()), float(sel.min())
-
-
-def policy_loss(
-    logp: torch.Tensor,
-    behavior_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cfg: AlgoConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The recipe's loss for one (micro-)batch and its metrics: the objective of both engines.
-
-    logp, behavior_logp, ref_logp and mask are `[B, R]` over response positions; advantages are `[B]`
-    (per sequence) or `[B, R]`. Returns (scalar loss, metrics); fractions are over mask tokens. Both terms
-    are means over the rows, so a backend weights each micro-batch by its share of the rows.
-    """
-    adv = advantages if advantages.dim() == logp.dim() else advantages.unsqueeze(-1)
-    adv = adv.to(logp.dtype).expand_as(logp)
-    valid = mask.bool()
-    gate = cfg.gate
-    ratio = ratio_from_logp(logp, behavior_logp)
-    if cfg.objective == "recipe":  # the gate, then dual-clip PPO on the ratio to the behaviour policy
-        keep = dppo_keep_mask(logp, behavior_logp, adv, gate.delta_low, gate.delta_high, gate.divergence)
-        pg = dual_clip_loss(ratio, adv, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c)
-    elif cfg.objective == "ppo":  # plain PPO clipping on that ratio: no gate, no dual clip
-        keep = torch.ones_like(valid)
-        pg = ppo_clip_loss(ratio, adv, cfg.eps_clip, cfg.eps_clip_high)
-    elif cfg.objective == "no_is":  # no importance correction at all
-        keep = torch.ones_like(valid)
-        pg = no_is_loss(logp, adv)
-    else:
-        raise ValueError(f"algo.objective={cfg.objective!r} is not known; use recipe, ppo or no_is")
-    keep_f = keep.to(logp.dtype)
-    pg_loss = drgrpo_reduce(pg * keep_f, mask, cfg.max_new_tokens)
-    if ref_logp is not None and cfg.kl_coef != 0:
-        kl = k3_kl(logp, ref_logp)
-        kl_loss = sequence_mean_reduce(kl, keep_f * mask.to(logp.dtype), mask)
-    else:
-        kl = torch.zeros_like(logp)
-        kl_loss = logp.new_zeros(())
-    loss = pg_loss + cfg.kl_coef * kl_loss
-
-    with torch.no_grad():
-        n = max(int(valid.sum()), 1)
-        r = ratio.detach()
-        clip_low = valid & (adv < 0) & (r < 1.0 - cfg.eps_clip)
-        clip_high = valid & (adv > 0) & (r > 1.0 + cfg.eps_clip_high)
-        clip_dual = valid & (adv < 0) & (r > cfg.eps_clip_c)
-        r_mean, r_max, r_min = _masked_stats(r, valid)
-        kl_mean, kl_max, _ = _masked_stats(kl, valid)
-        metrics = {
-            "loss": float(loss.detach()),
-            "pg_loss": float(pg_loss.detach()),
-            "kl_loss": float(kl_loss.detach()),
-            "gate_drop_frac": float((valid & ~keep).sum()) / n,
-            "clip_low_frac": float(clip_low.sum()) / n,
-            "clip_high_frac": float(clip_high.sum()) / n,
-            "clip_dual_frac": float(clip_dual.sum()) / n,
-            "ratio_mean": r_mean,
-            "ratio_max": r_max,
-            "ratio_min": r_min,
-            "kl_mean": kl_mean,
-            "kl_max": kl_max,
-            "tokens": float(valid.sum()),
-        }
-    return loss, metrics

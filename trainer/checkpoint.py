@@ -88,7 +88,7 @@ def restore_rng(state: dict) -> None:
 def save(root: str | Path, state: TrainerState, backend: Backend, *, keep: int = 2) -> Path:
     """Write a checkpoint for `state.step` atomically; prune to the newest `keep`. Returns its path."""
     if keep < 1:
-        raise ValueError(f"train.keep_checkpoints={keep} must be at least 1")
+        raise ValueError(f"checkpoint.keep={keep} must be at least 1")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{_TMP_PREFIX}step-{state.step:010d}-{uuid.uuid4().hex[:8]}"

@@ -9,21 +9,47 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from worker_contract.planes import PlaneName
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = REPO_ROOT / "runs"
 
-#: recipe name -> file under runs/ (one registry; unknown names are refused with this list)
-RECIPES: dict[str, str] = {
-    "gsm8k": "gsm8k.yaml",
-    "psqa": "psqa-decoupled/recipe.yaml",
-}
+
+
+def _scan_recipes(runs_dir: Path) -> dict[str, str]:
+    """recipe name -> its file under runs/: every `runs/*.yaml` and `runs/*/recipe.yaml`, under the `name:` it
+    gives (read as one top-level line, not parsed: every process start builds this). Two files of one name
+    are refused."""
+    import re
+
+    found: dict[str, str] = {}
+    for path in sorted([*runs_dir.glob("*.yaml"), *runs_dir.glob("*/recipe.yaml")]):
+        m = re.search(r"^name:\s*['\"]?([A-Za-z0-9_.-]+)", path.read_text(encoding="utf-8"), re.MULTILINE)
+        if m is None:
+            continue  # not a recipe (tests/test_recipes.py fails on a recipe-looking file without a name)
+        rel = path.relative_to(runs_dir).as_posix()
+        if m[1] in found:
+            raise ValueError(f"runs/{found[m[1]]} and runs/{rel} both give name: {m[1]}; rename one")
+        found[m[1]] = rel
+    return found
+
+
+#: recipe name -> file under runs/, derived from the files there (one registry; unknown names are refused with
+#: this list): a new recipe is a file, nothing else
+RECIPES: dict[str, str] = _scan_recipes(RUNS_DIR)
 
 
 class _Model(BaseModel):
@@ -66,9 +92,17 @@ class GateConfig(_Model):
 
 
 class OptimConfig(_Model):
-    """AdamW and its schedule, read by both engines (the native optimizer's param groups, the slime
-    launch's flags); tests/test_optim_parity.py fails on any difference between them."""
+    """AdamW, every setting in one place, read by both engines (the native optimizer's param groups, the slime
+    launch's flags; tests/test_optim_parity.py fails on any difference between them) and by the memory plan.
+    Fixed, not settings: a constant learning rate with no warm-up (an RL run has no known length to decay
+    over) and float32 master weights (the model computes in `model.dtype`)."""
 
+    lr: float = 1e-6
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
     beta1: float = Field(0.9, gt=0, lt=1)
     """Adam's first-moment decay."""
     beta2: float = Field(0.999, gt=0, lt=1)
@@ -76,26 +110,27 @@ class OptimConfig(_Model):
     (docs/performance.md); the slime launch passed a hard-coded 0.98 before, so slime runs now use 0.999."""
     eps: float = Field(1e-8, gt=0)
     """Adam's epsilon."""
-    lr_schedule: Literal["constant"] = "constant"
-    """Learning-rate schedule over RL steps. Only `constant`: an RL run has no known length to decay over."""
-    lr_warmup_steps: int = Field(0, ge=0, le=0)
-    """Linear warm-up steps. Only 0 is accepted until both engines implement a warm-up the same way."""
-    master_dtype: Literal["float32"] = "float32"
-    """Precision of the master weights the optimizer updates (the model computes in `model.dtype`)."""
     moment_dtype: Literal["float32", "bfloat16"] = "float32"
     """Precision of Adam's two moments. `bfloat16` (native engine, megatron backend): stored in bf16, computed in
     float32 from float32 master weights, as DeepSeek-V3 trained; half their memory (bench/results/lfm2_moments_cpu.json
     compares the loss curves)."""
+    offload: float = Field(0.0, ge=0, le=1)
+    """megatron backend (native engine; slime: Megatron's --optimizer-offload-fraction): the share of parameters,
+    largest first, whose float32 master weights and Adam moments live in pinned host memory; each step streams
+    them through the GPU for the update (PCIe time, no CPU arithmetic). 0 keeps every state on the GPU. The GPU
+    then holds per parameter only the bf16 weights, the bf16 reference and the float32 gradient
+    (docs/performance.md)."""
 
 
 class AlgoConfig(_Model):
     """The learner's objective and data gates (docs/objective.md)."""
 
-    objective: Literal["recipe", "ppo", "no_is"] = "recipe"
-    """The policy-gradient term. `recipe`: the DPPO gate and dual-clip PPO on the ratio to the behaviour
-    policy; `ppo`: plain PPO clipping on that ratio, no gate, no dual clip; `no_is`: no importance correction
-    (the gradient -A grad log pi, as if every group were on-policy). The last two exist to measure the
-    recipe against (bench/staleness.py); advantages, reducer and KL term are the same for all three."""
+    objective: str = "recipe"
+    """The policy-gradient term, a name in trainer/objectives.py's registry. `recipe`: the DPPO gate and
+    dual-clip PPO on the ratio to the behaviour policy; `ppo`: plain PPO clipping on that ratio, no gate, no dual
+    clip; `no_is`: no importance correction (the gradient -A grad log pi, as if every group were on-policy). The
+    last two exist to measure the recipe against (bench/staleness.py); advantages, reducer and KL term are the
+    same for all."""
     groups_per_step: int = Field(8, ge=1)
     """Prompt groups per learner step."""
     staleness: int = Field(3, ge=0)
@@ -111,20 +146,19 @@ class AlgoConfig(_Model):
     """Dual-clip constant c > 1: the loss of a negative-advantage token is capped at c*|A|."""
     kl_coef: float = 0.001
     """Coefficient of the k3 KL to the reference model."""
-    lr: float = 1e-6
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip."""
-    optim: OptimConfig = OptimConfig()
-    """AdamW's betas, epsilon, schedule and state precision (both engines)."""
     temperature: float = 1.0
     """Sampling temperature; the learner divides logits by it too, so ratios compare like with like."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus cutoff (1.0 = off). Only 1.0 is accepted for now (`_top_p_is_scored`)."""
     max_new_tokens: int = Field(1024, ge=1)
     """Response budget; also the Dr.GRPO reducer's constant length."""
+
+    @field_validator("objective")
+    @classmethod
+    def _objective_is_registered(cls, v: str) -> str:
+        from .objectives import get_objective
+
+        return get_objective(v).name
 
     @field_validator("top_p")
     @classmethod
@@ -141,16 +175,20 @@ class AlgoConfig(_Model):
         return v
 
 
-class TrainConfig(_Model):
-    """Learner mechanics."""
+class CheckpointConfig(_Model):
+    """Learner checkpoints on disk (model, optimizer, RNG, step, consumption ledger), both engines."""
 
-    engine: Literal["native", "slime"] = "native"
-    """Which learner a GPU box runs: `native`, our Ray learner (trainer/native/learner.py) with `backend`, on any
-    CUDA box with torch, megatron-core and Ray; or `slime`, slime's train.py with our plugin (the slime
-    image). The embedded run on a machine without a GPU is always native. `ENGINE=` on the make line."""
-    backend: Literal["hf", "megatron"] = "hf"
-    """Learner backend: transformers (CPU, single GPU) or megatron-core (GPU scale)."""
-    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    interval: int = Field(4, ge=1)
+    """Checkpoint every this many steps."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept on disk: the newest and the ones before it (2 = newest + one previous)."""
+
+
+class ComputeConfig(_Model):
+    """How a step runs on the learner's devices: chunking, parallelism, precision of the forward, recompute and
+    graphs. A memory and speed plan: the update is the same whatever these hold."""
+
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """hf backend: the dtype of the forward (the weights stay float32). `auto`: model.dtype on CUDA,
     float32 on CPU. The embedded run's small model takes float32 on a GPU too: in bf16 it is measurably
     another model than the float32 one its CPU workers sample (docs/embedded.md)."""
@@ -160,35 +198,37 @@ class TrainConfig(_Model):
     """Padded tokens per forward/backward chunk on one GPU (rows x longest sequence), as slime's
     `--max-tokens-per-gpu` with `--use-dynamic-batch-size`; when set, micro_batch_size is not used. Larger
     chunks mean fewer, larger kernel launches (faster) and more activation memory; the update is the same."""
-    optimizer_offload: float = Field(0.0, ge=0, le=1)
-    """megatron backend (native engine; slime: Megatron's --optimizer-offload-fraction): the share of parameters,
-    largest first, whose float32 master weights and
-    Adam moments live in pinned host memory; each step streams them through the GPU for the update (PCIe time, no
-    CPU arithmetic). 0 keeps every state on the GPU. The GPU then holds per parameter only the bf16 weights, the
-    bf16 reference and the float32 gradient (docs/performance.md)."""
     cuda_graphs: bool = False
     """megatron backend, tensor_parallel 1: replay the training pass's decoder as CUDA graphs, one per
     micro-batch shape (lengths padded to a multiple of 128). Pays where micro-batches are small (the
     forward is then launch-bound); costs a few seconds of capture per new shape."""
-    save_interval: int = Field(4, ge=1)
-    """Checkpoint every this many steps (model, optimizer, RNG, step, consumption ledger)."""
-    anchor_interval: int = Field(10, ge=1)
-    """A full anchor every this many versions (bounds a cold joiner's catch-up)."""
-    num_steps: int = Field(1000, ge=1)
-    """Learner steps before the run ends."""
     tensor_parallel: int = Field(1, ge=1)
     """Tensor-parallel size (megatron backend)."""
-    seed: int = 1234
-    """Global seed."""
-    poll_interval_s: float = 2.0
-    """How often the rollout source lists the bucket when it is waiting for groups."""
     vocab_chunk: int = Field(8192, ge=1)
     """Vocabulary rows per chunk when computing log-probs (bounds the logits held at once)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (hf backend; megatron backend: each decoder layer's, from its input):
     less memory, about a third more compute."""
-    keep_checkpoints: int = Field(2, ge=1)
-    """Checkpoints kept on disk: the newest and the ones before it (2 = newest + one previous)."""
+
+
+class TrainConfig(_Model):
+    """The learner's loop: which engine and backend, how long, its seed, how it polls and how often it anchors."""
+
+    engine: Literal["native", "slime"] = "native"
+    """Which learner a GPU box runs: `native`, our Ray learner (trainer/native/learner.py) with `backend`, on any
+    CUDA box with torch, megatron-core and Ray; or `slime`, slime's train.py with our plugin (the slime
+    image). The embedded run on a machine without a GPU is always native. `ENGINE=` on the make line."""
+    backend: Literal["hf", "megatron"] = "hf"
+    """Learner backend: transformers (CPU, single GPU) or megatron-core (GPU scale)."""
+    anchor_interval: int = Field(10, ge=1)
+    """A full anchor every this many versions (bounds a cold joiner's catch-up)."""
+    num_steps: int = Field(1000, ge=1)
+    """Learner steps before the run ends."""
+    seed: int = 1234
+    """Global seed."""
+    poll_interval_s: float = 2.0
+    """How often the rollout source lists the bucket when it is waiting for groups."""
+
 
 
 class LaunchConfig(_Model):
@@ -202,6 +242,41 @@ class LaunchConfig(_Model):
     """Where our tree is shipped on the box."""
     extra_args: list[str] = []
     """Extra slime flags appended verbatim (prefer a recipe field)."""
+
+
+class PreflightConfig(_Model):
+    """What the preflight (infra/preflight.py) holds a launch of this recipe to: its profile's name and the
+    recipe keys whose values the launch may not change. The required values are this recipe's own (its file
+    over the defaults), never copies of them."""
+
+    profile: str = "quickstart"
+    """The profile name DRL_PREFLIGHT_PROFILE (or --profile) selects this recipe's checks by; a launch of this
+    recipe is checked under it by default."""
+    pinned: list[str] = ["contract.n_samples", "contract.plane"]
+    """Recipe keys (dotted) whose launch value must equal this recipe's: the environment or command line may not
+    move them. Keys the preflight compares: contract.n_samples, contract.plane, contract.kv_mode,
+    checkpoint.interval, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c, algo.staleness, algo.reuse_cap,
+    algo.kl_coef, algo.groups_per_step."""
+    remote_store: bool = False
+    """Workers run on other machines, so the store must be r2:// or s3:// even without a HOST."""
+    min_free_disk_gb: float = 100.0
+    """Free disk the box needs when the model's size is not known (for a known model the preflight computes it:
+    infra.slime_launch.disk_need_gb)."""
+
+    @field_validator("pinned")
+    @classmethod
+    def _pinned_keys_are_compared(cls, v: list[str]) -> list[str]:
+        bad = [k for k in v if k not in PINNABLE]
+        if bad:
+            raise ValueError(f"preflight.pinned names {', '.join(bad)}, which the preflight does not compare; "
+                             f"use some of: {', '.join(PINNABLE)}")
+        return v
+
+
+#: the recipe keys a preflight profile can pin (each has its check in infra/preflight_checks.py)
+PINNABLE = ("contract.n_samples", "contract.plane", "contract.kv_mode", "checkpoint.interval", "algo.eps_clip",
+            "algo.eps_clip_high", "algo.eps_clip_c", "algo.staleness", "algo.reuse_cap", "algo.kl_coef",
+            "algo.groups_per_step")
 
 
 class RecipeConfig(_Model):
@@ -218,28 +293,38 @@ class RecipeConfig(_Model):
     contract: ContractConfig = ContractConfig()
     model: ModelConfig = ModelConfig()
     algo: AlgoConfig = AlgoConfig()
+    optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    compute: ComputeConfig = ComputeConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     launch: LaunchConfig = LaunchConfig()
+    preflight: PreflightConfig = PreflightConfig()
     embedded: dict[str, Any] = {}
     """The local runs' section, as the recipe gives it: embedded/config.py validates it (EmbeddedRecipe); the
     learner and the GPU launch read none of it."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        """A recipe written with the keys before a section moved means what it meant (`RENAMED`)."""
+        return migrate(data) if isinstance(data, Mapping) else data
+
     @model_validator(mode="after")
     def _memory_plan_needs_megatron(self) -> RecipeConfig:
         on_hf = (self.train.engine, self.train.backend) == ("native", "hf")
-        if self.algo.optim.moment_dtype != "float32" and on_hf:
-            raise ValueError("algo.optim.moment_dtype=bfloat16 runs on the megatron backend (native engine) or on "
+        if self.optim.moment_dtype != "float32" and on_hf:
+            raise ValueError("optim.moment_dtype=bfloat16 runs on the megatron backend (native engine) or on "
                              "slime, not on train.backend: hf: set train.backend: megatron, or moment_dtype: float32")
-        if self.train.optimizer_offload > 0 and on_hf:
-            raise ValueError("train.optimizer_offload runs on the megatron backend (native engine) or on slime, not "
-                             "on train.backend: hf: set train.backend: megatron, or train.optimizer_offload: 0")
+        if self.optim.offload > 0 and on_hf:
+            raise ValueError("optim.offload runs on the megatron backend (native engine) or on slime, not "
+                             "on train.backend: hf: set train.backend: megatron, or optim.offload: 0")
         return self
 
     @model_validator(mode="after")
-    def _objective_runs_natively(self) -> RecipeConfig:
-        if self.algo.objective != "recipe" and self.train.engine != "native":
-            raise ValueError(f"algo.objective={self.algo.objective!r} runs on the native engine only (slime's loss "
-                             "hooks build the recipe's objective): set train.engine: native")
+    def _objective_runs_on_the_engine(self) -> RecipeConfig:
+        from .objectives import check_engine
+
+        check_engine(self.algo.objective, self.train.engine)
         return self
 
 
@@ -265,7 +350,110 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
+#: recipe keys that moved to their owner's section: old dotted key -> new. A recipe, an override or a printed
+#: launch plan that uses the old key means what it meant (the optimizer was split across algo, algo.optim and
+#: train before it became one `optim` section; checkpoints and the compute plan were fields of train)
+RENAMED: dict[str, str] = {
+    "algo.lr": "optim.lr", "algo.weight_decay": "optim.weight_decay", "algo.grad_clip": "optim.grad_clip",
+    "algo.optim.beta1": "optim.beta1", "algo.optim.beta2": "optim.beta2", "algo.optim.eps": "optim.eps",
+    "algo.optim.moment_dtype": "optim.moment_dtype", "train.optimizer_offload": "optim.offload",
+    "train.save_interval": "checkpoint.interval", "train.keep_checkpoints": "checkpoint.keep",
+    "train.compute_dtype": "compute.dtype", "train.micro_batch_size": "compute.micro_batch_size",
+    "train.max_tokens_per_gpu": "compute.max_tokens_per_gpu",
+    "train.tensor_parallel": "compute.tensor_parallel",
+    "train.cuda_graphs": "compute.cuda_graphs",
+    "train.gradient_checkpointing": "compute.gradient_checkpointing",
+    "train.vocab_chunk": "compute.vocab_chunk",
+}
+#: old keys that accepted one value only and are gone: that value is dropped, any other is refused
+DROPPED: dict[str, Any] = {"algo.optim.lr_schedule": "constant", "algo.optim.lr_warmup_steps": 0,
+                           "algo.optim.master_dtype": "float32"}
+
+
+def _pop_dotted(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    *parents, leaf = dotted.split(".")
+    node: Any = tree
+    for p in parents:
+        node = node.get(p) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or leaf not in node:
+        return False, None
+    return True, node.pop(leaf)
+
+
+def _dropped(dotted: str, value: Any) -> bool:
+    """True for a gone key holding its one accepted value; a ValueError naming the key for any other value."""
+    if dotted not in DROPPED:
+        return False
+    if value != DROPPED[dotted]:
+        raise ValueError(f"{dotted}={value!r} is not supported: only {DROPPED[dotted]!r} ever was, and the key is "
+                         "gone; remove it from the recipe")
+    return True
+
+
+def migrate(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A recipe tree with every old key (`RENAMED`, `DROPPED`) moved to its section; a tree giving one value
+    under both the old and the new key is refused."""
+    import copy
+
+    tree = copy.deepcopy(dict(data))
+    for old, new in RENAMED.items():
+        found, value = _pop_dotted(tree, old)
+        if not found:
+            continue
+        if _pop_dotted(copy.deepcopy(tree), new)[0]:
+            raise ValueError(f"the recipe gives both {old} (its old name) and {new}: keep {new}")
+        _set_dotted(tree, new, value)
+    for old in DROPPED:
+        found, value = _pop_dotted(tree, old)
+        if found:
+            _dropped(old, value)
+    algo = tree.get("algo")
+    if isinstance(algo, dict) and algo.get("optim") == {}:
+        del algo["optim"]
+    return tree
+
+
+def check_override(dotted: str, value: Any) -> Any:
+    """`value` checked as the recipe key `dotted` (an old name means its new key): a key that names no leaf of
+    the recipe, or a value of the wrong type or out of range, is a ValueError naming the key, the value and the
+    known keys. What an override section (`embedded.overrides`) holds is typed by this."""
+    from pydantic import TypeAdapter
+
+    if _dropped(dotted, value):
+        return value
+    parts = RENAMED.get(dotted, dotted).split(".")
+    node: type[BaseModel] = RecipeConfig
+    for i, part in enumerate(parts):
+        if part not in node.model_fields or part == "embedded":
+            where = ".".join(parts[:i]) or "the recipe"
+            known = ", ".join(k for k in node.model_fields if k != "embedded")
+            raise ValueError(f"override {dotted}={value!r}: {part!r} is no key of {where}; known: {known}")
+        field = node.model_fields[part]
+        if i < len(parts) - 1:
+            if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+                raise ValueError(f"override {dotted}={value!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
+            node = field.annotation
+    try:
+        kind = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+        return TypeAdapter(kind).validate_python(value)
+    except ValidationError as e:
+        msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ValueError(f"override {dotted}={value!r}: {msg}") from None
+
+
+def _check_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: check_override(k, v) for k, v in values.items()}
+
+
+#: recipe values keyed by their dotted recipe key, each key and value checked against the recipe's schema
+#: (`check_override`): the type of a section of overrides, such as `embedded.overrides`
+RecipeOverrides = Annotated[dict[str, Any], AfterValidator(_check_overrides)]
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    if _dropped(dotted, value):
+        return
+    dotted = RENAMED.get(dotted, dotted)
     node = tree
     *parents, leaf = dotted.split(".")
     for p in parents:
@@ -349,7 +537,7 @@ def resolve(
     import os
 
     env = os.environ if env is None else env
-    tree = load_recipe_file(recipe_path(recipe))
+    tree = migrate(load_recipe_file(recipe_path(recipe)))
     for dotted, value in dict(after_yaml(tree) if after_yaml else {}).items():
         _set_dotted(tree, dotted, value)
     from worker_contract.env import parse_env

@@ -151,7 +151,7 @@ class LearnerSession:
         assert self.ckpt_root is not None, "a session without a run dir keeps no checkpoints"
         state = checkpoint.TrainerState(step=self.step, ledger=ledger, last_published_version=self.current,
                                         extra={"publish_failures": self.publishing.failures})
-        path = checkpoint.save(self.ckpt_root, state, backend, keep=self.cfg.train.keep_checkpoints)
+        path = checkpoint.save(self.ckpt_root, state, backend, keep=self.cfg.checkpoint.keep)
         self.saved_step = self.step
         return path
 

@@ -197,11 +197,12 @@ def note_batch(batch: Batch, source: RolloutSource) -> BatchNote:
 
 # -- the step -------------------------------------------------------------------------------------------
 def loss_fn(algo: AlgoConfig) -> LossFn:
-    """The objective as a backend's loss function: `algo.policy_loss` on each micro-batch."""
-    from .algo import policy_loss
+    """The objective as a backend's loss function: `objectives.objective_loss` on each micro-batch's `LossInputs`."""
+    from .objectives import LossInputs, objective_loss
 
     def loss(logp, mb: TrainBatch):
-        return policy_loss(logp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask, algo)
+        return objective_loss(LossInputs.make(logp, mb.behavior_logp, mb.ref_logp, mb.advantages, mb.loss_mask),
+                              algo)
 
     return loss
 

@@ -31,7 +31,6 @@ SECRET_VARS = frozenset({"R2_ACCESS_KEY_ID", "R2_SECRET_ACCESS_KEY", "AWS_ACCESS
                          "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
 #: variables holding URLs that may carry a password (`http://user:pass@host`): it is redacted
 URL_VARS = ("DRL_S3_ENDPOINT", "DRL_STORE", "DRL_RETRIEVER_URL", "DRL_EVAL_ENDPOINT")
-PLANES = tuple(PLANE_MODULES)  # the plane registry's names (worker_contract/planes)
 STORE_SCHEMES = ("file", "r2", "s3")
 REDACTED = "**********"
 
@@ -257,8 +256,8 @@ def parse_env(env: Mapping[str, str] | None = None) -> EnvContract:
     if (n := get("DRL_N_SAMPLES")) is not None:
         values["n_samples"] = env_int("DRL_N_SAMPLES", n, 1)
     if (plane := get("DRL_PULSE_PLANE")) is not None:
-        if plane not in PLANES:
-            raise EnvError(f"DRL_PULSE_PLANE={plane!r} must be one of: {', '.join(PLANES)}")
+        if plane not in PLANE_MODULES:
+            raise EnvError(f"DRL_PULSE_PLANE={plane!r} must be one of: {', '.join(PLANE_MODULES)}")
         values["plane"] = plane
     if (kv := get("DRL_KV_MODE")) is not None:
         if not kv.replace("_", "").replace("-", "").isalnum():

@@ -22,6 +22,7 @@ from . import env as envmod
 from .manifest import ContractMismatch, format_diff, load_manifest
 from .signing import fingerprint
 from .store import NotFound, Store, open_store
+from .tasks import get_task, is_task
 from .tasks.psqa_retrieval import check_url
 
 FORMATS = ("text", "env", "json")
@@ -50,7 +51,8 @@ class JoinCard(BaseModel):
     retriever_url: str | None = None
     """DRL_RETRIEVER_URL: the fleet's search service (PaperSearchQA); None when the run needs none."""
     task: str | None = None
-    """run.json's task; a psqa card says how each memory tier joins (not an env variable)."""
+    """run.json's task; the card of a task that searches (its `services` name the retriever) says how each
+    memory tier joins (not an env variable)."""
     store: str
     """The store URL the trainer uses (r2://, s3:// or file://)."""
     s3_endpoint: str | None = None
@@ -159,7 +161,7 @@ def render(card: JoinCard, fmt: str = "text", reveal: bool = False) -> str:
         return "\n".join(head + [f"{k}={shlex.quote(v)}" for k, v in rows])
     width = max(len(k) for k, _ in rows)
     lines = [f"Join card for run {card.run}", ""] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    if card.task == "psqa":
+    if card.task and is_task(card.task) and "retriever" in get_task(card.task).services:  # a search task: how each tier joins
         if not card.retriever_url:
             lines.append(f"  {'DRL_RETRIEVER_URL'.ljust(width)}  (not set; the fleet task needs one: "
                          "--retriever-url or DRL_RETRIEVER_URL)")

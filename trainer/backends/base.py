@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from ..step import LossFn, TrainBatch
 
 if TYPE_CHECKING:
-    from ..config import RecipeConfig, TrainConfig
+    from ..config import ComputeConfig, RecipeConfig
 
 # LossFn (trainer/step.py): loss_fn(logp [b, R] with grad, micro-batch) -> (loss reduced over the
 # micro-batch's rows, metrics). The backend weights each micro-batch's loss by its share of the batch's
@@ -77,7 +77,7 @@ def token_logprobs(
     return picked - torch.logsumexp(torch.stack(lses, dim=0), dim=0)
 
 
-def micro_batches(batch: TrainBatch, train: TrainConfig, *, min_tokens: int = 0) -> list[TrainBatch]:
+def micro_batches(batch: TrainBatch, train: ComputeConfig, *, min_tokens: int = 0) -> list[TrainBatch]:
     """The recipe's forward/backward chunks: `max_tokens_per_gpu` padded tokens when set (at least
     `min_tokens`: gradient-free passes keep nothing for backward and afford more), else
     `micro_batch_size` rows (or as many as `min_tokens` allows, if more)."""

@@ -2,7 +2,7 @@
 
 The policy keeps float32 master weights (an lr-1e-6 Adam update is below half a bf16 ulp for most
 weights, so bf16 master weights would not learn); on CUDA the forward runs under bf16 autocast when the
-recipe's dtype is bfloat16, unless `train.compute_dtype` says float32 (tiny models). Published weights
+recipe's dtype is bfloat16, unless `compute.dtype` says float32 (tiny models). Published weights
 are cast to the recipe's dtype. The reference policy is a frozen copy of the loaded weights in the compute
 dtype. Logits are divided by the sampling temperature
 and reduced over the vocabulary in chunks (`token_logprobs`, float32); with a bf16 compute dtype (CUDA)
@@ -45,14 +45,14 @@ class HFBackend(Backend):
         self.device = _pick_device(device)
         self.publish_dtype = _DTYPES[cfg.model.dtype]
         on_cuda = self.device.type == "cuda"
-        # train.compute_dtype `auto`: bf16 only on CUDA; CPU autocast to bf16 is slow and the CPU path
+        # compute.dtype `auto`: bf16 only on CUDA; CPU autocast to bf16 is slow and the CPU path
         # serves tiny models, which need float32 on a GPU too (the recipe's embedded section says so)
-        if compute_dtype is None and cfg.train.compute_dtype != "auto":
-            compute_dtype = _DTYPES[cfg.train.compute_dtype]
+        if compute_dtype is None and cfg.compute.dtype != "auto":
+            compute_dtype = _DTYPES[cfg.compute.dtype]
         self.compute_dtype = compute_dtype or (self.publish_dtype if on_cuda else torch.float32)
         self.model = model.to(device=self.device, dtype=torch.float32)
         self.model.eval()  # no dropout: the learner's log-probs must match the sampler's
-        if cfg.train.gradient_checkpointing:
+        if cfg.compute.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference = copy.deepcopy(self.model).eval()
         # Cast parameters only: `.to(dtype)` would also round buffers such as rotary `inv_freq` to bf16,
@@ -60,11 +60,10 @@ class HFBackend(Backend):
         for p in self.reference.parameters():
             p.data = p.data.to(self.compute_dtype)
         self.reference.requires_grad_(False)
-        algo = cfg.algo
+        o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
-            lr=algo.lr, weight_decay=algo.weight_decay, betas=(algo.optim.beta1, algo.optim.beta2),
-            eps=algo.optim.eps,
+            lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
         )
         self._check_head(self.model)
 
@@ -110,7 +109,7 @@ class HFBackend(Backend):
                                          self.cfg.algo.temperature, chunk_tokens=chunk_tokens_for(w.shape[0]))
         else:
             lp = token_logprobs(hidden[rows, pos], head.weight, targets, self.cfg.algo.temperature,
-                                bias=head.bias, chunk_size=self.cfg.train.vocab_chunk)
+                                bias=head.bias, chunk_size=self.cfg.compute.vocab_chunk)
         out = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=lp.device)
         return out.index_put((rows, cols), lp)
 
@@ -118,16 +117,16 @@ class HFBackend(Backend):
     def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
         model = self.reference if reference else self.model
         batch = batch.to(self.device)
-        return gather_logprobs(batch, micro_batches(batch, self.cfg.train), lambda mb: self._response_logp(model, mb))
+        return gather_logprobs(batch, micro_batches(batch, self.cfg.compute), lambda mb: self._response_logp(model, mb))
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         batch = batch.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        out = run_step(batch, micro_batches(batch, self.cfg.train), loss_fn,
+        out = run_step(batch, micro_batches(batch, self.cfg.compute), loss_fn,
                        forward=lambda mb: self._response_logp(self.model, mb),
                        grad_norm=lambda: torch.nn.utils.clip_grad_norm_(
-                           [p for p in params if p.grad is not None], self.cfg.algo.grad_clip),
+                           [p for p in params if p.grad is not None], self.cfg.optim.grad_clip),
                        update=lambda _norm: self.optimizer.step(), lr=float(self.optimizer.param_groups[0]["lr"]))
         self.optimizer.zero_grad(set_to_none=True)
         return out

@@ -88,14 +88,14 @@ class MegatronBackend(Backend):
         `setup`: "module:function" each rank calls before megatron is imported; `compute_dtype`: the
         model's dtype (default: the recipe's model.dtype on CUDA, float32 on CPU); `fused_wgrad`: accumulate
         weight gradients into the float32 masters inside the GEMM (default: where torch can, probed);
-        `cuda_graphs`: the recipe's train.cuda_graphs unless given."""
+        `cuda_graphs`: the recipe's compute.cuda_graphs unless given."""
         dev = device or ("cuda" if torch.cuda.is_available() else None)
         if dev is None:
             raise ValueError("train.backend=megatron needs CUDA GPUs and none is visible; use train.backend=hf "
                              "on a CPU machine")
-        tp = cfg.train.tensor_parallel
+        tp = cfg.compute.tensor_parallel
         if tp < 1:
-            raise ValueError(f"train.tensor_parallel={tp} must be at least 1")
+            raise ValueError(f"compute.tensor_parallel={tp} must be at least 1")
         kwargs = {"attention": attention, "load": None if load is None else str(load), "compute_dtype": compute_dtype,
                   "compile_layers": compile_layers, "fused_wgrad": fused_wgrad, "cuda_graphs": cuda_graphs}
         if tp == 1:
@@ -120,7 +120,7 @@ class MegatronBackend(Backend):
         if dev == "cuda":
             have = int(ray.cluster_resources().get("GPU", 0))
             if have < tp:
-                raise ValueError(f"train.tensor_parallel={tp} needs {tp} GPUs on this host; Ray sees {have}")
+                raise ValueError(f"compute.tensor_parallel={tp} needs {tp} GPUs on this host; Ray sees {have}")
         actor_cls = ray.remote(num_gpus=1 if dev == "cuda" else 0, num_cpus=1)(_RankActor)
         port = _free_port()
         actors = [actor_cls.remote(r, tp, port, model_dir, cfg, dev, kwargs, setup) for r in range(tp)]

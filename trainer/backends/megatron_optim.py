@@ -29,9 +29,9 @@ class MasterAdamW:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, moments: str = "float32",
                  offload: float = 0.0, chunk: int = CHUNK):
         if moments not in _MOMENT_DTYPES:
-            raise ValueError(f"train.optimizer_moments={moments!r}; choose one of {', '.join(_MOMENT_DTYPES)}")
+            raise ValueError(f"optim.moment_dtype={moments!r}; choose one of {', '.join(_MOMENT_DTYPES)}")
         if not 0.0 <= offload <= 1.0:
-            raise ValueError(f"train.optimizer_offload={offload} must be between 0 and 1")
+            raise ValueError(f"optim.offload={offload} must be between 0 and 1")
         self.params = list(params)
         self.param_groups: list[dict[str, Any]] = [{"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}]
         self.moment_dtype, self.chunk, self.step_count = _MOMENT_DTYPES[moments], chunk, 0

@@ -77,10 +77,10 @@ class MegatronRank:
                 for layer in m.decoder.layers:
                     layer.compile()
         self.reference.eval().requires_grad_(False)
-        self.recompute = set_recompute(self.model, cfg.train.gradient_checkpointing)
+        self.recompute = set_recompute(self.model, cfg.compute.gradient_checkpointing)
         self._setup_optimizer()
         self.fused_wgrad = self._use_main_grads(fused_wgrad)
-        self.graphs = self._decoder_graphs(cfg.train.cuda_graphs if cuda_graphs is None else cuda_graphs)
+        self.graphs = self._decoder_graphs(cfg.compute.cuda_graphs if cuda_graphs is None else cuda_graphs)
 
     def vocab_size(self) -> int:
         return self.identity.vocab_size
@@ -104,15 +104,16 @@ class MegatronRank:
 
     def _setup_optimizer(self) -> None:
         """The memory plan's optimizer: torch's fused AdamW on float32 masters on the GPU (the default), or
-        MasterAdamW (megatron_optim.py) where algo.optim.moment_dtype or train.optimizer_offload ask for
+        MasterAdamW (megatron_optim.py) where optim.moment_dtype or optim.offload ask for
         another layout. `self.grads`: the float32 gradients the step reads (None: the params' own .grad)."""
         from .megatron_optim import MasterAdamW
 
-        algo, o, offload = self.cfg.algo, self.cfg.algo.optim, self.cfg.train.optimizer_offload
+        o = self.cfg.optim
+        offload = o.offload
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.plan_optimizer = o.moment_dtype != "float32" or offload > 0
         if self.plan_optimizer:
-            self.optimizer = MasterAdamW(self.params, lr=algo.lr, weight_decay=algo.weight_decay,
+            self.optimizer = MasterAdamW(self.params, lr=o.lr, weight_decay=o.weight_decay,
                                          betas=(o.beta1, o.beta2), eps=o.eps, moments=o.moment_dtype, offload=offload)
             self.masters, self.grads = self.optimizer.masters, self.optimizer.grads
         elif self.dtype == torch.float32:
@@ -124,7 +125,7 @@ class MegatronRank:
             self.grads = [m.grad for m in self.masters]
         if not self.plan_optimizer:
             on_cuda = self.device.type == "cuda"
-            self.optimizer = torch.optim.AdamW(self.masters, lr=algo.lr, weight_decay=algo.weight_decay,
+            self.optimizer = torch.optim.AdamW(self.masters, lr=o.lr, weight_decay=o.weight_decay,
                                                betas=(o.beta1, o.beta2), eps=o.eps, fused=on_cuda or None,
                                                foreach=None if on_cuda else True)
         # which grads this rank counts in the global norm: its TP shards, and replicated ones on rank 0
@@ -155,7 +156,7 @@ class MegatronRank:
         sites = self._rope_sites.get(id(self.model), [])
         if not wanted or self.tp_size > 1 or not sites or self.recompute:
             if wanted:
-                log.info("train.cuda_graphs needs tensor_parallel 1, the sdpa attention and no "
+                log.info("compute.cuda_graphs needs tensor_parallel 1, the sdpa attention and no "
                          "gradient_checkpointing; running eagerly")
             return None
         return DecoderGraphs(self.model, sites, lambda t: self._rope_tables(self.model, t, self.dtype),
@@ -228,7 +229,7 @@ class MegatronRank:
         `_NOGRAD_TOKENS` tokens at a time (at least the recipe's micro-batch): fewer, larger launches."""
         model = self.reference if reference else self.model
         batch = batch.to(self.device)
-        chunks = micro_batches(batch, self.cfg.train, min_tokens=_NOGRAD_TOKENS)
+        chunks = micro_batches(batch, self.cfg.compute, min_tokens=_NOGRAD_TOKENS)
         return gather_logprobs(batch, chunks, lambda mb: self.response_logp(model, mb))
 
     # -- training ------------------------------------------------------------------------------------
@@ -245,7 +246,7 @@ class MegatronRank:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         batch = batch.to(self.device)
-        chunks = micro_batches(batch, self.cfg.train)
+        chunks = micro_batches(batch, self.cfg.compute)
         if self.graphs is not None and self.graphs.prepare([(mb.rows, int(mb.input_ids.shape[1])) for mb in chunks],
                                                            int(self.hf_cfg["hidden_size"]), self.dtype):
             self._zero_grads()  # the capture's warm-up passes accumulated into the master gradients
@@ -256,8 +257,8 @@ class MegatronRank:
         return out
 
     def _update(self, norm: torch.Tensor) -> None:
-        """Clip the float32 gradients to algo.grad_clip, step, and copy the masters into the model."""
-        coef = self.cfg.algo.grad_clip / (norm + 1e-6)
+        """Clip the float32 gradients to optim.grad_clip, step, and copy the masters into the model."""
+        coef = self.cfg.optim.grad_clip / (norm + 1e-6)
         if float(coef) < 1.0:
             torch._foreach_mul_(self.grads or [p.grad for p in self.params if p.grad is not None], coef)
         self.optimizer.step()
@@ -296,9 +297,9 @@ class MegatronRank:
         state = torch.load(file, map_location=self.device, weights_only=True)
         if state["tp_size"] != self.tp_size:
             raise ValueError(f"{file} was written with tensor_parallel={state['tp_size']}; "
-                             f"resume with train.tensor_parallel={state['tp_size']}")
+                             f"resume with compute.tensor_parallel={state['tp_size']}")
         if self.plan_optimizer != ("exp_avg_sq" in state["optimizer"]):
-            raise ValueError(f"{file} was written under another algo.optim.moment_dtype / train.optimizer_offload "
+            raise ValueError(f"{file} was written under another optim.moment_dtype / optim.offload "
                              "plan; resume with the plan it was written with")
         if self.plan_optimizer:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -198,7 +198,7 @@ def run_learner(
         source = ray.remote(num_cpus=0)(SourceActor).remote(
             spec, mjson, cfg.algo.model_dump_json(), cfg.train.poll_interval_s)
         on_gpus = ray.cluster_resources().get("GPU", 0) >= 1
-        tp_ranks = on_gpus and cfg.train.tensor_parallel > 1  # the rank actors take the GPUs, one each
+        tp_ranks = on_gpus and cfg.compute.tensor_parallel > 1  # the rank actors take the GPUs, one each
         gpus = 1 if on_gpus and not tp_ranks else 0
         learner = ray.remote(num_cpus=0, num_gpus=gpus)(LearnerActor).remote(
             cfg.model_dump_json(), str(model_dir), str(run_dir), source, spec, mjson, key_to_pem(key), threads,
@@ -226,7 +226,7 @@ def run_learner(
                 logger.log(step, metrics)  # before the checkpoint: every checkpointed step is in the log
                 if on_step is not None:
                     on_step(metrics)
-                if step % cfg.train.save_interval == 0:
+                if step % cfg.checkpoint.interval == 0:
                     ray.get(learner.save.remote())
             final = ray.get(learner.finish.remote())
             ray.get(source.stop.remote())

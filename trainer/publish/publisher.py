@@ -6,7 +6,7 @@
                                    # anchor every `anchor_interval` versions
 Both return `PublishResult`: the version, its kind (anchor, patch, patch+anchor) and its figures.
 `PatchEncoder` keeps the last published plane state as the next patch's base: on the GPU for CUDA
-tensors (worker_contract/planes/device.py, pulse/torch_encode.py), numpy on the host; the same bytes.
+tensors (each plane's `from_hf_torch`, pulse/torch_encode.py), numpy on the host; the same bytes.
 More in docs/architecture.md (module notes).
 """
 
@@ -111,9 +111,7 @@ class PatchEncoder:
             return self.plane.from_hf(state), False
         if self.encoder is EncoderChoice.AUTO and not any(t.device.type == "cuda" for t in tensors):
             return self.plane.from_hf(state), False
-        from worker_contract.planes.device import from_hf
-
-        return from_hf(self.plane_name, state), True
+        return self.plane.from_hf_torch(state), True
 
     def encode(self, state: Mapping[str, Any], version: int) -> Encoded:
         """`state` as a patch from the base (at `base_version`) to `version`."""

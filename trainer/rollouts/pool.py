@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from worker_contract import layout
 from worker_contract.schema import MAX_RECORD_BYTES, RolloutRecord
-from worker_contract.tasks import MULTI_TURN_TASKS
+from worker_contract.tasks import get_task, is_task
 
 if TYPE_CHECKING:
     from worker_contract.manifest import RunManifest
@@ -332,13 +332,9 @@ class GroupPool:
         }
         for lag in range(self.staleness + 1):
             m[f"rollout/staleness_hist/{lag}"] = float(sum(g.lag == lag for g in groups))
-        if any(g.record.task in MULTI_TURN_TASKS for g in groups):  # tool episodes: a tool turn is a mask-0 span
-            samples = [s for g in groups for s in g.record.samples]
-            searched = [0 in s.loss_mask for s in samples]
-            right = [s.reward >= 1.0 for s in samples]
-            m["rollout/search_rate"] = sum(searched) / len(samples)
-            m["rollout/correct_after_search"] = (sum(a and b for a, b in zip(right, searched, strict=True))
-                                                 / sum(right)) if any(right) else 0.0
+        for task in sorted(t for t in {g.record.task for g in groups} if is_task(t)):  # the task's own metrics
+            m.update(get_task(task).batch_metrics([s for g in groups if g.record.task == task
+                                                   for s in g.record.samples]))
         return m
 
     # -- checkpoint state ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""slime-engine checkpoints on disk: keep the newest `train.keep_checkpoints` complete ones under `--save`.
+"""slime-engine checkpoints on disk: keep the newest `checkpoint.keep` complete ones under `--save`.
 
 Megatron writes each save as `iter_<7 digits>/` and names the last complete one in
 `latest_checkpointed_iteration.txt`, and never deletes any (about 22 GB each for the 1.5B quickstart,
@@ -32,7 +32,7 @@ def complete(save_dir: str | Path) -> list[int]:
 def prune(save_dir: str | Path | None, keep: int) -> list[int]:
     """Delete all but the newest `keep` complete checkpoints; returns the iterations deleted."""
     if keep < 1:
-        raise ValueError(f"train.keep_checkpoints={keep} must be at least 1 (the newest is what a resume loads)")
+        raise ValueError(f"checkpoint.keep={keep} must be at least 1 (the newest is what a resume loads)")
     if not save_dir or not Path(save_dir).is_dir():
         return []
     doomed = complete(save_dir)[:-keep]

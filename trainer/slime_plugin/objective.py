@@ -13,9 +13,13 @@ from typing import Any
 
 
 def _ctx_algo():
+    from trainer.objectives import check_engine
+
     from .context import context
 
-    return context().cfg.algo
+    algo = context().cfg.algo
+    check_engine(algo.objective, "slime")  # a recipe objective slime's hooks do not build: refused, one sentence
+    return algo
 
 
 def drgrpo_rewards(args: Any, samples: list) -> tuple[list[float], list[float]]:

@@ -130,7 +130,7 @@ def after_train(args: Any, rollout_id: int, model) -> int | None:
     if not _is_rank0():
         return None
     ctx = context()
-    checkpoints.prune(getattr(args, "save", None), ctx.cfg.train.keep_checkpoints)  # before slime's next save
+    checkpoints.prune(getattr(args, "save", None), ctx.cfg.checkpoint.keep)  # before slime's next save
     total = getattr(args, "num_rollout", None)
     wait = total is None or rollout_id + 1 >= int(total)
     return publish_policy(ctx, state, rollout_id, wait=wait)

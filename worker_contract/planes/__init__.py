@@ -1,24 +1,38 @@
 """Weight planes: the form weights take in anchors and patches (`DRL_PULSE_PLANE`).
 
-Each plane is a module with one small interface:
-    NAME                          the plane's name in run.json and the env contract
-    from_hf(state) -> plane       HF-named tensors (torch or numpy, any float dtype) -> the plane's tensors
-    to_dense(plane) -> dense      plane tensors -> HF-named dense tensors, for a worker running a dense model
-    quantized_tensors(plane)      names of the plane tensors that are quantized
-Plane tensors are numpy arrays (bf16 through ml_dtypes), so a worker needs no torch. A new plane adds a
-module here and one line to `PLANES`; every schema's plane type (`PlaneName`) follows.
+Each plane is a module defining `INTERFACE`: NAME; from_hf(state) -> plane tensors (numpy); from_hf_torch(state),
+its torch twin (the same bits on the tensors' device, fresh copies: the publisher makes the plane on the GPU);
+to_dense(plane) -> HF-named dense tensors (for a worker); quantized_tensors(plane). Plane tensors are numpy (bf16
+through ml_dtypes), so a worker needs no torch; a module imports torch only inside `from_hf_torch`. A new plane
+is its module plus one line in `PLANES` (or `register_plane(module)`); every schema's `PlaneName` checks this
+registry when it validates. Signatures: docs/extending.md.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Literal
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from . import bf16, int8g64
 
 PLANES: dict[str, ModuleType] = {bf16.NAME: bf16, int8g64.NAME: int8g64}
-#: the plane names, as the type every schema (run.json, records, the env contract, recipes) validates against
-PlaneName = Literal[tuple(PLANES)]  # type: ignore[valid-type]
+#: what a plane module must define (`register_plane` refuses one that lacks a name of these)
+INTERFACE = ("NAME", "from_hf", "from_hf_torch", "to_dense", "quantized_tensors")
+
+
+def register_plane(module: ModuleType) -> ModuleType:
+    """Register a plane module under its `NAME`; one that lacks part of `INTERFACE`, or whose name another
+    module holds, is refused."""
+    missing = [a for a in INTERFACE if not hasattr(module, a)]
+    if missing:
+        raise ValueError(f"plane module {module.__name__} lacks {', '.join(missing)} (a plane defines "
+                         f"{', '.join(INTERFACE)}: worker_contract/planes/__init__.py)")
+    if PLANES.get(module.NAME, module) is not module:
+        raise ValueError(f"plane name {module.NAME!r} is taken by {PLANES[module.NAME].__name__}")
+    PLANES[module.NAME] = module
+    return module
 
 
 def get_plane(name: str) -> ModuleType:
@@ -29,4 +43,15 @@ def get_plane(name: str) -> ModuleType:
         raise ValueError(f"DRL_PULSE_PLANE={name!r} is not a known plane; known: {', '.join(sorted(PLANES))}") from None
 
 
-__all__ = ["PLANES", "PlaneName", "get_plane"]
+def _known_plane(name: str) -> str:
+    if name not in PLANES:
+        raise ValueError(f"{name!r} is not a known plane; known: {', '.join(sorted(PLANES))}")
+    return name
+
+
+#: the plane names, as the type every schema (run.json, records, the env contract, recipes) validates against:
+#: the names registered when it validates
+PlaneName = Annotated[str, AfterValidator(_known_plane)]
+
+
+__all__ = ["PLANES", "INTERFACE", "PlaneName", "get_plane", "register_plane"]

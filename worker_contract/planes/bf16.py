@@ -7,11 +7,14 @@ master weights publishes exactly the bf16 weights its own bf16 forward uses.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..tensors import is_torch, round_to, to_numpy
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = "bf16"
 
@@ -40,3 +43,19 @@ def to_dense(plane_state: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 def quantized_tensors(plane_state: Mapping[str, Any]) -> list[str]:
     return []
+
+
+def to_bf16_torch(t: torch.Tensor) -> torch.Tensor:
+    """A fresh bf16 copy of a floating tensor (other dtypes: a fresh copy), on the tensor's device. Always
+    a copy: the publisher keeps it as the next base while the learner updates its weights in place."""
+    import torch
+
+    t = t.detach()
+    if t.is_floating_point():
+        return t.to(torch.bfloat16, copy=True).contiguous()
+    return t.clone().contiguous()
+
+
+def from_hf_torch(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """`from_hf` in torch on the tensors' device: the same bits, fresh copies."""
+    return {name: to_bf16_torch(state[name]) for name in sorted(state)}

@@ -6,12 +6,15 @@ More in docs/pulse.md (module notes).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..tensors import is_torch, round_to, to_numpy, to_torch
-from .bf16 import to_bf16
+from .bf16 import to_bf16, to_bf16_torch
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = "int8g64"
 GROUP_SIZE = 64
@@ -108,3 +111,42 @@ def to_dense(plane_state: Mapping[str, Any]) -> dict[str, np.ndarray]:
 def quantized_tensors(plane_state: Mapping[str, Any]) -> list[str]:
     """Names of the plane's quantized tensors (codes, scales and biases)."""
     return sorted(f"{m}.{s}" for m in quantized_modules(plane_state) for s in ("weight", "scales", "biases"))
+
+
+def quantize_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(wq uint32, scales, biases) on w's device, bit-identical to `quantize_np` (and so to mlx)."""
+    import torch
+
+    dt = str(w.dtype).removeprefix("torch.")
+    if dt not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"int8g64 quantizes bfloat16, float16 or float32 tensors, not dtype={dt}")
+    g = GROUP_SIZE
+    if w.dim() < 1 or w.shape[-1] % g:
+        raise ValueError(f"int8g64 needs a last dim divisible by {g}; got shape={list(w.shape)}")
+    x = w.detach().to(torch.float32).reshape(*w.shape[:-1], w.shape[-1] // g, g)
+    hi, lo = x.amax(dim=-1), x.amin(dim=-1)
+    levels = torch.full_like(hi, float(_LEVELS))
+    s0 = torch.maximum((hi - lo) / levels, torch.full_like(hi, float(_EPS)))
+    neg = lo.abs() > hi.abs()
+    s = torch.where(neg, s0, -s0)
+    edge = torch.where(neg, lo, hi)
+    q0 = torch.round(edge / s)  # round half to even, as np.rint
+    nz = q0 != 0
+    scale = torch.where(nz, edge / q0, s)
+    bias = torch.where(nz, edge, torch.zeros_like(edge))
+    codes = torch.round((x - bias.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 255)
+    wq = codes.to(torch.uint8).reshape(w.shape).contiguous().view(torch.uint32)
+    return wq, scale.to(w.dtype), bias.to(w.dtype)
+
+
+def from_hf_torch(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """`from_hf` in torch on the tensors' device: the same bits (`quantize_torch` is `quantize_np`'s twin)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(state):
+        t = to_bf16_torch(state[name])
+        if str(t.dtype) == "torch.bfloat16" and is_quantized(name, tuple(t.shape)):
+            mod = name[: -len(".weight")]
+            out[name], out[f"{mod}.scales"], out[f"{mod}.biases"] = quantize_torch(t)
+        else:
+            out[name] = t
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .base import (
+    SERVICES,
     SPLITS,
     CachedSplitTask,
     LazySplit,
@@ -42,24 +43,55 @@ def _psqa() -> Task:
     return PsqaTask()
 
 
-#: task name -> factory. Add a task by writing its module and one line here.
+#: task name -> factory (a Task subclass or a function returning one). A task is its module: named after the task
+#: in this package and calling `register_task`, it is found on first use (`is_task`, `get_task`); or anywhere,
+#: imported before use (docs/extending.md).
 TASKS: dict[str, Callable[[], Task]] = {
     "gsm8k": _gsm8k,
     "arithmetic": _arithmetic,
     "psqa": _psqa,
 }
 
-#: the registered tasks sampled as multi-turn tool episodes (a tool turn is a loss-mask-0 span); the others are
-#: one prompt and one sampled turn per sample
-MULTI_TURN_TASKS: frozenset[str] = frozenset({"psqa"})
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Register a Task subclass under its `name` (usable as a class decorator); a name taken by another
+    task is refused."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)) or not getattr(cls, "name", ""):
+        raise ValueError(f"register_task takes a Task subclass with a `name`; got {cls!r}")
+    known = TASKS.get(cls.name)
+    if known is not None and known is not cls:
+        raise ValueError(f"task name {cls.name!r} is taken; pick another `name` for {cls.__qualname__}")
+    TASKS[cls.name] = cls
+    return cls
+
+
+def _discover(name: str) -> None:
+    """Import this package's module named after the task (`my-task` -> `my_task.py`), whose `register_task`
+    registers it: a task shipped here is its module alone, no line in `TASKS` needed."""
+    import importlib
+    import importlib.util
+    import re
+
+    if re.fullmatch(r"[a-z][a-z0-9_-]{0,63}", name):
+        module = f"{__name__}.{name.replace('-', '_')}"
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+
+
+def is_task(name: str) -> bool:
+    """Whether a task of that name is registered (its module here imported on first use)."""
+    if name not in TASKS:
+        _discover(name)
+    return name in TASKS
 
 
 def get_task(name: str) -> Task:
-    """The task registered under `name`; a ValueError naming the known tasks otherwise."""
-    if name not in TASKS:
+    """The task registered under `name` (its module here imported on first use); a ValueError naming the known
+    tasks otherwise."""
+    if not is_task(name):
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
     return TASKS[name]()
 
 
-__all__ = ["Problem", "Task", "CachedSplitTask", "LazySplit", "TASKS", "MULTI_TURN_TASKS", "SPLITS", "Split", "get_task", "check_split",
-           "hf_datasets", "local_split_path"]
+__all__ = ["Problem", "Task", "CachedSplitTask", "LazySplit", "TASKS", "SERVICES", "SPLITS", "Split", "get_task",
+           "register_task", "is_task", "check_split", "hf_datasets", "local_split_path"]

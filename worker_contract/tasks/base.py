@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+if TYPE_CHECKING:
+    from ..schema import Sample
+
 Split = Literal["train", "test"]
 SPLITS: tuple[str, ...] = ("train", "test")
+#: the services a task may need beside the bucket (`Task.services`): `retriever`, the search service its
+#: episodes call (infra/retriever; the workers' --retriever-url / DRL_RETRIEVER_URL)
+SERVICES: tuple[str, ...] = ("retriever",)
 
 
 class Problem(BaseModel):
@@ -33,10 +39,31 @@ class Problem(BaseModel):
 
 
 class Task(abc.ABC):
-    """A task: data splits, the chat messages of a prompt, and the scalar reward of a completion."""
+    """A task: data splits, the chat messages of a prompt, and the scalar reward of a completion.
+
+    Code outside the task modules never branches on a task's name: what it needs to know of a task is one
+    of the hooks below (docs/extending.md lists them with the files that read each)."""
 
     #: registry name, written into run.json and every rollout record
     name: ClassVar[str]
+    #: sampled as multi-turn tool episodes (a tool turn is a loss-mask-0 span; the worker runs its
+    #: `run_episode`); False: one prompt and one sampled turn per sample
+    multi_turn: ClassVar[bool] = False
+    #: the services of `SERVICES` its episodes call (the join card, the launch's hint and the local runs
+    #: start or ask for them)
+    services: ClassVar[tuple[str, ...]] = ()
+    #: what its held-out evaluation's score is called in reports and plots
+    heldout_label: ClassVar[str] = "held-out accuracy"
+
+    def stand_in(self) -> str | None:
+        """The registered task that stands in for this one where its data cannot be loaded on this machine (the
+        local runs switch to it and say so); None when the data loads, or when no task stands in."""
+        return None
+
+    def batch_metrics(self, samples: Sequence[Sample]) -> Mapping[str, float]:
+        """Task-specific `rollout/...` metrics of one learner batch's samples (added to the pool's own);
+        none by default."""
+        return {}
 
     @abc.abstractmethod
     def dataset(self, split: Split) -> Sequence[Problem]:

@@ -13,6 +13,7 @@ More in docs/extending.md (module notes).
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
@@ -129,6 +130,18 @@ class GSM8KTask(CachedSplitTask):
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return [{"role": "user", "content": prompt_text(problem.question)}]
+
+    def stand_in(self) -> str | None:
+        """`arithmetic` (generated problems in GSM8K's format) where the real set cannot be loaded here: no
+        local copy (DRL_GSM8K_DIR) and no `datasets` package to fetch it."""
+        local = self.local_dir or os.environ.get("DRL_GSM8K_DIR")
+        if local:
+            return None if (Path(local) / "train.jsonl").exists() else "arithmetic"
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            return "arithmetic"
+        return None
 
     def extract_answer(self, completion: str) -> str | None:
         return extract_answer(completion)

@@ -243,6 +243,18 @@ class PsqaTask(CachedSplitTask):
     """PaperSearchQA prompt, answer extraction and cover-EM reward; episodes via `run_episode`."""
 
     name = "psqa"
+    multi_turn = True
+    services = ("retriever",)
+    heldout_label = "held-out cover-EM"
+
+    def batch_metrics(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """The share of samples that searched (a tool turn is a mask-0 span), and of the correct ones, the
+        share found after a search."""
+        searched = [0 in s.loss_mask for s in samples]
+        right = [s.reward >= 1.0 for s in samples]
+        return {"rollout/search_rate": sum(searched) / max(len(samples), 1),
+                "rollout/correct_after_search": (sum(a and b for a, b in zip(right, searched, strict=True))
+                                                 / sum(right)) if any(right) else 0.0}
 
     def _load_split(self, split: Split) -> Sequence[PsqaProblem]:
         rows = load_psqa(split, self.local_dir)

@@ -32,14 +32,10 @@ from ..reconstruct import PointerRefused, SyncError
 from ..schema import RolloutRecord, Sample, SamplingParams, encode_record
 from ..signing import fingerprint
 from ..store import NotFound, PreconditionFailed, Store, StoreError, open_store
-from ..tasks import MULTI_TURN_TASKS, TASKS, Problem, get_task
+from ..tasks import TASKS, Problem, get_task, is_task
 
 log = logging.getLogger("worker")
 
-#: tasks whose group is one prompt and one sampled turn per sample (the task registry's single-turn ones)
-SINGLE_TURN_TASKS = frozenset(TASKS) - MULTI_TURN_TASKS
-#: tasks sampled as multi-turn search episodes (worker/episodes.py), with the search tool of worker/retrieval.py
-EPISODE_TASKS = MULTI_TURN_TASKS
 #: DRL_KV_MODE values each backend implements; None = the backend does not check the mode. For the MLX
 #: worker, paged_prefix is one prompt prefill shared by the group's n samples (worker/mlx_sampling.py)
 KV_MODES: dict[str, frozenset[str] | None] = {"torch": None, "mlx": frozenset({"paged_prefix"})}
@@ -238,17 +234,17 @@ class Worker:
         check_contract(manifest, self.n_samples, self.plane)
         check_kv_mode(manifest, parse_env(self.env).kv_mode, self.s.backend)
         check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
-        if manifest.task not in SINGLE_TURN_TASKS | EPISODE_TASKS:
+        if not is_task(manifest.task):
             raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}; this worker samples "
-                                   f"{', '.join(sorted(SINGLE_TURN_TASKS | EPISODE_TASKS))}")
+                                   f"{', '.join(sorted(TASKS))}")
+        self.task = get_task(manifest.task)
         self.search = None
-        if manifest.task in EPISODE_TASKS:  # refused before any weights are fetched (exit 2)
+        if "retriever" in self.task.services:  # refused before any weights are fetched (exit 2)
             from .retrieval import make_search
 
             self.search = self._timed(make_search(self.s.retriever_url, self.s.retriever_tier, manifest.run,
                                                   timeout_s=self.s.retriever_timeout_s))
         self.manifest = manifest
-        self.task = get_task(manifest.task)
         self.task.dataset("train")  # its questions (a download, or a local split) before the weights: a Mac
         # without them is refused now, not after fetching gigabytes
         model_dir = resolve_model_dir(self.s, manifest)
@@ -394,7 +390,7 @@ class Worker:
         """One group per problem, all sampled in one batch (a GPU worker's rows share each forward)."""
         m = self.manifest
         prompts = [self.policy.prompt_ids(self.task.messages(p)) for p in problems]
-        if self.search is not None:
+        if self.task.multi_turn:  # tool episodes (worker/episodes.py); the others: one sampled turn each
             return self._episode_groups(problems, prompts)
         t0 = time.monotonic()
         outs = self.policy.sample_many(prompts, self.n_samples, temperature=m.temperature, top_p=m.top_p,

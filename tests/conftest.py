@@ -48,12 +48,12 @@ def pytest_unconfigure(config):
 #: fixtures are built once; these modules share one worker too. test_bad_inputs runs its whole table in one
 #: module fixture (`outcomes`); test_preflight's box rows run on this machine (directly or over its sshd) and
 #: one of them listens on 0.0.0.0:8265, the Ray dashboard port box.ray_dashboard reads, where the native
-#: launch's learner serves its dashboard
-XDIST_GROUPS = {"tests/test_preflight.py": "port-8265", "tests/test_native_launch.py": "port-8265"}
+#: launch's learner (test_native_loop_on_cpu) serves its dashboard. Keys: a module, or one test of a module
+XDIST_GROUPS = {"tests/test_preflight.py": "port-8265", "tests/test_native_launch.py::test_native_loop_on_cpu": "port-8265"}
 #: modules whose tests each make a unit of their own (a worker each, at the same time): each test holds several
 #: minutes of real processes, and they share nothing costly (a module fixture is built again per worker)
 XDIST_SPLIT = ("tests/test_embedded_e2e.py", "tests/test_secret_scan.py", "tests/test_resume.py",
-               "tests/test_fleet.py")
+               "tests/test_fleet.py", "tests/test_native_launch.py")
 #: seconds each long test took in a run of the whole suite (tests/durations.json: `--durations`, 3 workers on
 #: the 2-core box, setup included): the units are handed out longest first
 DURATIONS: dict[str, float] = json.loads((Path(__file__).parent / "durations.json").read_text())
@@ -61,9 +61,10 @@ DURATIONS: dict[str, float] = json.loads((Path(__file__).parent / "durations.jso
 
 def xdist_unit(nodeid: str) -> str:
     """The unit of work a test belongs to: its module, its module's group, or (XDIST_SPLIT) itself."""
-    path = nodeid.split("::", 1)[0]
-    if path in XDIST_GROUPS:
-        return XDIST_GROUPS[path]
+    path, test = nodeid.split("::", 1)[0], nodeid.split("[", 1)[0]
+    for key in (test, path):
+        if key in XDIST_GROUPS:
+            return XDIST_GROUPS[key]
     return nodeid if path in XDIST_SPLIT else path
 
 

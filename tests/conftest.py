@@ -49,7 +49,8 @@ def pytest_unconfigure(config):
 #: module fixture (`outcomes`); test_preflight's box rows run on this machine (directly or over its sshd) and
 #: one of them listens on 0.0.0.0:8265, the Ray dashboard port box.ray_dashboard reads, where the native
 #: launch's learner (test_native_loop_on_cpu) serves its dashboard. Keys: a module, or one test of a module
-XDIST_GROUPS = {"tests/test_preflight.py": "port-8265", "tests/test_native_launch.py::test_native_loop_on_cpu": "port-8265"}
+XDIST_GROUPS = {"tests/test_preflight.py": "port-8265",
+                "tests/test_native_launch.py::test_native_loop_on_cpu": "port-8265"}
 #: modules whose tests each make a unit of their own (a worker each, at the same time): each test holds several
 #: minutes of real processes, and they share nothing costly (a module fixture is built again per worker)
 XDIST_SPLIT = ("tests/test_embedded_e2e.py", "tests/test_secret_scan.py", "tests/test_resume.py",

@@ -51,9 +51,9 @@ def _ensure_sshd(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Run the test suite (everything but `gpu`; pass `-- -m slow` etc. to narrow)."""
     _ensure_sshd(session)
-    # three xdist workers, a test module each at a time (tests/conftest.py orders and groups them): most tests
-    # wait on the processes and servers they start, so more workers than this 2-core CI box has cores keep both
-    # busy (`nox -s tests -- -n 0 ...` runs in one process)
+    # three xdist workers, a test module (or one long test) each at a time, longest first (tests/conftest.py
+    # orders, groups and splits them): most tests wait on the processes and servers they start, so more workers
+    # than this 2-core CI box has cores keep both busy (`nox -s tests -- -n 0 ...` runs in one process)
     args = session.posargs or ["-m", "not gpu and not soak", "--durations=25", "-n", "3", "--dist", "loadfile",
                                "--no-loadscope-reorder"]
     session.run(PY, "-m", "pytest", *args)

@@ -12,6 +12,7 @@ the fault-injecting proxy (bench/faultproxy.py). Network never leaves 127.0.0.1.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -47,8 +48,25 @@ def pytest_unconfigure(config):
 #: fixtures are built once; these modules share one worker too. test_bad_inputs runs its whole table in one
 #: module fixture (`outcomes`); test_preflight's box rows run on this machine (directly or over its sshd) and
 #: one of them listens on 0.0.0.0:8265, the Ray dashboard port box.ray_dashboard reads, where the native
-#: launch's learner serves its dashboard
-XDIST_GROUPS = {"tests/test_preflight.py": "port-8265", "tests/test_native_launch.py": "port-8265"}
+#: launch's learner (test_native_loop_on_cpu) serves its dashboard. Keys: a module, or one test of a module
+XDIST_GROUPS = {"tests/test_preflight.py": "port-8265",
+                "tests/test_native_launch.py::test_native_loop_on_cpu": "port-8265"}
+#: modules whose tests each make a unit of their own (a worker each, at the same time): each test holds several
+#: minutes of real processes, and they share nothing costly (a module fixture is built again per worker)
+XDIST_SPLIT = ("tests/test_embedded_e2e.py", "tests/test_secret_scan.py", "tests/test_resume.py",
+               "tests/test_fleet.py", "tests/test_native_launch.py")
+#: seconds each long test took in a run of the whole suite (tests/durations.json: `--durations`, 3 workers on
+#: the 2-core box, setup included): the units are handed out longest first
+DURATIONS: dict[str, float] = json.loads((Path(__file__).parent / "durations.json").read_text())
+
+
+def xdist_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module, its module's group, or (XDIST_SPLIT) itself."""
+    path, test = nodeid.split("::", 1)[0], nodeid.split("[", 1)[0]
+    for key in (test, path):
+        if key in XDIST_GROUPS:
+            return XDIST_GROUPS[key]
+    return nodeid if path in XDIST_SPLIT else path
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice of scheduler
@@ -59,31 +77,35 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Scheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return XDIST_GROUPS.get(path, path)
+            return xdist_unit(nodeid)
 
     return Scheduling(config, log)
 
 
-def _rank(item) -> int:
-    if RECIPE_BASE in getattr(item, "fixturenames", ()):
-        return 3
-    return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("integration") else 2
+def _seconds(item) -> float:
+    """How long a test is expected to take: its measured figure, else a guess by its markers."""
+    if item.nodeid in DURATIONS:
+        return DURATIONS[item.nodeid]
+    return 30.0 if item.get_closest_marker("slow") else 3.0 if item.get_closest_marker("integration") else 0.3
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, hand out the modules with long tests first (the slow lane's, then those that run
-    real processes and servers) and the short ones last, so no worker starts a minutes-long test while the
-    others have run out of work; a module waiting for the recipe's base goes last (tests/recipe_base.py).
-    Every worker sorts its identical collection the same way, and a module's tests stay together."""
+    """Under pytest-xdist, hand out the units of work longest first (their tests' DURATIONS summed) and the
+    short ones last, so no worker starts a minutes-long test while the others have run out of work (a worker
+    holds the next unit while it runs its last test); a module waiting for the recipe's base goes last
+    (tests/recipe_base.py). Every worker sorts its identical collection the same way, and a unit's tests
+    keep their order in the module."""
     result = yield  # after every other plugin's: -m / -k have deselected what will not run
     if hasattr(config, "workerinput"):
-        ranks: dict[Path, set[int]] = {}
+        total: dict[str, float] = {}
         for item in items:
-            ranks.setdefault(item.path, set()).add(_rank(item))
-        module_rank = {path: 3 if 3 in r else min(r) for path, r in ranks.items()}
-        items.sort(key=lambda item: module_rank[item.path])
+            unit = xdist_unit(item.nodeid)
+            waits = RECIPE_BASE in getattr(item, "fixturenames", ())
+            total[unit] = float("-inf") if waits or total.get(unit) == float("-inf") else \
+                total.get(unit, 0.0) + _seconds(item)
+        order = {unit: rank for rank, unit in enumerate(sorted(total, key=lambda u: -total[u]))}
+        items.sort(key=lambda item: order[xdist_unit(item.nodeid)])  # stable: a unit keeps its module order
     schedule_recipe_base(config, items)
     return result
 

@@ -109,7 +109,11 @@ class Run:
         before, existing = self.pointer(), max(_versions_in_bucket(self.store, "crash"), default=0)
         resume_at = self.newest_checkpoint()
         t = Trainer([*self.args, str(num_steps), str(STALENESS)], self.env, self.tmp / "trainer.log")
-        t.wait_step(resume_at + 1)  # setup done: a fresh anchor is published, one step taken
+        try:
+            t.wait_step(resume_at + 1)  # setup done: a fresh anchor is published, one step taken
+        except BaseException:  # a start that fails the test must not outlive it (it would train for hours)
+            kill_all(t)
+            raise
         self.leftovers = {f for f in self.publish_files() if "/.tmp-" in f}
         self.starts.append((before, existing, t.steps[0]["version"]))
         return t

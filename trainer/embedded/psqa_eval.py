@@ -20,6 +20,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from worker_contract.cli import number
+
 CURVE_FILE, PLOT_FILE = "psqa_eval.jsonl", "psqa_eval.png"
 _VERSION_DIR = re.compile(r"^(?:v|step_|iter_)0*(\d+)$")
 
@@ -226,20 +228,20 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="one HF checkpoint directory to evaluate")
     src.add_argument("--watch", help="directory where v<N>/step_<N>/iter_<N> HF checkpoints appear")
-    p.add_argument("--version", type=int, default=1, help="version label of --model")
+    p.add_argument("--version", type=number(int, at_least=1), default=1, help="version label of --model")
     p.add_argument("--out", required=True, help="directory for psqa_eval.jsonl and psqa_eval.png")
     p.add_argument("--retriever", required=True, help="retriever URL (DRL_RETRIEVER_URL)")
     p.add_argument("--data-dir", default=None, help="DRL_PSQA_DIR with test.jsonl (default: download)")
-    p.add_argument("--questions", type=int, default=500, help="held-out questions per point")
-    p.add_argument("--k", type=int, default=8, help="samples per question (pass@k)")
-    p.add_argument("--top-k", type=int, default=3, help="documents per search")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--max-turns", type=int, default=4, help="tool calls per episode")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--every", type=int, default=1, help="evaluate versions divisible by this")
-    p.add_argument("--poll-s", type=float, default=60.0, help="--watch polling interval")
+    p.add_argument("--questions", type=number(int, at_least=1), default=500, help="held-out questions per point")
+    p.add_argument("--k", type=number(int, at_least=1), default=8, help="samples per question (pass@k)")
+    p.add_argument("--top-k", type=number(int, at_least=1), default=3, help="documents per search")
+    p.add_argument("--max-new-tokens", type=number(int, at_least=1), default=1024)
+    p.add_argument("--max-turns", type=number(int, at_least=1), default=4, help="tool calls per episode")
+    p.add_argument("--temperature", type=number(float, above=0), default=1.0)
+    p.add_argument("--every", type=number(int, at_least=1), default=1, help="evaluate versions divisible by this")
+    p.add_argument("--poll-s", type=number(float, above=0), default=60.0, help="--watch polling interval")
     p.add_argument("--device", default="cuda:1", help="a GPU the learner does not use, or cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=number(int, at_least=0), default=0)
     return p
 
 

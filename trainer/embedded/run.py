@@ -188,16 +188,18 @@ class _Interrupts:
     """Ctrl-C / SIGTERM: the first asks for a clean stop, a second kills the children at once."""
 
     def __init__(self, procs: Processes):
-        self.procs, self.count = procs, 0
+        self.procs, self.count, self.first = procs, 0, None
 
     def __call__(self, signum, _frame) -> None:
         self.count += 1
+        self.first = self.first or signum
         if self.count > 1:
             self.procs.signal_all(signal.SIGKILL)
 
 
 def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR, retriever_argv=None) -> int:
-    """The embedded run, start to summary; the exit status of `make gsm8k` (0 ok, 1 failed, 130 Ctrl-C).
+    """The embedded run, start to summary; the exit status of `make gsm8k` (0 ok, 1 failed, 130 Ctrl-C, 143
+    SIGTERM; the learner stopped by a signal sent to it alone: 128 + that signal's number).
 
     `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default).
     `retriever_argv` (psqa): (corpus, port) -> the retriever's command, infra.retriever.serve_argv (trainer/
@@ -318,10 +320,22 @@ def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console, services=None)
     plots = plot_run(paths.metrics, paths.run_dir / "plots")
     if services is not None and (paths.run_dir / "plots" / "psqa_eval.png").exists():
         plots.append(paths.run_dir / "plots" / "psqa_eval.png")
-    if evaluator.version is not None:
-        state.version = evaluator.version
+    state.version = _pointer_version(store, cfg.run, manifest.trainer_public_key, state.version)
     summary(console, state, paths=paths, plots=plots, stop_reason=reason, store_url=cfg.store)
     return rc
+
+
+def _pointer_version(store, run: str, public_key: str, fallback):
+    """The version the signed pointer names (what the summary calls published: what a joiner gets), or
+    `fallback` where it cannot be read."""
+    from worker_contract.pointer import PointerError, read_pointer
+    from worker_contract.store import StoreError
+
+    try:
+        pointer, _ = read_pointer(store, run, public_key)
+    except (PointerError, StoreError):
+        return fallback
+    return pointer.version if pointer is not None else fallback
 
 
 def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], procs: Processes,
@@ -342,7 +356,7 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
                 evaluator.request()  # the first published version (the base in a fresh run), once it exists
             if not stopping:
                 if interrupts.count:
-                    stopping, reason, rc = True, "stopped by Ctrl-C", 130
+                    stopping, (reason, rc) = True, interrupted(interrupts.first)
                 elif time.monotonic() - state.started > cfg.embedded.time_budget_s:
                     stopping, reason = True, f"time budget of {cfg.embedded.time_budget_s:.0f} s reached"
                 elif not any(w.alive() for w in workers) or any(w.proc.poll() not in (None, 0) for w in workers):
@@ -360,9 +374,31 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
             time.sleep(0.5)
         for row in tail.read():
             state.update(row)
-    if learner.proc.returncode not in (0, None) and rc == 0:
-        console.print(f"[red]the learner exited with status {learner.proc.returncode}:[/]\n{learner.tail(30)}")
-        reason, rc = "learner failed", 1
-    elif not stopping and state.step >= cfg.train.num_steps:
-        reason = f"{cfg.train.num_steps} steps done"
-    return reason, rc
+    return _ending(cfg, state, learner, stopping, reason, rc, console)
+
+
+def interrupted(signum: int) -> tuple[str, int]:
+    """How the run ended when the launcher got `signum` (the first of them): its words and exit status."""
+    by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    return f"stopped by {by}", 128 + signum
+
+
+#: how the learner ends when a signal stopped it after its step in hand (entrypoints/learner.py)
+_SIGNALLED = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGINT: "SIGINT"}
+
+
+def _ending(cfg, state, learner: Child, stopping: bool, reason: str, rc: int, console) -> tuple[str, int]:
+    """Why the run ended and its exit status, told from who stopped the learner: this launcher (its reason),
+    a signal sent to the learner itself (its name and the step it stopped at), its own end or a failure."""
+    status = learner.proc.returncode
+    if stopping and status in (0, *_SIGNALLED):  # the stop this launcher asked for
+        return reason, rc
+    if status in _SIGNALLED:
+        return (f"the learner was stopped by {_SIGNALLED[status]} at step {state.step} of "
+                f"{cfg.train.num_steps}", status)
+    if status not in (0, None):
+        console.print(f"[red]the learner exited with status {status}:[/]\n{learner.tail(30)}")
+        return "learner failed", 1
+    if state.step >= cfg.train.num_steps:
+        return f"{cfg.train.num_steps} steps done", rc
+    return f"the learner ended at step {state.step} of {cfg.train.num_steps}", rc or 1

@@ -158,7 +158,7 @@ def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: 
     t.add_column()
     first = state.session_first_step
     t.add_row("steps", f"{state.step} in total" + (f" ({state.step - first + 1} this session)" if first else ""))
-    t.add_row("versions", f"v{state.version} published" if state.version else "none published")
+    t.add_row("versions", f"v{state.version} published (the pointer)" if state.version else "none published")
     r0 = [r for _, r in state.rewards[:5]]
     t.add_row("train reward", f"{_pct(sum(r0) / len(r0) if r0 else None)} -> {_pct(state.recent_reward())} "
               "(first 5 steps -> last 5)")

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         out = index.save(args.out)
         print(f"indexed {index.documents} documents from {path} into {out}")
         return 0
-    from .server import serve
+    from .server import check_bind, serve
 
     if bool(args.index) == bool(args.corpus):
         raise ValueError("serve needs exactly one of --index DIR or --corpus PATH")
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag, path in (("--index", args.index), ("--corpus", args.corpus)):
         if path and not Path(path).exists():
             raise ValueError(f"{flag} {path} does not exist")
+    check_bind(args.host, args.port)  # before the index is loaded or built for it
     index = (BM25Index.load(args.index) if args.index
              else BM25Index.build(corpus.iter_jsonl(args.corpus), source=args.corpus))
     serve(index, args.host, args.port)

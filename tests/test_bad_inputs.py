@@ -306,6 +306,13 @@ ROWS = [
     Row("retriever-cli-limit-0", ["python", "-m", "infra.retriever", "build", "--out", "{tmp}/idx", "--corpus",
                                   "x.jsonl", "--limit", "0"], says=("--limit", "at least 1")),
     Row("bench-staleness-budget", ["python", "-m", "bench.staleness", "--budget-s", "-1"], says=("--budget-s",)),
+    # an output directory that is a file, or that cannot be made: one sentence (worker_contract.cli.output_dir)
+    Row("plot-out-file", ["invoke", "plot", "--run", "seed-run", "--out", "{tmp}/afile"],
+        files={"{tmp}/afile": ("mine", 0o644)}, says=("--out", "is a file")),
+    Row("plot-out-unwritable", ["invoke", "plot", "--run", "seed-run", "--out", "/proc/stoa-plots"],
+        says=("--out", "/proc/stoa-plots")),
+    Row("convert-out-file-dry-run", ["python", "-m", "infra.convert", "/nonexistent", "--out", "{tmp}/afile",
+                                     "--dry-run"], files={"{tmp}/afile": ("mine", 0o644)}, says=("--out", "a file")),
     Row("convert-cli-missing", ["python", "-m", "infra.convert", "/nonexistent", "--out", "{tmp}/o"],
         says=("/nonexistent",)),
     Row("retriever-cli-corpus", ["python", "-m", "infra.retriever", "build", "--out", "{tmp}/idx", "--corpus",

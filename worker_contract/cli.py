@@ -128,3 +128,26 @@ def number(kind: type = int, *, at_least: float | None = None, above: float | No
 
     parse.__name__ = kind.__name__  # argparse names the type in its own messages
     return parse
+
+
+def output_dir(path: str | os.PathLike, flag: str = "--out"):
+    """The one check of a directory a command will write into, before it works: not a file, and it or its
+    nearest existing parent writable by this user (ValueError, one sentence, otherwise). Creates nothing (a
+    dry run, or a command that finds nothing to write, leaves no trace); returns it as a Path."""
+    from pathlib import Path
+
+    if not str(path).strip():
+        raise ValueError(f"{flag} {str(path)!r} names no directory: give the directory to write")
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {out} is a file, not a directory: name a directory to write into")
+    there = next((p for p in (out, *out.absolute().parents) if p.exists()), Path("/"))
+    try:  # a probe, not os.access: root passes access() on a read-only file system or /proc
+        import tempfile
+
+        with tempfile.TemporaryFile(dir=there, prefix=".stoa-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {out} cannot be written: {there} refuses new files ({e.strerror or e}); "
+                         "choose a directory you can write") from None
+    return out

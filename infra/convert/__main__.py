@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from worker_contract.cli import number
+from worker_contract.cli import number, output_dir
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.models import ConvertError, IdentityMismatch, check_model_identity, identity_from_hf
 
     try:
+        output_dir(args.out)  # the dry run too: it promises the conversion would write there
         rb = recipe_rotary_base(args.recipe)
         if rb is not None:
             check_model_identity(identity_from_hf(args.hf_dir), rotary_base=rb,

@@ -8,10 +8,10 @@ import signal
 import sys
 from pathlib import Path
 
-from trainer.config import resolve
-from trainer.embedded.localprocs import Processes
-from trainer.embedded.run import _ending, interrupted
-from trainer.embedded.view import RunState
+from embedded.config import resolve_embedded
+from embedded.localprocs import Processes
+from embedded.run import _ending, interrupted
+from embedded.view import RunState
 
 
 def _learner(tmp_path: Path, code: str, log_text: str = ""):
@@ -24,7 +24,7 @@ def _learner(tmp_path: Path, code: str, log_text: str = ""):
 
 
 def _at(step: int):
-    cfg = resolve("gsm8k", env={"DRL_RUN": "x"})
+    cfg = resolve_embedded("gsm8k", env={"DRL_RUN": "x"})
     cfg.train.num_steps = 300
     return cfg, RunState(run="x", max_steps=300, budget_s=600, step=step)
 

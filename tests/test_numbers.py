@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import resolve
+from embedded.config import EmbeddedRecipe, resolve_embedded
 from worker_contract.cli import number
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,13 +49,11 @@ def test_no_cli_flag_takes_a_bare_int_or_float():
                                        ("embedded.max_steps", 0), ("embedded.eval_every", 0),
                                        ("embedded.base.hidden_size", 0), ("embedded.base.sft_lr", -1.0)])
 def test_recipe_numbers_that_mean_nothing_are_refused(key, value):
-    from trainer.config import RecipeConfig
-
     section, *rest = key.split(".")
-    cfg = resolve("gsm8k", env={"DRL_RUN": "x"}).model_dump()
+    cfg = resolve_embedded("gsm8k", env={"DRL_RUN": "x"}).model_dump()
     node = cfg
     for part in [section, *rest[:-1]]:
         node = node[part]
     node[rest[-1]] = value
     with pytest.raises(ValueError, match=rest[-1]):
-        RecipeConfig.model_validate(cfg)
+        EmbeddedRecipe.model_validate(cfg)

@@ -342,6 +342,8 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
 
     from rich.live import Live
 
+    from .view import learner_alert
+
     live = Live(panel(state), console=console, refresh_per_second=2) if console.is_terminal else None
     stopping, reason, rc, last_line = False, "finished", 0, 0
     with live or contextlib.nullcontext():
@@ -363,6 +365,10 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
                 if stopping:
                     state.phase = f"stopping ({reason}): the learner finishes its step and checkpoints"
                     procs.signal(learner, signal.SIGTERM)
+            alert = learner_alert(learner.tail(40))
+            if alert and alert != state.alert and live is None:  # off a terminal the panel is not drawn
+                console.print(f"learner: {alert} (more in learner.log)", markup=False, highlight=False)
+            state.alert = alert or state.alert
             if live is not None:
                 live.update(panel(state))
             elif state.step >= last_line + 5:

@@ -8,6 +8,7 @@ elsewhere (CI, a pipe) a plain line is printed every few steps instead.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,9 @@ class RunState:
     workers: dict[str, float] = field(default_factory=dict)
     phase: str = "starting the learner and workers"
     recipe: str = "gsm8k"
+    alert: str | None = None
+    """The learner's newest failure line this session (a full store, a publish that failed): shown on the
+    panel, not only in learner.log."""
     search: dict[str, float] = field(default_factory=dict)
     """psqa: the latest train-side (rollout/*) and held-out (eval/*) search rate and share of correct answers
     found after a search."""
@@ -114,7 +118,20 @@ def _drops(state: RunState) -> str:
     return ", ".join(f"{k} {int(v)}" for k, v in sorted(state.drops.items())) or "none"
 
 
+#: what a learner log line says when something the run needs failed (the learner logs without levels)
+_FAILURE = re.compile(r"failed|error|no space left|quota|traceback", re.IGNORECASE)
+
+
+def learner_alert(log_tail: str) -> str | None:
+    """The newest line of the learner's log tail that says something failed (its time stamp cut), or None."""
+    for line in reversed(log_tail.splitlines()):
+        if _FAILURE.search(line):
+            return re.sub(r"^\d\d:\d\d:\d\d \S+ ", "", line.strip())[:200]
+    return None
+
+
 def panel(state: RunState):
+    from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
 
@@ -134,6 +151,8 @@ def panel(state: RunState):
     t.add_row("groups received", f"{int(state.accepted)}   by worker: " +
               (", ".join(f"{w} {int(g)}" for w, g in sorted(state.workers.items())) or "-"))
     t.add_row("drops", _drops(state))
+    if state.alert:
+        t.add_row("[red]learner[/]", f"[red]{escape(state.alert)}[/] (more in learner.log)")
     return Panel(t, title=f"stoa embedded run [bold]{state.run}[/]", border_style="cyan")
 
 

@@ -68,3 +68,22 @@ def test_a_killed_childs_tail_is_from_this_session(tmp_path):
     assert "yesterday" not in child.tail() and "wrote nothing" in child.tail()
     child = _learner(tmp_path, "print('today', flush=True)", log_text="old line\n")
     assert child.tail() == "today"
+
+
+def test_a_learner_failure_shows_on_the_panel(tmp_path):
+    """A full store stalled the run while the panel said nothing: the failure was only in learner.log."""
+    from rich.console import Console
+
+    from embedded.view import learner_alert, panel
+
+    child = _learner(tmp_path, "print('10:01:02 trainer.native.learner step 3 v4: reward 0.5'); "
+                               "print('10:01:09 trainer.publish.queue publishing the weights of step 4 failed: "
+                               "put x: HTTP 507 InsufficientStorage', flush=True)")
+    alert = learner_alert(child.tail(40))
+    assert alert and alert.startswith("publishing the weights of step 4 failed") and "507" in alert
+    assert learner_alert("10:00:00 x step 5 v6: reward 0.5") is None
+    _cfg, state = _at(4)
+    state.alert = alert
+    console = Console(record=True, width=200)
+    console.print(panel(state))
+    assert "publishing the weights of step 4 failed" in console.export_text()

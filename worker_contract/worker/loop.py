@@ -192,6 +192,12 @@ def resolve_model_dir(settings: WorkerSettings, manifest: RunManifest) -> Path:
     """--model if given, else config and tokenizer (no weights) of run.json's model_id from the HF Hub."""
     if settings.model_dir:
         return Path(settings.model_dir)
+    from ..manifest import model_id_is_a_path
+
+    if model_id_is_a_path(manifest.model_id):
+        raise ContractMismatch(f"run {manifest.run!r} names its model by a directory on the trainer's machine "
+                               f"({manifest.model_id}: an embedded run's own base, built there, on no hub): copy "
+                               "that directory's config.json and tokenizer files here and pass --model DIR")
     try:
         from huggingface_hub import snapshot_download
 

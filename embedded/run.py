@@ -265,6 +265,14 @@ def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=Non
         console.print(f"run {cfg.run!r} already took {done} steps (embedded.max_steps={cfg.train.num_steps}): "
                       f"nothing to do. Its metrics: {paths.metrics}; choose a new RUN to start fresh")
         return 0
+    try:  # a recipe that cannot resume this run is refused before a base is built or a retriever started
+        from trainer.run_init import check_recipe_against_run
+        from worker_contract.store import open_store
+
+        check_recipe_against_run(cfg, open_store(cfg.store), same_task=("arithmetic",) if cfg.task == "gsm8k" else ())
+    except ContractMismatch as e:
+        console.print(f"[red]{e}[/]\nchoose a new RUN id to start fresh", markup=True, highlight=False)
+        return 2
     if services is not None:
         services.start(console)
         cfg, model_dir = services.prepare_model(cfg, console)

@@ -364,6 +364,10 @@ ROWS = [
     Row("verify-after-gc", ["bash", "-c", f"invoke gc --run {PUB} --yes >/dev/null && python -m worker_contract "
                             f"verify --run {PUB}"], bucket="", rc=0, lines=None, may_change=(".stoa/bucket",),
         says=("v1      ok   collected", "4 collected", ": OK"), never=("interrupted attempt",)),
+    # a recipe that cannot resume the run is refused before a base is built or a retriever started (it built a
+    # 5-minute base first)
+    Row("make-psqa-on-another-tasks-run", ["make", "psqa", f"RUN={PUB}"], bucket="", says=("task", "arithmetic",
+        "psqa"), lines=None, may_change=(f".stoa/runs/{PUB}",)),
     Row("verify-run-json-list", ["python", "-m", "worker_contract", "verify", "--run", PUB], bucket="run-json-list",
         says=("pub-run/run.json", "not a valid run manifest"), never=("validation error for",)),
     Row("joincard-run-json-list", ["invoke", "joincard", "--run", PUB], bucket="run-json-list",

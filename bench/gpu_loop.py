@@ -523,12 +523,21 @@ def main(argv: list[str] | None = None) -> int:
                          "(the real task: reward 0 on random weights, empty patches)")
     ap.add_argument("--out", default=str(RESULTS / "gpu_loop.json"))
     args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in ("learning", "throughput")]:
+        ap.error(f"--parts {args.parts!r}: {', '.join(unknown)} is no part (learning, throughput)")
+    import torch
+
+    if not torch.cuda.is_available():  # it once ran both parts into errors and reported success
+        print("python -m bench.gpu_loop: needs a CUDA GPU and this machine has none (nothing run, nothing "
+              "written); run it on the GPU box", file=sys.stderr)
+        return 2
     os.environ.setdefault("DRL_MIN_FREE_GB", "20")  # the device's disk is 64 GB; a rented box keeps 100
     os.environ.setdefault("DRL_RAY_DASHBOARD", "0")
     result: dict = {**provenance(), "command": command(argv, "bench.gpu_loop"),
                     "machine": machine_info(), "args": vars(args)}
     out = Path(args.out)
-    for part in args.parts.split(","):
+    for part in parts:
         t0 = time.monotonic()
         try:
             result[part] = {"learning": part_learning, "throughput": part_throughput}[part](args)
@@ -541,7 +550,10 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(result, indent=2, default=str) + "\n")
         _log(f"{part} done in {result[part]['part_seconds']} s: "
              + json.dumps({k: v for k, v in result[part].items() if not isinstance(v, list | dict)}, default=str))
-    return 0
+    failed = [p for p in parts if "error" in result[p]]
+    if failed:
+        print(f"python -m bench.gpu_loop: part(s) {', '.join(failed)} failed (the error is in {out})", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -264,6 +264,12 @@ ROWS = [
     Row("nox-preflight-recipe", ["nox", "-s", "preflight", "--", "--recipe", "nosuch"], says=("nosuch",)),
     Row("nox-soak-trials", ["nox", "-s", "soak"], env={"DRL_SOAK_TRIALS": "abc"}, says=("DRL_SOAK_TRIALS",)),
     Row("nox-bench-unknown", ["nox", "-s", "bench", "--", "nosuch"], says=("nosuch",)),
+    # without a GPU the GPU loop ran both parts into errors and reported success
+    Row("nox-gpu-loop-no-gpu", ["nox", "-s", "gpu_loop", "--", "--parts", "learning", "--out", "{tmp}/g.json"],
+        says=("needs a CUDA GPU",), without_cuda=True),
+    # folders that are no slime / Megatron-LM checkouts: said before minutes of installs (torch first, before)
+    Row("nox-slime-compat-not-checkouts", ["nox", "-s", "slime_compat", "--", "{tmp}", "{tmp}"],
+        says=("is not a slime checkout",)),
     # -- python -m CLIs ----------------------------------------------------------------------
     Row("verify-missing-run", ["python", "-m", "worker_contract", "verify", "--run", "nope"], says=("nope",)),
     Row("verify-store-ftp", ["python", "-m", "worker_contract", "verify", "--run", "x", "--store", "ftp://x"],

@@ -12,6 +12,7 @@ More in docs/embedded.md (module notes).
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import time
 from dataclasses import dataclass
@@ -94,14 +95,15 @@ def plan_lines(cfg: EmbeddedRecipe, paths: EmbeddedPaths) -> list[str]:
                 f"Qwen2 {b.num_layers}x{b.hidden_size}, {b.sft_steps} supervised steps on generated problems")
     store = cfg.store or paths.store_url  # DRL_STORE when set: the store the run really uses
     where = f"the file bucket {paths.bucket}" if store == paths.store_url else f"the store {store} (DRL_STORE)"
-    w = [f"  {i + 1}. {py} -m worker_contract.worker --store {store} --run {cfg.run} --model <base> "
+    q = shlex.quote  # a printed command is one a user can paste, paths with spaces included
+    w = [f"  {i + 1}. {q(str(py))} -m worker_contract.worker --store {q(store)} --run {cfg.run} --model <base> "
          f"--worker-id local-{i + 1} --threads 1 --max-groups-per-version {per_worker_cap(cfg)} "
          f"--backend {backend}   "
          f"(DRL_N_SAMPLES={cfg.contract.n_samples} "
          f"DRL_PULSE_PLANE={cfg.contract.plane} DRL_TRAINER_KEY_FINGERPRINT=<fingerprint of trainer.key>; "
          f"log {paths.run_dir}/worker-{i + 1}.log)"
          for i, backend in enumerate(worker_backends(cfg))]
-    learner = " ".join(learner_argv(py, paths.run_dir / "recipe.json", "<base>", paths.run_dir))
+    learner = shlex.join(map(str, learner_argv(py, paths.run_dir / "recipe.json", "<base>", paths.run_dir)))
     backends = worker_backends(cfg)
     kinds = " and ".join(f"{backends.count(b)} {b}" for b in dict.fromkeys(backends))
     middle = [
@@ -219,7 +221,7 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
 
     if left := recorded_children(paths.run_dir):  # a launcher of this run died; its children still finish
         lock.close()
-        where = "" if Path(root) == STOA_DIR else f" --remote-dir {Path(root).resolve().parent}"
+        where = "" if Path(root) == STOA_DIR else f" --remote-dir {shlex.quote(str(Path(root).resolve().parent))}"
         console.print(f"[red]run {cfg.run!r} still has processes a launcher that died left running[/]: "
                       + ", ".join(f"{c['name']} (pid {c['pid']})" for c in left)
                       + f"; wait for them to end, or stop them (`invoke stop --run {cfg.run} --local{where}`), "

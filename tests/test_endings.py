@@ -87,3 +87,18 @@ def test_a_learner_failure_shows_on_the_panel(tmp_path):
     console = Console(record=True, width=200)
     console.print(panel(state))
     assert "publishing the weights of step 4 failed" in console.export_text()
+
+
+def test_printed_commands_paste_as_they_are_with_spaces_in_paths(tmp_path):
+    """The dry run's commands once printed a checkout path with a space unquoted: pasted, it split in two."""
+    import shlex
+
+    from embedded.run import EmbeddedPaths, embedded_cfg, plan_lines
+
+    root = tmp_path / "my checkout" / ".stoa"
+    cfg, _ = _at(0)
+    paths = EmbeddedPaths(root, "x")
+    lines = plan_lines(embedded_cfg(cfg, paths), paths)
+    learner = next(line for line in lines if line.startswith("3. learner: "))[len("3. learner: "):]
+    argv = shlex.split(learner.split(" (Ray on")[0])
+    assert str(paths.run_dir / "recipe.json") in argv and str(paths.run_dir) in argv, argv

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,14 +202,25 @@ class _Interrupts:
             self.procs.signal_all(signal.SIGKILL)
 
 
+#: the console width off a terminal: wide enough that no summary row or table cell is cut
+OFF_TERMINAL_WIDTH = 1000
+
+
+def default_console():
+    """The run's console: off a terminal (a pipe, a CI log) rich would cut the summary to 80 columns, so a log
+    gets whole lines."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=OFF_TERMINAL_WIDTH)
+
+
 def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) -> int:
     """The embedded run, start to summary; the exit status of `make gsm8k` (0 ok, 1 failed, 130 Ctrl-C, 143
     SIGTERM; the learner stopped by a signal sent to it alone: 128 + that signal's number).
 
     `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default)."""
-    from rich.console import Console
 
-    console = console or Console()
+    console = console or default_console()
     paths = EmbeddedPaths(Path(root), cfg.run)
     cfg = embedded_cfg(cfg, paths)
     paths.run_dir.mkdir(parents=True, exist_ok=True)

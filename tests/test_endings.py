@@ -102,3 +102,16 @@ def test_printed_commands_paste_as_they_are_with_spaces_in_paths(tmp_path):
     learner = next(line for line in lines if line.startswith("3. learner: "))[len("3. learner: "):]
     argv = shlex.split(learner.split(" (Ray on")[0])
     assert str(paths.run_dir / "recipe.json") in argv and str(paths.run_dir) in argv, argv
+
+
+def test_the_summary_off_a_terminal_keeps_whole_lines(tmp_path, capsys):
+    """Off a terminal the summary was cut to 80 columns: the metrics path and the verify command lost their ends."""
+    from embedded.run import EmbeddedPaths, default_console
+    from embedded.view import summary
+
+    paths = EmbeddedPaths(tmp_path / ("a-long-directory-name-" * 4) / ".stoa", "x")
+    _cfg, state = _at(3)
+    summary(default_console(), state, paths=paths, plots=[], stop_reason="3 steps done",
+            store_url=f"file://{tmp_path}/bucket")
+    out = capsys.readouterr().out
+    assert str(paths.metrics) in out and f"--store file://{tmp_path}/bucket --run x" in out, out

@@ -102,6 +102,9 @@ def evaluate(problems: Sequence, task, encode_prompt: Callable, generate_batch, 
 def append_point(out_dir: str | Path, point: EvalPoint) -> Path:
     path = Path(out_dir) / CURVE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    from .metrics import end_torn_line
+
+    end_torn_line(path)
     with open(path, "a") as f:
         f.write(point.model_dump_json() + "\n")
     return path

@@ -270,6 +270,16 @@ def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new
     if shipped is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         return _install(SHIPPED_BASE, out, shipped)
+    with build_lock(out, log):  # a second launch of the same base waits for the first, then uses its base
+        if (out / "base.json").exists():
+            return BaseReport.model_validate_json((out / "base.json").read_text())
+        return _build(cfg, task, out, digest, max_new_tokens=max_new_tokens, eval_problems=eval_problems, log=log,
+                      on_sft_step=on_sft_step, device=device, show_progress=show_progress)
+
+
+def _build(cfg: EmbeddedBaseConfig, task: Task, out: Path, digest: str, *, max_new_tokens: int, eval_problems: int,
+           log: Callable[[str], None], on_sft_step, device: str | None, show_progress: bool) -> BaseReport:
+    """Build, score and cache the base (ensure_base holds the build lock)."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -307,6 +317,22 @@ def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new
         except OSError:  # another process finished the same base first: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
         return BaseReport.model_validate_json((out / "base.json").read_text())
+
+
+@contextlib.contextmanager
+def build_lock(out: Path, log: Callable[[str], None] = print):
+    """An exclusive lock on building the cached directory `out` (`<out>.lock`, released when the block ends or
+    the process dies): two launches that need the same base build it once."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            log(f"another launch is building {out.name}; waiting for it, then using its result")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 @contextlib.contextmanager

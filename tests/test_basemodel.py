@@ -113,3 +113,15 @@ def test_two_launches_of_one_base_build_it_once(tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     assert sum("building the base model" in o for o in outs) == 1, outs
     assert len({line for o in outs for line in o.splitlines() if line.startswith("PATH ")}) == 1, outs
+
+
+def test_a_copied_checkout_uses_its_own_cache(tmp_path):
+    """A checkout copied with its .stoa/ read the base from the original's cache (base.json named its path)."""
+    cfg = resolve_embedded("gsm8k")
+    task = get_task(cfg.task)
+    kw = dict(max_new_tokens=cfg.algo.max_new_tokens, eval_problems=4, log=lambda _: None)
+    first = ensure_base(cfg.embedded.base, task, tmp_path / "a" / ".stoa" / "cache", **kw)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "a")  # the original is gone (or moved on): the copy must not need it
+    copy = ensure_base(cfg.embedded.base, task, tmp_path / "b" / ".stoa" / "cache", **kw)
+    assert Path(copy.path).is_relative_to(tmp_path / "b") and Path(copy.path).is_dir(), (first.path, copy.path)

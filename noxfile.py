@@ -158,6 +158,10 @@ def slime_compat(session: nox.Session) -> None:
     if len(session.posargs) < 2 or not all(os.path.isdir(d) for d in session.posargs[:2]):
         session.error("usage: nox -s slime_compat -- SLIME_DIR MEGATRON_DIR (a slime checkout and a Megatron-LM "
                       "checkout; get them with git clone of THUDM/slime and NVIDIA/Megatron-LM)")
+    for d, marker, what in ((session.posargs[0], "slime/__init__.py", "slime"),
+                            (session.posargs[1], "megatron/core/__init__.py", "Megatron-LM")):
+        if not os.path.isfile(os.path.join(d, marker)):  # before minutes of installs, not after
+            _refuse(f"{d} is not a {what} checkout (no {marker}): nox -s slime_compat -- SLIME_DIR MEGATRON_DIR")
     slime_dir, megatron_dir = (os.path.abspath(d) for d in session.posargs[:2])
     pins = os.path.join(session.create_tmp(), "pins.txt")
     with open(pins, "w") as f:

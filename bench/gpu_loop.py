@@ -21,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from worker_contract.cli import number
+
 from .coin_task import NAME as COIN
 from .common import RESULTS, command, machine_info, provenance, validation_problems
 
@@ -498,35 +500,44 @@ def _worker_rate(rows: list[dict]) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_loop", description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="learning,throughput")
-    ap.add_argument("--rl-seconds", type=float, default=420.0)
-    ap.add_argument("--workers", type=int, default=4, help="CPU workers of the learning part")
-    ap.add_argument("--worker-threads", type=int, default=2)
-    ap.add_argument("--eval-threads", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--sft-max-steps", type=int, default=600, help="supervised steps planned (cosine schedule)")
-    ap.add_argument("--sft-target", type=float, default=0.45, help="stop supervising once greedy held-out reaches it")
+    ap.add_argument("--rl-seconds", type=number(float, above=0), default=420.0)
+    ap.add_argument("--workers", type=number(int, at_least=1), default=4, help="CPU workers of the learning part")
+    ap.add_argument("--worker-threads", type=number(int, at_least=1), default=2)
+    ap.add_argument("--eval-threads", type=number(int, at_least=1), default=3)
+    ap.add_argument("--lr", type=number(float, above=0), default=1e-5)
+    ap.add_argument("--sft-max-steps", type=number(int, at_least=1), default=600, help="supervised steps planned (cosine schedule)")
+    ap.add_argument("--sft-target", type=number(float, above=0, at_most=1), default=0.45, help="stop supervising once greedy held-out reaches it")
     ap.add_argument("--base", default=None, help="the learning base's directory: reused when built, else built there")
     ap.add_argument("--tag", default="", help="suffix of the part's directory and run id (several at once)")
-    ap.add_argument("--gpu-workers", type=int, default=2, help="GPU workers of the throughput part")
-    ap.add_argument("--batch-groups", type=int, default=16,
+    ap.add_argument("--gpu-workers", type=number(int, at_least=1), default=2, help="GPU workers of the throughput part")
+    ap.add_argument("--batch-groups", type=number(int, at_least=1), default=16,
                     help="groups each GPU worker samples in one batched forward (and at most per version)")
-    ap.add_argument("--tput-seconds", type=float, default=300.0, help="the throughput window, from the first join")
-    ap.add_argument("--tput-deadline-s", type=float, default=None,
+    ap.add_argument("--tput-seconds", type=number(float, above=0), default=300.0, help="the throughput window, from the first join")
+    ap.add_argument("--tput-deadline-s", type=number(float, above=0), default=None,
                     help="end the throughput window by this many seconds after the part started (a device call's limit)")
-    ap.add_argument("--tput-max-new-tokens", type=int, default=None,
+    ap.add_argument("--tput-max-new-tokens", type=number(int, at_least=1), default=None,
                     help="response budget of the throughput part (default: the recipe's 1024)")
-    ap.add_argument("--cold-join-after", type=int, default=3, help="learner steps before the late worker starts")
+    ap.add_argument("--cold-join-after", type=number(int, at_least=0), default=3, help="learner steps before the late worker starts")
     ap.add_argument("--tput-task", choices=sorted(TPUT_REWARDS), default=COIN,
                     help="the throughput part's task: bench-coin (a coin per sample, the default) or arithmetic "
                          "(the real task: reward 0 on random weights, empty patches)")
     ap.add_argument("--out", default=str(RESULTS / "gpu_loop.json"))
     args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in ("learning", "throughput")]:
+        ap.error(f"--parts {args.parts!r}: {', '.join(unknown)} is no part (learning, throughput)")
+    import torch
+
+    if not torch.cuda.is_available():  # it once ran both parts into errors and reported success
+        print("python -m bench.gpu_loop: needs a CUDA GPU and this machine has none (nothing run, nothing "
+              "written); run it on the GPU box", file=sys.stderr)
+        return 2
     os.environ.setdefault("DRL_MIN_FREE_GB", "20")  # the device's disk is 64 GB; a rented box keeps 100
     os.environ.setdefault("DRL_RAY_DASHBOARD", "0")
     result: dict = {**provenance(), "command": command(argv, "bench.gpu_loop"),
                     "machine": machine_info(), "args": vars(args)}
     out = Path(args.out)
-    for part in args.parts.split(","):
+    for part in parts:
         t0 = time.monotonic()
         try:
             result[part] = {"learning": part_learning, "throughput": part_throughput}[part](args)
@@ -539,7 +550,10 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(result, indent=2, default=str) + "\n")
         _log(f"{part} done in {result[part]['part_seconds']} s: "
              + json.dumps({k: v for k, v in result[part].items() if not isinstance(v, list | dict)}, default=str))
-    return 0
+    failed = [p for p in parts if "error" in result[p]]
+    if failed:
+        print(f"python -m bench.gpu_loop: part(s) {', '.join(failed)} failed (the error is in {out})", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

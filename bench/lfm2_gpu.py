@@ -18,20 +18,22 @@ import sys
 import time
 from pathlib import Path
 
+from worker_contract.cli import number
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--moe-ffn", type=int, default=1792)
-    p.add_argument("--dense-ffn", type=int, default=7168)
-    p.add_argument("--vocab", type=int, default=65536)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--layers", type=number(int, at_least=1), default=8)
+    p.add_argument("--hidden", type=number(int, at_least=1), default=2048)
+    p.add_argument("--experts", type=number(int, at_least=1), default=32)
+    p.add_argument("--topk", type=number(int, at_least=1), default=4)
+    p.add_argument("--moe-ffn", type=number(int, at_least=1), default=1792)
+    p.add_argument("--dense-ffn", type=number(int, at_least=1), default=7168)
+    p.add_argument("--vocab", type=number(int, at_least=1), default=65536)
+    p.add_argument("--batch", type=number(int, at_least=1), default=4)
+    p.add_argument("--seq", type=number(int, at_least=1), default=1024)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a small shape for a CPU smoke run")

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from worker_contract.cli import number
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -82,10 +84,10 @@ def train(moments: str, seed: int, steps: int, lr: float) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lfm2_moments", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--tail", type=int, default=50, help="steps averaged at the end")
+    ap.add_argument("--steps", type=number(int, at_least=1), default=300)
+    ap.add_argument("--seeds", type=number(int, at_least=1), default=3)
+    ap.add_argument("--lr", type=number(float, above=0), default=1e-3)
+    ap.add_argument("--tail", type=number(int, at_least=1), default=50, help="steps averaged at the end")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "lfm2_moments_cpu.json"))
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from worker_contract.cli import number
+
 REPO = Path(__file__).resolve().parent.parent
 HF_ID = "LiquidAI/LFM2.5-8B-A1B"
 #: the H200's dense bf16 tensor-core peak by its datasheet (TFLOP/s)
@@ -293,17 +295,17 @@ def measure(args, result: dict, save) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lfm2_step", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=number(int, at_least=1), default=24)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small shape and batch (smoke run on a CPU)")
-    ap.add_argument("--rows", type=int, default=64, help="8 groups x 8 episodes")
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--response", type=int, default=4096, help="the psqa recipe's max_new_tokens")
+    ap.add_argument("--rows", type=number(int, at_least=1), default=64, help="8 groups x 8 episodes")
+    ap.add_argument("--prompt", type=number(int, at_least=1), default=256)
+    ap.add_argument("--response", type=number(int, at_least=1), default=4096, help="the psqa recipe's max_new_tokens")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
     ap.add_argument("--parts", default="optim,step,compare")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up")
-    ap.add_argument("--compare-rows", type=int, default=8)
-    ap.add_argument("--optim-elements", type=float, default=1.0e9, help="parameters of each optimizer candidate")
+    ap.add_argument("--steps", type=number(int, at_least=1), default=2, help="timed steps after one warm-up")
+    ap.add_argument("--compare-rows", type=number(int, at_least=1), default=8)
+    ap.add_argument("--optim-elements", type=number(float, above=0), default=1.0e9, help="parameters of each optimizer candidate")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "lfm2_step.json"))
     args = ap.parse_args(argv)
     if args.tiny:

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from worker_contract.cli import number
+
 REPO = Path(__file__).resolve().parent.parent
 ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -47,11 +49,11 @@ def _parser() -> argparse.ArgumentParser:
                    "accumulating separately), megatron-graphs (compute.cuda_graphs on), megatron-local (stock "
                    "local spec), megatron-compiled "
                    "(experimental: torch.compile per layer), hf")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per variant (after 2 warm-up steps)")
-    p.add_argument("--rows", type=int, default=64)
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--response", type=int, default=384)
-    p.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch of the graphs and tp2 parts")
+    p.add_argument("--steps", type=number(int, at_least=1), default=3, help="timed steps per variant (after 2 warm-up steps)")
+    p.add_argument("--rows", type=number(int, at_least=1), default=64)
+    p.add_argument("--prompt", type=number(int, at_least=1), default=128)
+    p.add_argument("--response", type=number(int, at_least=1), default=384)
+    p.add_argument("--micro-batch", type=number(int, at_least=1), default=8, help="rows per micro-batch of the graphs and tp2 parts")
     p.add_argument("--tiny", action="store_true", help="tiny model and batch (smoke run)")
     p.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2",
                    help="qwen2: Qwen2.5-1.5B shapes; llama: Llama-3.2-1B shapes with llama3 rope scaling")

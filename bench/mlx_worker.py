@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from worker_contract.cli import number
+
 from .common import write_result
 
 PLANES = ("bf16", "int8g64")
@@ -156,7 +158,7 @@ def memory_rows(n_samples: int = 8, tokens: int = 1024 + 256) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench mlx_worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF model dir (default: the embedded run's cached base)")
-    ap.add_argument("--groups", type=int, default=6, help="groups per worker and plane")
+    ap.add_argument("--groups", type=number(int, at_least=1), default=6, help="groups per worker and plane")
     ap.add_argument("--out", default=None, help="result file (default bench/results/mlx_worker.json)")
     args = ap.parse_args(argv)
     import torch

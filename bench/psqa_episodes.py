@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+from worker_contract.cli import number
+
 
 def _fresh(tp, mp, prompt, response):
     import mlx.core as mx
@@ -90,9 +92,9 @@ def run(arch: str, groups: int, n: int, budget: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.psqa_episodes", description=__doc__.splitlines()[0])
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--groups", type=number(int, at_least=1), default=4)
+    p.add_argument("--n", type=number(int, at_least=1), default=8)
+    p.add_argument("--budget", type=number(int, at_least=1), default=512)
     a = p.parse_args(argv)
     from bench.common import write_result
 

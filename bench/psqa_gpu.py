@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from worker_contract.cli import number
+
 from .common import RESULTS, command, machine_info, provenance
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,17 +122,17 @@ def _mean(xs) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.psqa_gpu", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rl-seconds", type=float, default=300.0, help="RL time budget (embedded.time_budget_s)")
-    ap.add_argument("--workers", type=int, default=4, help="reference workers, on the GPU")
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--sft-steps", type=int, default=1200)
-    ap.add_argument("--sft-lr", type=float, default=1e-3)
-    ap.add_argument("--lr", type=float, default=None, help="RL learning rate (default: the recipe's)")
-    ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--eval-problems", type=int, default=200)
-    ap.add_argument("--groups-per-step", type=int, default=None, help="default: the recipe's embedded value")
+    ap.add_argument("--rl-seconds", type=number(float, above=0), default=300.0, help="RL time budget (embedded.time_budget_s)")
+    ap.add_argument("--workers", type=number(int, at_least=1), default=4, help="reference workers, on the GPU")
+    ap.add_argument("--width", type=number(int, at_least=1), default=512)
+    ap.add_argument("--layers", type=number(int, at_least=1), default=6)
+    ap.add_argument("--experts", type=number(int, at_least=1), default=8)
+    ap.add_argument("--sft-steps", type=number(int, at_least=1), default=1200)
+    ap.add_argument("--sft-lr", type=number(float, above=0), default=1e-3)
+    ap.add_argument("--lr", type=number(float, above=0), default=None, help="RL learning rate (default: the recipe's)")
+    ap.add_argument("--eval-every", type=number(int, at_least=1), default=5)
+    ap.add_argument("--eval-problems", type=number(int, at_least=1), default=200)
+    ap.add_argument("--groups-per-step", type=number(int, at_least=1), default=None, help="default: the recipe's embedded value")
     ap.add_argument("--device", default="cuda", help="where the base is supervised; cpu only for a smoke run")
     ap.add_argument("--run", default=None, help="run id (default psqa-gpu-<time>)")
     ap.add_argument("--out", default=str(RESULTS / "psqa_gpu.json"))

@@ -14,6 +14,8 @@ import argparse
 import sys
 import time
 
+from worker_contract.cli import number
+
 #: timed repetitions of our encode and apply (the best one's thread CPU time counts: the machine is shared)
 REPS = 3
 
@@ -153,10 +155,10 @@ def _line(s: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pulse_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3, help="AdamW steps per scenario")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--steps", type=number(int, at_least=1), default=3, help="AdamW steps per scenario")
+    parser.add_argument("--layers", type=number(int, at_least=1), default=12)
+    parser.add_argument("--hidden", type=number(int, at_least=1), default=768)
+    parser.add_argument("--vocab", type=number(int, at_least=1), default=32768)
     parser.add_argument("--out", default=None, help="result path (default bench/results/pulse.json)")
     args = parser.parse_args(argv)
     from bench.common import write_result

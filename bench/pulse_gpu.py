@@ -15,6 +15,8 @@ import argparse
 import sys
 import time
 
+from worker_contract.cli import number
+
 SHAPES = {
     # vocab, hidden, intermediate, layers, heads, kv heads (Qwen2.5-1.5B: tied embeddings, qkv biases)
     "qwen2.5-1.5b": (151936, 1536, 8960, 28, 12, 2),
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="torch device (cuda, cuda:1, cpu)")
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
     parser.add_argument("--plane", default="bf16", choices=["bf16", "int8g64"])
-    parser.add_argument("--hash-threads", type=int, default=None,
+    parser.add_argument("--hash-threads", type=number(int, at_least=1), default=None,
                         help="host threads copying and hashing the result (default: the publisher's, up to 16)")
     parser.add_argument("--out", default=None, help="result path (default bench/results/pulse_gpu.json)")
     args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from embedded.config import EmbeddedBaseConfig, resolve_embedded
 from trainer.config import RecipeConfig
+from worker_contract.cli import number
 
 from . import staleness_stats as stats
 from .common import RESULTS, git_commit, machine_info, provenance
@@ -335,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="cpu", help=f"cell size: {', '.join(PRESETS)} (default cpu)")
     ap.add_argument("--objectives", default=",".join(OBJECTIVES), help="comma-separated algo.objective values")
     ap.add_argument("--lags", default=",".join(map(str, DEFAULT_LAGS)), help="forced staleness values k")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds per cell (0..N-1; default 3)")
-    ap.add_argument("--steps", type=int, default=None, help="learner steps per cell (default: the preset's)")
-    ap.add_argument("--jobs", type=int, default=1, help="cells run at once, one process each (default 1)")
+    ap.add_argument("--seeds", type=number(int, at_least=1), default=3, help="seeds per cell (0..N-1; default 3)")
+    ap.add_argument("--steps", type=number(int, at_least=1), default=None, help="learner steps per cell (default: the preset's)")
+    ap.add_argument("--jobs", type=number(int, at_least=1), default=1, help="cells run at once, one process each (default 1)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe value for every cell, e.g. optim.lr=2e-5 (repeatable)")
     ap.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/staleness_<preset>.json)")
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=REPO / ".stoa" / "staleness", help="scratch buckets and base cache")
     ap.add_argument("--fresh", action="store_true", help="start the results file over instead of adding to it")
     ap.add_argument("--plot-only", action="store_true", help="redraw the figure and table from --out, run nothing")
-    ap.add_argument("--budget-s", type=float, default=None,
+    ap.add_argument("--budget-s", type=number(float, above=0), default=None,
                     help="start no cell after this many seconds (cells in flight finish; a rerun adds the rest)")
     args = ap.parse_args(argv)
     if args.preset not in PRESETS:

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from worker_contract.cli import number
+
 from .common import write_result
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,7 +55,7 @@ def _time(argv: list[str], env: dict[str, str]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=7, help="runs of each command (default 7)")
+    parser.add_argument("--runs", type=number(int, at_least=1), default=7, help="runs of each command (default 7)")
     parser.add_argument("--ml-dtypes", type=Path, action="append", default=[], metavar="DIR",
                         help="a folder holding another ml_dtypes (pip install --target DIR ml_dtypes==X)")
     parser.add_argument("--out", type=Path, default=None, help="result file (default bench/results/startup.json)")

@@ -250,7 +250,7 @@ def _install(src: Path, out: Path, report: BaseReport) -> BaseReport:
         tmp.rename(out)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    return BaseReport.model_validate_json((out / "base.json").read_text())
+    return _cached(out)
 
 
 def _shipped(digest: str) -> BaseReport | None:
@@ -276,11 +276,21 @@ def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new
     digest = config_digest(cfg, task)
     out = Path(cache_dir) / f"base-{digest}"
     if (out / "base.json").exists():
-        return BaseReport.model_validate_json((out / "base.json").read_text())
+        return _cached(out)
     shipped = _shipped(digest) if use_shipped else None
     if shipped is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         return _install(SHIPPED_BASE, out, shipped)
+    with build_lock(out, log):  # a second launch of the same base waits for the first, then uses its base
+        if (out / "base.json").exists():
+            return _cached(out)
+        return _build(cfg, task, out, digest, max_new_tokens=max_new_tokens, eval_problems=eval_problems, log=log,
+                      on_sft_step=on_sft_step, device=device, show_progress=show_progress)
+
+
+def _build(cfg: EmbeddedBaseConfig, task: Task, out: Path, digest: str, *, max_new_tokens: int, eval_problems: int,
+           log: Callable[[str], None], on_sft_step, device: str | None, show_progress: bool) -> BaseReport:
+    """Build, score and cache the base (ensure_base holds the build lock)."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -317,7 +327,30 @@ def ensure_base(cfg: EmbeddedBaseConfig, task: Task, cache_dir: Path, *, max_new
             tmp.rename(out)
         except OSError:  # another process finished the same base first: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
-        return BaseReport.model_validate_json((out / "base.json").read_text())
+        return _cached(out)
+
+
+def _cached(out: Path) -> BaseReport:
+    """The report of the base cached at `out`, naming `out` itself: a checkout copied with its .stoa/ keeps
+    reports that name the original's directory, which the copy must not read from."""
+    report = BaseReport.model_validate_json((out / "base.json").read_text())
+    return report if Path(report.path) == out else report.model_copy(update={"path": str(out)})
+
+
+@contextlib.contextmanager
+def build_lock(out: Path, log: Callable[[str], None] = print):
+    """An exclusive lock on building the cached directory `out` (`<out>.lock`, released when the block ends or
+    the process dies): two launches that need the same base build it once."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            log(f"another launch is building {out.name}; waiting for it, then using its result")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 @contextlib.contextmanager

@@ -24,25 +24,25 @@ class _Model(BaseModel):
 class EmbeddedBaseConfig(_Model):
     """The small Qwen2-architecture base the embedded default builds when no model is given."""
 
-    hidden_size: int = 128
+    hidden_size: int = Field(128, ge=1)
     """Width of the tiny model."""
-    num_layers: int = 4
+    num_layers: int = Field(4, ge=1)
     """Decoder layers."""
-    num_heads: int = 4
+    num_heads: int = Field(4, ge=1)
     """Query heads."""
-    num_kv_heads: int = 2
+    num_kv_heads: int = Field(2, ge=1)
     """Key/value heads (GQA groups)."""
-    intermediate_size: int = 384
+    intermediate_size: int = Field(384, ge=1)
     """SwiGLU width."""
-    vocab_size: int = 512
+    vocab_size: int = Field(512, ge=64)
     """Byte-level BPE vocabulary trained on generated problems (digits are one token each)."""
-    tokenizer_corpus: int = 4000
+    tokenizer_corpus: int = Field(4000, ge=1)
     """Generated problems the tokenizer is trained on."""
-    sft_steps: int = 600
+    sft_steps: int = Field(600, ge=0)
     """Supervised steps on generated problems before RL starts."""
-    sft_batch_size: int = 32
+    sft_batch_size: int = Field(32, ge=1)
     """Problems per supervised step."""
-    sft_lr: float = 3e-3
+    sft_lr: float = Field(3e-3, gt=0)
     """Peak supervised learning rate (warmup then cosine decay)."""
     sft_direct_fraction: float = Field(0.5, ge=0.0, le=1.0)
     """Share of supervised examples that show only the final `#### N` instead of the worked solution
@@ -77,25 +77,25 @@ class EmbeddedPsqaConfig(_Model):
 class EmbeddedConfig(_Model):
     """How the embedded default (no GPU host, no R2 credentials) runs the loop on one machine."""
 
-    workers: int = 2
+    workers: int = Field(2, ge=1, le=64)
     """Local reference workers started as separate processes."""
     worker_backend: Literal["torch", "mlx"] = "torch"
     """The local workers' backend (WORKER=): torch (the reference worker) or mlx (the MLX worker, as on a Mac;
     mlx[cpu] here)."""
-    worker_backends: list[Literal["torch", "mlx"]] = []
+    worker_backends: list[Literal["torch", "mlx"]] = Field([], max_length=64)
     """One backend per local worker (e.g. [torch, mlx]); when set it replaces `workers` x `worker_backend`
     (WORKER= clears it)."""
     psqa: EmbeddedPsqaConfig = EmbeddedPsqaConfig()
     """The psqa recipe's embedded pieces (unused by other tasks)."""
-    max_steps: int = 40
+    max_steps: int = Field(40, ge=1)
     """Learner steps before the run stops on its own."""
-    time_budget_s: float = 600.0
+    time_budget_s: float = Field(600.0, gt=0)
     """Wall-clock budget for the RL phase."""
-    eval_every: int = 5
+    eval_every: int = Field(5, ge=1)
     """Held-out evaluation every this many steps."""
-    eval_problems: int = 200
+    eval_problems: int = Field(200, ge=1)
     """Held-out problems per evaluation (own seed and number ranges, never trained on)."""
-    eval_temperature: float | None = None
+    eval_temperature: float | None = Field(None, gt=0)
     """Sampling temperature of the held-out evaluation; None = greedy decoding."""
     base: EmbeddedBaseConfig = EmbeddedBaseConfig()
     overrides: RecipeOverrides = {}

@@ -42,15 +42,21 @@ class Child:
     name: str
     proc: subprocess.Popen
     log: Path
+    offset: int = 0
+    """Where this session's output starts in `log` (appended to by every session of the run)."""
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def tail(self, n: int = 15) -> str:
+        """The last `n` lines this session wrote (never an earlier session's: a killed child may write none)."""
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+            with open(self.log, "rb") as f:
+                f.seek(self.offset)
+                lines = f.read().decode(errors="replace").splitlines()[-n:]
         except OSError:
-            return ""
+            lines = []
+        return "\n".join(lines) if lines else f"({self.name} wrote nothing to {self.log} in this session)"
 
 
 @dataclass
@@ -63,9 +69,10 @@ class Processes:
 
     def start(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> Child:
         with open(log, "ab") as f:
+            offset = f.tell()
             proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        child = Child(name, proc, log)
+        child = Child(name, proc, log, offset)
         self.children.append(child)
         if self.record is not None:
             rec = self.record / CHILDREN_DIR / f"{name}.json"

@@ -10,6 +10,7 @@ More in docs/embedded.md (module notes).
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import socket
 import time
@@ -180,7 +181,8 @@ def plan_lines(cfg: EmbeddedRecipe, paths, middle: list[str], tail: list[str]) -
             f"build and cache (or reuse) the base under {paths.cache}/psqa-base-<digest>: embedded.psqa_base."
             f"ensure_psqa_base, a small LFM2-MoE supervised into the search format "
             f"(PsqaBaseConfig{'(' + ', '.join(f'{k}={v!r}' for k, v in p.base.items()) + ')' if p.base else ' defaults'})")
-    serve = " ".join(["python", *serve_argv(data / "corpus.jsonl", 0)[1:]]).replace("--port 0", "--port <a free port>")
+    serve = shlex.join(["python", *map(str, serve_argv(data / "corpus.jsonl", 0)[1:])]).replace(
+        "--port 0", "--port <a free port>")
     return [
         "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the PaperSearchQA miniature on this "
         "machine",

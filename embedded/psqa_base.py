@@ -43,6 +43,7 @@ from .basemodel import (
     SFTSteps,
     _one_thread,
     build_environment,
+    build_lock,
     build_tokenizer,
     prompt_ids,
     tiny_causal_lm,
@@ -355,7 +356,10 @@ def ensure_psqa_base(data_dir: str | Path, cache_dir: str | Path, search: Search
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "causal_conv1d falls back to PyTorch" and the like would tear a panel
     try:
-        return _build(cfg, task, train, test, search, digest, out, log, show_progress, device)
+        with build_lock(out, log):  # a second launch of the same base waits for the first, then uses its base
+            if (out / "base.json").exists():
+                return out, PsqaBaseReport.model_validate_json((out / "base.json").read_text())
+            return _build(cfg, task, train, test, search, digest, out, log, show_progress, device)
     finally:
         hf_logging.set_verbosity(verbosity)
 

@@ -11,7 +11,10 @@ More in docs/embedded.md (module notes).
 
 from __future__ import annotations
 
+import os
+import shlex
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,14 +95,15 @@ def plan_lines(cfg: EmbeddedRecipe, paths: EmbeddedPaths) -> list[str]:
                 f"Qwen2 {b.num_layers}x{b.hidden_size}, {b.sft_steps} supervised steps on generated problems")
     store = cfg.store or paths.store_url  # DRL_STORE when set: the store the run really uses
     where = f"the file bucket {paths.bucket}" if store == paths.store_url else f"the store {store} (DRL_STORE)"
-    w = [f"  {i + 1}. {py} -m worker_contract.worker --store {store} --run {cfg.run} --model <base> "
+    q = shlex.quote  # a printed command is one a user can paste, paths with spaces included
+    w = [f"  {i + 1}. {q(str(py))} -m worker_contract.worker --store {q(store)} --run {cfg.run} --model <base> "
          f"--worker-id local-{i + 1} --threads 1 --max-groups-per-version {per_worker_cap(cfg)} "
          f"--backend {backend}   "
          f"(DRL_N_SAMPLES={cfg.contract.n_samples} "
          f"DRL_PULSE_PLANE={cfg.contract.plane} DRL_TRAINER_KEY_FINGERPRINT=<fingerprint of trainer.key>; "
          f"log {paths.run_dir}/worker-{i + 1}.log)"
          for i, backend in enumerate(worker_backends(cfg))]
-    learner = " ".join(learner_argv(py, paths.run_dir / "recipe.json", "<base>", paths.run_dir))
+    learner = shlex.join(map(str, learner_argv(py, paths.run_dir / "recipe.json", "<base>", paths.run_dir)))
     backends = worker_backends(cfg)
     kinds = " and ".join(f"{backends.count(b)} {b}" for b in dict.fromkeys(backends))
     middle = [
@@ -186,21 +190,34 @@ class _Interrupts:
     """Ctrl-C / SIGTERM: the first asks for a clean stop, a second kills the children at once."""
 
     def __init__(self, procs: Processes):
-        self.procs, self.count = procs, 0
+        self.procs, self.count, self.first = procs, 0, None
 
     def __call__(self, signum, _frame) -> None:
         self.count += 1
+        self.first = self.first or signum
         if self.count > 1:
             self.procs.signal_all(signal.SIGKILL)
 
 
-def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) -> int:
-    """The embedded run, start to summary; the exit status of `make gsm8k` (0 ok, 1 failed, 130 Ctrl-C).
+#: the console width off a terminal: wide enough that no summary row or table cell is cut
+OFF_TERMINAL_WIDTH = 1000
 
-    `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default)."""
+
+def default_console():
+    """The run's console: off a terminal (a pipe, a CI log) rich would cut the summary to 80 columns, so a log
+    gets whole lines."""
     from rich.console import Console
 
-    console = console or Console()
+    return Console() if sys.stdout.isatty() else Console(width=OFF_TERMINAL_WIDTH)
+
+
+def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) -> int:
+    """The embedded run, start to summary; the exit status of `make gsm8k` (0 ok, 1 failed, 130 Ctrl-C, 143
+    SIGTERM; the learner stopped by a signal sent to it alone: 128 + that signal's number).
+
+    `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default)."""
+
+    console = console or default_console()
     paths = EmbeddedPaths(Path(root), cfg.run)
     cfg = embedded_cfg(cfg, paths)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
@@ -213,7 +230,7 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
 
     if left := recorded_children(paths.run_dir):  # a launcher of this run died; its children still finish
         lock.close()
-        where = "" if Path(root) == STOA_DIR else f" --remote-dir {Path(root).resolve().parent}"
+        where = "" if Path(root) == STOA_DIR else f" --remote-dir {shlex.quote(str(Path(root).resolve().parent))}"
         console.print(f"[red]run {cfg.run!r} still has processes a launcher that died left running[/]: "
                       + ", ".join(f"{c['name']} (pid {c['pid']})" for c in left)
                       + f"; wait for them to end, or stop them (`invoke stop --run {cfg.run} --local{where}`), "
@@ -246,6 +263,14 @@ def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=Non
         console.print(f"run {cfg.run!r} already took {done} steps (embedded.max_steps={cfg.train.num_steps}): "
                       f"nothing to do. Its metrics: {paths.metrics}; choose a new RUN to start fresh")
         return 0
+    try:  # a recipe that cannot resume this run is refused before a base is built or a retriever started
+        from trainer.run_init import check_recipe_against_run
+        from worker_contract.store import open_store
+
+        check_recipe_against_run(cfg, open_store(cfg.store), same_task=("arithmetic",) if cfg.task == "gsm8k" else ())
+    except ContractMismatch as e:
+        console.print(f"[red]{e}[/]\nchoose a new RUN id to start fresh", markup=True, highlight=False)
+        return 2
     if services is not None:
         services.start(console)
         cfg, model_dir = services.prepare_model(cfg, console)
@@ -266,7 +291,7 @@ def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=Non
                                      problems=cfg.embedded.eval_problems, max_new_tokens=cfg.algo.max_new_tokens,
                                      temperature=cfg.embedded.eval_temperature, metrics_path=paths.metrics)
     state = RunState(run=cfg.run, max_steps=cfg.train.num_steps, budget_s=cfg.embedded.time_budget_s,
-                     heldout_label=get_task(cfg.task).heldout_label)
+                     heldout_label=get_task(cfg.task).heldout_label, recipe=cfg.name)
     for row in MetricsTail(paths.metrics).read():  # earlier sessions of this run
         state.update(row)
     state.session_first_step = None
@@ -298,10 +323,22 @@ def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=Non
     plots = plot_run(paths.metrics, paths.run_dir / "plots")
     if services is not None and (paths.run_dir / "plots" / "psqa_eval.png").exists():
         plots.append(paths.run_dir / "plots" / "psqa_eval.png")
-    if evaluator.version is not None:
-        state.version = evaluator.version
+    state.version = _pointer_version(store, cfg.run, manifest.trainer_public_key, state.version)
     summary(console, state, paths=paths, plots=plots, stop_reason=reason, store_url=cfg.store)
     return rc
+
+
+def _pointer_version(store, run: str, public_key: str, fallback):
+    """The version the signed pointer names (what the summary calls published: what a joiner gets), or
+    `fallback` where it cannot be read."""
+    from worker_contract.pointer import PointerError, read_pointer
+    from worker_contract.store import StoreError
+
+    try:
+        pointer, _ = read_pointer(store, run, public_key)
+    except (PointerError, StoreError):
+        return fallback
+    return pointer.version if pointer is not None else fallback
 
 
 def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], procs: Processes,
@@ -310,6 +347,8 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
     import contextlib
 
     from rich.live import Live
+
+    from .view import learner_alert
 
     live = Live(panel(state), console=console, refresh_per_second=2) if console.is_terminal else None
     stopping, reason, rc, last_line = False, "finished", 0, 0
@@ -322,7 +361,7 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
                 evaluator.request()  # the first published version (the base in a fresh run), once it exists
             if not stopping:
                 if interrupts.count:
-                    stopping, reason, rc = True, "stopped by Ctrl-C", 130
+                    stopping, (reason, rc) = True, interrupted(interrupts.first)
                 elif time.monotonic() - state.started > cfg.embedded.time_budget_s:
                     stopping, reason = True, f"time budget of {cfg.embedded.time_budget_s:.0f} s reached"
                 elif not any(w.alive() for w in workers) or any(w.proc.poll() not in (None, 0) for w in workers):
@@ -332,6 +371,10 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
                 if stopping:
                     state.phase = f"stopping ({reason}): the learner finishes its step and checkpoints"
                     procs.signal(learner, signal.SIGTERM)
+            alert = learner_alert(learner.tail(40))
+            if alert and alert != state.alert and live is None:  # off a terminal the panel is not drawn
+                console.print(f"learner: {alert} (more in learner.log)", markup=False, highlight=False)
+            state.alert = alert or state.alert
             if live is not None:
                 live.update(panel(state))
             elif state.step >= last_line + 5:
@@ -340,9 +383,31 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
             time.sleep(0.5)
         for row in tail.read():
             state.update(row)
-    if learner.proc.returncode not in (0, None) and rc == 0:
-        console.print(f"[red]the learner exited with status {learner.proc.returncode}:[/]\n{learner.tail(30)}")
-        reason, rc = "learner failed", 1
-    elif not stopping and state.step >= cfg.train.num_steps:
-        reason = f"{cfg.train.num_steps} steps done"
-    return reason, rc
+    return _ending(cfg, state, learner, stopping, reason, rc, console)
+
+
+def interrupted(signum: int) -> tuple[str, int]:
+    """How the run ended when the launcher got `signum` (the first of them): its words and exit status."""
+    by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    return f"stopped by {by}", 128 + signum
+
+
+#: how the learner ends when a signal stopped it after its step in hand (entrypoints/learner.py)
+_SIGNALLED = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGINT: "SIGINT"}
+
+
+def _ending(cfg, state, learner: Child, stopping: bool, reason: str, rc: int, console) -> tuple[str, int]:
+    """Why the run ended and its exit status, told from who stopped the learner: this launcher (its reason),
+    a signal sent to the learner itself (its name and the step it stopped at), its own end or a failure."""
+    status = learner.proc.returncode
+    if stopping and status in (0, *_SIGNALLED):  # the stop this launcher asked for
+        return reason, rc
+    if status in _SIGNALLED:
+        return (f"the learner was stopped by {_SIGNALLED[status]} at step {state.step} of "
+                f"{cfg.train.num_steps}", status)
+    if status not in (0, None):
+        console.print(f"[red]the learner exited with status {status}:[/]\n{learner.tail(30)}")
+        return "learner failed", 1
+    if state.step >= cfg.train.num_steps:
+        return f"{cfg.train.num_steps} steps done", rc
+    return f"the learner ended at step {state.step} of {cfg.train.num_steps}", rc or 1

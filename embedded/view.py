@@ -8,6 +8,8 @@ elsewhere (CI, a pipe) a plain line is printed every few steps instead.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +56,11 @@ class RunState:
     phase: str = "starting the learner and workers"
     heldout_label: str = "held-out accuracy"
     """The task's name for its held-out score (`Task.heldout_label`)."""
+    recipe: str = ""
+    """The recipe this run was made from: the resume line names its make target."""
+    alert: str | None = None
+    """The learner's newest failure line this session (a full store, a publish that failed): shown on the
+    panel, not only in learner.log."""
     search: dict[str, float] = field(default_factory=dict)
     """psqa: the latest train-side (rollout/*) and held-out (eval/*) search rate and share of correct answers
     found after a search."""
@@ -115,7 +122,20 @@ def _drops(state: RunState) -> str:
     return ", ".join(f"{k} {int(v)}" for k, v in sorted(state.drops.items())) or "none"
 
 
+#: what a learner log line says when something the run needs failed (the learner logs without levels)
+_FAILURE = re.compile(r"failed|error|no space left|quota|traceback", re.IGNORECASE)
+
+
+def learner_alert(log_tail: str) -> str | None:
+    """The newest line of the learner's log tail that says something failed (its time stamp cut), or None."""
+    for line in reversed(log_tail.splitlines()):
+        if _FAILURE.search(line):
+            return re.sub(r"^\d\d:\d\d:\d\d \S+ ", "", line.strip())[:200]
+    return None
+
+
 def panel(state: RunState):
+    from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
 
@@ -135,6 +155,8 @@ def panel(state: RunState):
     t.add_row("groups received", f"{int(state.accepted)}   by worker: " +
               (", ".join(f"{w} {int(g)}" for w, g in sorted(state.workers.items())) or "-"))
     t.add_row("drops", _drops(state))
+    if state.alert:
+        t.add_row("[red]learner[/]", f"[red]{escape(state.alert)}[/] (more in learner.log)")
     return Panel(t, title=f"stoa embedded run [bold]{state.run}[/]", border_style="cyan")
 
 
@@ -159,7 +181,7 @@ def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: 
     t.add_column()
     first = state.session_first_step
     t.add_row("steps", f"{state.step} in total" + (f" ({state.step - first + 1} this session)" if first else ""))
-    t.add_row("versions", f"v{state.version} published" if state.version else "none published")
+    t.add_row("versions", f"v{state.version} published (the pointer)" if state.version else "none published")
     r0 = [r for _, r in state.rewards[:5]]
     t.add_row("train reward", f"{_pct(sum(r0) / len(r0) if r0 else None)} -> {_pct(state.recent_reward())} "
               "(first 5 steps -> last 5)")
@@ -174,6 +196,6 @@ def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: 
     for p in plots:
         t.add_row("plot", str(p))
     t.add_row("logs", str(paths.run_dir / "learner.log") + ", worker-*.log")
-    t.add_row("check", f"python -m worker_contract verify --store {store_url} --run {state.run}")
+    t.add_row("check", f"python -m worker_contract verify --store {shlex.quote(store_url)} --run {state.run}")
     t.add_row("resume", f"make {state.recipe} RUN={state.run}")
     console.print(t)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     res = serve(cfg, args.model_dir, args.state_dir, env_file=args.env_file)
     print(json.dumps({"learner_done": {"step": res.step, "version": res.version,
                                        "first_version": res.first_version}}), flush=True)
+    if res.stopped_by is not None and res.step < cfg.train.num_steps:  # stopped, not finished: say which
+        name = signal.Signals(res.stopped_by).name
+        print(f"{PROG}: stopped by {name} at step {res.step} of {cfg.train.num_steps} (checkpointed; the same "
+              "command resumes it)", file=sys.stderr, flush=True)
+        return 128 + res.stopped_by
     return 0
 
 

@@ -7,6 +7,7 @@ learner on its own GPU or box; its work is trainer.psqa_eval.main.
 import sys
 
 from trainer.psqa_eval import main
+from worker_contract.cli import run_main
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m entrypoints.psqa_eval"))
+    sys.exit(run_main(lambda: main(prog="python -m entrypoints.psqa_eval"), "python -m entrypoints.psqa_eval"))

@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=("slime", "native"), default="slime")
     ap.add_argument("--ensure-deps", nargs="+", metavar="REQ", help="install these requirements if missing")
     args = ap.parse_args(argv)
+    if args.min_free_gb is not None and not args.min_free_gb >= 0:  # stdlib only: no worker_contract.cli.number
+        ap.error(f"argument --min-free-gb: {args.min_free_gb:g} is out of range: give a number at least 0")
     if args.ensure_deps:
         installed = ensure_deps(args.ensure_deps)
         print(json.dumps({"ok": True, "installed": installed}))

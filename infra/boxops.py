@@ -411,12 +411,14 @@ def _teardown_stopped(root: Path, run: str, actions: list[str], purge: bool, log
 
 
 def main(argv: list[str] | None = None) -> int:
+    from worker_contract.cli import number
+
     ap = argparse.ArgumentParser(prog="python -m infra.boxops", description="on-box control of a stoa run (the "
                                  "box side of invoke logs/stop/teardown, which list and confirm first)")
     ap.add_argument("command", choices=["status", "stop", "teardown"])
     ap.add_argument("--remote-dir", required=True)
     ap.add_argument("--run", required=True)
-    ap.add_argument("--lines", type=int, default=20)
+    ap.add_argument("--lines", type=number(int, at_least=1), default=20)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--purge", action="store_true")
     ap.add_argument("--yes", action="store_true", help="confirmed: stop/teardown change nothing without it")

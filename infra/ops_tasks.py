@@ -72,12 +72,17 @@ def status(c, run=None, store=None, watch=False, json_=False, host=None, ssh_key
 def plot(c, run=None, out=None):
     """PNG plots of reward, held-out accuracy, staleness, gate drops and patch size by step."""
     from infra.ops.plots import plot_run
+    from worker_contract.cli import output_dir
 
     run_dir = REPO_ROOT / ".stoa" / "runs" / _need_run(run)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
         raise Exit(f"{metrics} does not exist: run `make gsm8k RUN={run}` first, or check the run id", code=2)
-    paths = plot_run(metrics, Path(out) if out else run_dir / "plots")
+    try:
+        where = output_dir(out if out else run_dir / "plots")
+    except ValueError as e:
+        raise Exit(str(e), code=2) from None
+    paths = plot_run(metrics, where)
     if not paths:  # empty, or lines that are not the learner's step rows: say so instead of printing nothing
         raise Exit(f"{metrics} holds no step row with a metric to plot (reward, held-out accuracy, staleness, "
                    "drops, patch size): nothing written", code=2)

@@ -262,6 +262,12 @@ ROWS = [
     Row("nox-preflight-recipe", ["nox", "-s", "preflight", "--", "--recipe", "nosuch"], says=("nosuch",)),
     Row("nox-soak-trials", ["nox", "-s", "soak"], env={"DRL_SOAK_TRIALS": "abc"}, says=("DRL_SOAK_TRIALS",)),
     Row("nox-bench-unknown", ["nox", "-s", "bench", "--", "nosuch"], says=("nosuch",)),
+    # without a GPU the GPU loop ran both parts into errors and reported success
+    Row("nox-gpu-loop-no-gpu", ["nox", "-s", "gpu_loop", "--", "--parts", "learning", "--out", "{tmp}/g.json"],
+        says=("needs a CUDA GPU",), without_cuda=True),
+    # folders that are no slime / Megatron-LM checkouts: said before minutes of installs (torch first, before)
+    Row("nox-slime-compat-not-checkouts", ["nox", "-s", "slime_compat", "--", "{tmp}", "{tmp}"],
+        says=("is not a slime checkout",)),
     # -- python -m CLIs ----------------------------------------------------------------------
     Row("verify-missing-run", ["python", "-m", "worker_contract", "verify", "--run", "nope"], says=("nope",)),
     Row("verify-store-ftp", ["python", "-m", "worker_contract", "verify", "--run", "x", "--store", "ftp://x"],
@@ -286,6 +292,31 @@ ROWS = [
                                      "file:///tmp/x", "--model", "/nonexistent", "--wait", "1"],
         env={"DRL_RETRIEVER_URL": "ftp://x"}, says=("DRL_RETRIEVER_URL='ftp://x'", "http(s)"),
         never=("errors.pydantic.dev",)),
+    # numbers that mean nothing: one check per kind (worker_contract.cli.number, the recipe's pydantic bounds)
+    Row("worker-groups-0", [*W[:-2], "--groups", "0"], says=("--groups", "at least 1")),
+    Row("worker-threads-negative", [*W[:-2], "--threads", "-3"], says=("--threads", "at least 1")),
+    Row("worker-threads-huge", [*W[:-2], "--threads", "99999"], says=("--threads", "at most")),
+    Row("worker-wait-negative", [*W[:-2], "--wait", "-5"], says=("--wait", "above 0")),
+    Row("worker-lag-beyond-staleness", [*W, "--lag-versions", "999"], bucket="",
+        says=("--lag-versions 999", "staleness bound (3)")),
+    Row("make-recipe-workers-0", ["make", "gsm8k", "RUN=x"], env=DRY, files={"runs/gsm8k.yaml": "workers: 0"},
+        says=("embedded.workers",)),
+    Row("make-recipe-workers-1000", ["make", "gsm8k", "RUN=x"], env=DRY, files={"runs/gsm8k.yaml": "workers: 1000"},
+        says=("embedded.workers",)),
+    Row("make-recipe-time-budget", ["make", "gsm8k", "RUN=x"], env=DRY,
+        files={"runs/gsm8k.yaml": "time_budget_s: -1"}, says=("embedded.time_budget_s",)),
+    Row("make-recipe-eval-problems", ["make", "gsm8k", "RUN=x"], env=DRY,
+        files={"runs/gsm8k.yaml": "eval_problems: 0"}, says=("embedded.eval_problems",)),
+    Row("retriever-cli-limit-0", ["python", "-m", "infra.retriever", "build", "--out", "{tmp}/idx", "--corpus",
+                                  "x.jsonl", "--limit", "0"], says=("--limit", "at least 1")),
+    Row("bench-staleness-budget", ["python", "-m", "bench.staleness", "--budget-s", "-1"], says=("--budget-s",)),
+    # an output directory that is a file, or that cannot be made: one sentence (worker_contract.cli.output_dir)
+    Row("plot-out-file", ["invoke", "plot", "--run", "seed-run", "--out", "{tmp}/afile"],
+        files={"{tmp}/afile": ("mine", 0o644)}, says=("--out", "is a file")),
+    Row("plot-out-unwritable", ["invoke", "plot", "--run", "seed-run", "--out", "/proc/stoa-plots"],
+        says=("--out", "/proc/stoa-plots")),
+    Row("convert-out-file-dry-run", ["python", "-m", "infra.convert", "/nonexistent", "--out", "{tmp}/afile",
+                                     "--dry-run"], files={"{tmp}/afile": ("mine", 0o644)}, says=("--out", "a file")),
     Row("convert-cli-missing", ["python", "-m", "infra.convert", "/nonexistent", "--out", "{tmp}/o"],
         says=("/nonexistent",)),
     Row("retriever-cli-corpus", ["python", "-m", "infra.retriever", "build", "--out", "{tmp}/idx", "--corpus",
@@ -336,6 +367,10 @@ ROWS = [
     Row("verify-after-gc", ["bash", "-c", f"invoke gc --run {PUB} --yes >/dev/null && python -m worker_contract "
                             f"verify --run {PUB}"], bucket="", rc=0, lines=None, may_change=(".stoa/bucket",),
         says=("v1      ok   collected", "4 collected", ": OK"), never=("interrupted attempt",)),
+    # a recipe that cannot resume the run is refused before a base is built or a retriever started (it built a
+    # 5-minute base first)
+    Row("make-psqa-on-another-tasks-run", ["make", "psqa", f"RUN={PUB}"], bucket="", says=("task", "arithmetic",
+        "psqa"), lines=None, may_change=(f".stoa/runs/{PUB}",)),
     Row("verify-run-json-list", ["python", "-m", "worker_contract", "verify", "--run", PUB], bucket="run-json-list",
         says=("pub-run/run.json", "not a valid run manifest"), never=("validation error for",)),
     Row("joincard-run-json-list", ["invoke", "joincard", "--run", PUB], bucket="run-json-list",

@@ -92,3 +92,36 @@ def test_the_shipped_base_is_what_the_recipe_builds(recipe_base):
                      f"(held-out {report.heldout_accuracy:.4f} here)")
     assert basemodel.weights_digest(built) == basemodel.SHIPPED_WEIGHTS_SHA256
     assert report.heldout_accuracy == shipped.heldout_accuracy
+
+
+def test_two_launches_of_one_base_build_it_once(tmp_path):
+    """Two launches needing the same custom base both built it at once (no lock): one builds now, the other
+    waits and takes the first one's base."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom embedded.basemodel import ensure_base\nfrom embedded.config import EmbeddedBaseConfig\n"
+            "from worker_contract.tasks import get_task\n"
+            "cfg = EmbeddedBaseConfig(sft_steps=6, tokenizer_corpus=300, vocab_size=300)\n"
+            "r = ensure_base(cfg, get_task('arithmetic'), sys.argv[1], max_new_tokens=8, eval_problems=4)\n"
+            "print('PATH', r.path, flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum("building the base model" in o for o in outs) == 1, outs
+    assert len({line for o in outs for line in o.splitlines() if line.startswith("PATH ")}) == 1, outs
+
+
+def test_a_copied_checkout_uses_its_own_cache(tmp_path):
+    """A checkout copied with its .stoa/ read the base from the original's cache (base.json named its path)."""
+    cfg = resolve_embedded("gsm8k")
+    task = get_task(cfg.task)
+    kw = dict(max_new_tokens=cfg.algo.max_new_tokens, eval_problems=4, log=lambda _: None)
+    first = ensure_base(cfg.embedded.base, task, tmp_path / "a" / ".stoa" / "cache", **kw)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "a")  # the original is gone (or moved on): the copy must not need it
+    copy = ensure_base(cfg.embedded.base, task, tmp_path / "b" / ".stoa" / "cache", **kw)
+    assert Path(copy.path).is_relative_to(tmp_path / "b") and Path(copy.path).is_dir(), (first.path, copy.path)

@@ -120,3 +120,39 @@ def test_secrets_repr_as_asterisks():
     for text in (repr(c), str(c), c.model_dump_json(), repr(c.model_dump())):
         assert R2["R2_SECRET_ACCESS_KEY"] not in text and R2["R2_ACCESS_KEY_ID"] not in text
     assert envmod.redact(f"x {R2['R2_SECRET_ACCESS_KEY']} y") == f"x {envmod.REDACTED} y"
+
+
+def test_a_comment_after_a_value_is_no_part_of_it(tmp_path):
+    """`R2_SECRET_ACCESS_KEY=abc  # mine` once made 'abc  # mine' the secret."""
+    f = _write(tmp_path / ".r2env", "R2_SECRET_ACCESS_KEY=abcdef0123  # the key from the dashboard\n"
+                                    "R2_BUCKET='has # inside'\nR2_ACCESS_KEY_ID=a#b\n")
+    assert read_env_file(f) == {"R2_SECRET_ACCESS_KEY": "abcdef0123", "R2_BUCKET": "has # inside",
+                                "R2_ACCESS_KEY_ID": "a#b"}
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_r2env_is_refused_not_waited_on(tmp_path):
+    """A FIFO .r2env (no writer) once hung `invoke status` forever."""
+    os.mkfifo(tmp_path / ".r2env", 0o600)
+    with pytest.raises(EnvError, match="not a regular file"):
+        load_env({}, repo_root=tmp_path)
+
+
+def test_credentials_in_an_endpoint_are_redacted_whole():
+    """DRL_S3_ENDPOINT=http://<access key>:<secret with @>@host once showed the user name and half the secret."""
+    url = "http://AKIDINURL0001:pa@ss-w0rd-tail@127.0.0.1:9000"
+    envmod._register_url_password(url)
+    shown = envmod.redact(f"cannot reach {url}/bucket")
+    assert "AKIDINURL0001" not in shown and "pa@ss" not in shown and "w0rd-tail" not in shown, shown
+    assert shown.endswith("@127.0.0.1:9000/bucket")
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/with/path", "r2://Bucket_Name", "s3://bucket:9000", "r2://ab",
+                                 "file:///tmp/x ", " r2://my-bucket", "s3://user:pw@bucket"])
+def test_store_urls_are_refused_alike_by_every_command(url):
+    """The dry run (DRL_STORE through parse_env) and status / joincard (--store through check_store_url) once
+    disagreed: one accepted what the other refused."""
+    with pytest.raises(EnvError):
+        envmod.check_store_url(url, "--store")
+    with pytest.raises(EnvError):
+        parse_env({"DRL_STORE": url}) if url == url.strip() else envmod.check_store_url(url)

@@ -71,3 +71,14 @@ def test_stats_objects_carry_the_documented_fields(tmp_path):
     assert last["publish"] == {"patch_bytes": 300, "latency_s": 0.5, "ratio": None} and last["groups"] == 8
     assert last["metrics"] == {"train/loss": 0.1}  # per-worker and stale publish values are not repeated
     assert last["workers"] == {"w1": {"groups": 3, "version_lag": 1}}
+
+
+def test_a_torn_last_line_is_not_glued_to_the_next_session(tmp_path):
+    """A learner killed mid-line left `{"step": 7, "rew`; the next session's first row was glued to it and lost."""
+    from trainer.metrics import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 6, "reward": 0.5}\n{"step": 7, "rew')
+    log = MetricsLogger(tmp_path, "r", env={})
+    log.log(8, {"reward": 0.25})
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [6, 8]

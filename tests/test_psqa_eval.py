@@ -4,12 +4,16 @@ whole CLI on a tiny LFM2-MoE checkpoint built on the spot against a real retriev
 from __future__ import annotations
 
 import json
+import os
 import threading
+from pathlib import Path
 
 import pytest
 
 from trainer import psqa_eval
 from worker_contract.tasks.psqa import PsqaProblem, PsqaTask, TurnOutput
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _tokenizer():
@@ -143,3 +147,55 @@ def test_cli_on_a_tiny_lfm2_moe_checkpoint(tmp_path, monkeypatch):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def _cli(*argv: str, cwd: Path):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "entrypoints.psqa_eval", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.integration
+def test_cli_refuses_what_would_fail_late_or_quietly(tmp_path):
+    """A dead or garbage retriever once gave held-out points of 0.0 with exit 0, --watch of a missing directory
+    waited forever, and the default --device cuda:1 on a CPU box was a traceback: each is one sentence, exit 2,
+    before any model loads, and no point is written."""
+    import socket
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Garbage(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>not a retriever</html>")
+
+        def log_message(self, *a):
+            pass
+
+    garbage = ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=garbage.serve_forever, daemon=True).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket closes
+    (tmp_path / "ckpts").mkdir()
+    out = tmp_path / "out"
+    base = ["--out", str(out), "--data-dir", str(tmp_path), "--questions", "1"]
+    try:
+        cases = [(["--watch", str(tmp_path / "none"), "--retriever", dead, "--device", "cpu"], "--watch"),
+                 (["--watch", str(tmp_path / "ckpts"), "--retriever", dead, "--device", "cpu"], "does not answer"),
+                 (["--watch", str(tmp_path / "ckpts"), "--retriever", f"http://127.0.0.1:{garbage.server_port}",
+                   "--device", "cpu"], "does not answer")]
+        import torch
+
+        if not torch.cuda.is_available():  # as REPRODUCE.md writes it, without --device
+            cases.append((["--watch", str(tmp_path / "ckpts"), "--retriever", dead], "--device cuda:1"))
+        for argv, says in cases:
+            r = _cli(*argv, *base, cwd=tmp_path)
+            assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert psqa_eval.read_curve(out) == []
+    finally:
+        garbage.shutdown()
+        garbage.server_close()

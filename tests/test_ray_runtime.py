@@ -20,14 +20,15 @@ REPO = Path(__file__).resolve().parent.parent
 SESSION = """
 import json, os, sys
 import ray
-from trainer.ray_runtime import ray_session
+from trainer.ray_runtime import ray_session, ray_tmpdir
 
 def worker_token():
     return os.environ.get("RAY_AUTH_TOKEN")
 
 with ray_session(sys.argv[1], num_cpus=1):
     seen = {"mode": os.environ.get("RAY_AUTH_MODE"), "token": os.environ.get("RAY_AUTH_TOKEN"),
-            "worker_token": ray.get(ray.remote(worker_token).remote())}
+            "worker_token": ray.get(ray.remote(worker_token).remote()),
+            "ray_dir_mode": os.stat(ray_tmpdir(sys.argv[1])[0]).st_mode & 0o777}
 seen["token_after"] = os.environ.get("RAY_AUTH_TOKEN")
 print("SEEN " + json.dumps(seen), flush=True)
 """
@@ -51,6 +52,7 @@ def test_inherited_token_mode_keeps_the_token_in_memory_not_in_home(tmp_path):
     assert seen["mode"] == "token" and len(seen["token"]) == 64
     assert seen["worker_token"] == seen["token"]  # the Ray processes got it by inheritance, not a file
     assert seen["token_after"] is None  # and it left the process's environment with the session
+    assert seen["ray_dir_mode"] == 0o700  # Ray made it 0777 (world-writable, its sockets reachable by anyone)
 
 
 def _agent(root: psutil.Process) -> psutil.Process | None:

@@ -203,3 +203,20 @@ def test_build_and_generate_never_overwrite_the_users_files(tmp_path):
         r = _cli("build", "--corpus", "corpus.jsonl", "--out", "idx", cwd=tmp_path)
         assert r.returncode == 0 and "indexed 12 documents" in r.stdout, r.stderr
     assert corpus.read_bytes() == original
+
+
+def test_serve_on_a_busy_port_or_a_foreign_host_is_one_sentence(tmp_path):
+    """A busy port and a host that is no address of this machine once ended in a traceback (OSError)."""
+    import socket
+
+    corpus = write_jsonl(synthetic_corpus(5, seed=1), tmp_path / "c.jsonl")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = _cli("serve", "--corpus", str(corpus), "--port", str(port), cwd=tmp_path)
+        assert r.returncode == 2 and f"--port {port} is in use" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for host in ("203.0.113.7", "no-such-host.invalid"):
+        r = _cli("serve", "--corpus", str(corpus), "--host", host, "--port", "0", cwd=tmp_path)
+        assert r.returncode == 2 and f"--host {host!r} is not an address" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -3,6 +3,7 @@ and the v1 anchor, idempotent, and refused before anything is written when the m
 
 from __future__ import annotations
 
+import re
 import stat
 
 import pytest
@@ -75,9 +76,25 @@ def test_a_lost_key_is_refused_never_replaced(tmp_path, hf_dir):
     first = create_run(cfg, store, hf_dir, key_file, publish_base=False)
     backup = key_file.read_bytes()
     key_file.unlink()
-    with pytest.raises(KeyLost, match=f"trainer key {first.fingerprint}.*restore that file from a backup"):
+    with pytest.raises(KeyLost, match=f"trainer key {re.escape(first.fingerprint)}.*restore that file from a backup"):
         create_run(cfg, store, hf_dir, key_file, publish_base=False)
     assert not key_file.exists()
     key_file.write_bytes(backup)
     key_file.chmod(0o600)
     assert create_run(cfg, store, hf_dir, key_file, publish_base=False).fingerprint == first.fingerprint
+
+
+def test_a_recipe_that_cannot_resume_the_run_is_refused_before_any_model(tmp_path, hf_dir):
+    """`make psqa RUN=<a gsm8k run>` built a 5-minute base before create_run refused the contract."""
+    from trainer.run_init import check_recipe_against_run
+
+    store = open_store(f"file://{tmp_path / 'bucket'}")
+    cfg = recipe("init-5", hf_dir)
+    check_recipe_against_run(cfg, store)  # no run yet: nothing to compare
+    create_run(cfg, store, hf_dir, tmp_path / "k", publish_base=False)
+    check_recipe_against_run(cfg, store)  # the same recipe resumes
+    other = cfg.model_copy(update={"task": "psqa"})
+    with pytest.raises(ContractMismatch, match="task: published='arithmetic' requested='psqa'"):
+        check_recipe_against_run(other, store)
+    with pytest.raises(ContractMismatch, match="temperature"):
+        check_recipe_against_run(recipe("init-5", hf_dir, temperature=0.5), store)

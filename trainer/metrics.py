@@ -39,6 +39,21 @@ def _clean(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def end_torn_line(path: str | Path) -> None:
+    """Before a new writer appends to a JSONL file: end a last line a killed writer left without its newline,
+    so the fragment stays one unreadable line (skipped by readers) instead of gluing itself to the next row."""
+    try:
+        with open(path, "rb+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    except FileNotFoundError:
+        return
+
+
 class MetricsLogger:
     """Writes every step's metrics to the JSONL file and to whichever optional sinks are enabled."""
 
@@ -50,6 +65,7 @@ class MetricsLogger:
         self.path = self.run_dir / "metrics.jsonl"
         self._tb = self._open_tensorboard() if env.get("DRL_TENSORBOARD", "") not in ("", "0") else None
         self._wandb = self._open_wandb(run, config, env) if env.get("DRL_WANDB_PROJECT") else None
+        end_torn_line(self.path)  # an earlier session killed mid-line: its fragment must not swallow our first row
         self._file = open(self.path, "a", buffering=1)  # line-buffered: a crash loses at most one line
 
     def _open_wandb(self, run: str, config: Mapping[str, Any] | None, env: Mapping[str, str]):

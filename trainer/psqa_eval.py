@@ -15,11 +15,14 @@ import argparse
 import json
 import random
 import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
+
+from worker_contract.cli import number
 
 CURVE_FILE, PLOT_FILE = "psqa_eval.jsonl", "psqa_eval.png"
 _VERSION_DIR = re.compile(r"^(?:v|step_|iter_)0*(\d+)$")
@@ -99,6 +102,9 @@ def evaluate(problems: Sequence, task, encode_prompt: Callable, generate_batch, 
 def append_point(out_dir: str | Path, point: EvalPoint) -> Path:
     path = Path(out_dir) / CURVE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    from .metrics import end_torn_line
+
+    end_torn_line(path)
     with open(path, "a") as f:
         f.write(point.model_dump_json() + "\n")
     return path
@@ -227,39 +233,75 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="one HF checkpoint directory to evaluate")
     src.add_argument("--watch", help="directory where v<N>/step_<N>/iter_<N> HF checkpoints appear")
-    p.add_argument("--version", type=int, default=1, help="version label of --model")
+    p.add_argument("--version", type=number(int, at_least=1), default=1, help="version label of --model")
     p.add_argument("--out", required=True, help="directory for psqa_eval.jsonl and psqa_eval.png")
     p.add_argument("--retriever", required=True, help="retriever URL (DRL_RETRIEVER_URL)")
     p.add_argument("--data-dir", default=None, help="DRL_PSQA_DIR with test.jsonl (default: download)")
-    p.add_argument("--questions", type=int, default=500, help="held-out questions per point")
-    p.add_argument("--k", type=int, default=8, help="samples per question (pass@k)")
-    p.add_argument("--top-k", type=int, default=3, help="documents per search")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--max-turns", type=int, default=4, help="tool calls per episode")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--every", type=int, default=1, help="evaluate versions divisible by this")
-    p.add_argument("--poll-s", type=float, default=60.0, help="--watch polling interval")
+    p.add_argument("--questions", type=number(int, at_least=1), default=500, help="held-out questions per point")
+    p.add_argument("--k", type=number(int, at_least=1), default=8, help="samples per question (pass@k)")
+    p.add_argument("--top-k", type=number(int, at_least=1), default=3, help="documents per search")
+    p.add_argument("--max-new-tokens", type=number(int, at_least=1), default=1024)
+    p.add_argument("--max-turns", type=number(int, at_least=1), default=4, help="tool calls per episode")
+    p.add_argument("--temperature", type=number(float, above=0), default=1.0)
+    p.add_argument("--every", type=number(int, at_least=1), default=1, help="evaluate versions divisible by this")
+    p.add_argument("--poll-s", type=number(float, at_least=0), default=60.0, help="--watch polling interval")
     p.add_argument("--device", default="cuda:1", help="a GPU the learner does not use, or cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=number(int, at_least=0), default=0)
     return p
+
+
+def _check_args(args, client) -> None:
+    """What would otherwise fail late or quietly, refused before any model loads (ValueError, one sentence):
+    a --watch or --model that is not a directory, an --out that cannot be written, a --device this machine
+    lacks, a retriever that does not answer."""
+    from worker_contract.cli import output_dir
+    from worker_contract.tasks.psqa_retrieval import RetrieverError
+
+    for flag, path in (("--watch", args.watch), ("--model", args.model)):
+        if path is not None and not Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is not a directory: name the {'checkpoints' if flag == '--watch' else 'HF'}"
+                             " directory (for --watch, start the evaluation once the learner has made it)")
+    output_dir(args.out)
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a device: cpu, cuda or cuda:N") from None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise ValueError(f"--device {args.device}: this machine has {gpus} CUDA GPU(s); name one it has (on the "
+                         "learner's box, one the learner does not use), or --device cpu")
+    try:
+        client.health()
+    except RetrieverError as e:
+        raise ValueError(f"--retriever {args.retriever} does not answer as a retriever ({e}): start it "
+                         "(python -m infra.retriever serve) or fix the URL") from None
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m entrypoints.psqa_eval") -> int:
     """The evaluation process (entrypoints/psqa_eval.py): one checkpoint, or every new one under --watch."""
     args = _parser(prog).parse_args(argv)
     from worker_contract.tasks.psqa import PsqaTask
-    from worker_contract.tasks.psqa_retrieval import RetrieverClient, search_tool
+    from worker_contract.tasks.psqa_retrieval import RetrieverClient, RetrieverError, search_tool
 
+    client = RetrieverClient(args.retriever)
+    _check_args(args, client)
     task = PsqaTask(args.data_dir)
     problems = heldout_subset(task.dataset("test"), args.questions, args.seed)
-    search = search_tool(RetrieverClient(args.retriever), k=args.top_k)
+    search = search_tool(client, k=args.top_k, strict=True)  # a failed search fails the point, never scores 0
     done = {p.version for p in read_curve(args.out)}
     while True:
         found = version_dirs(args.watch) if args.watch else [(args.version, Path(args.model))]
         for version, path in found:
             if version in done or version % args.every:
                 continue
-            point = evaluate_checkpoint(path, version, problems, task, search, args)
+            try:
+                point = evaluate_checkpoint(path, version, problems, task, search, args)
+            except RetrieverError as e:
+                print(f"{prog}: the retriever failed while evaluating v{version} ({e}); no point written: its "
+                      "score would measure the retriever, not the policy", file=sys.stderr)
+                return 1
             append_point(args.out, point)
             plot_curve(args.out)
             done.add(version)

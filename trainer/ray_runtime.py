@@ -42,6 +42,16 @@ def ray_tmpdir(run_dir: str | Path) -> tuple[Path, bool]:
     return Path(f"/tmp/stoa-ray-{digest}"), True
 
 
+def _private_dir(path: Path) -> None:
+    """`path` as a directory only its owner can enter (Ray's sockets accept any local user who can reach
+    them); one in /tmp that another user made first is refused, never used."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to another user: Ray's sockets there would be theirs to reach; "
+                              "remove it or move the run dir to a shorter path")
+    os.chmod(path, 0o700)
+
+
 #: tries of a local Ray start. Its raylet waits about 15 s for the dashboard agent (a Python process) to report
 #: its ports and aborts when it has not: on a busy 2-core machine the agent's imports alone can take longer.
 #: Ray offers no setting for that wait, so a start that times out is ended and made again.
@@ -66,7 +76,7 @@ def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: in
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
         if address is None:
             tmp, is_fallback = ray_tmpdir(run_dir)
-            tmp.mkdir(parents=True, exist_ok=True)
+            _private_dir(tmp)
             if is_fallback:
                 fallback_dir = tmp
                 (Path(run_dir) / "ray.path").write_text(str(tmp) + "\n")
@@ -86,6 +96,8 @@ def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: in
         import ray
 
         ctx = _init(address is None, **kwargs, log_to_driver=True, configure_logging=False)
+        if address is None:
+            os.chmod(tmp, 0o700)  # Ray makes its temp dir 0777; its sockets and logs stay the run owner's
         if address is None and ctx.address_info.get("node_ip_address") != "127.0.0.1":
             log.warning("Ray's node address is %s, not loopback", ctx.address_info.get("node_ip_address"))
         try:

@@ -45,6 +45,29 @@ def run_manifest(cfg: RecipeConfig, identity: Any, public_key: str) -> RunManife
     )
 
 
+def check_recipe_against_run(cfg: RecipeConfig, store: Any, *, same_task: tuple[str, ...] = ()) -> None:
+    """Refuse (ContractMismatch) a recipe whose own contract values differ from the run.json already in the
+    store, before a model is built or fetched for it (`create_run` checks the whole contract, model identity
+    included, once the model is there). `same_task`: task names the launcher may publish for this recipe's."""
+    from worker_contract.manifest import ContractMismatch, format_diff, load_manifest
+    from worker_contract.store import NotFound
+
+    try:
+        published = load_manifest(store, cfg.run)
+    except NotFound:
+        return
+    a = cfg.algo
+    want = {"n_samples": cfg.contract.n_samples, "plane": cfg.contract.plane, "kv_mode": cfg.contract.kv_mode,
+            "temperature": a.temperature, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens,
+            "staleness": a.staleness, "anchor_interval": cfg.train.anchor_interval}
+    diff = [(k, getattr(published, k), v) for k, v in want.items() if getattr(published, k) != v]
+    if published.task not in (cfg.task, *same_task):
+        diff.insert(0, ("task", published.task, cfg.task))
+    if diff:
+        raise ContractMismatch(f"run {cfg.run!r} exists in {store.url} with a different contract; refusing before "
+                               "anything is built for it:\n" + format_diff(diff, "published", "requested"))
+
+
 class KeyLost(ValueError):
     """The run exists in the store, but the signing key it was created with is not where the run keeps it."""
 

@@ -100,3 +100,54 @@ def run_main(main: Callable[[], int | None], prog: str) -> int:
                 return quiet_broken_pipe()
             return EXIT_BAD_INPUT
         return report_bug(prog)
+
+
+def number(kind: type = int, *, at_least: float | None = None, above: float | None = None,
+           at_most: float | None = None, hint: str = "") -> Callable[[str], float]:
+    """The one check of a number a user types (an argparse `type=`): `kind` (int or float) parsed, finite, and
+    within the bounds, else argparse's one-line error, exit 2, saying the range (`hint` adds what it means)."""
+    import argparse
+    import math
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or (kind is float and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number"
+                                             + (f" ({hint})" if hint else ""))
+        if ((at_least is not None and value < at_least) or (above is not None and value <= above)
+                or (at_most is not None and value > at_most)):
+            want = [b for b in (f"at least {at_least:g}" if at_least is not None else "",
+                                f"above {above:g}" if above is not None else "",
+                                f"at most {at_most:g}" if at_most is not None else "") if b]
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give a number {' and '.join(want)}"
+                                             + (f" ({hint})" if hint else ""))
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def output_dir(path: str | os.PathLike, flag: str = "--out"):
+    """The one check of a directory a command will write into, before it works: not a file, and it or its
+    nearest existing parent writable by this user (ValueError, one sentence, otherwise). Creates nothing (a
+    dry run, or a command that finds nothing to write, leaves no trace); returns it as a Path."""
+    from pathlib import Path
+
+    if not str(path).strip():
+        raise ValueError(f"{flag} {str(path)!r} names no directory: give the directory to write")
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {out} is a file, not a directory: name a directory to write into")
+    there = next((p for p in (out, *out.absolute().parents) if p.exists()), Path("/"))
+    try:  # a probe, not os.access: root passes access() on a read-only file system or /proc
+        import tempfile
+
+        with tempfile.TemporaryFile(dir=there, prefix=".stoa-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {out} cannot be written: {there} refuses new files ({e.strerror or e}); "
+                         "choose a directory you can write") from None
+    return out

@@ -76,25 +76,34 @@ def register_secret(value: str | SecretStr | None) -> None:
             _factory_installed = True
 
 
-#: `scheme://user:password@` in any URL: the password part is a credential wherever it appears
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*):(?P<pw>[^/\s@]+)@")
+#: `scheme://<userinfo>@` in any URL, up to its last `@` before the path: the user name (often an access key)
+#: and the password (which may hold an `@`) are credentials wherever they appear
+_URL_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^/\s]*)@")
 
 
 def redact(text: str) -> str:
-    """`text` with every registered secret value, and any password written inside a URL, replaced by asterisks."""
+    """`text` with every registered secret value, and the credentials written inside a URL, replaced by asterisks."""
     for s in _secrets:
         if s in text:
             text = text.replace(s, REDACTED)
-    return _URL_PASSWORD.sub(lambda m: f"{m['head']}:{REDACTED}@", text)
+    return _URL_USERINFO.sub(lambda m: f"{m['head']}{REDACTED}@", text)
 
 
 def _register_url_password(url: str | None) -> None:
-    """A password written inside an endpoint URL (`http://user:pass@host`) is a secret like any other."""
-    if url and (m := _URL_PASSWORD.search(url)):
-        register_secret(m["pw"])
+    """The credentials written inside an endpoint URL (`http://user:pass@host`) are secrets like any other:
+    the user name and the password each."""
+    if url and (m := _URL_USERINFO.search(url)):
+        user, _, password = m["info"].partition(":")
+        for part in (user, password, m["info"]):
+            if len(part) >= 4:  # a one-letter user name would redact that letter everywhere
+                register_secret(part)
 
 
 # -- env file -----------------------------------------------------------------------------------------
+#: a comment after an unquoted value: whitespace, then `#` (a value that holds ` #` is written quoted)
+_INLINE_COMMENT = re.compile(r"\s+#")
+
+
 def _parse_env_file(path: Path) -> dict[str, str]:
     """KEY=VALUE lines, `#` comments, optional `export ` and quotes.
 
@@ -118,6 +127,8 @@ def _parse_env_file(path: Path) -> dict[str, str]:
             raise EnvError(f"{path}:{n}: expected KEY=VALUE (line not shown: it may hold a secret)")
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
+        elif (m := _INLINE_COMMENT.search(value)) is not None:  # `KEY=value  # note`: the note is no part of it
+            value = value[:m.start()]
         out[key] = value
     return out
 
@@ -150,6 +161,9 @@ def load_env(env: Mapping[str, str] | None = None, env_file: str | Path | None =
     if env_file is None:
         root = Path(repo_root) if repo_root is not None else Path.cwd()
         candidate = root / DEFAULT_ENV_FILE
+        if candidate.exists() and not candidate.is_file() and not candidate.is_dir():  # a FIFO: reading waits
+            raise EnvError(f"{candidate} is not a regular file (a pipe or device: reading it would wait for a "
+                           "writer); make it a file of KEY=VALUE lines, or pass a pipe as --env-file explicitly")
         file_values = read_env_file(candidate) if candidate.exists() else {}
     else:
         if not Path(env_file).exists():
@@ -220,6 +234,10 @@ def env_bool(name: str, value: str) -> bool:
     raise EnvError(f"{name}={value!r} must be 1 or 0 (also accepted: true/false, yes/no, on/off)")
 
 
+#: a bucket name R2 and S3 both accept
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
 def check_store_url(url: str, source: str = "DRL_STORE") -> str:
     """A store URL the stores understand, refused otherwise; `source` names where the user wrote it
     (DRL_STORE, --store). The URL is echoed with any password in it redacted."""
@@ -236,6 +254,14 @@ def check_store_url(url: str, source: str = "DRL_STORE") -> str:
         raise EnvError(f"{source}={shown!r}: a file store URL is file:///abs/path (three slashes)")
     if p.scheme != "file" and not p.netloc:
         raise EnvError(f"{source}={shown!r} names no bucket: use {p.scheme}://<bucket>")
+    if p.scheme != "file" and (p.path.strip("/") or p.query or p.params or p.fragment or "@" in p.netloc):
+        raise EnvError(f"{source}={shown!r}: a bucket URL is {p.scheme}://<bucket> alone (no path, query or "
+                       "credentials: the run is the prefix inside it, credentials come from .r2env)")
+    if p.scheme != "file" and not _BUCKET.match(p.netloc):
+        raise EnvError(f"{source}={shown!r}: {p.netloc!r} is not a bucket name (3-63 lowercase letters, digits, "
+                       "dots and hyphens; no port: the endpoint is DRL_S3_ENDPOINT)")
+    if url != url.strip():
+        raise EnvError(f"{source}={shown!r} has spaces around it: write the URL alone")
     return url
 
 

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, ConfigDict, SecretStr
 
 from . import env as envmod
-from .manifest import ContractMismatch, format_diff, load_manifest
+from .manifest import ContractMismatch, format_diff, load_manifest, model_id_is_a_path
 from .signing import fingerprint
 from .store import NotFound, Store, open_store
 from .tasks import get_task, is_task
@@ -53,6 +53,8 @@ class JoinCard(BaseModel):
     task: str | None = None
     """run.json's task; the card of a task that searches (its `services` name the retriever) says how each
     memory tier joins (not an env variable)."""
+    model_id: str = ""
+    """run.json's model_id; a card whose model is a directory on the trainer's machine says to copy it."""
     store: str
     """The store URL the trainer uses (r2://, s3:// or file://)."""
     s3_endpoint: str | None = None
@@ -130,7 +132,7 @@ def build_card(store: Store, run: str, env: Mapping[str, str], retriever_url: st
     card = JoinCard(
         run=manifest.run, n_samples=manifest.n_samples, plane=manifest.plane, kv_mode=manifest.kv_mode,
         trainer_key_fingerprint=fingerprint(manifest.trainer_public_key), retriever_url=retriever_url,
-        task=manifest.task, store=store.url, s3_endpoint=(env.get("DRL_S3_ENDPOINT") or None) if parsed.scheme == "s3" else None,
+        task=manifest.task, model_id=manifest.model_id, store=store.url, s3_endpoint=(env.get("DRL_S3_ENDPOINT") or None) if parsed.scheme == "s3" else None,
         r2_account_id=env.get("R2_ACCOUNT_ID") if parsed.scheme == "r2" else None,
         r2_bucket=parsed.netloc if parsed.scheme == "r2" else None, access_key_var=var,
         access_key_id=SecretStr(key_id) if key_id and parsed.scheme != "file" else None,
@@ -154,10 +156,15 @@ def render(card: JoinCard, fmt: str = "text", reveal: bool = False) -> str:
     hidden = not reveal and any(secret for _, _, secret in card.entries())
     if fmt == "json":
         return json.dumps(dict(rows), indent=2)
+    copy = (f"the model is {card.model_id}, a directory on the trainer's machine (no hub holds it): copy its "
+            "config.json and tokenizer files to the worker and start it with --model DIR"
+            if model_id_is_a_path(card.model_id) else "")
     if fmt == "env":
         head = [f"# join card of run {card.run}: source it, then start a worker"]
         if hidden:
             head.append("# secrets redacted; the operator can print them with --reveal")
+        if copy:
+            head.append(f"# {copy}")
         return "\n".join(head + [f"{k}={shlex.quote(v)}" for k, v in rows])
     width = max(len(k) for k, _ in rows)
     lines = [f"Join card for run {card.run}", ""] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
@@ -171,6 +178,8 @@ def render(card: JoinCard, fmt: str = "text", reveal: bool = False) -> str:
                   "  light tier (15-23 GB) searches through DRL_RETRIEVER_URL; medium (24-47 GB) and heavy may",
                   "  serve a local index (python -m infra.retriever build, then serve) and point DRL_RETRIEVER_URL",
                   "  at it; --retriever-tier light|medium|heavy overrides the tier read from the memory"]
+    if copy:
+        lines += ["", copy[0].upper() + copy[1:] + "."]
     if hidden:
         lines += ["", "Secrets are redacted; rerun with --reveal to include them (hand the card over privately)."]
     return "\n".join(lines)

@@ -120,6 +120,12 @@ def format_diff(diff: list[tuple[str, object, object]], left: str, right: str) -
     return "\n".join(rows)
 
 
+def model_id_is_a_path(model_id: str) -> bool:
+    """Whether run.json's model_id is a directory on the trainer's machine (an embedded run's own base: no hub
+    holds it, so a worker elsewhere needs its config and tokenizer copied), not a hub id `org/name`."""
+    return model_id.startswith(("/", "~", "./", "../")) or model_id.count("/") > 1
+
+
 def create_or_resume(store: Store, manifest: RunManifest, *, resume: bool) -> RunManifest:
     """Publish `manifest` create-only; on an existing run, resume only if asked and the contract is identical."""
     key = layout.manifest_key(manifest.run)

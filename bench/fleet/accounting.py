@@ -114,15 +114,39 @@ def account(bucket_keys: list[str], workers: list[dict], learner: dict, reuse_ca
     for key, fate in fates.items():
         by_kind[kind_of.get(key, "?")][fate if not fate.startswith("dropped:") or claimed.get(key, {}).get("expect")
                                       is None else "dropped:hostile:" + fate.split(":", 1)[1]] += 1
-    return {
+    ledger = {  # each count from its own witness, never from the fates: a lost or double-counted group differs
+        "workers_landed": sum(1 for k, u in claimed.items() if u["sure"] or k in uploaded),
+        "learner_used": len(uses),
+        "learner_dropped": sum(learner["drops"].values()),
+        "learner_pooled": pool - used_once_in_window,
+    }
+    caught = Counter(u["expect"] for k, u in claimed.items() if u.get("expect")
+                     and fates.get(k) == f"dropped:{u['expect']}")
+    out = {
         "records": len(uploaded),
+        "ledger": ledger,
+        "hostile_caught": dict(sorted(caught.items())),  # dropped for the reason built in (not aged out), by kind
         "fates": dict(Counter(fates.values())),
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
         "uploads_unsure": sum(not u["sure"] for u in claimed.values()),
         "stale_never_read": sum(f == "dropped:stale" and k not in read for k, f in fates.items()),
         "problems": problems,
-        "exactly_once": not problems,
     }
+    problems.extend(ledger_problems(out))
+    out["exactly_once"] = not problems
+    return out
+
+
+def ledger_problems(acc: dict) -> list[str]:
+    """Where the fates disagree with the counts their witnesses kept (empty when every group is counted once):
+    the bucket against the workers' uploads, used / dropped / pooled against the learner's own counters."""
+    fates, led = acc["fates"], acc["ledger"]
+    dropped = sum(n for f, n in fates.items() if f.startswith("dropped:"))
+    pairs = (("records in the bucket", acc["records"], "uploads the workers saw land", led["workers_landed"]),
+             ("used", fates.get("used", 0), "groups the learner trained on", led["learner_used"]),
+             ("dropped", dropped, "the source's drop counters", led["learner_dropped"]),
+             ("pooled", fates.get("pooled", 0), "the source's pool less its unfinished uses", led["learner_pooled"]))
+    return [f"{a} {x} != {b} {y}" for a, x, b, y in pairs if x != y]
 
 
 def versions_check(workers: list[dict], publishes: list[dict], first: int) -> dict:

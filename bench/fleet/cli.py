@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS, write_result
+from worker_contract.cli import number
 
 from .spec import REAL_ANCHOR_BYTES, REAL_PATCH_BYTES, FleetSpec
 
@@ -54,23 +55,24 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     d = FleetSpec()
     p.add_argument("--scale", type=_ints, default=[d.workers], help="worker counts to run, e.g. 16,64,256")
-    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds each run's fleet works")
-    p.add_argument("--group-s", type=float, default=d.group_s, help="mean seconds per group of an honest worker")
-    p.add_argument("--step-s", type=float, default=d.step_s, help="the learner's compute per step")
-    p.add_argument("--storm", type=int, default=0, help="workers joining at once in the last scale run")
-    p.add_argument("--storm-at", type=float, default=d.storm_at_s, help="seconds into the run the storm starts")
+    p.add_argument("--duration", type=number(float, above=0), default=d.duration_s, help="seconds each run's fleet works")
+    p.add_argument("--group-s", type=number(float, above=0), default=d.group_s, help="mean seconds per group of an honest worker")
+    p.add_argument("--step-s", type=number(float, above=0), default=d.step_s, help="the learner's compute per step")
+    p.add_argument("--storm", type=number(int, at_least=0), default=0, help="workers joining at once in the last scale run")
+    p.add_argument("--storm-at", type=number(float, at_least=0), default=d.storm_at_s, help="seconds into the run the storm starts")
     p.add_argument("--compare", type=_compare, default=None, help="OPTION=BEFORE,AFTER of the rollout source")
-    p.add_argument("--compare-workers", type=int, default=None, help="fleet size of the comparison (default: "
+    p.add_argument("--compare-workers", type=number(int, at_least=1), default=None, help="fleet size of the comparison (default: "
                    "the largest scale point, whose run is then the 'after' one)")
-    p.add_argument("--worker-procs", type=int, default=d.worker_procs, help="processes the workers run in")
+    p.add_argument("--staleness", type=number(int, at_least=1), default=d.staleness, help="the run's staleness bound in versions")
+    p.add_argument("--worker-procs", type=number(int, at_least=1), default=d.worker_procs, help="processes the workers run in")
     p.add_argument("--sizes", choices=("real",), default=None, help="anchors and patches declared a real fleet's "
                    f"size: {REAL_ANCHOR_BYTES} and {REAL_PATCH_BYTES} bytes (bench/results/pulse_gpu.json)")
     p.add_argument("--anchor-bytes", type=_bytes, default=None, help="declared bytes of an anchor, e.g. 3e9")
     p.add_argument("--patch-bytes", type=_bytes, default=None, help="declared bytes of a patch, e.g. 18e6")
-    p.add_argument("--bandwidth-mbit", type=float, default=d.bandwidth_bps * 8 / 1e6,
+    p.add_argument("--bandwidth-mbit", type=number(float, above=0), default=d.bandwidth_bps * 8 / 1e6,
                    help="the proxy's transfer rate per connection, Mbit/s")
-    p.add_argument("--ramp", type=float, default=d.ramp_s, help="seconds over which the workers' first joins spread")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ramp", type=number(float, at_least=0), default=d.ramp_s, help="seconds over which the workers' first joins spread")
+    p.add_argument("--seed", type=number(int, at_least=0), default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "fleet.json")
     return p
 
@@ -106,12 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     anchor = args.anchor_bytes if args.anchor_bytes is not None else REAL_ANCHOR_BYTES if args.sizes else 0
     patch = args.patch_bytes if args.patch_bytes is not None else REAL_PATCH_BYTES if args.sizes else 0
-    if args.bandwidth_mbit <= 0 or args.ramp < 0:
-        print("--bandwidth-mbit must be above 0 and --ramp at least 0", file=sys.stderr)
+    if args.bandwidth_mbit <= 0 or args.ramp < 0 or args.staleness < 1:
+        print("--bandwidth-mbit must be above 0, --ramp at least 0 and --staleness at least 1", file=sys.stderr)
         return 2
     base = FleetSpec(duration_s=args.duration, group_s=args.group_s, step_s=args.step_s, seed=args.seed,
                      worker_procs=args.worker_procs, storm_at_s=args.storm_at, anchor_bytes=anchor,
-                     patch_bytes=patch, bandwidth_bps=args.bandwidth_mbit * 1e6 / 8, ramp_s=args.ramp)
+                     patch_bytes=patch, bandwidth_bps=args.bandwidth_mbit * 1e6 / 8, ramp_s=args.ramp,
+                     staleness=args.staleness)
     if args.storm and args.storm_at >= args.duration:
         print(f"--storm-at {args.storm_at:g} must be inside the run (--duration {args.duration:g})", file=sys.stderr)
         return 2

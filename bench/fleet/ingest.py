@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import RESULTS, write_result
+from worker_contract.cli import number
 
 from .spec import FleetSpec
 
@@ -200,16 +201,16 @@ def drain(spec: FleetSpec, run: str, manifest, proxy_url: str, options: dict, cu
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.fleet.ingest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, default=256, help="worker identities the backlog comes from")
-    p.add_argument("--backlog", type=int, default=2000, help="records in the bucket before the learner starts")
-    p.add_argument("--live-rps", type=float, default=0.0, help="records a second arriving during each drain")
+    p.add_argument("--workers", type=number(int, at_least=1), default=256, help="worker identities the backlog comes from")
+    p.add_argument("--backlog", type=number(int, at_least=1), default=2000, help="records in the bucket before the learner starts")
+    p.add_argument("--live-rps", type=number(float, at_least=0), default=0.0, help="records a second arriving during each drain")
     p.add_argument("--compare", default="reader=chunked,window",
                    help="OPTION=A,B[,...]: a RolloutSource option, each value drained in turn (JSON or bare "
                    "words); 'reader' picks the reads: chunked (before the sliding window) or window (today's)")
-    p.add_argument("--trials", type=int, default=2, help="rounds of the comparison (values interleaved)")
-    p.add_argument("--limit", type=float, default=300.0, help="seconds a drain may take at most")
-    p.add_argument("--fault-rate", type=float, default=FleetSpec().fault_rate)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trials", type=number(int, at_least=1), default=2, help="rounds of the comparison (values interleaved)")
+    p.add_argument("--limit", type=number(float, above=0), default=300.0, help="seconds a drain may take at most")
+    p.add_argument("--fault-rate", type=number(float, at_least=0, at_most=1), default=FleetSpec().fault_rate)
+    p.add_argument("--seed", type=number(int, at_least=0), default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "fleet_ingest.json")
     return p
 

@@ -16,7 +16,7 @@ KINDS = {
     "slow": "takes `slow_factor` times as long per group (its groups arrive late, some stale)",
     "stale": "joins, then never follows the pointer (its groups age out of the window)",
     "crashy": "after each group crashes with probability `crash_p`, restarts after a pause and cold-joins",
-    "hostile": "every other upload is a bad record of one kind (wrong plane, group size, key, ...)",
+    "hostile": "its first group brings one bad record of each of the 8 kinds; then every other upload is one, in turn",
 }
 
 

@@ -128,10 +128,19 @@ class SimWorker:
 
     # -- records ---------------------------------------------------------------------------------------
     def _upload(self, store: S3Store, version: int) -> None:
+        """One group: honest, or from a hostile worker a bad record half the time, the kinds in turn; its
+        first group comes with one record of every bad kind, so even a short run injects all eight."""
+        if self.kind == "hostile" and self.hostile_turn == 0:
+            self.hostile_turn = len(HOSTILE)
+            for bad in HOSTILE:
+                self._put(store, version, bad)
         bad = None
         if self.kind == "hostile" and self.rng.random() < 0.5:
             bad = HOSTILE[self.hostile_turn % len(HOSTILE)]
             self.hostile_turn += 1
+        self._put(store, version, bad)
+
+    def _put(self, store: S3Store, version: int, bad: str | None) -> None:
         group_id = f"g{time.time_ns() // 1_000_000:013d}-{self.rng.getrandbits(32):08x}"
         key, blob = self._bad(bad, version, group_id) if bad else self._good(version, group_id)
         t = time.time()

@@ -10,15 +10,17 @@ import argparse
 import json
 import sys
 
+from worker_contract.cli import number, output_dir
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infra.convert", description=__doc__.splitlines()[0])
     p.add_argument("hf_dir", help="HF checkpoint directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--out", required=True, help="output directory (torch_dist root, or HF dir with --to-hf)")
-    p.add_argument("--rotary-base", type=float, default=None,
+    p.add_argument("--rotary-base", type=number(float, above=0), default=None,
                    help="refused unless it equals the HF config's rope_theta (default: take rope_theta)")
     p.add_argument("--recipe", default=None, help="also check this recipe's model.rotary_base (e.g. gsm8k)")
-    p.add_argument("--padded-vocab-size", type=int, default=None, help="pad embedding rows (Megatron vocab padding)")
+    p.add_argument("--padded-vocab-size", type=number(int, at_least=1), default=None, help="pad embedding rows (Megatron vocab padding)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: as stored")
     p.add_argument("--overwrite", action="store_true", help="replace an existing converted checkpoint in --out")
     p.add_argument("--no-verify", action="store_true", help="skip reloading the checkpoint and comparing tensors")
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.models import ConvertError, IdentityMismatch, check_model_identity, identity_from_hf
 
     try:
+        output_dir(args.out)  # the dry run too: it promises the conversion would write there
         rb = recipe_rotary_base(args.recipe)
         if rb is not None:
             check_model_identity(identity_from_hf(args.hf_dir), rotary_base=rb,

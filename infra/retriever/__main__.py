@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from worker_contract.cli import number
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infra.retriever", description=__doc__)
@@ -16,16 +18,16 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--corpus", help="JSONL corpus; omit with --download to fetch the real PubMed corpus")
     b.add_argument("--download", action="store_true", help="fetch jmhb/pubmed_bioasq_2022 (about 23 GB)")
     b.add_argument("--out", required=True, help="index directory to write")
-    b.add_argument("--limit", type=int, default=None, help="index only the first N documents")
+    b.add_argument("--limit", type=number(int, at_least=1), default=None, help="index only the first N documents")
     s = sub.add_parser("serve", help="serve a built index (or build one from --corpus in memory)")
     s.add_argument("--index", help="index directory written by `build`")
     s.add_argument("--corpus", help="JSONL corpus to index in memory instead (small corpora)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to serve the fleet)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
+    s.add_argument("--port", type=number(int, at_least=0, at_most=65535, hint="0: any free port"), default=8000, help="TCP port (0 = any free port)")
     g = sub.add_parser("generate", help="write a small generated corpus (JSONL)")
     g.add_argument("--out", required=True)
-    g.add_argument("--docs", type=int, default=200)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--docs", type=number(int, at_least=1), default=200)
+    g.add_argument("--seed", type=number(int, at_least=0), default=0)
     return p
 
 
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         out = index.save(args.out)
         print(f"indexed {index.documents} documents from {path} into {out}")
         return 0
-    from .server import serve
+    from .server import check_bind, serve
 
     if bool(args.index) == bool(args.corpus):
         raise ValueError("serve needs exactly one of --index DIR or --corpus PATH")
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag, path in (("--index", args.index), ("--corpus", args.corpus)):
         if path and not Path(path).exists():
             raise ValueError(f"{flag} {path} does not exist")
+    check_bind(args.host, args.port)  # before the index is loaded or built for it
     index = (BM25Index.load(args.index) if args.index
              else BM25Index.build(corpus.iter_jsonl(args.corpus), source=args.corpus))
     serve(index, args.host, args.port)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -80,8 +81,34 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def make_server(index: BM25Index, host: str = "127.0.0.1", port: int = 8000, corpus_label: str = "") -> RetrieverServer:
-    """Bind (port 0 picks a free one); call `serve_forever()` on the result."""
-    return RetrieverServer((host, port), index, corpus_label or str(index.meta.get("source", "")))
+    """Bind (port 0 picks a free one); call `serve_forever()` on the result. ValueError (one sentence) when
+    the address cannot be bound: a busy port, a host that is no address of this machine."""
+    try:
+        return RetrieverServer((host, port), index, corpus_label or str(index.meta.get("source", "")))
+    except OSError as e:
+        raise ValueError(_bind_refused(host, port, e)) from None
+
+
+def _bind_refused(host: str, port: int, e: OSError) -> str:
+    import errno
+
+    if e.errno == errno.EADDRINUSE:
+        return f"--port {port} is in use on {host}: stop what serves there, or pick another port (0: any free one)"
+    if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+        return (f"--host {host!r} is not an address of this machine ({e.strerror or e}): use 127.0.0.1, "
+                "0.0.0.0 (every interface) or one of its own addresses")
+    return f"cannot listen on {host}:{port}: {e.strerror or e}"
+
+
+def check_bind(host: str, port: int) -> None:
+    """Refuse (ValueError) an address `serve` could not bind, before an index is built or loaded for it."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise ValueError(_bind_refused(host, port, e)) from None
 
 
 def serve(index: BM25Index, host: str, port: int, corpus_label: str = "") -> None:

@@ -12,6 +12,7 @@ More in docs/architecture.md (module notes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -43,6 +44,8 @@ class LearnerResult:
     """The checkpoint this session resumed from, if any."""
     metrics_path: Path
     """The run's metrics.jsonl."""
+    stopped_by: int | None = None
+    """The signal that stopped this session after its step in hand (SIGTERM, SIGINT); None: it ran its steps."""
 
 
 class SourceActor:
@@ -282,7 +285,14 @@ def serve(cfg: RecipeConfig, model_dir: str | Path, state_dir: str | Path,
     with ray_session(state_dir):  # run_learner joins this session
         # after Ray's start: its head installs a SIGTERM handler that ends every Ray process at once (no last
         # step, no checkpoint); ours asks for a stop after the step in hand, then Ray shuts down
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        return run_learner(cfg, store, load_manifest(store, cfg.run), key, model_dir, state_dir,
-                           on_step=on_step, stop_event=stop, store_env=env)
+        stopped_by: list[int] = []
+
+        def on_signal(signum, _frame) -> None:
+            stopped_by.append(signum)
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        res = run_learner(cfg, store, load_manifest(store, cfg.run), key, model_dir, state_dir,
+                          on_step=on_step, stop_event=stop, store_env=env)
+        return dataclasses.replace(res, stopped_by=stopped_by[0] if stopped_by else None)

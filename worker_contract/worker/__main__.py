@@ -9,6 +9,11 @@ import signal
 import sys
 import threading
 
+from ..cli import number
+
+#: more CPU threads than this is no machine's (torch crashed at 99999)
+MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))
+
 
 def default_store(env) -> str | None:
     """DRL_STORE, else the R2 bucket of an R2 join card (which names R2_BUCKET, not DRL_STORE)."""
@@ -33,16 +38,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="local HF dir with the run's config.json and tokenizer (default: fetch them for "
                         "run.json's model_id)")
     p.add_argument("--worker-id", default=os.environ.get("DRL_WORKER_ID"), help="stable worker id (default host-pid)")
-    p.add_argument("--groups", type=int, default=0, help="stop after this many groups (default: run until stopped)")
-    p.add_argument("--max-groups-per-version", type=int, default=None,
+    p.add_argument("--groups", type=number(int, at_least=1, hint="leave --groups out to run until stopped"), default=0,
+                   help="stop after this many groups (default: run until stopped)")
+    p.add_argument("--max-groups-per-version", type=number(int, at_least=0, hint="0: never pause"), default=None,
                    help="pause after this many groups at one version until a newer one is published")
-    p.add_argument("--batch-groups", type=int, default=os.environ.get("DRL_BATCH_GROUPS") or None,
+    p.add_argument("--batch-groups", type=number(int), default=os.environ.get("DRL_BATCH_GROUPS") or None,
                    help="groups sampled together, their rows sharing each forward, all from one weights version "
                         "(default: $DRL_BATCH_GROUPS, else 1); a GPU worker needs more than one to be fast")
-    p.add_argument("--seed", type=int, default=None, help="seed for prompts and sampling")
-    p.add_argument("--lag-versions", type=int, default=None,
+    p.add_argument("--seed", type=number(int, at_least=0), default=None, help="seed for prompts and sampling")
+    p.add_argument("--lag-versions", type=number(int, at_least=0), default=None,
                    help="sample with the weights this many versions behind the pointer (staleness experiments)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=number(int, at_least=1, at_most=MAX_THREADS), default=None, help="torch CPU threads")
     p.add_argument("--backend", choices=("torch", "mlx"), default=os.environ.get("DRL_WORKER_BACKEND") or "torch",
                    help="torch + transformers (the reference), or mlx + mlx-lm (Apple silicon; Linux through "
                         "mlx[cpu]) (default: $DRL_WORKER_BACKEND, else torch)")
@@ -54,10 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="psqa runs: memory tier auto, light (15-23 GB: shared retriever only), medium or heavy "
                         "(may use a local index on 127.0.0.1) (default: $DRL_RETRIEVER_TIER, else auto: by "
                         "this machine's memory)")
-    p.add_argument("--max-turns", type=int, default=None,
+    p.add_argument("--max-turns", type=number(int, at_least=1), default=None,
                    help="psqa runs: tool calls one search episode may make (default 4)")
-    p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the run's first weights")
-    p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines")
+    p.add_argument("--wait", type=number(float, above=0), default=600.0, help="seconds to wait for the run's first weights")
+    p.add_argument("--log-every", type=number(float, above=0), default=10.0, help="seconds between progress lines")
     args = p.parse_args(argv)
     if not args.store or not args.run:
         p.error("--store and --run are required (or set DRL_STORE and DRL_RUN)")

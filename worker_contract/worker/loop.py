@@ -54,11 +54,11 @@ class WorkerSettings(BaseModel):
     """Local HF directory with the run's config.json and tokenizer; None = fetch them for run.json's model_id."""
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname().split('.')[0]}-{os.getpid()}")
     """Stable id of this worker (a key segment of every record it writes)."""
-    max_groups: int = 0
+    max_groups: int = Field(0, ge=0)
     """Stop after this many uploaded groups (0 = run until stopped)."""
     seed: int | None = None
     """Seed for prompt choice and sampling (None = fresh randomness)."""
-    threads: int | None = None
+    threads: int | None = Field(None, ge=1)
     """torch CPU threads (None = torch's default; the torch backend only)."""
     backend: Literal["torch", "mlx"] = "torch"
     """The policy's framework: torch + transformers (the reference), or MLX + mlx-lm (Macs)."""
@@ -68,14 +68,14 @@ class WorkerSettings(BaseModel):
     """Groups sampled together in one batch (DRL_BATCH_GROUPS), all from one weights version: each forward
     takes batch_groups x n_samples rows. 1 = one group per forward (a CPU or a Mac); a GPU worker gains
     from more, as many as its memory holds (the KV cache grows with rows x (prompt + max_new_tokens))."""
-    max_groups_per_version: int = 0
+    max_groups_per_version: int = Field(0, ge=0)
     """Pause after this many groups at one version until a newer one is published (0 = never pause): a
     worker sharing a machine with the learner should not burn CPU on groups that would only go stale."""
     poll_interval_s: float = 2.0
     """How often to look for run.json / the first version while waiting, and the log cadence floor."""
-    wait_timeout_s: float = 600.0
+    wait_timeout_s: float = Field(600.0, gt=0)
     """Give up if the run publishes no weights within this long."""
-    log_every_s: float = 10.0
+    log_every_s: float = Field(10.0, gt=0)
     """Progress line cadence."""
     lag_versions: int = Field(0, ge=0)
     """Sample with the weights this many versions behind the pointer (0 = follow it): a worker that lags on
@@ -188,6 +188,12 @@ def resolve_model_dir(settings: WorkerSettings, manifest: RunManifest) -> Path:
     """--model if given, else config and tokenizer (no weights) of run.json's model_id from the HF Hub."""
     if settings.model_dir:
         return Path(settings.model_dir)
+    from ..manifest import model_id_is_a_path
+
+    if model_id_is_a_path(manifest.model_id):
+        raise ContractMismatch(f"run {manifest.run!r} names its model by a directory on the trainer's machine "
+                               f"({manifest.model_id}: an embedded run's own base, built there, on no hub): copy "
+                               "that directory's config.json and tokenizer files here and pass --model DIR")
     try:
         from huggingface_hub import snapshot_download
 
@@ -234,6 +240,10 @@ class Worker:
         check_contract(manifest, self.n_samples, self.plane)
         check_kv_mode(manifest, parse_env(self.env).kv_mode, self.s.backend)
         check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
+        if self.s.lag_versions > manifest.staleness:
+            raise ValueError(f"--lag-versions {self.s.lag_versions} is beyond run {manifest.run!r}'s staleness bound "
+                             f"({manifest.staleness}): every group would be dropped as stale; give at most "
+                             f"{manifest.staleness}")
         if not is_task(manifest.task):
             raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}; this worker samples "
                                    f"{', '.join(sorted(TASKS))}")

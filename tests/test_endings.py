@@ -1,0 +1,117 @@
+"""How an embedded run's ending is told: who stopped it (the launcher's own signal, one sent to the learner
+alone, its own end at a step short of the recipe's) in words and in the exit status, and a child's log tail
+from this session only. Real child processes stand in for the learner (their exit status is what counts)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from embedded.config import resolve_embedded
+from embedded.localprocs import Processes
+from embedded.run import _ending, interrupted
+from embedded.view import RunState
+
+
+def _learner(tmp_path: Path, code: str, log_text: str = ""):
+    log = tmp_path / "learner.log"
+    log.write_text(log_text)
+    procs = Processes()
+    child = procs.start("learner", [sys.executable, "-c", code], {}, log)
+    child.proc.wait(timeout=60)
+    return child
+
+
+def _at(step: int):
+    cfg = resolve_embedded("gsm8k", env={"DRL_RUN": "x"})
+    cfg.train.num_steps = 300
+    return cfg, RunState(run="x", max_steps=300, budget_s=600, step=step)
+
+
+class _Console:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def print(self, *a, **_k):
+        self.lines.append(" ".join(map(str, a)))
+
+
+def test_sigterm_to_the_learner_is_not_a_finished_run(tmp_path):
+    """SIGTERM to the learner alone once ended 'run finished', exit 0, at step 140 of 300."""
+    cfg, state = _at(140)
+    child = _learner(tmp_path, "import sys; sys.exit(143)")  # entrypoints.learner stopped by SIGTERM
+    reason, rc = _ending(cfg, state, child, False, "finished", 0, _Console())
+    assert (reason, rc) == ("the learner was stopped by SIGTERM at step 140 of 300", 143)
+    child = _learner(tmp_path, "pass")  # ended on its own, short of the recipe's steps
+    reason, rc = _ending(cfg, state, child, False, "finished", 0, _Console())
+    assert reason == "the learner ended at step 140 of 300" and rc == 1
+    # the stop the launcher asked for (time budget, its own signal) keeps the launcher's words
+    assert _ending(cfg, state, child, True, "time budget of 600 s reached", 0, _Console()) == (
+        "time budget of 600 s reached", 0)
+    child = _learner(tmp_path, "import sys; sys.exit(143)")
+    assert _ending(cfg, state, child, True, *interrupted(signal.SIGTERM), _Console()) == ("stopped by SIGTERM", 143)
+    cfg, state = _at(300)
+    assert _ending(cfg, state, _learner(tmp_path, "pass"), False, "finished", 0, _Console()) == ("300 steps done", 0)
+
+
+def test_sigterm_to_the_launcher_is_not_ctrl_c():
+    """SIGTERM to `make gsm8k` once said 'stopped by Ctrl-C' with 130."""
+    assert interrupted(signal.SIGINT) == ("stopped by Ctrl-C", 130)
+    assert interrupted(signal.SIGTERM) == ("stopped by SIGTERM", 143)
+
+
+def test_a_killed_childs_tail_is_from_this_session(tmp_path):
+    """After a SIGKILL the tail shown was an earlier session's last lines (the log is appended to)."""
+    child = _learner(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+                     log_text="step 12 from yesterday's session\n")
+    assert "yesterday" not in child.tail() and "wrote nothing" in child.tail()
+    child = _learner(tmp_path, "print('today', flush=True)", log_text="old line\n")
+    assert child.tail() == "today"
+
+
+def test_a_learner_failure_shows_on_the_panel(tmp_path):
+    """A full store stalled the run while the panel said nothing: the failure was only in learner.log."""
+    from rich.console import Console
+
+    from embedded.view import learner_alert, panel
+
+    child = _learner(tmp_path, "print('10:01:02 trainer.native.learner step 3 v4: reward 0.5'); "
+                               "print('10:01:09 trainer.publish.queue publishing the weights of step 4 failed: "
+                               "put x: HTTP 507 InsufficientStorage', flush=True)")
+    alert = learner_alert(child.tail(40))
+    assert alert and alert.startswith("publishing the weights of step 4 failed") and "507" in alert
+    assert learner_alert("10:00:00 x step 5 v6: reward 0.5") is None
+    _cfg, state = _at(4)
+    state.alert = alert
+    console = Console(record=True, width=200)
+    console.print(panel(state))
+    assert "publishing the weights of step 4 failed" in console.export_text()
+
+
+def test_printed_commands_paste_as_they_are_with_spaces_in_paths(tmp_path):
+    """The dry run's commands once printed a checkout path with a space unquoted: pasted, it split in two."""
+    import shlex
+
+    from embedded.run import EmbeddedPaths, embedded_cfg, plan_lines
+
+    root = tmp_path / "my checkout" / ".stoa"
+    cfg, _ = _at(0)
+    paths = EmbeddedPaths(root, "x")
+    lines = plan_lines(embedded_cfg(cfg, paths), paths)
+    learner = next(line for line in lines if line.startswith("3. learner: "))[len("3. learner: "):]
+    argv = shlex.split(learner.split(" (Ray on")[0])
+    assert str(paths.run_dir / "recipe.json") in argv and str(paths.run_dir) in argv, argv
+
+
+def test_the_summary_off_a_terminal_keeps_whole_lines(tmp_path, capsys):
+    """Off a terminal the summary was cut to 80 columns: the metrics path and the verify command lost their ends."""
+    from embedded.run import EmbeddedPaths, default_console
+    from embedded.view import summary
+
+    paths = EmbeddedPaths(tmp_path / ("a-long-directory-name-" * 4) / ".stoa", "x")
+    _cfg, state = _at(3)
+    summary(default_console(), state, paths=paths, plots=[], stop_reason="3 steps done",
+            store_url=f"file://{tmp_path}/bucket")
+    out = capsys.readouterr().out
+    assert str(paths.metrics) in out and f"--store file://{tmp_path}/bucket --run x" in out, out

@@ -235,9 +235,10 @@ class TrainConfig(_Model):
     backend: Literal["hf", "megatron"] = "hf"
     """Learner backend: transformers (CPU, single GPU) or megatron-core (GPU scale)."""
     compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """hf backend: the dtype of the forward (the weights stay float32). `auto`: model.dtype on CUDA,
-    float32 on CPU. The embedded run's small model takes float32 on a GPU too: in bf16 it is measurably
-    another model than the float32 one its CPU workers sample (docs/embedded.md)."""
+    """The dtype of the forward and backward (hf backend: the weights stay float32; megatron backend: the model's
+    weights, with float32 master weights). `auto`: model.dtype on CUDA, float32 on CPU. The embedded run's small
+    model takes float32 on a GPU too: in bf16 it is measurably another model than the float32 one its CPU workers
+    sample (docs/embedded.md)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward chunk (at most)."""
     max_tokens_per_gpu: int | None = Field(None, ge=1)

@@ -16,7 +16,7 @@ import copy
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -145,6 +145,7 @@ class HFBackend(Backend):
         out["grad_norm"] = float(grad_norm)
         out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         if math.isfinite(out["grad_norm"]):
+            self.wait_for_checkpoint_read()
             self.optimizer.step()
         else:  # one bad batch must not poison the weights; the step is skipped and reported
             log.warning("non-finite gradient norm; optimizer step skipped")
@@ -173,9 +174,8 @@ class HFBackend(Backend):
             out[name] = copy_.contiguous()
         return out
 
-    def save_checkpoint(self, path: Path) -> None:
-        torch.save(self.model.state_dict(), Path(path) / "model.pt")
-        torch.save(self.optimizer.state_dict(), Path(path) / "optimizer.pt")
+    def checkpoint_files(self) -> dict[str, Any]:
+        return {"model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()}
 
     def load_checkpoint(self, path: Path) -> None:
         path = Path(path)

@@ -149,9 +149,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--groups-per-step", type=int, default=None, help="default: the recipe's embedded value")
     ap.add_argument("--max-steps", type=int, default=100000, help="learner steps of each run at most")
     ap.add_argument("--tiny", action="store_true", help="a smoke run of every part on the CPU (sizes: TINY)")
+    ap.add_argument("--model", default=None, help="an LFM2-MoE HF directory to start from instead of building the "
+                    "base (the CPU test's tiny model that writes the search tags)")
     ap.add_argument("--device", default="cuda", help="where the base is supervised; cpu only for a smoke run")
     ap.add_argument("--root", default=str(ROOT), help="data, bases, bucket and run dirs")
     ap.add_argument("--run", default=None, help="run id (default psqa-gpu-<time>); each backend's run adds -<backend>")
+    ap.add_argument("--pair-with", default=None, help="an earlier result of this bench on the same base (another "
+                    "backend, run in a separate call): its runs join this one's in the paired comparison")
     ap.add_argument("--out", default=str(RESULTS / "psqa_gpu.json"))
     return ap
 
@@ -219,7 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         over.update({"embedded.psqa.entities": 300, "embedded.psqa.heldout_entities": 30, "algo.groups_per_step": 2,
                      "algo.max_new_tokens": 48, "train.save_interval": 2})
     t0 = time.monotonic()
-    model_dir, base = build_base(resolve("psqa", {}, over, embedded=True), EmbeddedPaths(root, run), args, root)
+    if args.model:
+        import hashlib
+
+        model_dir = Path(args.model)
+        digest = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
+        base = {"path": str(model_dir), "given": True, "weights_sha256": digest}
+    else:
+        model_dir, base = build_base(resolve("psqa", {}, over, embedded=True), EmbeddedPaths(root, run), args, root)
     over["model.path"] = str(model_dir)
     if args.lr is not None:
         over["algo.lr"] = args.lr
@@ -233,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"{backend}: held-out {runs[backend]['heldout_first']} -> last {runs[backend]['heldout_last']} "
              f"(mean of last 3 {runs[backend]['heldout_mean_last3']}), {runs[backend]['steps']} steps, "
              f"{runs[backend]['learner_steps_per_hour']} steps/h")
+    if args.pair_with:  # a device call's time limit can split the pair over two calls on one cached base
+        earlier = json.loads(Path(args.pair_with).read_text())
+        if earlier.get("base", {}).get("weights_sha256") != base.get("weights_sha256"):
+            print(f"error: --pair-with {args.pair_with} ran on another base", file=sys.stderr)
+            return 2
+        runs = {**earlier["runs"], **runs}
+        recipes = {**earlier["recipes"], **recipes}
     prov = provenance()
     result = {
         "bench": "psqa_gpu", "commit": prov["commit"], "provenance": prov, "machine": machine_info(),

@@ -248,10 +248,23 @@ def objective_args(cfg: RecipeConfig) -> list[str]:
     ]
 
 
+def moment_bytes(cfg: RecipeConfig, offload: float | None = None) -> int:
+    """Bytes of each Adam moment the engine keeps under the recipe's plan (`offload`: train.optimizer_offload
+    unless given). The native engine keeps algo.optim.moment_dtype. On slime, bf16 moments come from Megatron's
+    precision-aware optimizer, but with --optimizer-cpu-offload Megatron-LM builds its HybridDeviceOptimizer from
+    the learning rate, betas, eps and weight decay alone (no moment dtype): torch's AdamW on float32 copies of
+    the weights, so the moments are float32 on the host and on the GPU alike."""
+    offload = cfg.train.optimizer_offload if offload is None else offload
+    if cfg.train.engine == "slime" and offload > 0:
+        return 4
+    return MOMENT_BYTES[cfg.algo.optim.moment_dtype]
+
+
 def optimizer_args(cfg: RecipeConfig) -> list[str]:
     """AdamW from the recipe's `algo.optim` (the native learner reads the same fields); fp32 master weights
-    and moments are Megatron's defaults. The memory plan maps to Megatron's own: bf16 moments through its
-    precision-aware optimizer, `train.optimizer_offload` through its CPU offload of that share."""
+    and moments are Megatron's defaults. bf16 moments through Megatron's precision-aware optimizer, and
+    `train.optimizer_offload` through its CPU offload of that share; with the offload Megatron keeps float32
+    moments whatever --exp-avg-dtype says (`moment_bytes`), so the host holds 12 bytes per offloaded parameter."""
     a, o, offload = cfg.algo, cfg.algo.optim, cfg.train.optimizer_offload
     args = [
         "--optimizer", "adam", "--lr", _num(a.lr), "--lr-decay-style", o.lr_schedule,

@@ -1,17 +1,10 @@
-"""LFM2.5-8B-A1B in the whole loop on one GPU: the fleet recipe as shipped (random weights), its learner, the
-int8g64 publisher, a follower reconstructing every version on the CPU, workers supplying episodes, checkpoints
-and a learner killed and resumed.
+"""LFM2.5-8B-A1B in the whole loop on one GPU: the fleet recipe's learner on random weights, the publisher, a CPU
+follower checking every version bit-exact, coin-task workers, a cold join, checkpoints, a kill and a resume.
 
     python -m bench.lfm2_loop [--seconds 300] [--planes int8g64,bf16] [--out bench/results/lfm2_loop.json]
     python -m bench.lfm2_loop --tiny --device cpu --seconds 60     # smoke (megatron: DRL_MEGATRON_CPU_SETUP)
 
-Per plane, one run: the learner (python -m entrypoints.learner, runs/psqa-decoupled's recipe: megatron
-backend, bf16, bf16 moments, optimizer offload, checkpoints every 4 steps) on a random LFM2-MoE of the fleet
-model's shapes (norms, router and expert biases randomised as bench/lfm2_step.py does), reference workers on
-the bench coin task (bench/coin_task.py: random weights earn 0 on a real task, so nothing would move) with short
-episodes, and the bench's own follower; then a cold join is timed. The first plane's run also kills the learner
-(SIGKILL, its whole process group) and relaunches it: the run must go on from its last checkpoint at a new
-version. More in docs/performance.md (the fleet model in the whole loop).
+More in docs/performance.md (module notes).
 """
 
 from __future__ import annotations

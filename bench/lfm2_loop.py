@@ -40,7 +40,7 @@ def build_model(out: Path, layers: int, tiny: bool, device: str) -> dict:
     import torch
     from transformers import Lfm2MoeForCausalLM
 
-    from trainer.embedded.basemodel import _render, build_tokenizer
+    from embedded.basemodel import _render, build_tokenizer
     from worker_contract.tasks import get_task
 
     from .lfm2_step import lfm2_config, param_counts, randomize
@@ -166,8 +166,8 @@ def _wait_rows(metrics: Path, n: int, timeout_s: float, learner) -> list[dict]:
 def kill_and_resume(procs, cfg, paths, model_dir: str, learner, extra_env: dict) -> tuple[dict, object]:
     """SIGKILL the learner's process group mid-run, relaunch it: it must resume from its newest checkpoint and
     go on at the next version with nothing lost. Returns (the figures, the new learner)."""
+    from embedded.localprocs import start_learner
     from trainer import checkpoint
-    from trainer.embedded.localprocs import start_learner
     from worker_contract.pointer import read_pointer
     from worker_contract.store import open_store
 
@@ -229,8 +229,8 @@ def patch_figures(rows: list[dict]) -> dict:
 
 def run_plane(args, plane: str, model: dict, kill: bool) -> dict:
     """One run on `plane`: the window of --seconds, a cold join, and with `kill` the kill-and-resume."""
-    from trainer.embedded.localprocs import Processes, start_learner
-    from trainer.embedded.run import EmbeddedPaths, publish_contract
+    from embedded.localprocs import Processes, start_learner
+    from embedded.run import EmbeddedPaths, publish_contract
 
     run = f"lfm2-loop-{plane}-{int(time.time())}"
     paths = EmbeddedPaths(Path(args.root), run)

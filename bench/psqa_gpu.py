@@ -1,4 +1,4 @@
-"""The PaperSearchQA loop on one GPU box: the embedded psqa run (trainer/embedded/run.py) with a larger model.
+"""The PaperSearchQA loop on one GPU box: the embedded psqa run (embedded/run.py) with a larger model.
 
     python -m bench.psqa_gpu [--rl-seconds 300] [--workers 4] [--backends megatron,hf] [--out ...json]
     python -m bench.psqa_gpu --tiny --device cpu --backends megatron,hf   # smoke (megatron: DRL_MEGATRON_CPU_SETUP)
@@ -6,7 +6,8 @@
 Builds the generated data, supervises an LFM2-MoE of tens of millions of parameters on the GPU into the search
 format against the real retriever service, then runs `run_embedded` on it as MODEL= (native engine, GPU workers)
 once per backend of --backends, same base and seed, and measures held-out cover-EM (first, last, mean of the
-last three, best), learner steps per hour and each worker's wait for the retriever. More in docs/performance.md (the PaperSearchQA loop on one GPU).
+last three, best), learner steps per hour and each worker's wait for the retriever. More in docs/performance.md
+(the PaperSearchQA loop on one GPU).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _log(msg: str) -> None:
 
 
 def base_config(args):
-    from trainer.embedded.psqa_base import PsqaBaseConfig
+    from embedded.psqa_base import PsqaBaseConfig
 
     kinds = ("conv", "conv", "full_attention")
     return PsqaBaseConfig(
@@ -46,9 +47,9 @@ def base_config(args):
 
 def build_base(cfg, paths, args, root: Path = ROOT) -> tuple[Path, dict]:
     """The data, then the base on the GPU against a retriever of our own (stopped before the run starts its own)."""
+    from embedded.psqa import ensure_data, free_port
+    from embedded.psqa_base import ensure_psqa_base
     from infra.retriever import serve_argv
-    from trainer.embedded.psqa import ensure_data, free_port
-    from trainer.embedded.psqa_base import ensure_psqa_base
     from worker_contract.tasks.psqa_retrieval import RetrieverClient, RetrieverError, search_tool
 
     data = ensure_data(cfg, paths)
@@ -164,14 +165,14 @@ def _run_backend(backend: str, over: dict, args, root: Path) -> tuple[int, float
     """One embedded run on `backend`: (exit status, seconds, metrics rows, worker waits, the resolved recipe)."""
     from rich.console import Console
 
+    from embedded.config import resolve_embedded
+    from embedded.run import EmbeddedPaths, run_embedded
     from infra.retriever import serve_argv
-    from trainer.config import resolve
-    from trainer.embedded.run import EmbeddedPaths, run_embedded
 
     over = {**over, **BACKEND_OVERRIDES[backend], "run": f"{over['run']}-{backend}"}
     if backend == "megatron":
         over["train.optimizer_offload"] = args.offload
-    cfg = resolve("psqa", {}, over, embedded=True)  # MODEL=: the recipe's embedded.model_overrides, then ours
+    cfg = resolve_embedded("psqa", {}, over)  # MODEL=: the recipe's embedded.model_overrides, then ours
     paths = EmbeddedPaths(root, cfg.run)
     _log(f"{backend}: run {cfg.run}, compute {cfg.train.compute_dtype}, moments {cfg.algo.optim.moment_dtype}")
     t0 = time.monotonic()
@@ -210,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: bench.psqa_gpu needs a CUDA GPU (the base is supervised and the learner steps there); "
               "--tiny --device cpu runs a smoke run", file=sys.stderr)
         return 2
-    from trainer.config import resolve
-    from trainer.embedded.run import EmbeddedPaths
+    from embedded.config import resolve_embedded
+    from embedded.run import EmbeddedPaths
 
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         digest = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
         base = {"path": str(model_dir), "given": True, "weights_sha256": digest}
     else:
-        model_dir, base = build_base(resolve("psqa", {}, over, embedded=True), EmbeddedPaths(root, run), args, root)
+        model_dir, base = build_base(resolve_embedded("psqa", {}, over), EmbeddedPaths(root, run), args, root)
     over["model.path"] = str(model_dir)
     if args.lr is not None:
         over["algo.lr"] = args.lr

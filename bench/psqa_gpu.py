@@ -167,7 +167,6 @@ def _run_backend(backend: str, over: dict, args, root: Path) -> tuple[int, float
 
     from embedded.config import resolve_embedded
     from embedded.run import EmbeddedPaths, run_embedded
-    from infra.retriever import serve_argv
 
     over = {**over, **BACKEND_OVERRIDES[backend], "run": f"{over['run']}-{backend}"}
     if backend == "megatron":
@@ -176,7 +175,7 @@ def _run_backend(backend: str, over: dict, args, root: Path) -> tuple[int, float
     paths = EmbeddedPaths(root, cfg.run)
     _log(f"{backend}: run {cfg.run}, compute {cfg.train.compute_dtype}, moments {cfg.algo.optim.moment_dtype}")
     t0 = time.monotonic()
-    rc = run_embedded(cfg, Console(width=140), root=root, retriever_argv=serve_argv)
+    rc = run_embedded(cfg, Console(width=140), root=root)
     rows = [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()] \
         if paths.metrics.exists() else []
     return rc, time.monotonic() - t0, rows, worker_waits(paths.run_dir), cfg.model_dump(mode="json")

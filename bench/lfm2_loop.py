@@ -227,8 +227,9 @@ def patch_figures(rows: list[dict]) -> dict:
             "anchor_bytes": max((r.get("publish/anchor_bytes") or 0 for r in rows), default=None) or None}
 
 
-def run_plane(args, plane: str, model: dict, kill: bool) -> dict:
-    """One run on `plane`: the window of --seconds, a cold join, and with `kill` the kill-and-resume."""
+def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: None) -> dict:
+    """One run on `plane`: the window of --seconds, a cold join, and with `kill` the kill-and-resume.
+    `record(out)` is called with the figures so far before each long wait (a device call may end in one)."""
     from embedded.localprocs import Processes, start_learner
     from embedded.run import EmbeddedPaths, publish_contract
 
@@ -259,8 +260,10 @@ def run_plane(args, plane: str, model: dict, kill: bool) -> dict:
                                       (t0_at, t1_at)))
         out.update(patch_figures(rows))
         out["cold_join"] = cold_join(store, run, plane)
+        record(out)
         if kill:
             out["kill_and_resume"], learner = kill_and_resume(procs, cfg, paths, model["path"], learner, env)
+            record(out)
     finally:
         follower.stop_evt.set()
         gpu.stop_evt.set()
@@ -283,6 +286,11 @@ def _lags(follower: Follower):
                            error=follower.error)
 
 
+def _write(out: Path, result: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -295,12 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--tiny", action="store_true", help="bench.lfm2_step's tiny shape (a smoke run on the CPU)")
     ap.add_argument("--device", default="cuda", help="where the random model is made (the learner takes the GPU)")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--worker-device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--worker-threads", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--worker-device", choices=["cuda", "cpu"], default="cpu",
+                    help="cpu: a bf16 worker (16.7 GB) does not fit beside the learner's ~123 GiB on a 141 GB card")
+    ap.add_argument("--worker-threads", type=int, default=8)
     ap.add_argument("--learner-threads", type=int, default=0, help="DRL_TORCH_THREADS of the learner (0: 1)")
     ap.add_argument("--batch-groups", type=int, default=8, help="groups a worker samples at once (and per version)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="short episodes (the recipe's is 4096)")
+    ap.add_argument("--max-new-tokens", type=int, default=16, help="short episodes (the recipe's is 4096)")
     ap.add_argument("--join-timeout-s", type=float, default=900.0)
     ap.add_argument("--stop-timeout-s", type=float, default=600.0, help="the learner's last checkpoint at the end")
     ap.add_argument("--no-kill", action="store_true", help="skip the kill-and-resume (the first plane's, by default)")
@@ -310,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "lfm2_loop.json"))
     args = ap.parse_args(argv)
     if args.tiny:
-        args.layers, args.max_new_tokens, args.batch_groups = 4, min(args.max_new_tokens, 8), 2
+        args.layers, args.max_new_tokens, args.batch_groups, args.worker_threads = 4, min(args.max_new_tokens, 8), 2, 1
     root = Path(args.root)
     if not args.reuse_model:
         shutil.rmtree(root, ignore_errors=True)
@@ -332,13 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     result["model"], out = model, Path(args.out)
     for i, plane in enumerate(p for p in args.planes.split(",") if p):
         try:
-            result[plane] = run_plane(args, plane, model, kill=i == 0 and not args.no_kill)
+            result[plane] = run_plane(args, plane, model, kill=i == 0 and not args.no_kill,
+                                      record=lambda figures, plane=plane: _write(out, {**result, plane: figures}))
         except Exception as e:  # one plane's failure is reported; the next still runs
             import traceback
 
             result[plane] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        _write(out, result)
         _log(f"{plane}: " + json.dumps({k: v for k, v in result[plane].items() if not isinstance(v, list | dict | str)}))
     return 0 if all("error" not in result[p] for p in args.planes.split(",") if p) else 1
 

@@ -205,7 +205,7 @@ def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
     moments = functools.partial(slime_launch.moment_bytes, ctx.cfg)  # float32 on slime with CPU offload
     est = lm.moe_peak_gib(cfg, params, tokens, offload=train.optimizer_offload,
                           recompute=train.gradient_checkpointing, moment_bytes=moments(), tp=tp)
-    host = params * train.optimizer_offload * (4 + 2 * moments()) / lm.GIB
+    host = params * train.optimizer_offload * slime_launch.host_optimizer_bytes(ctx.cfg) / lm.GIB
     cards = []
     for card, gib in lm.CARDS.items():
         plan = lm.moe_plan_for(cfg, params, tokens, gib, tp, moment_bytes=moments)

@@ -260,11 +260,21 @@ def moment_bytes(cfg: RecipeConfig, offload: float | None = None) -> int:
     return MOMENT_BYTES[cfg.algo.optim.moment_dtype]
 
 
+def host_optimizer_bytes(cfg: RecipeConfig) -> int:
+    """Bytes of host memory per offloaded parameter: the native engine's float32 master and two moments in
+    algo.optim.moment_dtype; slime's HybridDeviceOptimizer keeps a float32 master, a pinned float32 gradient
+    buffer (the GPU's gradient is copied there for the CPU update) and two float32 moments, 16 bytes."""
+    if cfg.train.engine == "slime":
+        return 4 + 4 + 2 * moment_bytes(cfg)
+    return NATIVE_MASTER_BYTES + 2 * moment_bytes(cfg)
+
+
 def optimizer_args(cfg: RecipeConfig) -> list[str]:
     """AdamW from the recipe's `algo.optim` (the native learner reads the same fields); fp32 master weights
     and moments are Megatron's defaults. bf16 moments through Megatron's precision-aware optimizer, and
     `train.optimizer_offload` through its CPU offload of that share; with the offload Megatron keeps float32
-    moments whatever --exp-avg-dtype says (`moment_bytes`), so the host holds 12 bytes per offloaded parameter."""
+    moments whatever --exp-avg-dtype says (`moment_bytes`), and the host holds 16 bytes per offloaded parameter
+    (`host_optimizer_bytes`)."""
     a, o, offload = cfg.algo, cfg.algo.optim, cfg.train.optimizer_offload
     args = [
         "--optimizer", "adam", "--lr", _num(a.lr), "--lr-decay-style", o.lr_schedule,

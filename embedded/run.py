@@ -11,7 +11,6 @@ More in docs/embedded.md (module notes).
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal
 import sys
@@ -59,8 +58,10 @@ class EmbeddedPaths:
 
 
 def embedded_cfg(cfg: EmbeddedRecipe, paths: EmbeddedPaths) -> EmbeddedRecipe:
-    """The recipe as the embedded run uses it: the file store, the hf backend, `max_steps` steps."""
-    train = cfg.train.model_copy(update={"backend": "hf", "num_steps": cfg.embedded.max_steps})
+    """The recipe as the embedded run uses it: the file store, `max_steps` steps. The backend is the embedded
+    overrides' (hf); `train.backend=megatron` on the command line runs megatron-core (on a GPU, or on the CPU
+    where DRL_MEGATRON_CPU_SETUP names the hook its CUDA calls need: trainer/backends/megatron.py)."""
+    train = cfg.train.model_copy(update={"num_steps": cfg.embedded.max_steps})
     model = cfg.model.model_copy(update={"hf_id": None})  # built here or given with MODEL=: never fetched
     return cfg.model_copy(update={"store": cfg.store or paths.store_url, "train": train, "model": model})
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 BYTES_PER_PARAM = 20
@@ -121,10 +121,13 @@ def moe_peak_gib(cfg: Mapping[str, Any], params: int, tokens: int, *, offload: f
     return (state + act) / max(1, tp) / GIB
 
 
-def moe_plan_for(cfg: Mapping[str, Any], params: int, tokens: int, gpu_gib: float, tp: int = 1):
-    """The fastest plan of MOE_PLANS that fits `gpu_gib` (with its estimate), or None."""
+def moe_plan_for(cfg: Mapping[str, Any], params: int, tokens: int, gpu_gib: float, tp: int = 1,
+                 moment_bytes: Callable[[float], int] = lambda _offload: 2):
+    """The fastest plan of MOE_PLANS that fits `gpu_gib` (with its estimate), or None. `moment_bytes(offload)`:
+    the bytes of each Adam moment the engine keeps under that plan (infra.slime_launch.moment_bytes)."""
     for offload, recompute in MOE_PLANS:
-        est = moe_peak_gib(cfg, params, tokens, offload=offload, recompute=recompute, tp=tp)
+        est = moe_peak_gib(cfg, params, tokens, offload=offload, recompute=recompute, tp=tp,
+                           moment_bytes=moment_bytes(offload))
         if est <= USABLE * gpu_gib:
             return offload, recompute, est
     return None

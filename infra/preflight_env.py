@@ -4,6 +4,7 @@ the GPU box (over SSH, when a host is given). Each returns one `Row`; see `infra
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import stat
@@ -201,26 +202,27 @@ def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
         return _row("box.gpu_memory", False, f"not estimated: transformers cannot build {cfg.get('model_type')!r}",
                     "the learner's estimate within the GPU", "check the model's config.json", warn=True)
     tokens, tp = lm.tokens_per_micro_batch(compute, algo.max_new_tokens), compute.tensor_parallel
-    moment_bytes = 2 if ctx.cfg.optim.moment_dtype == "bfloat16" else 4
+    moments = functools.partial(slime_launch.moment_bytes, ctx.cfg)  # float32 on slime with CPU offload
     est = lm.moe_peak_gib(cfg, params, tokens, offload=ctx.cfg.optim.offload,
-                          recompute=compute.gradient_checkpointing, moment_bytes=moment_bytes, tp=tp)
+                          recompute=compute.gradient_checkpointing, moment_bytes=moments(), tp=tp)
+    host = params * ctx.cfg.optim.offload * slime_launch.host_optimizer_bytes(ctx.cfg) / lm.GIB
     cards = []
     for card, gib in lm.CARDS.items():
-        plan = lm.moe_plan_for(cfg, params, tokens, gib, tp)
+        plan = lm.moe_plan_for(cfg, params, tokens, gib, tp, moment_bytes=moments)
         fits = lm.moe_tokens_that_fit(cfg, params, gib, tp)
         cards.append(f"{card}: offload {plan[0]:g}{' + recompute' if plan[1] else ''} (~{plan[2]:.0f} GiB)" if plan
                      else f"{card}: none at this batch (recompute and full offload fit {fits} tokens per "
                           "micro-batch)" if fits else
                      f"{card}: none at any batch (the states that stay on the GPU alone do not fit; tensor "
                      "parallel across GPUs would)")
-    fit = lm.moe_plan_for(cfg, params, tokens, gpu, tp)
+    fit = lm.moe_plan_for(cfg, params, tokens, gpu, tp, moment_bytes=moments)
     leanest = lm.moe_tokens_that_fit(cfg, params, gpu, tp)
     fix = (f"set {lm.describe_plan(fit[0], fit[1])} in the recipe (~{fit[2]:.0f} GiB)" if fit else
            f"lower compute.micro_batch_size or set compute.max_tokens_per_gpu: {leanest} with the leanest plan, or "
            "rent a larger GPU" if leanest else
            "rent a GPU with more memory, or set compute.tensor_parallel to spread the model over this box's GPUs")
     plan = (f"offload {ctx.cfg.optim.offload:g}, {'recompute' if compute.gradient_checkpointing else 'no recompute'}, "
-            f"{ctx.cfg.optim.moment_dtype} moments")
+            f"{'float32' if moments() == 4 else 'bfloat16'} moments; ~{host:.0f} GiB of optimizer state in host memory")
     return _row("box.gpu_memory", est <= lm.USABLE * gpu,
                 f"~{est:.0f} GiB per GPU ({params / 1e9:.1f} B parameters, {plan}) at {tokens} tokens per "
                 f"micro-batch; the GPU has {gpu:.0f} GiB. Plans by card: {'; '.join(cards)}",

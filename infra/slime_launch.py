@@ -244,11 +244,33 @@ def objective_args(cfg: RecipeConfig) -> list[str]:
     ]
 
 
+def moment_bytes(cfg: RecipeConfig, offload: float | None = None) -> int:
+    """Bytes of each Adam moment the engine keeps under the recipe's plan (`offload`: train.optimizer_offload
+    unless given). The native engine keeps optim.moment_dtype. On slime, bf16 moments come from Megatron's
+    precision-aware optimizer, but with --optimizer-cpu-offload Megatron-LM builds its HybridDeviceOptimizer from
+    the learning rate, betas, eps and weight decay alone (no moment dtype): torch's AdamW on float32 copies of
+    the weights, so the moments are float32 on the host and on the GPU alike."""
+    offload = cfg.optim.offload if offload is None else offload
+    if cfg.train.engine == "slime" and offload > 0:
+        return 4
+    return MOMENT_BYTES[cfg.optim.moment_dtype]
+
+
+def host_optimizer_bytes(cfg: RecipeConfig) -> int:
+    """Bytes of host memory per offloaded parameter: the native engine's float32 master and two moments in
+    optim.moment_dtype; slime's HybridDeviceOptimizer keeps a float32 master, a pinned float32 gradient
+    buffer (the GPU's gradient is copied there for the CPU update) and two float32 moments, 16 bytes."""
+    if cfg.train.engine == "slime":
+        return 4 + 4 + 2 * moment_bytes(cfg)
+    return NATIVE_MASTER_BYTES + 2 * moment_bytes(cfg)
+
+
 def optimizer_args(cfg: RecipeConfig) -> list[str]:
-    """AdamW from the recipe's `optim` section (the native learner reads the same fields): a constant learning
-    rate, no warm-up; fp32 master weights and moments are Megatron's defaults. The memory plan maps to Megatron's
-    own: bf16 moments through its precision-aware optimizer, `optim.offload` through its CPU offload of that
-    share."""
+    """AdamW from the recipe's `optim` section (the native learner reads the same fields); fp32 master weights
+    and moments are Megatron's defaults. bf16 moments through Megatron's precision-aware optimizer, and
+    `optim.offload` through its CPU offload of that share; with the offload Megatron keeps float32
+    moments whatever --exp-avg-dtype says (`moment_bytes`), and the host holds 16 bytes per offloaded parameter
+    (`host_optimizer_bytes`)."""
     o, offload = cfg.optim, cfg.optim.offload
     args = [
         "--optimizer", "adam", "--lr", _num(o.lr), "--lr-decay-style", "constant",

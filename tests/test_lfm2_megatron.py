@@ -137,3 +137,22 @@ def test_gpu_parity_bench_runs_tiny_on_cpu(dist, tmp_path):
     assert result["shape"]["layers"] == 4 and result["dtype"] == "float32"
     assert result["token_logprob_max_abs_diff"] < 1e-4 and result["top1_agreement"] == 1.0
     assert len(result["commit"]) >= 7 and result["machine"]["cores"] and "--tiny" in result["command"]
+
+
+def test_published_weights_have_the_layout_a_torch_worker_loads(dist, tmp_path):
+    """The megatron backend publishes what the hf backend publishes for the same model: the installed
+    transformers' in-memory names and shapes (transformers 5 holds the experts fused, [E, 2I, h] and [E, h, I]),
+    with the same values; per-expert Hub names would not load into a torch worker's model."""
+    from trainer.backends.hf import HFBackend
+    from trainer.backends.megatron import MegatronBackend
+    from trainer.config import ModelConfig, RecipeConfig, TrainConfig
+
+    _tiny_hf(tmp_path)
+    cfg = RecipeConfig(name="t", task="arithmetic", model=ModelConfig(dtype="float32"), train=TrainConfig())
+    mg = MegatronBackend.load(tmp_path, cfg.model_copy(update={"train": TrainConfig(backend="megatron")}),
+                              device="cpu", attention="sdpa")
+    hf = HFBackend.load(tmp_path, cfg, device="cpu").publish_snapshot()
+    for got in (mg.publish_snapshot(), mg.state_dict_hf()):
+        assert got.keys() == hf.keys(), sorted(set(got) ^ set(hf))[:6]
+        for k, v in hf.items():
+            assert got[k].shape == v.shape and torch.equal(got[k], v), k

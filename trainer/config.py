@@ -189,8 +189,8 @@ class ComputeConfig(_Model):
     graphs. A memory and speed plan: the update is the same whatever these hold."""
 
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """hf backend: the dtype of the forward (the weights stay float32). `auto`: model.dtype on CUDA,
-    float32 on CPU. The embedded run's small model takes float32 on a GPU too: in bf16 it is measurably
+    """The dtype of the forward and backward (hf backend: the weights stay float32; megatron backend: the
+    model's weights, with float32 master weights). `auto`: model.dtype on CUDA, float32 on CPU. The embedded run's small model takes float32 on a GPU too: in bf16 it is measurably
     another model than the float32 one its CPU workers sample (docs/embedded.md)."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward chunk (at most)."""

@@ -86,6 +86,8 @@ class LearnerSession:
         self.step = 0
         """Optimizer steps taken in total (including those before a resume)."""
         self.saved_step = -1
+        self.saver: Any = None
+        """The background checkpoint writer (trainer/checkpoint.py BackgroundSaver), made at the first save."""
         self.current: int | None = None
         """The newest version this session saw visible."""
 
@@ -145,15 +147,39 @@ class LearnerSession:
             self.step = self.saved_step = found.state.step
         return found
 
-    def save(self, backend: Backend, ledger: dict) -> Path:
+    def _trainer_state(self, ledger: dict) -> TrainerState:
         from . import checkpoint
 
         assert self.ckpt_root is not None, "a session without a run dir keeps no checkpoints"
-        state = checkpoint.TrainerState(step=self.step, ledger=ledger, last_published_version=self.current,
-                                        extra={"publish_failures": self.publishing.failures})
-        path = checkpoint.save(self.ckpt_root, state, backend, keep=self.cfg.checkpoint.keep)
+        return checkpoint.TrainerState(step=self.step, ledger=ledger, last_published_version=self.current,
+                                       extra={"publish_failures": self.publishing.failures})
+
+    def save(self, backend: Backend, ledger: dict) -> Path:
+        """A checkpoint of the step in hand, written before this returns (after any background one completes)."""
+        from . import checkpoint
+
+        self.wait_saves()
+        path = checkpoint.save(self.ckpt_root, self._trainer_state(ledger), backend,
+                               keep=self.cfg.checkpoint.keep)
         self.saved_step = self.step
         return path
+
+    def save_in_background(self, backend: Backend, ledger: dict) -> float:
+        """A checkpoint of the step in hand, written by a thread while training goes on (trainer/checkpoint.py
+        BackgroundSaver: the next optimizer update waits while the write still reads the state); returns the
+        seconds this call blocked (the previous write's end, and the state's capture)."""
+        from .checkpoint import BackgroundSaver
+
+        if self.saver is None:
+            self.saver = BackgroundSaver(backend)
+        blocked = self.saver.start(self.ckpt_root, self._trainer_state(ledger), keep=self.cfg.checkpoint.keep)
+        self.saved_step = self.step
+        return blocked
+
+    def wait_saves(self) -> None:
+        """Until a background checkpoint is complete (raises its error)."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def close(self) -> None:
         """Wait for every publish, then take what became visible."""

@@ -12,7 +12,7 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -188,9 +188,34 @@ class Backend(abc.ABC):
         the default is the host copy `state_dict_hf` makes."""
         return self.state_dict_hf()
 
-    @abc.abstractmethod
+    #: a checkpoint write in flight reads the live state until this gate opens (trainer/checkpoint.py ReadGate);
+    #: the optimizer update that would change that state waits for it (`wait_for_checkpoint_read`)
+    checkpoint_gate: Any = None
+
+    def checkpoint_files(self) -> dict[str, Any] | None:
+        """The checkpoint's files as {file name: object for torch.save}, holding the live state (no copy), for a
+        writer thread while training goes on; None where the state is not in this process (the write is then
+        synchronous, through `save_checkpoint`)."""
+        return None
+
+    def attach_checkpoint_gate(self, gate: Any) -> bool:
+        """Make the optimizer update wait on `gate` (see `checkpoint_gate`); False where `checkpoint_files` is None."""
+        if type(self).checkpoint_files is Backend.checkpoint_files:
+            return False
+        self.checkpoint_gate = gate
+        return True
+
+    def wait_for_checkpoint_read(self) -> None:
+        """Called right before the optimizer update: a checkpoint write still reading the state finishes first."""
+        if self.checkpoint_gate is not None:
+            self.checkpoint_gate.wait()
+
     def save_checkpoint(self, path: Path) -> None:
         """Write model and optimizer state into the (existing, empty) directory `path`."""
+        files = self.checkpoint_files()
+        assert files is not None, f"{type(self).__name__} implements save_checkpoint or checkpoint_files"
+        for name, obj in files.items():
+            torch.save(obj, Path(path) / name)
 
     @abc.abstractmethod
     def load_checkpoint(self, path: Path) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -127,9 +127,15 @@ class HFBackend(Backend):
                        forward=lambda mb: self._response_logp(self.model, mb),
                        grad_norm=lambda: torch.nn.utils.clip_grad_norm_(
                            [p for p in params if p.grad is not None], self.cfg.optim.grad_clip),
-                       update=lambda _norm: self.optimizer.step(), lr=float(self.optimizer.param_groups[0]["lr"]))
+                       update=self._update, lr=float(self.optimizer.param_groups[0]["lr"]))
         self.optimizer.zero_grad(set_to_none=True)
         return out
+
+    def _update(self, _norm: torch.Tensor) -> None:
+        """The optimizer step, once a checkpoint write still reading the state is done with it (gradients are
+        clipped in `grad_norm`)."""
+        self.wait_for_checkpoint_read()
+        self.optimizer.step()
 
     # -- weights and state -------------------------------------------------------------------------
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
@@ -152,9 +158,8 @@ class HFBackend(Backend):
             out[name] = copy_.contiguous()
         return out
 
-    def save_checkpoint(self, path: Path) -> None:
-        torch.save(self.model.state_dict(), Path(path) / "model.pt")
-        torch.save(self.optimizer.state_dict(), Path(path) / "optimizer.pt")
+    def checkpoint_files(self) -> dict[str, Any]:
+        return {"model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()}
 
     def load_checkpoint(self, path: Path) -> None:
         path = Path(path)

@@ -12,6 +12,7 @@ More in docs/architecture.md (module notes).
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,12 @@ from .base import Backend, LossFn
 
 if TYPE_CHECKING:
     from ..config import RecipeConfig
+
+#: "module:function": on a machine without CUDA, the megatron backend runs on the CPU (gloo), each rank calling
+#: this hook before megatron is touched. megatron-core has no CPU path: RotaryEmbedding.get_emb moves its
+#: frequencies to torch.cuda.current_device() on every forward, so the hook must answer that call (the tests'
+#: tests.megatron_cpu:setup_rank does); unset, a machine without CUDA is refused.
+CPU_SETUP_ENV = "DRL_MEGATRON_CPU_SETUP"
 
 
 def _free_port() -> int:
@@ -86,13 +93,20 @@ class MegatronBackend(Backend):
              fused_wgrad: bool | None = None, cuda_graphs: bool | None = None) -> MegatronBackend:
         """`device`: "cuda" (default when available) or "cpu" (tests); `load`: a converted torch_dist root;
         `setup`: "module:function" each rank calls before megatron is imported; `compute_dtype`: the
-        model's dtype (default: the recipe's model.dtype on CUDA, float32 on CPU); `fused_wgrad`: accumulate
+        model's dtype (default: train.compute_dtype; its `auto` is the recipe's model.dtype on CUDA, float32 on
+        CPU); `fused_wgrad`: accumulate
         weight gradients into the float32 masters inside the GEMM (default: where torch can, probed);
         `cuda_graphs`: the recipe's compute.cuda_graphs unless given."""
         dev = device or ("cuda" if torch.cuda.is_available() else None)
+        if dev is None and os.environ.get(CPU_SETUP_ENV):
+            dev, setup = "cpu", setup or os.environ[CPU_SETUP_ENV]
         if dev is None:
             raise ValueError("train.backend=megatron needs CUDA GPUs and none is visible; use train.backend=hf "
                              "on a CPU machine")
+        if compute_dtype is None and cfg.compute.dtype != "auto":
+            from .megatron_rank import _DTYPES
+
+            compute_dtype = _DTYPES[cfg.compute.dtype]
         tp = cfg.compute.tensor_parallel
         if tp < 1:
             raise ValueError(f"compute.tensor_parallel={tp} must be at least 1")
@@ -151,6 +165,16 @@ class MegatronBackend(Backend):
         if self._local is not None:  # one rank in this process: the copy stays on its device
             return self._local.state_dict_hf(on_device=True)
         return self.state_dict_hf()  # rank actors hand host copies back through Ray
+
+    def checkpoint_files(self) -> dict[str, Any] | None:
+        """The in-process rank's file; None for rank actors (their state is in their processes)."""
+        return self._local.checkpoint_files() if self._local is not None else None
+
+    def attach_checkpoint_gate(self, gate: Any) -> bool:
+        if self._local is None:
+            return False
+        self.checkpoint_gate = self._local.checkpoint_gate = gate
+        return True
 
     def save_checkpoint(self, path: Path) -> None:
         self._call("save_checkpoint", Path(path))

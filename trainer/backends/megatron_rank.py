@@ -81,6 +81,7 @@ class MegatronRank:
         self._setup_optimizer()
         self.fused_wgrad = self._use_main_grads(fused_wgrad)
         self.graphs = self._decoder_graphs(cfg.compute.cuda_graphs if cuda_graphs is None else cuda_graphs)
+        self.checkpoint_gate: Any = None  # set by MegatronBackend.attach_checkpoint_gate
 
     def vocab_size(self) -> int:
         return self.identity.vocab_size
@@ -261,6 +262,8 @@ class MegatronRank:
         coef = self.cfg.optim.grad_clip / (norm + 1e-6)
         if float(coef) < 1.0:
             torch._foreach_mul_(self.grads or [p.grad for p in self.params if p.grad is not None], coef)
+        if self.checkpoint_gate is not None:  # a checkpoint write still reading the state finishes first
+            self.checkpoint_gate.wait()
         self.optimizer.step()
         if not self.plan_optimizer and self.masters is not self.params:
             with torch.no_grad():
@@ -282,15 +285,19 @@ class MegatronRank:
 
         device = self.device if on_device else torch.device("cpu")
         full = full_state(self.model, device=str(device))  # collective over the TP group
-        hf = self.arch.megatron_to_hf(full, self.hf_cfg)
+        hf = self.arch.runtime_layout(self.arch.megatron_to_hf(full, self.hf_cfg), self.hf_cfg)  # as a worker loads
         live = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         return {k: _owned(v.to(device=device, dtype=self.publish_dtype), live) for k, v in hf.items()}
 
-    def save_checkpoint(self, path: Path) -> None:
+    def checkpoint_files(self) -> dict[str, Any]:
+        """This rank's checkpoint file, holding the live state (trainer/backends/base.py checkpoint_files)."""
         state = self.optimizer.state_dict()  # MasterAdamW's holds the masters
         masters = state["masters"] if self.plan_optimizer else [m.detach() for m in self.masters]
-        torch.save({"tp_size": self.tp_size, "masters": masters, "optimizer": state},
-                   Path(path) / f"megatron_tp{self.tp_rank:02d}.pt")
+        return {f"megatron_tp{self.tp_rank:02d}.pt": {"tp_size": self.tp_size, "masters": masters, "optimizer": state}}
+
+    def save_checkpoint(self, path: Path) -> None:
+        for name, obj in self.checkpoint_files().items():
+            torch.save(obj, Path(path) / name)
 
     def load_checkpoint(self, path: Path) -> None:
         file = Path(path) / f"megatron_tp{self.tp_rank:02d}.pt"

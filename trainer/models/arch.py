@@ -41,6 +41,11 @@ class Architecture:
         """Full megatron tensors -> HF tensors (the exact inverse of hf_to_megatron)."""
         raise NotImplementedError
 
+    def runtime_layout(self, hf: dict[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """`megatron_to_hf`'s tensors (the Hub checkpoints' form) in the layout the installed transformers holds
+        the model in memory: what the hf backend publishes and a torch worker loads. The same by default."""
+        return hf
+
     def rotary_inv_freq(self, cfg: Mapping[str, Any], inv_freq: Any) -> Any:
         """The rotary inverse frequencies the model uses, from megatron's plain ones (`inv_freq`, [d/2]
         float32); overridden where the architecture scales them (Llama 3.x)."""

@@ -5,6 +5,7 @@ More in docs/extending.md (module notes).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -199,6 +200,23 @@ class Lfm2(Architecture):
         tensors.check_all_used()
         return out
 
+    def runtime_layout(self, hf: dict[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """Per-expert w1/w3/w2 stacked into experts.gate_up_proj [E, 2I, h] and experts.down_proj [E, h, I]
+        where the installed transformers holds LFM2-MoE's experts fused (transformers 5)."""
+        if not _moe(cfg) or not transformers_fuses_experts():
+            return hf
+        import torch
+
+        out = dict(hf)
+        for i in range(int(cfg["num_hidden_layers"])):
+            if not self._is_moe_layer(cfg, i):
+                continue
+            f = f"model.layers.{i}.feed_forward.experts."
+            names = [[f"{f}{e}.{w}.weight" for w in ("w1", "w3", "w2")] for e in range(int(cfg["num_experts"]))]
+            out[f + "gate_up_proj"] = torch.stack([torch.cat([out.pop(w1), out.pop(w3)]) for w1, w3, _ in names])
+            out[f + "down_proj"] = torch.stack([out.pop(w2) for _, _, w2 in names])
+        return out
+
     def megatron_to_hf(self, mg: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
         nh, ng, d = _shape(cfg)
         vocab = int(cfg["vocab_size"])
@@ -235,3 +253,20 @@ class Lfm2(Architecture):
         if not cfg.get("tie_word_embeddings", True):
             out["lm_head.weight"] = mg["output_layer.weight"][:vocab]
         return {k: v.contiguous() for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def transformers_fuses_experts() -> bool:
+    """Whether the installed transformers holds LFM2-MoE's experts fused in memory (experts.gate_up_proj and
+    experts.down_proj, one tensor per projection) rather than per expert: asked of a tiny model on the meta device."""
+    try:
+        import torch
+        from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+    except ImportError:
+        return False
+    cfg = Lfm2MoeConfig(vocab_size=8, hidden_size=8, intermediate_size=8, moe_intermediate_size=8, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, num_dense_layers=1, num_experts=2,
+                        num_experts_per_tok=1, layer_types=["conv", "full_attention"])
+    with torch.device("meta"):
+        names = Lfm2MoeForCausalLM(cfg).state_dict().keys()
+    return any(n.endswith("experts.gate_up_proj") for n in names)

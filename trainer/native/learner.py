@@ -99,6 +99,7 @@ class LearnerActor:
         self.session = LearnerSession(cfg, open_store_spec(spec), RunManifest.model_validate_json(manifest_json),
                                       key_from_pem(key_pem), run_dir=run_dir)
         self._waited = 0.0  # time the steps since the last one waited for a batch (learner/wait_s)
+        self._ckpt_blocking = 0.0  # time checkpoint saves blocked the loop since the last step's row
 
     # -- start -------------------------------------------------------------------------------------
     def setup(self) -> dict:
@@ -140,23 +141,40 @@ class LearnerActor:
         metrics["train/step_time_s"] = step_time
         metrics.update(step=s.step, version=s.current, batch_version=note.current_version)
         metrics["learner/wait_s"], self._waited = self._waited, 0.0  # waited for this step's batch
+        metrics.update(self._checkpoint_metrics())
         blocking = snapshot_s + s.hand_off(state, s.report(note, metrics))  # a copy of metrics: the thread reads it
         metrics.update(publish_metrics(s.publishing, blocking))
         # which groups this step used (and how often): lets an audit rebuild the lineage's consumption
         return {**metrics, "rollout/groups": [[g.key, g.use] for g in batch.groups]}
 
     # -- checkpoints and end -----------------------------------------------------------------------
-    def save(self) -> str:
+    def save(self) -> float:
+        """Begin the step's checkpoint, written in the background; returns the seconds the loop was blocked."""
         import ray
 
-        return str(self.session.save(self.backend, ray.get(self.source.ledger_state.remote())))
+        self._ckpt_blocking += self.session.save_in_background(self.backend, ray.get(self.source.ledger_state.remote()))
+        return self._ckpt_blocking
+
+    def _checkpoint_metrics(self) -> dict:
+        """What checkpoints cost since the last step's row: the save call's block, the optimizer update's wait
+        for a write still reading the state, and the newest complete checkpoint's figures."""
+        saver = self.session.saver
+        if saver is None:
+            return {}
+        out = {"checkpoint/blocking_s": round(self._ckpt_blocking, 4),
+               "checkpoint/update_wait_s": round(saver.gate.waited_s, 4), **saver.last}
+        self._ckpt_blocking, saver.gate.waited_s = 0.0, 0.0
+        return out
 
     def finish(self) -> dict:
-        """Wait for every publish, checkpoint the last step, report where the run stands."""
+        """Wait for every publish and checkpoint, checkpoint the last step, report where the run stands."""
+        import ray
+
         s = self.session
         s.close()
+        s.wait_saves()
         if s.saved_step != s.step:
-            self.save()
+            s.save(self.backend, ray.get(self.source.ledger_state.remote()))
         return {"step": s.step, "version": s.current}
 
 

@@ -17,6 +17,8 @@ from torch.utils.checkpoint import checkpoint
 from ..step import LossFn, TrainBatch
 
 if TYPE_CHECKING:
+    from worker_contract.routes import RouteShape
+
     from ..config import RecipeConfig, TrainConfig
 
 # LossFn (trainer/step.py): loss_fn(logp [b, R] with grad, micro-batch) -> (loss reduced over the
@@ -104,6 +106,8 @@ class Backend(abc.ABC):
 
     #: registry name ("hf", "megatron")
     name: ClassVar[str]
+    #: the model's MoE route shape (worker_contract/routes.py); None for a dense model
+    route_shape: RouteShape | None = None
 
     @classmethod
     @abc.abstractmethod

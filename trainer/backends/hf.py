@@ -16,7 +16,7 @@ import copy
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -71,6 +71,24 @@ class HFBackend(Backend):
             eps=algo.optim.eps,
         )
         self._check_head(self.model)
+        self._replayers = self._routing_replay(cfg)
+
+    def _routing_replay(self, cfg: RecipeConfig) -> dict[int, Any]:
+        """The model's route shape, and with algo.routing_replay a Replayer per model (trainer/routing_replay.py),
+        installed after the reference copy so each model's hooks are its own."""
+        from worker_contract.routes import route_shape
+
+        from ..routing_replay import Replayer
+
+        self.route_shape = route_shape(self.model.config.to_dict())
+        if not cfg.algo.routing_replay or self.route_shape is None:
+            return {}
+        return {id(m): Replayer.hf(m, self.route_shape) for m in (self.model, self.reference)}
+
+    def _replaying(self, model: PreTrainedModel, mb: TrainBatch):
+        """Replay the micro-batch's routes in `model`'s forwards (and the backward's recomputations) inside."""
+        rep = self._replayers.get(id(model))
+        return rep.routes(mb.routes) if rep is not None and mb.routes is not None else contextlib.nullcontext()
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: RecipeConfig, *, device: str | None = None,
@@ -125,7 +143,8 @@ class HFBackend(Backend):
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
         row = 0
         for mb in micro_batches(batch, self.cfg.train):
-            lp = self._response_logp(model, mb)
+            with self._replaying(model, mb):
+                lp = self._response_logp(model, mb)
             out[row : row + mb.rows, : lp.shape[1]] = lp
             row += mb.rows
         return out
@@ -135,9 +154,10 @@ class HFBackend(Backend):
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         for mb in micro_batches(batch, self.cfg.train):
-            logp = self._response_logp(self.model, mb)
-            loss, metrics = loss_fn(logp, mb)
-            (loss * (mb.rows / batch.rows)).backward()
+            with self._replaying(self.model, mb):
+                logp = self._response_logp(self.model, mb)
+                loss, metrics = loss_fn(logp, mb)
+                (loss * (mb.rows / batch.rows)).backward()
             parts.append((mb.rows, metrics))
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.algo.grad_clip)

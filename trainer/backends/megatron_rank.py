@@ -82,6 +82,28 @@ class MegatronRank:
         self._setup_optimizer()
         self.fused_wgrad = self._use_main_grads(fused_wgrad)
         self.graphs = self._decoder_graphs(cfg.train.cuda_graphs if cuda_graphs is None else cuda_graphs)
+        self.replayers = self._routing_replay(cfg)
+
+    def _routing_replay(self, cfg: RecipeConfig) -> dict[int, Any]:
+        """With algo.routing_replay on an MoE model, a Replayer per model (trainer/routing_replay.py)."""
+        from worker_contract.routes import route_shape
+
+        from ..routing_replay import Replayer
+
+        self.route_shape = route_shape(self.hf_cfg)
+        if not cfg.algo.routing_replay or self.route_shape is None:
+            return {}
+        if self.graphs is not None:
+            raise ValueError("algo.routing_replay cannot run under train.cuda_graphs (a captured graph replays "
+                             "fixed routes): set train.cuda_graphs: false")
+        return {id(m): Replayer.megatron(m, self.route_shape) for m in (self.model, self.reference)}
+
+    def replaying(self, model: Any, mb: TrainBatch):
+        """Replay the micro-batch's routes in `model`'s forwards (and the backward's recomputations) inside."""
+        import contextlib
+
+        rep = self.replayers.get(id(model))
+        return rep.routes(mb.routes) if rep is not None and mb.routes is not None else contextlib.nullcontext()
 
     def vocab_size(self) -> int:
         return self.identity.vocab_size
@@ -232,7 +254,8 @@ class MegatronRank:
         out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
         row = 0
         for mb in micro_batches(batch, self.cfg.train, min_tokens=_NOGRAD_TOKENS):
-            lp = self.response_logp(model, mb)
+            with self.replaying(model, mb):
+                lp = self.response_logp(model, mb)
             out[row : row + mb.rows, : lp.shape[1]] = lp
             row += mb.rows
         return out
@@ -257,9 +280,10 @@ class MegatronRank:
                                                            int(self.hf_cfg["hidden_size"]), self.dtype):
             self._zero_grads()  # the capture's warm-up passes accumulated into the master gradients
         for mb in chunks:
-            logp = self.response_logp(self.model, mb)
-            loss, metrics = loss_fn(logp, mb)
-            (loss * (mb.rows / batch.rows)).backward()
+            with self.replaying(self.model, mb):
+                logp = self.response_logp(self.model, mb)
+                loss, metrics = loss_fn(logp, mb)
+                (loss * (mb.rows / batch.rows)).backward()
             self._accumulate()
             parts.append((mb.rows, metrics))
         norm = self._grad_norm()

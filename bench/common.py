@@ -121,13 +121,16 @@ def machine_info() -> dict:
 
 
 def write_result(name: str, result: dict, path: str | Path | None = None, argv: list[str] | None = None,
-                 module: str | None = None) -> Path:
+                 module: str | None = None, tree: dict | None = None) -> Path:
     """bench/results/<name>.json with the tree (commit, clean, status), the machine and the command line
-    (`argv` as the benchmark's main got it, else sys.argv): what tests/test_bench_results.py asks of every file."""
+    (`argv` as the benchmark's main got it, else sys.argv): what tests/test_bench_results.py asks of every file.
+    A long benchmark passes `tree`, the `provenance()` it took when it started: the checkout may move on
+    while it runs, and the result describes the code that ran."""
     out = Path(path) if path else RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     caller = module or sys._getframe(1).f_globals.get("__name__")
-    doc = {"benchmark": name, **provenance(), "machine": machine_info(), "command": command(argv, caller),
-           **result}
+    tree = tree or provenance()
+    machine = {**machine_info(), "commit": tree["commit"], "clean": tree["clean"]}
+    doc = {"benchmark": name, **tree, "machine": machine, "command": command(argv, caller), **result}
     out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return out

@@ -6,6 +6,9 @@ The forms accepted (bench/common.provenance and write_result write them; docs/pe
   in `machine` counts as not clean;
 - `machine`: a dict naming the CPU or the GPU; `command`: the command line, or "unknown" with the note;
 - `provenance_recovered`: where a field was added after the run (from git history), a dict field -> how.
+Beyond the form: the commit is one this repository's history holds, a GPU result names its GPU, the raw
+files a result lists lie beside it, and no doc quotes a file of `bench/results/superseded/` (results whose
+provenance could not be completed).
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import pytest
 
 from bench import common
 
-RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
 HEX40 = re.compile(r"[0-9a-f]{40}")
+#: a result of a GPU run says so in its name (bench/results/<bench>_gpu_..., ..._h200_...)
+GPU_NAME = re.compile(r"(^|_)(gpu|h100|h200|b200)(x[0-9]+)?(_|\.|$)")
 
 
 def problems(doc: object) -> list[str]:
@@ -65,9 +71,56 @@ def problems(doc: object) -> list[str]:
     return out
 
 
+def beyond_form(name: str, doc: dict, in_history) -> list[str]:
+    """What the form cannot see: the commit in git's history (`in_history(commit) -> bool`), the GPU of a GPU
+    result, and the raw files the result lists."""
+    out = []
+    machine = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
+    commit = str(doc.get("commit", machine.get("commit", "unknown"))).removesuffix("-dirty")
+    if HEX40.fullmatch(commit) and not in_history(commit):
+        out.append(f"commit {commit[:12]} is not in this repository's history")
+    if GPU_NAME.search(name.lower()) and not (isinstance(machine.get("gpu"), str) and machine["gpu"].strip()):
+        out.append("a GPU result whose machine names no GPU")
+    raw = doc.get("raw", [])
+    for f in raw if isinstance(raw, list) else [raw]:
+        if not (RESULTS / str(f)).is_file():
+            out.append(f"raw file {f} is not beside it")
+    return out
+
+
+def _in_history(commit: str) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=REPO,
+                          capture_output=True).returncode == 0
+
+
+def _shallow() -> bool:
+    out = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True, text=True)
+    return out.returncode != 0 or out.stdout.strip() != "false"
+
+
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
 def test_every_result_file_names_commit_machine_and_command(path: Path) -> None:
     assert not problems(json.loads(path.read_text())), f"{path.name}: {problems(json.loads(path.read_text()))}"
+    if _shallow():
+        pytest.skip("a shallow clone holds too little history to look the commits up")
+    found = beyond_form(path.name, json.loads(path.read_text()), _in_history)
+    assert not found, f"{path.name}: {found}"
+
+
+def test_the_history_check_refuses_what_it_should() -> None:
+    doc = {"commit": "c" * 40, "machine": {"cpu": "x"}, "raw": ["nothing_here.txt"]}
+    found = beyond_form("megatron_gpu_h200_x.json", doc, lambda c: False)
+    assert any("history" in f for f in found) and any("GPU" in f for f in found) and any("raw" in f for f in found)
+    ok = {"commit": "c" * 40, "machine": {"gpu": "NVIDIA H200"}}
+    assert beyond_form("megatron_gpu_h200_x.json", ok, lambda c: True) == []
+
+
+def test_no_doc_quotes_a_superseded_result() -> None:
+    superseded = [p.name for p in (RESULTS / "superseded").glob("*.json")]
+    docs = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "runs").rglob("*.md")]
+    quoting = [(d.relative_to(REPO).as_posix(), name) for d in docs for name in superseded
+               if name in d.read_text()]
+    assert not quoting, f"docs quote superseded results: {quoting}"
 
 
 def test_the_check_refuses_what_it_should() -> None:
@@ -127,3 +180,35 @@ def test_a_copied_tree_inside_another_checkout_takes_the_senders_commit(tmp_path
     assert prov == {"commit": sent, "status_porcelain": "", "clean": True} and commit == sent
     prov, commit = measured()
     assert prov["commit"] == "unknown" and prov["clean"] is None and commit == "unknown"
+
+
+def test_the_reliability_doc_quotes_the_soak_file() -> None:
+    """docs/reliability.md's soak figures are the ones bench/results/soak.json holds (bench/soak_doc.py)."""
+    from bench import soak_doc
+
+    text = soak_doc.DOC.read_text()
+    assert soak_doc.rewrite(text, soak_doc.render(json.loads(soak_doc.SOAK.read_text()))) == text, (
+        "docs/reliability.md's soak figures differ from bench/results/soak.json: run python -m bench.soak_doc")
+
+
+def test_the_device_script_runs_a_command_on_the_exact_commit(tmp_path: Path) -> None:
+    """bench/device.sh pack + run (no wheels): the command runs in the unpacked tree of HEAD, and a benchmark
+    there reports HEAD as its commit (STOA_COMMIT), not the checkout around it."""
+    import os
+    import shutil
+    import sys
+
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(clone)], check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True).stdout.strip()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STOA_")}
+    subprocess.run(["bash", "bench/device.sh", "pack", "--no-wheels"], cwd=clone, check=True, env=env,
+                   capture_output=True)
+    (clone / "bench" / "common.py").write_text("raise SystemExit('the checkout, not the packed tree')\n")
+    probe = "from bench import common; print(common.provenance()['commit'])"
+    out = subprocess.run(["bash", "bench/device.sh", "run", "--", sys.executable, "-c", probe], cwd=clone,
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == head, out.stderr
+    shutil.rmtree(clone / ".carry")
+    out = subprocess.run(["bash", "bench/device.sh", "run", "--", "true"], cwd=clone, capture_output=True, text=True)
+    assert out.returncode == 2 and "pack" in out.stderr

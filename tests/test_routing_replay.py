@@ -249,3 +249,22 @@ def test_slime_takes_the_routes_through_its_own_rollout_routing_replay(policies,
         assert np.array_equal(a[:, list(shape.moe_layers)][:len(prompt) + len(r)], np.concatenate([prompt, r]))
     assert "--use-rollout-routing-replay" in objective_args(_recipe("hf", replay=True))
     assert "--use-rollout-routing-replay" not in objective_args(_recipe("hf", replay=False))
+
+
+def test_bench_runs_tiny_on_cpu(tmp_path):
+    """bench.routing_replay's whole path on a tiny psqa base: every figure of every case is there."""
+    import json
+
+    from bench import routing_replay
+
+    out = tmp_path / "rr.json"
+    assert routing_replay.main(["--tiny", "--groups", "2", "--n", "4", "--budget", "48", "--reps", "1",
+                                "--step-groups", "2", "--workers", "torch", "mlx", "--planes", "bf16",
+                                "--cache", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["cases"]) == {"torch/bf16", "mlx/bf16"}
+    for case in result["cases"].values():
+        for way in ("without_replay", "with_replay"):
+            assert case[way]["tokens"] > 0 and 0 <= case[way]["gate_dropped"] <= 1
+        assert case["record_bytes"]["ratio"] > 1 and len(case["route_flips"]["per_layer"]) == 3
+    assert result["step_time"]["with_replay_s"] > 0 and result["command"].startswith("python -m bench.routing_replay")

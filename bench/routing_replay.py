@@ -40,7 +40,7 @@ def _base(cache: Path, tiny: bool) -> tuple[Path, list, object]:
     return Path(model_dir), train, search
 
 
-def _worker(kind: str, model_dir: Path, plane: str, seed: int):
+def _worker(kind: str, model_dir: Path, plane: str, seed: int, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -53,7 +53,7 @@ def _worker(kind: str, model_dir: Path, plane: str, seed: int):
     if kind == "torch":
         from worker_contract.worker.model import PolicyModel
 
-        policy = PolicyModel(model_dir, threads=1, seed=seed, device="cpu")
+        policy = PolicyModel(model_dir, threads=1, seed=seed, device=device)
     else:
         from worker_contract.worker.mlx_model import MlxPolicy
 
@@ -137,11 +137,14 @@ def mismatch(backend, records, shape, replay: bool, gate) -> dict:
             "gate_dropped_tokens": int((~keep)[mask].sum())}
 
 
-def step_time(model_dir: Path, records, budget: int, replay: bool, reps: int) -> float:
+def step_time(model_dir: Path, records, budget: int, replay: bool, reps: int, device: str = "cpu") -> float:
+    import torch
+
     from trainer.backends.hf import HFBackend
     from trainer.step import collate, loss_fn
 
-    backend = HFBackend.load(model_dir, _recipe(replay, budget), device="cpu")
+    backend = HFBackend.load(model_dir, _recipe(replay, budget), device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     cfg = _recipe(replay, budget)
     times = []
     for _ in range(reps + 1):
@@ -149,6 +152,7 @@ def step_time(model_dir: Path, records, budget: int, replay: bool, reps: int) ->
         t0 = time.perf_counter()
         tb.ref_logp = backend.logprobs(tb, reference=True)
         backend.train_step(tb, loss_fn(cfg.algo))
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])  # the first step warms up
 
@@ -171,8 +175,9 @@ def run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     model_dir, train, search = _base(Path(args.cache), args.tiny)
+    model_dir = Path(args.model) if args.model else model_dir  # another LFM2-MoE on the same generated questions
     problems = random.Random(args.seed).sample(list(train), args.groups)
-    learner = HFBackend.load(model_dir, _recipe(True, args.budget), device="cpu")
+    learner = HFBackend.load(model_dir, _recipe(True, args.budget), device=args.device)
     shape, gate = learner.route_shape, _recipe(True, args.budget).algo.gate
     out: dict = {"model_dir": str(model_dir), "route_shape": {"moe_layers": list(shape.moe_layers),
                  "num_experts": shape.num_experts, "top_k": shape.top_k}, "cases": {}}
@@ -180,7 +185,7 @@ def run(args) -> dict:
     for kind in args.workers:
         for plane in args.planes:
             t0 = time.perf_counter()
-            records = sample_records(_worker(kind, model_dir, plane, args.seed), problems, search, n=args.n,
+            records = sample_records(_worker(kind, model_dir, plane, args.seed, args.device), problems, search, n=args.n,
                                      budget=args.budget, max_turns=args.max_turns, plane=plane)
             case = {"sampling_s": round(time.perf_counter() - t0, 1),
                     "without_replay": mismatch(learner, records, shape, False, gate),
@@ -195,8 +200,8 @@ def run(args) -> dict:
                   flush=True)
             all_records.extend(records[: max(1, args.step_groups // (len(args.workers) * len(args.planes)))])
     batch = all_records[: args.step_groups]
-    off = step_time(model_dir, batch, args.budget, False, args.reps)
-    on = step_time(model_dir, batch, args.budget, True, args.reps)
+    off = step_time(model_dir, batch, args.budget, False, args.reps, args.device)
+    on = step_time(model_dir, batch, args.budget, True, args.reps, args.device)
     out["step_time"] = {"groups": len(batch), "reps": args.reps, "without_replay_s": off, "with_replay_s": on,
                         "slowdown": on / off - 1}
     print(f"learner step ({len(batch)} groups): {off:.3f} s without replay, {on:.3f} s with ({on / off - 1:+.1%})")
@@ -220,10 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the generated data and the base are cached")
     p.add_argument("--tiny", action="store_true", help="a random tiny base of a few SFT steps (tests)")
+    p.add_argument("--model", default=None, help="another LFM2-MoE HF directory instead of the embedded psqa base "
+                   "(the larger-model run: --model DIR --device cuda --workers torch)")
+    p.add_argument("--device", default="cpu", help="the learner's and the torch worker's device (cpu, cuda)")
     p.add_argument("--out", default=None, help="result file (default bench/results/routing_replay.json)")
     args = p.parse_args(argv)
     result = run(args)
-    path = write_result("routing_replay" + ("_tiny" if args.tiny else ""), result, args.out, argv=argv)
+    name = "routing_replay" + ("_tiny" if args.tiny else "") + ("_gpu" if args.device == "cuda" else "")
+    path = write_result(name, result, args.out, argv=argv)
     print(f"wrote {path}")
     return 0
 

@@ -19,11 +19,11 @@ from pathlib import Path
 DEFAULT_CACHE = Path("/tmp/stoa-bench-cache")
 
 
-def _base(cache: Path, tiny: bool) -> tuple[Path, list, object]:
+def _base(cache: Path, tiny: bool, sft_steps: int | None = None) -> tuple[Path, list, object]:
     """(model dir, train problems, search) of the embedded psqa run (built and cached on first use)."""
+    from embedded.psqa_base import PsqaBaseConfig, ensure_psqa_base, load_problems
+    from embedded.psqa_synth import write_dataset
     from infra.retriever.index import BM25Index
-    from trainer.embedded.psqa_base import PsqaBaseConfig, ensure_psqa_base, load_problems
-    from trainer.embedded.psqa_synth import write_dataset
     from worker_contract.tasks.psqa_retrieval import format_hits
 
     data = cache / ("data-tiny" if tiny else "data")
@@ -35,6 +35,8 @@ def _base(cache: Path, tiny: bool) -> tuple[Path, list, object]:
     cfg = PsqaBaseConfig(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, moe_intermediate_size=32,
                          vocab_size=300, tokenizer_traces=60, sft_steps=4, short_steps=2, sft_batch_size=4,
                          eval_questions=2, max_new_tokens=48) if tiny else PsqaBaseConfig()
+    if sft_steps is not None:  # the same model, supervised for fewer steps (a loaded machine's budget)
+        cfg = cfg.model_copy(update={"sft_steps": sft_steps, "short_steps": sft_steps * 3 // 4, "eval_questions": 8})
     model_dir, _ = ensure_psqa_base(data, cache, search, cfg=cfg, log=print)
     _, train, _ = load_problems(data)
     return Path(model_dir), train, search
@@ -174,7 +176,7 @@ def run(args) -> dict:
     from trainer.backends.hf import HFBackend
 
     torch.set_num_threads(args.threads)
-    model_dir, train, search = _base(Path(args.cache), args.tiny)
+    model_dir, train, search = _base(Path(args.cache), args.tiny, args.sft_steps)
     model_dir = Path(args.model) if args.model else model_dir  # another LFM2-MoE on the same generated questions
     problems = random.Random(args.seed).sample(list(train), args.groups)
     learner = HFBackend.load(model_dir, _recipe(True, args.budget), device=args.device)
@@ -227,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a random tiny base of a few SFT steps (tests)")
     p.add_argument("--model", default=None, help="another LFM2-MoE HF directory instead of the embedded psqa base "
                    "(the larger-model run: --model DIR --device cuda --workers torch)")
+    p.add_argument("--sft-steps", type=int, default=None, help="supervise the base for this many steps instead "
+                   "of its 1000 (same model and data)")
     p.add_argument("--device", default="cpu", help="the learner's and the torch worker's device (cpu, cuda)")
     p.add_argument("--out", default=None, help="result file (default bench/results/routing_replay.json)")
     args = p.parse_args(argv)

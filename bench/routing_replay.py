@@ -139,24 +139,29 @@ def mismatch(backend, records, shape, replay: bool, gate) -> dict:
             "gate_dropped_tokens": int((~keep)[mask].sum())}
 
 
-def step_time(model_dir: Path, records, budget: int, replay: bool, reps: int, device: str = "cpu") -> float:
+def step_times(model_dir: Path, records, budget: int, reps: int, device: str = "cpu") -> dict:
+    """Median seconds of a learner step (reference log-probs and the optimizer step) without and with replay
+    on the same batch, the two interleaved rep by rep so a change of the machine's load hits both alike."""
     import torch
 
     from trainer.backends.hf import HFBackend
     from trainer.step import collate, loss_fn
 
-    backend = HFBackend.load(model_dir, _recipe(replay, budget), device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    cfg = _recipe(replay, budget)
-    times = []
+    ways = {replay: (HFBackend.load(model_dir, _recipe(replay, budget), device=device), _recipe(replay, budget))
+            for replay in (False, True)}
+    times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(reps + 1):
-        tb = collate(records, routes=backend.route_shape if replay else None)
-        t0 = time.perf_counter()
-        tb.ref_logp = backend.logprobs(tb, reference=True)
-        backend.train_step(tb, loss_fn(cfg.algo))
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])  # the first step warms up
+        for replay, (backend, cfg) in ways.items():
+            tb = collate(records, routes=backend.route_shape if replay else None)
+            t0 = time.perf_counter()
+            tb.ref_logp = backend.logprobs(tb, reference=True)
+            backend.train_step(tb, loss_fn(cfg.algo))
+            sync()
+            times[replay].append(time.perf_counter() - t0)
+    off, on = statistics.median(times[False][1:]), statistics.median(times[True][1:])  # the first warms up
+    return {"groups": len(records), "reps": reps, "without_replay_s": off, "with_replay_s": on,
+            "slowdown": on / off - 1, "raw_s": {"without_replay": times[False], "with_replay": times[True]}}
 
 
 def record_bytes(records) -> dict:
@@ -202,11 +207,9 @@ def run(args) -> dict:
                   flush=True)
             all_records.extend(records[: max(1, args.step_groups // (len(args.workers) * len(args.planes)))])
     batch = all_records[: args.step_groups]
-    off = step_time(model_dir, batch, args.budget, False, args.reps, args.device)
-    on = step_time(model_dir, batch, args.budget, True, args.reps, args.device)
-    out["step_time"] = {"groups": len(batch), "reps": args.reps, "without_replay_s": off, "with_replay_s": on,
-                        "slowdown": on / off - 1}
-    print(f"learner step ({len(batch)} groups): {off:.3f} s without replay, {on:.3f} s with ({on / off - 1:+.1%})")
+    st = out["step_time"] = step_times(model_dir, batch, args.budget, args.reps, args.device)
+    print(f"learner step ({len(batch)} groups): {st['without_replay_s']:.3f} s without replay, "
+          f"{st['with_replay_s']:.3f} s with ({st['slowdown']:+.1%})")
     return out
 
 
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", nargs="+", default=["torch", "mlx"], choices=["torch", "mlx"])
     p.add_argument("--planes", nargs="+", default=["bf16", "int8g64"], choices=["bf16", "int8g64"])
     p.add_argument("--step-groups", type=int, default=4, help="groups in the timed learner step")
-    p.add_argument("--reps", type=int, default=3, help="timed learner steps each way (after one warm-up)")
+    p.add_argument("--reps", type=int, default=5, help="timed learner steps each way, interleaved (after one warm-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the generated data and the base are cached")
@@ -234,9 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="the learner's and the torch worker's device (cpu, cuda)")
     p.add_argument("--out", default=None, help="result file (default bench/results/routing_replay.json)")
     args = p.parse_args(argv)
+    from .common import provenance
+
+    tree = provenance()  # the code that runs: the checkout may move on during a long run
     result = run(args)
     name = "routing_replay" + ("_tiny" if args.tiny else "") + ("_gpu" if args.device == "cuda" else "")
-    path = write_result(name, result, args.out, argv=argv)
+    path = write_result(name, result, args.out, argv=argv, tree=tree)
     print(f"wrote {path}")
     return 0
 

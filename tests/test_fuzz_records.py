@@ -168,7 +168,7 @@ class Gen:
         if self.rng.random() < 0.3:
             del d["schema_version"]
         else:
-            d["schema_version"] = self.rng.choice([0, 2, "1", None, [], 10**20])
+            d["schema_version"] = self.rng.choice([0, 3, "1", None, [], 10**20, True])
         return v, w, g, z(d), "schema_version"
 
     def make_missing_field(self):

@@ -241,6 +241,9 @@ def objective_args(cfg: RecipeConfig) -> list[str]:
         "--custom-pg-loss-reducer-function-path", REDUCER_FN,
         "--rollout-data-postprocess-path", AUDIT_FN,
         AFTER_TRAIN_FLAG, PUBLISH_HOOK_FN,
+        # slime's own rollout routing replay (both checked slime commits have it): the records' routes, which
+        # trainer/slime_plugin/rollout.py hands over as each Sample's rollout_routed_experts
+        *(["--use-rollout-routing-replay"] if a.routing_replay else []),
     ]
 
 

@@ -10,7 +10,9 @@ bounded (peak RSS measured around the poll, after resetting the kernel's high-wa
 
 from __future__ import annotations
 
+import base64
 import copy
+import functools
 import gc
 import io
 import json
@@ -22,6 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zstandard
 from soakstats import record, soak_trials
@@ -29,7 +32,8 @@ from soakstats import record, soak_trials
 from trainer.rollouts.pool import DROP_REASONS, MAX_TRACKED_WORKERS, BatchRules, RecordRules
 from trainer.rollouts.source import RolloutSource
 from worker_contract import layout
-from worker_contract.schema import MAX_DECOMPRESSED_BYTES, MAX_RECORD_BYTES
+from worker_contract.routes import RouteShape, encode_routes, routed_response_tokens
+from worker_contract.schema import MAX_DECOMPRESSED_BYTES, MAX_RECORD_BYTES, decode_record
 from worker_contract.store.file import FileStore
 
 RUN = "fuzz-run"
@@ -153,13 +157,19 @@ class Gen:
         d["prompt_ids"] = [1] * self.rng.randint(1_000_000, 2_000_000) + [VOCAB]
         return v, w, g, z(d), "vocab"
 
+    def make_routes_on_dense(self):
+        """A well-formed routed record (version 2) on this dense run: its routes are refused."""
+        v, w, g, d = self.rec()
+        d.update(_routes_for(d, self.rng, MOE))
+        return v, w, g, z(d), "routes_unexpected"
+
     # -- structure -------------------------------------------------------------------------------------
     def make_schema_version(self):
         v, w, g, d = self.rec()
         if self.rng.random() < 0.3:
             del d["schema_version"]
         else:
-            d["schema_version"] = self.rng.choice([0, 2, "1", None, [], 10**20])
+            d["schema_version"] = self.rng.choice([0, 3, "1", None, [], 10**20, True])
         return v, w, g, z(d), "schema_version"
 
     def make_missing_field(self):
@@ -343,7 +353,7 @@ KINDS = {
     "duplicate_json_key": 4, "bad_enum": 4, "empty_prompt": 2, "length_mismatch": 4, "nan_logprob": 5,
     "overflow_logprob": 2, "nan_reward": 3, "positive_logprob": 3, "out_of_vocab": 6, "too_long": 3,
     "future": 5, "stale": 4, "wrong_run": 3, "key_mismatch": 4, "wrong_plane": 3, "group_size": 4,
-    "sampling": 3, "forged_size": 1,
+    "sampling": 3, "forged_size": 1, "routes_on_dense": 3,
 }
 #: counts of the costly kinds, whatever the total
 COSTLY = {"bomb": 4, "oversized": 2, "huge_within_limits": 2}
@@ -494,8 +504,9 @@ def _learner_step_on(src: RolloutSource, tmp_path: Path) -> float:
 def test_10k_hostile_records_are_each_dropped_with_their_reason(tmp_path):
     figures = fuzz(tmp_path, 10_000, seed=1)
     src = figures.pop("source")
-    # every reason one record can earn on its own (reuse_cap and vanished need a consumer / a deleter)
-    assert set(figures["reasons"]) == set(DROP_REASONS) - {"reuse_cap", "vanished"}
+    # every reason one record can earn on its own (reuse_cap and vanished need a consumer / a deleter; the
+    # routes of an MoE run have their own test below)
+    assert set(figures["reasons"]) == set(DROP_REASONS) - {"reuse_cap", "vanished"} - MOE_ONLY
     print({k: v for k, v in figures.items() if k != "reasons"})
     assert math.isfinite(_learner_step_on(src, tmp_path))
 
@@ -519,3 +530,102 @@ def test_soak_hostile_records(tmp_path):
                     "peak_rss_growth_mb_max": max(r["peak_rss_growth_mb"] for r in runs),
                     "retained_rss_mb_max": max(r["retained_rss_mb"] for r in runs),
                     "poll_s_mean": round(sum(r["poll_s"] for r in runs) / trials, 1)})
+
+
+# -- MoE routes (worker_contract/routes.py): hostile routes on a run that replays them ---------------------
+MOE = RouteShape(moe_layers=(1, 2, 3), num_experts=8, top_k=2)
+MOE_ONLY = {"routes_missing", "routes_shape", "routes_range"}
+
+
+def _ids(rng: random.Random, tokens: int, shape: RouteShape) -> np.ndarray:
+    return np.array([[sorted(rng.sample(range(shape.num_experts), shape.top_k)) for _ in shape.moe_layers]
+                     for _ in range(tokens)], dtype=np.uint8).reshape(tokens, shape.layers, shape.top_k)
+
+
+def _routes_for(d: dict, rng: random.Random, shape: RouteShape, extra: int = 0) -> dict:
+    """The routes a worker would record for record dict `d` (`extra` more tokens on the last sample)."""
+    prompt = _ids(rng, len(d["prompt_ids"]), shape)
+    samples = [_ids(rng, routed_response_tokens(s["loss_mask"]), shape) for s in d["samples"]]
+    samples[-1] = np.concatenate([samples[-1], _ids(rng, extra, shape)])
+    return {"schema_version": 2, "routes": encode_routes(prompt, samples).model_dump()}
+
+
+def _raw_routes(ids: np.ndarray, shape: RouteShape) -> dict:
+    frame = zstandard.ZstdCompressor().compress(np.ascontiguousarray(ids, dtype=np.uint8).tobytes())
+    return {"layers": shape.layers, "top_k": shape.top_k, "data": base64.b64encode(frame).decode()}
+
+
+@functools.cache
+def _routes_bomb() -> str:
+    return base64.b64encode(zstandard.ZstdCompressor().compress(bytes(64 << 20))).decode()
+
+
+def _hostile_routes(rng: random.Random, d: dict) -> tuple[dict, str]:
+    """d with routes wrong in one known way, and the reason it must be dropped for."""
+    kind = rng.choice(["missing", "layers", "top_k", "count_short", "count_long", "id_range", "repeated",
+                       "not_base64", "not_zstd", "bomb", "v1_with_routes", "v2_without"])
+    ok = _routes_for(d, rng, MOE)
+    n_tokens = len(d["prompt_ids"]) + sum(routed_response_tokens(s["loss_mask"]) for s in d["samples"])
+    ids = _ids(rng, n_tokens, MOE)
+    if kind == "missing":
+        return d, "routes_missing"
+    if kind == "layers":
+        other = RouteShape(tuple(range(MOE.layers + 1)), MOE.num_experts, MOE.top_k)
+        return {**d, **_routes_for(d, rng, other)}, "routes_shape"
+    if kind == "top_k":
+        other = RouteShape(MOE.moe_layers, MOE.num_experts, MOE.top_k + 1)
+        return {**d, **_routes_for(d, rng, other)}, "routes_shape"
+    if kind in ("count_short", "count_long"):  # one token too few or too many: the off-by-one a recorder makes
+        cut = ids[:-1] if kind == "count_short" else np.concatenate([ids, ids[:1]])
+        return {**d, "schema_version": 2, "routes": _raw_routes(cut, MOE)}, "routes_shape"
+    if kind == "id_range":
+        ids[rng.randrange(n_tokens), rng.randrange(MOE.layers), -1] = rng.choice([MOE.num_experts, 255])
+        return {**d, "schema_version": 2, "routes": _raw_routes(ids, MOE)}, "routes_range"
+    if kind == "repeated":
+        t, layer = rng.randrange(n_tokens), rng.randrange(MOE.layers)
+        ids[t, layer, 1] = ids[t, layer, 0]
+        return {**d, "schema_version": 2, "routes": _raw_routes(ids, MOE)}, "routes_range"
+    if kind == "not_base64":
+        return {**d, **ok, "routes": {**ok["routes"], "data": "@@not base64@@"}}, "routes_shape"
+    if kind == "not_zstd":
+        junk = base64.b64encode(rng.randbytes(40)).decode()
+        return {**d, **ok, "routes": {**ok["routes"], "data": junk}}, "routes_shape"
+    if kind == "bomb":  # a frame claiming far more than the tokens need
+        return {**d, **ok, "routes": {**ok["routes"], "data": _routes_bomb()}}, "routes_shape"
+    if kind == "v1_with_routes":
+        return {**d, **ok, "schema_version": 1}, "malformed"
+    return {**d, "schema_version": 2}, "malformed"  # v2_without
+
+
+def test_hostile_routes_on_an_moe_run_are_each_dropped_with_their_reason(tmp_path):
+    """An MoE run that replays routes: every hostile route is dropped with its reason, valid routed groups
+    are pooled, and the learner keeps polling."""
+    rng = random.Random(7)
+    gen = Gen(7)
+    store = FileStore(tmp_path / "bucket")
+    expect: Counter = Counter()
+    controls = set()
+    for i in range(400):
+        v, w, g, d = gen.rec()
+        if i % 4 == 0:
+            d, reason = {**d, **_routes_for(d, rng, MOE)}, None
+        else:
+            d, reason = _hostile_routes(rng, d)
+        key = layout.rollout_key(RUN, v, w, g)
+        store.put(key, z(d))
+        if reason is None:
+            controls.add(key)
+        else:
+            expect[reason] += 1
+    rules = RecordRules(run=RUN, n_samples=N, plane="bf16", vocab_size=VOCAB, temperature=1.0, top_p=1.0,
+                        max_new_tokens=MAX_NEW, staleness=STALENESS, routes=MOE, replay=True)
+    src = RolloutSource(store, rules, BatchRules(groups_per_step=4, reuse_cap=2))
+    assert src.poll(CURRENT) == len(controls)
+    assert set(src._pool) == controls
+    assert Counter({k: v for k, v in src.drops.items() if v}) == expect
+    assert MOE_ONLY <= set(expect)
+    # the same routes on a run that does not replay: a group without routes is fine there, hostile ones are not
+    lax = RecordRules(**{**rules.__dict__, "replay": False})
+    rec = decode_record(z(gen.rec()[3]))
+    assert lax.check(rec, layout.parse_rollout_key(layout.rollout_key(RUN, rec.policy_version, rec.worker_id,
+                                                                      rec.group_id)), CURRENT) is None

@@ -82,7 +82,8 @@ BAD = [
     ("malformed", lambda d: {k: v for k, v in d.items() if k != "prompt_ids"}, {}),
     ("malformed", _sample_edit("loss_mask", [1, 2, 1]), {}),
     ("malformed", lambda d: {**d, "prompt_ids": []}, {}),
-    ("schema_version", lambda d: {**d, "schema_version": 2}, {}),
+    ("schema_version", lambda d: {**d, "schema_version": 3}, {}),
+    ("malformed", lambda d: {**d, "schema_version": 2}, {}),  # version 2 carries MoE routes; this one has none
     ("length_mismatch", _sample_edit("behavior_logprobs", [-0.5, -1.0]), {}),
     ("wrong_run", lambda d: {**d, "run": "other-run"}, {}),
     ("future_version", lambda d: {**d, "policy_version": 6}, {"key_version": 5}),

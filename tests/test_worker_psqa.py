@@ -83,11 +83,16 @@ def test_uploads_search_episode_groups_the_source_accepts(run_store, model_dir, 
     w = _worker(store, model_dir, retriever_url=retriever.url, retriever_tier="light", max_groups=3, backend=backend)
     stats = w.run(threading.Event())
     assert stats.groups == 3 and not stats.dropped
-    src = RolloutSource(store, RecordRules.from_manifest(manifest, cfg.algo), BatchRules(groups_per_step=3, reuse_cap=2))
+    from trainer.session import model_route_shape
+
+    shape = model_route_shape(model_dir)  # an LFM2-MoE: the records carry its routes
+    src = RolloutSource(store, RecordRules.from_manifest(manifest, cfg.algo, routes=shape),
+                        BatchRules(groups_per_step=3, reuse_cap=2))
     assert src.poll(1) == 3 and sum(src.drops.values()) == 0, src.drops
     records = [decode_record(store.get(k)) for k in store.list_keys(layout.rollouts_prefix(RUN))]
     for r in records:
         assert r.task == "psqa" and len(r.samples) == N
+        assert r.schema_version == 2 and r.routes.layers == shape.layers
         for s in r.samples:
             assert all(lp == 0.0 for lp, m in zip(s.behavior_logprobs, s.loss_mask, strict=True) if m == 0)
     assert stats.prefill_extend <= stats.prefill_reprefill

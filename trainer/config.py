@@ -152,6 +152,11 @@ class AlgoConfig(_Model):
     """Nucleus cutoff (1.0 = off). Only 1.0 is accepted for now (`_top_p_is_scored`)."""
     max_new_tokens: int = Field(1024, ge=1)
     """Response budget; also the Dr.GRPO reducer's constant length."""
+    routing_replay: bool = False
+    """MoE models: every learner forward on a record (policy, audit and frozen reference) sends each token to
+    the experts the worker's forward routed it to (the record's routes), with the gating weights still
+    computed by the learner's router over those experts, so the router keeps learning. A record without
+    routes is then dropped (routes_missing). Dense models: no effect (docs/objective.md, routing replay)."""
 
     @field_validator("objective")
     @classmethod
@@ -318,6 +323,13 @@ class RecipeConfig(_Model):
         if self.optim.offload > 0 and on_hf:
             raise ValueError("optim.offload runs on the megatron backend (native engine) or on slime, not "
                              "on train.backend: hf: set train.backend: megatron, or optim.offload: 0")
+        return self
+
+    @model_validator(mode="after")
+    def _replay_runs_eagerly(self) -> RecipeConfig:
+        if self.algo.routing_replay and self.compute.cuda_graphs:
+            raise ValueError("algo.routing_replay cannot run under compute.cuda_graphs (a captured decoder replays the "
+                             "routes it was captured with): set compute.cuda_graphs: false, or algo.routing_replay: false")
         return self
 
     @model_validator(mode="after")

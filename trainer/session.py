@@ -32,10 +32,12 @@ class RolloutSide:
     """The bucket rollout source (trainer/rollouts/source.py: listing, judging, the pool and its reuse ledger)."""
 
     def __init__(self, store: Store, manifest: RunManifest, algo: AlgoConfig, poll_interval_s: float,
-                 ledger: dict | None = None):
+                 ledger: dict | None = None, model_dir: str | Path | None = None):
+        """`model_dir`: the HF directory of the run's model, whose config says whether records carry MoE
+        routes (worker_contract/routes.py); None: a dense model's run."""
         from .rollouts.source import RolloutSource
 
-        self.source = RolloutSource.from_manifest(store, manifest, algo)
+        self.source = RolloutSource.from_manifest(store, manifest, algo, routes=model_route_shape(model_dir))
         if ledger:
             self.source.load_ledger_state(ledger)
         self.poll_interval_s = poll_interval_s
@@ -55,6 +57,17 @@ class RolloutSide:
 
     def load_ledger_state(self, state: dict) -> None:
         self.source.load_ledger_state(state)
+
+
+def model_route_shape(model_dir: str | Path | None):
+    """The MoE route shape of the HF model in `model_dir` (None: no directory, or a dense model)."""
+    if model_dir is None:
+        return None
+    from worker_contract.routes import route_shape
+
+    from .models.hf_io import load_hf_config
+
+    return route_shape(load_hf_config(model_dir))
 
 
 @dataclass

@@ -23,6 +23,7 @@ from worker_contract.schema import RolloutRecord
 if TYPE_CHECKING:
     import torch
 
+    from worker_contract.routes import RouteShape
     from worker_contract.store import Store
 
     from .audit import WorkerAudit
@@ -53,6 +54,9 @@ class TrainBatch:
     """[B] float: raw rewards."""
     ref_logp: torch.Tensor | None = None
     """[B, R] float: reference-policy log-probs, filled in by the learner before the step."""
+    routes: torch.Tensor | None = None
+    """[B, T, layers, top_k] int16: the experts the worker routed each token to, -1 where the record has
+    none (padding, the tokens after the last trained one); None unless the run replays routes."""
 
     @property
     def rows(self) -> int:
@@ -97,7 +101,7 @@ class TrainBatch:
             prompt_lens=self.prompt_lens[start:stop], response_lens=self.response_lens[start:stop],
             loss_mask=cut(self.loss_mask, r), behavior_logp=cut(self.behavior_logp, r),
             advantages=self.advantages[start:stop], rewards=self.rewards[start:stop],
-            ref_logp=cut(self.ref_logp, r),
+            ref_logp=cut(self.ref_logp, r), routes=cut(self.routes, t),
         )
 
     def response_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,8 +116,9 @@ class TrainBatch:
         return rows, cols, pos
 
 
-def collate(records: Sequence[RolloutRecord], pad_id: int = 0) -> TrainBatch:
-    """Lay out prompt groups as one batch; advantages are computed per group (Dr.GRPO)."""
+def collate(records: Sequence[RolloutRecord], pad_id: int = 0, routes: RouteShape | None = None) -> TrainBatch:
+    """Lay out prompt groups as one batch; advantages are computed per group (Dr.GRPO). With `routes` (the
+    model's route shape, when the run replays routes) the records' routes come along (`TrainBatch.routes`)."""
     import torch
 
     from .algo import group_advantages
@@ -149,7 +154,28 @@ def collate(records: Sequence[RolloutRecord], pad_id: int = 0) -> TrainBatch:
         prompt_lens=torch.tensor([len(p) for p, _ in rows], dtype=torch.long),
         response_lens=torch.tensor([len(s.response_ids) for _, s in rows], dtype=torch.long),
         loss_mask=loss_mask, behavior_logp=blp, advantages=adv, rewards=rewards,
+        routes=None if routes is None else route_tensor(records, routes, t),
     )
+
+
+def route_tensor(records: Sequence[RolloutRecord], shape: RouteShape, width: int) -> torch.Tensor:
+    """[rows, width, layers, top_k] int16 of the records' routes (collate's row order), -1 where none."""
+    import numpy as np
+    import torch
+
+    from worker_contract.routes import decode_routes
+
+    n = sum(len(r.samples) for r in records)
+    out = np.full((n, width, shape.layers, shape.top_k), -1, dtype=np.int16)
+    row = 0
+    for rec in records:
+        prompt, samples = decode_routes(rec, shape)  # checked when the record was pooled
+        p = len(prompt)
+        for resp in samples:
+            out[row, :p] = prompt
+            out[row, p:p + len(resp)] = resp
+            row += 1
+    return torch.from_numpy(out)
 
 
 #: what the step hands a backend: (per-token log-probs of a micro-batch, the micro-batch) -> (loss, metrics)
@@ -216,9 +242,10 @@ def train_on(backend, records: Sequence[RolloutRecord], algo: AlgoConfig, audit:
     """The native step on validated groups: batch, reference log-probs, the audit of the groups sampled at
     `weights_version` (the version holding exactly the backend's weights; None when unpublished), then one
     optimizer step on the objective. Returns the backend's metrics (loss terms, fractions, grad_norm)."""
-    tb = make_batch(records)
+    shape = backend.route_shape if algo.routing_replay else None
+    tb = make_batch(records, routes=shape)
     tb.ref_logp = backend.logprobs(tb, reference=True)
-    audit.audit_step(records, weights_version, lambda recs: backend.logprobs(make_batch(recs)))
+    audit.audit_step(records, weights_version, lambda recs: backend.logprobs(make_batch(recs, routes=shape)))
     return backend.train_step(tb, loss_fn(algo))
 
 

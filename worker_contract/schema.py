@@ -19,6 +19,10 @@ from pydantic_core import PydanticCustomError
 from .planes import PlaneName
 
 SCHEMA_VERSION = 1
+#: the format of a record that carries MoE routes (`routes`); a record without them stays version 1
+ROUTED_SCHEMA_VERSION = 2
+#: record formats this contract reads
+SCHEMA_VERSIONS = (SCHEMA_VERSION, ROUTED_SCHEMA_VERSION)
 #: a compressed record larger than this is refused before it is decompressed
 MAX_RECORD_BYTES = 32 << 20
 #: and one that decompresses past this (a zstd bomb) is refused too
@@ -72,12 +76,27 @@ class Sample(BaseModel):
         return self
 
 
+class RouteBlob(BaseModel):
+    """The MoE routes of a group (worker_contract/routes.py writes and reads them; docs/contract.md).
+
+    `data` is base64 of one zstd frame of uint8 expert ids laid out [tokens, layers, top_k]: first the
+    prompt's tokens, then each sample's response tokens up to, not including, its last trained (sampled)
+    token, sample after sample. Those are the tokens whose outputs predict a sampled token."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    layers: int = Field(ge=1, le=1024, description="MoE layers recorded, in the model's layer order.")
+    top_k: int = Field(ge=1, le=256, description="Experts per token and layer (the model's num_experts_per_tok).")
+    data: str = Field(description="base64 of zstd of the uint8 ids [tokens, layers, top_k], each token's ids sorted.")
+
+
 class RolloutRecord(BaseModel):
     """A prompt group: `n_samples` completions of one prompt, all sampled by one policy version."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schema_version: Literal[1] = Field(SCHEMA_VERSION, description="Version of this record format.")
+    schema_version: Literal[1, 2] = Field(SCHEMA_VERSION, description="Version of this record format: 1, or 2 "
+                                          "for a record that carries `routes` (an MoE model's).")
     run: str = Field(description="The run id (DRL_RUN) the worker joined.")
     worker_id: str = Field(description="Stable id of the worker that produced the group.")
     group_id: str = Field(description="Unique id of this group (the key's last segment).")
@@ -89,6 +108,16 @@ class RolloutRecord(BaseModel):
     sampling: SamplingParams
     samples: list[Sample] = Field(description="Exactly DRL_N_SAMPLES completions.")
     created_at: float = Field(description="Unix time the worker finished the group.")
+    routes: RouteBlob | None = Field(None, description="MoE models: the experts each token was routed to while "
+                                     "sampling (schema_version 2); None for a dense model (version 1).")
+
+    @model_validator(mode="after")
+    def _version_names_routes(self) -> RolloutRecord:
+        if (self.routes is not None) != (self.schema_version == ROUTED_SCHEMA_VERSION):
+            raise ValueError(f"schema_version {self.schema_version} with routes "
+                             f"{'present' if self.routes is not None else 'absent'}: version "
+                             f"{ROUTED_SCHEMA_VERSION} carries routes, version {SCHEMA_VERSION} does not")
+        return self
 
     @field_validator("samples")
     @classmethod
@@ -121,8 +150,9 @@ def decode_record(blob: bytes) -> RolloutRecord:
         raise RecordError("malformed", "JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise RecordError("malformed", "top level is not an object")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise RecordError("schema_version", f"schema_version={data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    if data.get("schema_version") not in SCHEMA_VERSIONS or isinstance(data.get("schema_version"), bool):
+        raise RecordError("schema_version", f"schema_version={data.get('schema_version')!r}, expected one of "
+                          f"{SCHEMA_VERSIONS}")
     try:
         return RolloutRecord.model_validate(data)
     except ValidationError as e:
@@ -134,22 +164,22 @@ def decode_record(blob: bytes) -> RolloutRecord:
                           + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else "")) from None
 
 
-def _decompress_bounded(blob: bytes) -> bytes:
-    """The first zstd frame, decompressed to at most MAX_DECOMPRESSED_BYTES (as before, bytes after it are
+def _decompress_bounded(blob: bytes, limit: int = MAX_DECOMPRESSED_BYTES) -> bytes:
+    """The first zstd frame, decompressed to at most `limit` bytes (as before, bytes after it are
     ignored). `ZstdDecompressor.decompress` trusts the frame header's content size and allocates all of it
     (a 32 KB record can claim a terabyte), so feed the input in small steps: a step of _STEP bytes can
     expand to at most ~_STEP/4 blocks of 128 KiB, which bounds memory whatever the header says."""
     try:
         declared = zstandard.frame_content_size(blob)
-        if declared > MAX_DECOMPRESSED_BYTES:
-            raise RecordError("oversized", f"{declared} bytes once decompressed > {MAX_DECOMPRESSED_BYTES}")
+        if declared > limit:
+            raise RecordError("oversized", f"{declared} bytes once decompressed > {limit}")
         d = zstandard.ZstdDecompressor().decompressobj()
         out, total = [], 0
         for i in range(0, len(blob), _STEP):
             chunk = d.decompress(blob[i : i + _STEP])
             total += len(chunk)
-            if total > MAX_DECOMPRESSED_BYTES:
-                raise RecordError("oversized", f"more than {MAX_DECOMPRESSED_BYTES} bytes once decompressed")
+            if total > limit:
+                raise RecordError("oversized", f"more than {limit} bytes once decompressed")
             out.append(chunk)
             if d.eof:
                 break

@@ -8,6 +8,7 @@ More in docs/architecture.md (module notes).
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from torch.utils.checkpoint import checkpoint
 from ..step import LossFn, TrainBatch
 
 if TYPE_CHECKING:
+    from worker_contract.routes import RouteShape
+
     from ..config import ComputeConfig, RecipeConfig
 
 # LossFn (trainer/step.py): loss_fn(logp [b, R] with grad, micro-batch) -> (loss reduced over the
@@ -120,18 +123,21 @@ def gather_logprobs(batch: TrainBatch, chunks: list[TrainBatch],
 def run_step(batch: TrainBatch, chunks: list[TrainBatch], loss_fn: LossFn, *,
              forward: Callable[[TrainBatch], torch.Tensor], grad_norm: Callable[[], torch.Tensor],
              update: Callable[[torch.Tensor], None], lr: float,
-             after_backward: Callable[[], None] | None = None) -> dict[str, float]:
+             after_backward: Callable[[], None] | None = None,
+             around: Callable[[TrainBatch], Any] | None = None) -> dict[str, float]:
     """One optimizer step over `batch`, the loop every backend runs: for each micro-batch of `chunks`,
     `forward` ([b, R] log-probs with grad), `loss_fn`, and a backward of the loss weighted by the chunk's
     share of the batch's rows (then `after_backward`, e.g. folding bf16 grads into float32 masters); then
     `grad_norm()` over the accumulated gradients and, if it is finite, `update(norm)` (clip and step).
     A non-finite norm skips the update: one bad batch must not poison the weights; it is reported as
     `skipped`. Returns the combined loss metrics plus `grad_norm` and `lr` (the rate this step used).
-    The caller zeroes the gradients afterwards."""
+    The caller zeroes the gradients afterwards. `around(mb)`: a context held over a micro-batch's forward
+    and backward (routing replay: the backward's recomputation must see the same routes)."""
     parts = []
     for mb in chunks:
-        loss, metrics = loss_fn(forward(mb), mb)
-        (loss * (mb.rows / batch.rows)).backward()
+        with around(mb) if around is not None else contextlib.nullcontext():
+            loss, metrics = loss_fn(forward(mb), mb)
+            (loss * (mb.rows / batch.rows)).backward()
         if after_backward is not None:
             after_backward()
         parts.append((mb.rows, metrics))
@@ -152,6 +158,8 @@ class Backend(abc.ABC):
 
     #: registry name ("hf", "megatron")
     name: ClassVar[str]
+    #: the model's MoE route shape (worker_contract/routes.py); None for a dense model
+    route_shape: RouteShape | None = None
 
     @classmethod
     @abc.abstractmethod

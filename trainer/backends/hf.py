@@ -66,6 +66,28 @@ class HFBackend(Backend):
             lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
         )
         self._check_head(self.model)
+        self._replayers = self._routing_replay(cfg)
+
+    def _routing_replay(self, cfg: RecipeConfig) -> dict[int, Any]:
+        """The model's route shape, and with algo.routing_replay a Replayer per model (trainer/routing_replay.py),
+        installed after the reference copy so each model's hooks are its own."""
+        from worker_contract.routes import route_shape
+
+        from ..routing_replay import Replayer
+
+        self.route_shape = route_shape(self.model.config.to_dict())
+        if not cfg.algo.routing_replay or self.route_shape is None:
+            return {}
+        return {id(m): Replayer.hf(m, self.route_shape) for m in (self.model, self.reference)}
+
+    def _replayed_logp(self, model: PreTrainedModel, mb: TrainBatch) -> torch.Tensor:
+        with self._replaying(model, mb):
+            return self._response_logp(model, mb)
+
+    def _replaying(self, model: PreTrainedModel, mb: TrainBatch):
+        """Replay the micro-batch's routes in `model`'s forwards (and the backward's recomputations) inside."""
+        rep = self._replayers.get(id(model))
+        return rep.routes(mb.routes) if rep is not None and mb.routes is not None else contextlib.nullcontext()
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: RecipeConfig, *, device: str | None = None,
@@ -117,7 +139,7 @@ class HFBackend(Backend):
     def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
         model = self.reference if reference else self.model
         batch = batch.to(self.device)
-        return gather_logprobs(batch, micro_batches(batch, self.cfg.compute), lambda mb: self._response_logp(model, mb))
+        return gather_logprobs(batch, micro_batches(batch, self.cfg.compute), lambda mb: self._replayed_logp(model, mb))
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         batch = batch.to(self.device)

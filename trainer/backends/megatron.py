@@ -83,8 +83,10 @@ class _RankActor:
 class MegatronBackend(Backend):
     name = "megatron"
 
-    def __init__(self, *, local: Any = None, actors: list[Any] | None = None, vocab_size: int):
+    def __init__(self, *, local: Any = None, actors: list[Any] | None = None, vocab_size: int,
+                 route_shape: Any = None):
         self._local, self._actors, self._vocab = local, actors or [], vocab_size
+        self.route_shape = route_shape
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: RecipeConfig, *, device: str | None = None,
@@ -119,7 +121,7 @@ class MegatronBackend(Backend):
             d = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
             init_parallel(0, 1, d, seed=cfg.train.seed)
             rank = MegatronRank(model_dir, cfg, device=d, **kwargs)
-            return cls(local=rank, vocab_size=rank.identity.vocab_size)
+            return cls(local=rank, vocab_size=rank.identity.vocab_size, route_shape=rank.route_shape)
         return cls._launch_actors(str(model_dir), cfg, dev, tp, kwargs, setup)
 
     @classmethod
@@ -139,7 +141,10 @@ class MegatronBackend(Backend):
         port = _free_port()
         actors = [actor_cls.remote(r, tp, port, model_dir, cfg, dev, kwargs, setup) for r in range(tp)]
         vocab = ray.get([a.call.remote("vocab_size") for a in actors])[0]
-        return cls(actors=actors, vocab_size=vocab)
+        from trainer.models import load_hf_config
+        from worker_contract.routes import route_shape
+
+        return cls(actors=actors, vocab_size=vocab, route_shape=route_shape(load_hf_config(model_dir)))
 
     def _call(self, method: str, *args: Any) -> Any:
         if self._local is not None:

@@ -82,6 +82,32 @@ class MegatronRank:
         self.fused_wgrad = self._use_main_grads(fused_wgrad)
         self.graphs = self._decoder_graphs(cfg.compute.cuda_graphs if cuda_graphs is None else cuda_graphs)
         self.checkpoint_gate: Any = None  # set by MegatronBackend.attach_checkpoint_gate
+        self.replayers = self._routing_replay(cfg)
+
+    def _routing_replay(self, cfg: RecipeConfig) -> dict[int, Any]:
+        """With algo.routing_replay on an MoE model, a Replayer per model (trainer/routing_replay.py)."""
+        from worker_contract.routes import route_shape
+
+        from ..routing_replay import Replayer
+
+        self.route_shape = route_shape(self.hf_cfg)
+        if not cfg.algo.routing_replay or self.route_shape is None:
+            return {}
+        if self.graphs is not None:
+            raise ValueError("algo.routing_replay cannot run under compute.cuda_graphs (a captured graph replays "
+                             "fixed routes): set compute.cuda_graphs: false")
+        return {id(m): Replayer.megatron(m, self.route_shape) for m in (self.model, self.reference)}
+
+    def _replayed_logp(self, model: Any, mb: TrainBatch) -> torch.Tensor:
+        with self.replaying(model, mb):
+            return self.response_logp(model, mb)
+
+    def replaying(self, model: Any, mb: TrainBatch):
+        """Replay the micro-batch's routes in `model`'s forwards (and the backward's recomputations) inside."""
+        import contextlib
+
+        rep = self.replayers.get(id(model))
+        return rep.routes(mb.routes) if rep is not None and mb.routes is not None else contextlib.nullcontext()
 
     def vocab_size(self) -> int:
         return self.identity.vocab_size
@@ -231,7 +257,7 @@ class MegatronRank:
         model = self.reference if reference else self.model
         batch = batch.to(self.device)
         chunks = micro_batches(batch, self.cfg.compute, min_tokens=_NOGRAD_TOKENS)
-        return gather_logprobs(batch, chunks, lambda mb: self.response_logp(model, mb))
+        return gather_logprobs(batch, chunks, lambda mb: self._replayed_logp(model, mb))
 
     # -- training ------------------------------------------------------------------------------------
     def _grad_norm(self) -> torch.Tensor:
@@ -253,7 +279,7 @@ class MegatronRank:
             self._zero_grads()  # the capture's warm-up passes accumulated into the master gradients
         out = run_step(batch, chunks, loss_fn, forward=lambda mb: self.response_logp(self.model, mb),
                        after_backward=self._accumulate, grad_norm=self._grad_norm, update=self._update,
-                       lr=float(self.optimizer.param_groups[0]["lr"]))
+                       lr=float(self.optimizer.param_groups[0]["lr"]), around=lambda mb: self.replaying(self.model, mb))
         self._zero_grads()
         return out
 

@@ -111,13 +111,33 @@ class Lfm2ShortConv(MegatronModule):
 
 class FrozenBiasRouter(TopKRouter):
     """TopKRouter whose expert bias is a frozen parameter: it loads and saves with the weights (HF keeps it
-    in the checkpoint), and RL fine-tuning never moves it (bias_update_rate is 0 in the config)."""
+    in the checkpoint), and RL fine-tuning never moves it (bias_update_rate is 0 in the config). Under
+    routing replay (trainer/routing_replay.py) it routes to the recorded experts."""
+
+    #: (Replayer, this router's MoE layer position), set by `Replayer.megatron`
+    replay_source: tuple[Any, int] | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.expert_bias is not None:
             bias = self._buffers.pop("expert_bias")
             self.expert_bias = torch.nn.Parameter(bias, requires_grad=False)
+
+    def routing(self, logits: torch.Tensor, *args: Any, **kwargs: Any):
+        """megatron's routing; with recorded routes in hand, through its replay entry (MegatronReplay)."""
+        from trainer.routing_replay import MegatronReplay
+
+        src = self.replay_source
+        recorded = None if src is None else src[0].layer(src[1])
+        if recorded is None:
+            return super().routing(logits, *args, **kwargs)
+        if self.config.moe_router_fusion:  # the fused top-k takes no replay
+            raise ValueError("algo.routing_replay needs moe_router_fusion off (the fused top-k cannot replay)")
+        own, self.router_replay = self.router_replay, MegatronReplay(recorded)
+        try:
+            return super().routing(logits, *args, **kwargs)
+        finally:
+            self.router_replay = own
 
 
 def _replace(spec: Any, **changes: Any) -> Any:

@@ -52,13 +52,13 @@ class SourceActor:
     """The rollout side (trainer/session.py) in its own actor, polling in a background thread so batches
     are ready when asked for."""
 
-    def __init__(self, spec, manifest_json: str, algo_json: str, poll_interval_s: float):
+    def __init__(self, spec, manifest_json: str, algo_json: str, poll_interval_s: float, model_dir: str | None = None):
         from ..config import AlgoConfig
         from ..ray_runtime import open_store_spec
         from ..session import RolloutSide
 
         self.side = RolloutSide(open_store_spec(spec), RunManifest.model_validate_json(manifest_json),
-                                AlgoConfig.model_validate_json(algo_json), poll_interval_s)
+                                AlgoConfig.model_validate_json(algo_json), poll_interval_s, model_dir=model_dir)
         self._stop = threading.Event()
         threading.Thread(target=self.side.source.run_poller, args=(self._stop, poll_interval_s), daemon=True).start()
 
@@ -217,7 +217,7 @@ def run_learner(
         spec = store_spec(store, store_env)
         mjson = manifest.model_dump_json()
         source = ray.remote(num_cpus=0)(SourceActor).remote(
-            spec, mjson, cfg.algo.model_dump_json(), cfg.train.poll_interval_s)
+            spec, mjson, cfg.algo.model_dump_json(), cfg.train.poll_interval_s, str(model_dir))
         on_gpus = ray.cluster_resources().get("GPU", 0) >= 1
         tp_ranks = on_gpus and cfg.compute.tensor_parallel > 1  # the rank actors take the GPUs, one each
         gpus = 1 if on_gpus and not tp_ranks else 0

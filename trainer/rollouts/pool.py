@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from worker_contract import layout
+from worker_contract.routes import RouteError, RouteShape, decode_routes
 from worker_contract.schema import MAX_RECORD_BYTES, RolloutRecord
 from worker_contract.tasks import get_task, is_task
 
@@ -46,6 +47,10 @@ DROP_REASONS: dict[str, str] = {
     "logprob_not_finite": "a behaviour log-prob is NaN or infinite",
     "logprob_positive": "a behaviour log-prob is above 0 (a probability above 1)",
     "reward_not_finite": "a reward is NaN or infinite",
+    "routes_unexpected": "MoE routes on a run of a dense model",
+    "routes_missing": "no MoE routes on a run that replays them (algo.routing_replay)",
+    "routes_shape": "routes of another layer count or top-k than the model's, undecodable, or not one per routed token",
+    "routes_range": "an expert id outside [0, num_experts), or one repeated within a token's top-k",
     "duplicate": "the same worker/group id under a second key",
     "reuse_cap": "the group was already used `reuse_cap` times",
     "vanished": "listed, then gone before it could be read",
@@ -67,6 +72,10 @@ class RecordRules:
     max_new_tokens: int
     staleness: int
     max_record_bytes: int = MAX_RECORD_BYTES
+    routes: RouteShape | None = None
+    """The model's MoE route shape (None: a dense model, whose records carry no routes)."""
+    replay: bool = False
+    """algo.routing_replay: a record of an MoE model must carry its routes."""
 
     def __post_init__(self) -> None:
         layout.check_run_id(self.run)
@@ -76,10 +85,12 @@ class RecordRules:
 
     @classmethod
     def from_manifest(cls, manifest: RunManifest, algo: AlgoConfig, **kw) -> RecordRules:
-        """The run's published contract (run.json) and the recipe's staleness bound."""
+        """The run's published contract (run.json), the recipe's staleness bound and its routing replay;
+        `routes=` the model's route shape (worker_contract/routes.py)."""
         return cls(run=manifest.run, n_samples=manifest.n_samples, plane=manifest.plane,
                    vocab_size=manifest.vocab_size, temperature=manifest.temperature, top_p=manifest.top_p,
-                   max_new_tokens=manifest.max_new_tokens, staleness=algo.staleness, **kw)
+                   max_new_tokens=manifest.max_new_tokens, staleness=algo.staleness,
+                   replay=algo.routing_replay, **kw)
 
     def window(self, current: int) -> range:
         """Policy versions a record may carry when the learner is at `current`."""
@@ -121,6 +132,18 @@ class RecordRules:
                 return "logprob_positive"
             if not math.isfinite(s.reward):
                 return "reward_not_finite"
+        return self._check_routes(rec)
+
+    def _check_routes(self, rec: RolloutRecord) -> str | None:
+        """Routes are checked whether or not the run replays them: a hostile worker's group goes either way."""
+        if rec.routes is None:
+            return "routes_missing" if self.replay and self.routes is not None else None
+        if self.routes is None:
+            return "routes_unexpected"
+        try:
+            decode_routes(rec, self.routes)
+        except RouteError as e:
+            return e.reason
         return None
 
 

@@ -76,9 +76,10 @@ class RolloutSource:
         self._poll_lock = threading.Lock()  # one poll at a time (I/O happens outside the pool's lock)
 
     @classmethod
-    def from_manifest(cls, store: Store, manifest: RunManifest, algo: AlgoConfig, **kw) -> RolloutSource:
-        """A source that checks records against the run's published contract and the recipe."""
-        return cls(store, RecordRules.from_manifest(manifest, algo),
+    def from_manifest(cls, store: Store, manifest: RunManifest, algo: AlgoConfig, routes=None, **kw) -> RolloutSource:
+        """A source that checks records against the run's published contract and the recipe (`routes`: the
+        model's MoE route shape, worker_contract/routes.py; None for a dense model)."""
+        return cls(store, RecordRules.from_manifest(manifest, algo, routes=routes),
                    BatchRules(groups_per_step=algo.groups_per_step, reuse_cap=algo.reuse_cap), **kw)
 
     @property

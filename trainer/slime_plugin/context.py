@@ -66,15 +66,17 @@ class PluginContext:
                              "(the launch's publish_anchor step)")
         return pointer.version
 
-    def rollouts(self):
-        """The rollout side (trainer/session.RolloutSide), its reuse ledger restored from the hand-off."""
+    def rollouts(self, model_dir: str | None = None):
+        """The rollout side (trainer/session.RolloutSide), its reuse ledger restored from the hand-off;
+        `model_dir` (slime's --hf-checkpoint) names the model whose MoE routes records carry."""
         with self._lock:
             if self._rollouts is None:
                 from trainer.session import RolloutSide
 
                 self._handoff = handoff.read(self.state_dir)
                 self._rollouts = RolloutSide(self.store, self.manifest, self.cfg.algo,
-                                             self.cfg.train.poll_interval_s, ledger=self._handoff.ledger)
+                                             self.cfg.train.poll_interval_s, ledger=self._handoff.ledger,
+                                             model_dir=model_dir or self.cfg.model.path)
             return self._rollouts
 
     def hand_over(self, rollout_id: int, note) -> None:

@@ -23,10 +23,12 @@ log = logging.getLogger(__name__)
 WAIT_LOG_S = 60.0
 
 
-def group_to_samples(group, *, group_index: int, first_index: int, Sample) -> list:
-    """One validated group (trainer.rollouts.pool.Group) as n_samples slime Samples, in the record's order."""
+def group_to_samples(group, *, group_index: int, first_index: int, Sample, routes=None) -> list:
+    """One validated group (trainer.rollouts.pool.Group) as n_samples slime Samples, in the record's order;
+    `routes` = (route shape, the model's layer count) when slime replays the records' routes."""
     rec = group.record
     out = []
+    replay = None if routes is None else slime_routes(rec, *routes)
     for i, s in enumerate(rec.samples):
         status = Sample.Status.TRUNCATED if s.finish_reason in ("length", "abort") else Sample.Status.COMPLETED
         out.append(Sample(
@@ -38,13 +40,34 @@ def group_to_samples(group, *, group_index: int, first_index: int, Sample) -> li
                       "group_id": rec.group_id, "prompt_id": rec.prompt_id, "use": group.use, "lag": group.lag,
                       "finish_reason": s.finish_reason},
         ))
+        if replay is not None:
+            out[-1].rollout_routed_experts = replay[i]
     return out
 
 
-def next_batch(ctx: PluginContext, *, timeout_s: float | None = None):
+def slime_routes(rec, shape, num_layers: int) -> list:
+    """Each sample's routes as slime's rollout routing replay takes them: int32 [len(tokens) - 1, num_layers,
+    top_k] over every layer (the dense ones' rows are never read). Tokens the record has no routes for (the
+    last trained token and any tool tokens after it) predict nothing trained on: they get experts 0..k-1."""
+    import numpy as np
+
+    from worker_contract.routes import decode_routes
+
+    prompt, samples = decode_routes(rec, shape)
+    out = []
+    for s, resp in zip(rec.samples, samples, strict=True):
+        n = len(rec.prompt_ids) + len(s.response_ids) - 1
+        a = np.tile(np.arange(shape.top_k, dtype=np.int32), (n, num_layers, 1))
+        routed = np.concatenate([prompt, resp]).astype(np.int32)
+        a[:len(routed), list(shape.moe_layers)] = routed
+        out.append(a)
+    return out
+
+
+def next_batch(ctx: PluginContext, *, timeout_s: float | None = None, model_dir: str | None = None):
     """Block until the rollout side has a full batch for the current version: (batch, its note), or None
     only after `timeout_s`."""
-    side = ctx.rollouts()
+    side = ctx.rollouts(model_dir)
     start = time.monotonic()
     while True:
         current = ctx.current_version()
@@ -61,12 +84,15 @@ def next_batch(ctx: PluginContext, *, timeout_s: float | None = None):
 
 def train_output(args: Any, rollout_id: int, ctx: PluginContext, *, timeout_s: float | None = None):
     Sample, TrainOutput, _, _ = slime_types()
-    got = next_batch(ctx, timeout_s=timeout_s)
+    model_dir = getattr(args, "hf_checkpoint", None)
+    got = next_batch(ctx, timeout_s=timeout_s, model_dir=model_dir)
     if got is None:
         raise TimeoutError(f"no full batch of {ctx.cfg.algo.groups_per_step} groups within {timeout_s} s")
     batch, note = got
     n = ctx.manifest.n_samples
-    groups = [group_to_samples(g, group_index=gi, first_index=gi * n, Sample=Sample)
+    shape = ctx.rollouts().source.rules.routes
+    routes = (shape, int(args.num_layers)) if ctx.cfg.algo.routing_replay and shape is not None else None
+    groups = [group_to_samples(g, group_index=gi, first_index=gi * n, Sample=Sample, routes=routes)
               for gi, g in enumerate(batch.groups)]
     assert all(len(g) == n for g in groups), "the rollout source let a wrong-sized group through"
     # worker/* repeat the counts' per-worker figures: slime's log and the stats object leave them out

@@ -16,7 +16,7 @@ import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pydantic import Field
 
@@ -135,6 +135,10 @@ class Episode:
     text: str = ""
     searches: list[str] = field(default_factory=list)
     finish_reason: str = "stop"
+    routes: Any = None
+    """MoE models: the response tokens' routes as the record carries them (worker_contract/routes.py)."""
+    prompt_routes: Any = None
+    """MoE models: the prompt's routes, recorded once for the group."""
 
     def _append(self, ids: list[int], lps: list[float] | None, text: str) -> None:
         trainable = lps is not None

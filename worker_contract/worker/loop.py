@@ -29,7 +29,14 @@ from .. import layout
 from ..env import parse_env
 from ..manifest import ContractMismatch, RunManifest, load_manifest
 from ..reconstruct import PointerRefused, SyncError
-from ..schema import RolloutRecord, Sample, SamplingParams, encode_record
+from ..schema import (
+    ROUTED_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    RolloutRecord,
+    Sample,
+    SamplingParams,
+    encode_record,
+)
 from ..signing import fingerprint
 from ..store import NotFound, PreconditionFailed, Store, StoreError, open_store
 from ..tasks import TASKS, Problem, get_task, is_task
@@ -415,12 +422,21 @@ class Worker:
                 samples.append(Sample(response_ids=o.token_ids, behavior_logprobs=o.logprobs,
                                       loss_mask=[1] * len(o.token_ids), reward=self.task.reward(text, problem),
                                       finish_reason=o.finish_reason))
-            records.append(self._record(problem, prompt, samples))
+            records.append(self._record(problem, prompt, samples, group))
         return records
 
-    def _record(self, problem: Problem, prompt: list[int], samples: list[Sample]) -> RolloutRecord:
+    def _record(self, problem: Problem, prompt: list[int], samples: list[Sample], sampled: list) -> RolloutRecord:
+        """The group's record; an MoE model's routes (the first sample's prompt routes: the group shares them
+        in `paged_prefix`, and rows of one prompt route alike) make it a version-2 record."""
         m = self.manifest
+        routes = None
+        if sampled and getattr(sampled[0], "prompt_routes", None) is not None:
+            from ..routes import encode_routes, routed_response_tokens
+
+            routes = encode_routes(sampled[0].prompt_routes, [
+                o.routes[:routed_response_tokens(s.loss_mask)] for o, s in zip(sampled, samples, strict=True)])
         return RolloutRecord(
+            schema_version=SCHEMA_VERSION if routes is None else ROUTED_SCHEMA_VERSION, routes=routes,
             run=self.s.run, worker_id=self.s.worker_id, group_id=self._group_id(),
             policy_version=self.version, plane=self.plane, task=m.task, prompt_id=problem.id,
             prompt_ids=prompt, samples=samples, created_at=time.time(),
@@ -450,7 +466,7 @@ class Worker:
             self.stats.prefill_reprefill += count.reprefill
             self.stats.searches += sum(len(e.searches) for e in eps)
             records.append(self._record(problem, prompt, [e.to_sample(self.task.reward(e.text, problem))
-                                                          for e in eps]))
+                                                          for e in eps], eps))
         return records
 
     def _timed(self, search):

@@ -130,6 +130,11 @@ class MlxPolicy(ChatPolicy):
         self.dtype = resolve_dtype(dtype)
         self.key = mx.random.key(seed % (2**63))
         self._quantized: set[str] | None = None
+        from ..routes import route_shape
+        from .route_recorder import MlxRouteRecorder
+
+        shape = route_shape(self.config)  # MoE: every forward's routes are recorded (worker_contract/routes.py)
+        self.recorder = None if shape is None else MlxRouteRecorder(self.model, shape)
 
     def load_plane(self, plane: str, state: Mapping[str, np.ndarray]) -> None:
         """Replace every parameter with the published one (between groups only: the loop calls this after a
@@ -148,7 +153,7 @@ class MlxPolicy(ChatPolicy):
 
         self.key, key = mx.random.split(self.key)
         return sample_group(self.model, prompt, n, temperature=temperature, top_p=top_p,
-                            max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, key=key)
+                            max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, key=key, recorder=self.recorder)
 
     def sample_many(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
                     max_new_tokens: int) -> list[list[Completion]]:
@@ -162,4 +167,4 @@ class MlxPolicy(ChatPolicy):
         from .mlx_sampling import MlxEngine
 
         self.key, key = mx.random.split(self.key)
-        return MlxEngine(self.model, self.decode, temperature=temperature, top_p=top_p, key=key)
+        return MlxEngine(self.model, self.decode, temperature=temperature, top_p=top_p, key=key, recorder=self.recorder)

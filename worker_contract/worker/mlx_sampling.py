@@ -53,8 +53,9 @@ def _keep(cache, rows) -> None:
 
 
 def sample_group(model, prompt: list[int], n: int, *, temperature: float, top_p: float, max_new_tokens: int,
-                 eos_ids: list[int], key) -> list[Completion]:
-    """n completions of one prompt from one shared prefill; each token's log-prob from its own forward."""
+                 eos_ids: list[int], key, recorder=None) -> list[Completion]:
+    """n completions of one prompt from one shared prefill; each token's log-prob from its own forward. With a
+    `recorder` (worker/route_recorder.py) the prompt's routes (recorded once) and each sample's come along."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -64,6 +65,8 @@ def sample_group(model, prompt: list[int], n: int, *, temperature: float, top_p:
     for start in range(0, len(prompt), PREFILL_CHUNK):
         logits = model(ids[:, start:start + PREFILL_CHUNK], cache=cache)[:, -1, :]
     mx.eval(logits, [c.state for c in cache])
+    prompt_routes = None if recorder is None else recorder.take()[0]
+    routes: list[list] = [[] for _ in range(n)]
     for c in cache:
         _expand(c, n)
     logits = mx.repeat(logits, n, axis=0)
@@ -96,15 +99,27 @@ def sample_group(model, prompt: list[int], n: int, *, temperature: float, top_p:
             tok = tok[rows]
             active = [active[r] for r in keep]
         logits = model(tok[:, None].astype(mx.int32), cache=cache)[:, -1, :]
-    return [Completion(toks[i], lps[i], finish[i]) for i in range(n)]
+        if recorder is not None:
+            step_routes = recorder.take()
+            for row, i in enumerate(active):
+                routes[i].append(step_routes[row, 0])
+    out = [Completion(toks[i], lps[i], finish[i]) for i in range(n)]
+    if recorder is not None:
+        import numpy as np
+
+        for i, c in enumerate(out):
+            c.prompt_routes = prompt_routes
+            c.routes = (np.stack(routes[i][:len(c.token_ids) - 1]) if len(c.token_ids) > 1
+                        else np.zeros((0, *prompt_routes.shape[1:]), dtype=np.uint8))
+    return out
 
 
 class MlxEngine:
     """The episode generator's backend (worker/episodes.py): one batch-1 mlx-lm prompt cache per sample,
     extended by feeding the new tokens; a clone holds fresh arrays (an update of one never reaches another)."""
 
-    def __init__(self, model, decode, *, temperature: float, top_p: float, key):
-        self.model, self.decode = model, decode
+    def __init__(self, model, decode, *, temperature: float, top_p: float, key, recorder=None):
+        self.model, self.decode, self.recorder = model, decode, recorder
         self.temperature, self.top_p, self.key = temperature, top_p, key
 
     def prefill(self, ids: list[int], state):
@@ -117,6 +132,10 @@ class MlxEngine:
             logits = self.model(x[:, start:start + PREFILL_CHUNK], cache=cache)[:, -1, :]
         mx.eval(logits, [c.state for c in cache])
         return cache, logits
+
+    def take_routes(self):
+        """The routes of the ids the last prefill fed, uint8 [ids, layers, top_k]; None for a dense model."""
+        return None if self.recorder is None else self.recorder.take()[0]
 
     def clone(self, state):
         import copy

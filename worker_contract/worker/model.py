@@ -33,6 +33,11 @@ class PolicyModel(ChatPolicy):
         self.model.requires_grad_(False)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        from ..routes import route_shape
+        from .route_recorder import TorchRouteRecorder
+
+        shape = route_shape(config.to_dict())  # MoE: every forward's routes are recorded (worker_contract/routes.py)
+        self.recorder = None if shape is None else TorchRouteRecorder(self.model, shape)
 
     def load_plane(self, plane: str, state: Mapping[str, np.ndarray]) -> None:
         """A full state in the run's plane: dequantized to HF-named dense tensors first (int8g64)."""
@@ -62,18 +67,18 @@ class PolicyModel(ChatPolicy):
                max_new_tokens: int) -> list[Completion]:
         return sample(self.model, [prompt] * n, temperature=temperature, top_p=top_p,
                       max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
-                      generator=self.generator)
+                      generator=self.generator, recorder=self.recorder)
 
     def sample_many(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
                     max_new_tokens: int) -> list[list[Completion]]:
         """`n` completions of each prompt, all rows in one batch; one list per prompt."""
         flat = sample(self.model, [p for p in prompts for _ in range(n)], temperature=temperature, top_p=top_p,
                       max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
-                      generator=self.generator)
+                      generator=self.generator, recorder=self.recorder)
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def episode_engine(self, *, temperature: float, top_p: float, greedy: bool = False):
         from .sampling import TorchEngine
 
         return TorchEngine(self.model, self.decode, temperature=temperature, top_p=top_p, greedy=greedy,
-                           generator=self.generator)
+                           generator=self.generator, recorder=self.recorder)

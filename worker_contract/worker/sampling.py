@@ -58,8 +58,10 @@ def sample(
     top_p: float = 1.0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    recorder=None,
 ) -> list[Completion]:
-    """Sample one completion per prompt (repeat a prompt to sample a group), with KV caching."""
+    """Sample one completion per prompt (repeat a prompt to sample a group), with KV caching; with a
+    `recorder` (worker/route_recorder.py) each completion carries the routes of its prompt and tokens."""
     assert prompts and all(prompts), "every prompt needs at least one token"
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -74,6 +76,7 @@ def sample(
     cache_kw = _cache_kwarg(model)
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
     past, logits = getattr(out, cache_kw), out.logits[:, -1]
+    routes = [] if recorder is None else [recorder.take()]  # [rows, width, ...], then [rows, 1, ...] a step
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     toks, lps = [], []
     for _ in range(max_new_tokens):
@@ -89,7 +92,26 @@ def sample(
         out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, use_cache=True,
                     **{cache_kw: past})
         past, logits = getattr(out, cache_kw), out.logits[:, -1]
-    return _collect(torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist(), set(eos_ids))
+        if recorder is not None:
+            routes.append(recorder.take())
+    result = _collect(torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist(), set(eos_ids))
+    if routes:
+        _attach_routes(result, prompts, routes)
+    return result
+
+
+def _attach_routes(result: list[Completion], prompts: list[list[int]], routes: list) -> None:
+    """Row i's prompt routes are the last len(prompt) columns of the left-padded prefill; its token j was
+    fed by decode step j, so a completion of n tokens has the routes of steps 0 .. n-2."""
+    import numpy as np
+
+    prefill, steps = routes[0], routes[1:]
+    width = prefill.shape[1]
+    for i, (c, p) in enumerate(zip(result, prompts, strict=True)):
+        c.prompt_routes = prefill[i, width - len(p):]
+        n = len(c.token_ids) - 1
+        c.routes = (np.stack([s[i, 0] for s in steps[:n]]) if n > 0
+                    else np.zeros((0, *prefill.shape[2:]), dtype=prefill.dtype))
 
 
 def _collect(tok_rows: list[list[int]], lp_rows: list[list[float]], eos: set[int]) -> list[Completion]:
@@ -108,8 +130,8 @@ class TorchEngine:
     place (`DynamicCache`; LFM2's conv state lives in the same cache object), cloned by deep copy."""
 
     def __init__(self, model, decode, *, temperature: float, top_p: float, greedy: bool = False,
-                 generator: torch.Generator | None = None):
-        self.model, self.decode = model, decode
+                 generator: torch.Generator | None = None, recorder=None):
+        self.model, self.decode, self.recorder = model, decode, recorder
         self.temperature, self.top_p, self.greedy, self.generator = temperature, top_p, greedy, generator
         self.device = next(model.parameters()).device
         self.cache_kw = _cache_kwarg(model)
@@ -126,6 +148,10 @@ class TorchEngine:
         import copy
 
         return copy.deepcopy(state)
+
+    def take_routes(self):
+        """The routes of the ids the last prefill fed, uint8 [ids, layers, top_k]; None for a dense model."""
+        return None if self.recorder is None else self.recorder.take()[0]
 
     @torch.inference_mode()
     def pick(self, logits) -> tuple[int, float]:

@@ -86,12 +86,12 @@ def sample_records(policy, problems, search, *, n: int, budget: int, max_turns: 
 
 
 def _recipe(replay: bool, budget: int):
-    from trainer.config import AlgoConfig, GateConfig, RecipeConfig, TrainConfig
+    from trainer.config import AlgoConfig, ComputeConfig, GateConfig, OptimConfig, RecipeConfig, TrainConfig
 
-    return RecipeConfig(name="psqa", task="psqa", algo=AlgoConfig(
-        groups_per_step=4, lr=3e-5, max_new_tokens=budget, eps_clip=10000, eps_clip_high=19, eps_clip_c=20,
+    return RecipeConfig(name="psqa", task="psqa", optim=OptimConfig(lr=3e-5), algo=AlgoConfig(
+        groups_per_step=4, max_new_tokens=budget, eps_clip=10000, eps_clip_high=19, eps_clip_c=20,
         gate=GateConfig(divergence="tv", delta_low=0.2, delta_high=0.2), routing_replay=replay),
-        train=TrainConfig(backend="hf", compute_dtype="float32", micro_batch_size=32))
+        train=TrainConfig(backend="hf"), compute=ComputeConfig(dtype="float32", micro_batch_size=32))
 
 
 def route_flips(learner_model, records, shape) -> dict:

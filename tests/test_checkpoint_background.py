@@ -14,7 +14,7 @@ from learner_fixtures import make_record, recipe, save_tiny_model
 
 from tests import megatron_cpu
 from trainer import checkpoint
-from trainer.algo import policy_loss
+from trainer.objectives import policy_loss
 from trainer.backends import get_backend
 from trainer.step import collate
 

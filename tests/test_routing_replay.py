@@ -145,10 +145,11 @@ def _record(prompt, samples, blob, version: int = 3):
 
 # -- the learner -------------------------------------------------------------------------------------------
 def _recipe(backend: str = "hf", replay: bool = True):
-    from trainer.config import AlgoConfig, RecipeConfig, TrainConfig
+    from trainer.config import AlgoConfig, ComputeConfig, OptimConfig, RecipeConfig, TrainConfig
 
-    return RecipeConfig(name="t", task="psqa", algo=AlgoConfig(lr=1e-3, max_new_tokens=64, routing_replay=replay),
-                        train=TrainConfig(backend=backend, micro_batch_size=3))
+    return RecipeConfig(name="t", task="psqa", optim=OptimConfig(lr=1e-3),
+                        algo=AlgoConfig(max_new_tokens=64, routing_replay=replay),
+                        train=TrainConfig(backend=backend), compute=ComputeConfig(micro_batch_size=3))
 
 
 def _records_from_worker(tp, prompts):

@@ -21,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from worker_contract.cli import number
+
 from .coin_task import NAME as COIN
 from .common import RESULTS, command, machine_info, provenance
 from .gpu_loop import _joined_at, read_rows, start_workers, summary_throughput
@@ -298,20 +300,20 @@ def _median(xs):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lfm2_loop", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=300.0, help="each plane's window, from the first worker's join")
+    ap.add_argument("--seconds", type=number(float, above=0), default=300.0, help="each plane's window, from the first worker's join")
     ap.add_argument("--planes", default="int8g64,bf16", help="one run each; the first also kills and resumes the learner")
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=number(int, at_least=1), default=24)
     ap.add_argument("--tiny", action="store_true", help="bench.lfm2_step's tiny shape (a smoke run on the CPU)")
     ap.add_argument("--device", default="cuda", help="where the random model is made (the learner takes the GPU)")
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--workers", type=number(int, at_least=1), default=1)
     ap.add_argument("--worker-device", choices=["cuda", "cpu"], default="cpu",
                     help="cpu: a bf16 worker (16.7 GB) does not fit beside the learner's ~123 GiB on a 141 GB card")
-    ap.add_argument("--worker-threads", type=int, default=8)
-    ap.add_argument("--learner-threads", type=int, default=0, help="DRL_TORCH_THREADS of the learner (0: 1)")
-    ap.add_argument("--batch-groups", type=int, default=8, help="groups a worker samples at once (and per version)")
-    ap.add_argument("--max-new-tokens", type=int, default=16, help="short episodes (the recipe's is 4096)")
-    ap.add_argument("--join-timeout-s", type=float, default=900.0)
-    ap.add_argument("--stop-timeout-s", type=float, default=600.0, help="the learner's last checkpoint at the end")
+    ap.add_argument("--worker-threads", type=number(int, at_least=1), default=8)
+    ap.add_argument("--learner-threads", type=number(int, at_least=0), default=0, help="DRL_TORCH_THREADS of the learner (0: 1)")
+    ap.add_argument("--batch-groups", type=number(int, at_least=1), default=8, help="groups a worker samples at once (and per version)")
+    ap.add_argument("--max-new-tokens", type=number(int, at_least=1), default=16, help="short episodes (the recipe's is 4096)")
+    ap.add_argument("--join-timeout-s", type=number(float, above=0), default=900.0)
+    ap.add_argument("--stop-timeout-s", type=number(float, above=0), default=600.0, help="the learner's last checkpoint at the end")
     ap.add_argument("--no-kill", action="store_true", help="skip the kill-and-resume (the first plane's, by default)")
     ap.add_argument("--reuse-model", action="store_true", help="keep --root and its model from an earlier call "
                     "(a device call's time limit splits the planes and the kill over several calls)")

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from worker_contract.cli import number
+
 DEFAULT_CACHE = Path("/tmp/stoa-bench-cache")
 
 
@@ -218,21 +220,21 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m bench.routing_replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--groups", type=int, default=16, help="psqa groups per worker and plane (the same problems)")
-    p.add_argument("--n", type=int, default=8, help="samples per group (the recipe's n_samples)")
-    p.add_argument("--budget", type=int, default=160, help="max_new_tokens (the embedded psqa run's)")
-    p.add_argument("--max-turns", type=int, default=2)
+    p.add_argument("--groups", type=number(int, at_least=1), default=16, help="psqa groups per worker and plane (the same problems)")
+    p.add_argument("--n", type=number(int, at_least=1), default=8, help="samples per group (the recipe's n_samples)")
+    p.add_argument("--budget", type=number(int, at_least=1), default=160, help="max_new_tokens (the embedded psqa run's)")
+    p.add_argument("--max-turns", type=number(int, at_least=1), default=2)
     p.add_argument("--workers", nargs="+", default=["torch", "mlx"], choices=["torch", "mlx"])
     p.add_argument("--planes", nargs="+", default=["bf16", "int8g64"], choices=["bf16", "int8g64"])
-    p.add_argument("--step-groups", type=int, default=4, help="groups in the timed learner step")
-    p.add_argument("--reps", type=int, default=5, help="timed learner steps each way, interleaved (after one warm-up)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--step-groups", type=number(int, at_least=1), default=4, help="groups in the timed learner step")
+    p.add_argument("--reps", type=number(int, at_least=1), default=5, help="timed learner steps each way, interleaved (after one warm-up)")
+    p.add_argument("--seed", type=number(int, at_least=0), default=0)
+    p.add_argument("--threads", type=number(int, at_least=1), default=2)
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the generated data and the base are cached")
     p.add_argument("--tiny", action="store_true", help="a random tiny base of a few SFT steps (tests)")
     p.add_argument("--model", default=None, help="another LFM2-MoE HF directory instead of the embedded psqa base "
                    "(the larger-model run: --model DIR --device cuda --workers torch)")
-    p.add_argument("--sft-steps", type=int, default=None, help="supervise the base for this many steps instead "
+    p.add_argument("--sft-steps", type=number(int, at_least=1), default=None, help="supervise the base for this many steps instead "
                    "of its 1000 (same model and data)")
     p.add_argument("--device", default="cpu", help="the learner's and the torch worker's device (cpu, cuda)")
     p.add_argument("--out", default=None, help="result file (default bench/results/routing_replay.json)")

@@ -149,7 +149,7 @@ def test_a_toy_task_and_a_toy_plane_from_a_folder_run_through_the_loop(toy_folde
     manifest = create_or_resume(store, run_manifest(cfg, identity_from_hf(model_dir), signing.public_key_b64(key)),
                                 resume=False)
     pub = Publisher(store, manifest, key, anchor_interval=10, progress=False, encoder="torch")  # the torch twin
-    assert pub.publish_anchor(AutoModelForCausalLM.from_pretrained(model_dir).state_dict()) == 1
+    assert pub.publish_anchor(AutoModelForCausalLM.from_pretrained(model_dir).state_dict()).version == 1
 
     # the reference worker joins in the toy plane and samples the toy task
     settings = WorkerSettings(store=store.url, run=RUN, model_dir=str(model_dir), worker_id="w1", seed=0, threads=1,
@@ -173,7 +173,7 @@ def test_a_toy_task_and_a_toy_plane_from_a_folder_run_through_the_loop(toy_folde
     metrics = backend.train_step(tb, loss_fn(cfg.algo))
     assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     state = backend.state_dict_hf()
-    assert pub.publish(state) == 2
+    assert pub.publish(state).version == 2
 
     # a worker following the run reconstructs exactly the toy plane of the new weights
     version, got = Reconstructor(store, RUN, plane="toy-fp16").join()

@@ -14,8 +14,8 @@ from learner_fixtures import make_record, recipe, save_tiny_model
 
 from tests import megatron_cpu
 from trainer import checkpoint
-from trainer.objectives import policy_loss
 from trainer.backends import get_backend
+from trainer.objectives import policy_loss
 from trainer.step import collate
 
 

@@ -150,8 +150,8 @@ def resolve_cfg(args, run: str, store: str, model_dir: str, plane: str):
             "train.engine": "native", "train.backend": "megatron", "train.num_steps": 100000,
             "train.poll_interval_s": 0.5, "algo.max_new_tokens": args.max_new_tokens}
     if args.tiny:
-        over.update({"algo.groups_per_step": 2, "train.save_interval": 2, "train.anchor_interval": 4,
-                     "train.micro_batch_size": 8})
+        over.update({"algo.groups_per_step": 2, "checkpoint.interval": 2, "train.anchor_interval": 4,
+                     "compute.micro_batch_size": 8})
     return resolve("psqa", {}, over)
 
 

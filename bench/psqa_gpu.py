@@ -126,9 +126,8 @@ def _mean(xs) -> float | None:
 #: the learner's precision and optimizer per backend (--backends): megatron runs the fleet recipe's plan (bf16
 #: compute, float32 masters, bf16 Adam moments); hf keeps the embedded run's float32 throughout
 BACKEND_OVERRIDES = {
-    "megatron": {"train.backend": "megatron", "train.compute_dtype": "bfloat16", "algo.optim.moment_dtype": "bfloat16"},
-    "hf": {"train.backend": "hf", "train.compute_dtype": "float32", "algo.optim.moment_dtype": "float32",
-           "train.optimizer_offload": 0.0},
+    "megatron": {"train.backend": "megatron", "compute.dtype": "bfloat16", "optim.moment_dtype": "bfloat16"},
+    "hf": {"train.backend": "hf", "compute.dtype": "float32", "optim.moment_dtype": "float32", "optim.offload": 0.0},
 }
 #: --tiny: the loop's every part at a size two CPU cores run in minutes (tests/test_psqa_megatron_loop.py)
 TINY = {"width": 64, "layers": 3, "experts": 4, "sft_steps": 24, "eval_problems": 6, "eval_every": 2, "workers": 1}
@@ -172,7 +171,7 @@ def _run_backend(backend: str, over: dict, args, root: Path) -> tuple[int, float
 
     over = {**over, **BACKEND_OVERRIDES[backend], "run": f"{over['run']}-{backend}"}
     if backend == "megatron":
-        over["train.optimizer_offload"] = args.offload
+        over["optim.offload"] = args.offload
     cfg = resolve_embedded("psqa", {}, over)  # MODEL=: the recipe's embedded.model_overrides, then ours
     paths = EmbeddedPaths(root, cfg.run)
     _log(f"{backend}: run {cfg.run}, compute {cfg.compute.dtype}, moments {cfg.optim.moment_dtype}")
@@ -223,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             "embedded.worker_backends": ["torch"] * args.workers}
     if args.tiny:
         over.update({"embedded.psqa.entities": 300, "embedded.psqa.heldout_entities": 30, "algo.groups_per_step": 2,
-                     "algo.max_new_tokens": 48, "train.save_interval": 2})
+                     "algo.max_new_tokens": 48, "checkpoint.interval": 2})
     t0 = time.monotonic()
     if args.model:
         import hashlib

@@ -23,7 +23,8 @@ WHEELS=(megatron-core==0.19.2 blake3==1.0.11 cryptography==50.0.2 cffi==2.1.1 py
         referencing==0.37.0 rpds-py==2026.9.1 rfc3339-validator==0.1.4 jsonpointer==3.12 attrs==26.1.0
         ml_dtypes==0.6.0 msgpack==1.2.4 psutil==7.2.2 PyYAML==6.0.4)
 RAY=ray==2.60.0
-# ray's parts the learner never imports (the libraries on top of core ray; below, the dashboard's source maps)
+# ray's parts the learner never imports (the libraries on top of core ray; below, the dashboard's source maps and
+# flame-graph viewer: the carry is 64 MiB with the tree)
 RAY_DROP=(ray/jars ray/rllib ray/data ray/serve ray/tune ray/train ray/llm)
 
 die() { echo "bench/device.sh: $*" >&2; exit 2; }
@@ -47,7 +48,7 @@ pack() {
   "${pip[@]}" -d "$tmp" "$RAY"
   mkdir "$tmp/unpacked"
   python3 -m zipfile -e "$tmp"/ray-*.whl "$tmp/unpacked"
-  (cd "$tmp/unpacked" && rm -rf "${RAY_DROP[@]}" && find ray/dashboard -name '*.map' -delete && tar -cf - .) | xz -6 > .whl/ray-trimmed.tar.xz
+  (cd "$tmp/unpacked" && rm -rf "${RAY_DROP[@]}" && find ray/dashboard -name '*.map' -delete && rm -rf ray/dashboard/client/build/speedscope-* && tar -cf - .) | xz -9e > .whl/ray-trimmed.tar.xz
   rm -rf "$tmp"
   du -sh .whl .carry
 }

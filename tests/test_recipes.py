@@ -32,6 +32,14 @@ def test_the_recipe_list_is_the_files_under_runs(tmp_path):
     (tmp_path / "fleet" / "recipe.yaml").write_text("name: 'fleetish'\ntask: psqa\n")
     (tmp_path / "fleet" / "notes.yaml").write_text("name: ignored\n")  # only recipe.yaml inside a folder
     assert _scan_recipes(tmp_path) == {"toy": "toy.yaml", "fleetish": "fleet/recipe.yaml"}
+    # a file whose name cannot be read is listed under its stem, so loading it names what is wrong with it
+    (tmp_path / "broken.yaml").write_text("algo: [1,\n")
+    (tmp_path / "binary.yaml").write_bytes(b"name: \xff\xfe\n")
+    (tmp_path / "toy2.yaml").write_text("task: arithmetic\n")
+    assert _scan_recipes(tmp_path) == {"toy": "toy.yaml", "fleetish": "fleet/recipe.yaml", "broken": "broken.yaml",
+                                       "binary": "binary.yaml", "toy2": "toy2.yaml"}
+    (tmp_path / "fleetish.yaml").write_text("task: psqa\n")  # a named recipe keeps its name
+    assert _scan_recipes(tmp_path)["fleetish"] == "fleet/recipe.yaml"
     (tmp_path / "again.yaml").write_text("name: toy\n")
     with pytest.raises(ValueError, match="both give name: toy"):
         _scan_recipes(tmp_path)

@@ -32,18 +32,25 @@ RUNS_DIR = REPO_ROOT / "runs"
 def _scan_recipes(runs_dir: Path) -> dict[str, str]:
     """recipe name -> its file under runs/: every `runs/*.yaml` and `runs/*/recipe.yaml`, under the `name:` it
     gives (read as one top-level line, not parsed: every process start builds this). Two files of one name
-    are refused."""
+    are refused. A file whose name cannot be read (not UTF-8, no `name:` line: a broken edit) is listed under
+    its file's stem (`runs/X.yaml` -> X, `runs/D/recipe.yaml` -> D) where no named recipe takes it, so that
+    asking for it loads the file and the refusal names the file and what is wrong with it."""
     import re
 
     found: dict[str, str] = {}
+    unnamed: list[tuple[str, str]] = []
     for path in sorted([*runs_dir.glob("*.yaml"), *runs_dir.glob("*/recipe.yaml")]):
-        m = re.search(r"^name:\s*['\"]?([A-Za-z0-9_.-]+)", path.read_text(encoding="utf-8"), re.MULTILINE)
-        if m is None:
-            continue  # not a recipe (tests/test_recipes.py fails on a recipe-looking file without a name)
         rel = path.relative_to(runs_dir).as_posix()
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        m = re.search(r"^name:\s*['\"]?([A-Za-z0-9_.-]+)", text, re.MULTILINE)
+        if m is None:
+            unnamed.append((path.parent.name if path.name == "recipe.yaml" else path.stem, rel))
+            continue
         if m[1] in found:
             raise ValueError(f"runs/{found[m[1]]} and runs/{rel} both give name: {m[1]}; rename one")
         found[m[1]] = rel
+    for stem, rel in unnamed:
+        found.setdefault(stem, rel)
     return found
 
 

@@ -84,11 +84,12 @@ def _wait_gone(root: Path, timeout: float = 30.0) -> list[str]:
 def test_a_second_launcher_of_the_same_run_is_refused(tmp_path):
     from rich.console import Console
 
-    from embedded.run import EmbeddedPaths, _lock_run, run_embedded
+    from embedded.run import EmbeddedPaths, run_embedded
+    from infra.boxops import lock_run_dir
 
     paths = EmbeddedPaths(tmp_path, "busy-run")
     paths.run_dir.mkdir(parents=True)
-    held = _lock_run(paths)
+    held = lock_run_dir(paths.run_dir, create=True)  # the lock run_embedded takes
     assert held is not None
     try:
         cfg = resolve_embedded("gsm8k", env={}, overrides={"run": "busy-run", **TINY})
@@ -98,7 +99,9 @@ def test_a_second_launcher_of_the_same_run_is_refused(tmp_path):
         assert not (tmp_path / "cache").exists() and not (tmp_path / "bucket").exists()
     finally:
         held.close()
-    assert _lock_run(paths) is not None  # released with its holder
+    again = lock_run_dir(paths.run_dir)
+    assert again is not None  # released with its holder
+    again.close()
 
 
 @pytest.mark.integration

@@ -30,12 +30,12 @@ def main() -> None:
     w = {f"model.layers.{i}.mlp.weight": rng.normal(0, 0.02, (512, 512)).astype(np.float32) for i in range(6)}
     w["model.norm.weight"] = np.ones(512, np.float32)
     print("ready", flush=True)  # imports done: the parent's clock for the kill starts here
-    v = pub.publish_anchor(w)
+    v = pub.publish_anchor(w).version
     print(f"published {v}", flush=True)
     while True:
         for t in w.values():
             t += np.sign(rng.standard_normal(t.shape)).astype(np.float32) * 4e-6
-        v = pub.publish(w)
+        v = pub.publish(w).version
         print(f"published {v}", flush=True)
 
 

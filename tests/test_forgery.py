@@ -116,6 +116,14 @@ def test_forged_pointers_are_refused_and_the_last_good_version_is_kept(pub):
         assert "FAIL current.json" in lines[0], (name, lines)
 
 
+def test_a_deleted_pointer_fails_verify_where_versions_were_published(pub):
+    """Worker credentials can delete current.json: verify names it, rather than reporting an empty run."""
+    pub.store.delete(layout.pointer_key(RUN))
+    lines: list[str] = []
+    assert not verify_run(pub.store, RUN, out=lines.append)
+    assert "FAIL current.json is missing" in lines[0] and "v3" in lines[0], lines
+
+
 def test_a_replayed_older_pointer_does_not_move_a_follower_back(pub):
     old = read_pointer(pub.store, RUN, None)[0]
     pub.bump()

@@ -33,6 +33,19 @@ def _versions(store: Store, prefix: str, version_of: Callable[[str], int | None]
     return out
 
 
+def _no_pointer(run: str, published: set[int], out: Callable[[str], None]) -> bool:
+    """No current.json: a run that published nothing yet, or whose first publish was interrupted (v1's objects
+    are written before the pointer), is well. Objects past v1 mean a pointer once stood at v1 or later (the
+    publisher writes version v only after the pointer reached v-1): it was deleted, and joiners cannot start."""
+    if not published or max(published) <= 1:
+        extra = " (v1's objects from an interrupted first publish)" if published else " (nothing published)"
+        out(f"run {run!r}: no current.json yet{extra}; 0 versions")
+        return True
+    out(f"FAIL current.json is missing, but the bucket holds versions up to v{max(published)}: the pointer was "
+        f"deleted, and a joiner finds no version to start from")
+    return False
+
+
 def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bool:
     """Walk and check every version; prints one line per version and a summary; True when all is well."""
     try:
@@ -46,11 +59,10 @@ def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bo
     except PointerError as e:
         out(f"FAIL current.json: {e}")
         return False
-    if pointer is None:
-        out(f"run {run!r}: no current.json yet (nothing published); 0 versions")
-        return True
     anchors = _versions(store, layout.anchors_prefix(run), layout.anchor_version_of)
     patches = _versions(store, layout.versions_prefix(run), layout.patch_version_of)
+    if pointer is None:
+        return _no_pointer(run, anchors | patches, out)
     failures, skipped, collected = 0, 0, 0
     oldest = min(anchors) if anchors else None  # every version below it is gone on purpose: gc collected it
     state, digest = None, None

@@ -102,7 +102,7 @@ def faulty_run(moto_server, model_dir, seed: int, steps: int) -> dict:
         rng = random.Random(seed)
         versions = []
         with BucketWatcher(direct, run, man.trainer_public_key) as watcher:
-            versions.append(retried(pub.publish_anchor, backend.state_dict_hf(), failures=failures))
+            versions.append(retried(pub.publish_anchor, backend.state_dict_hf(), failures=failures).version)
             for step in range(steps):
                 held = retried(worker.follow, failures=failures)  # None when the pointer has not moved
                 v = held[0] if held else worker.version
@@ -114,7 +114,7 @@ def faulty_run(moto_server, model_dir, seed: int, steps: int) -> dict:
                 tb.ref_logp = backend.logprobs(tb, reference=True)
                 backend.train_step(tb, lambda lp, mb: policy_loss(lp, mb.behavior_logp, mb.ref_logp,
                                                                   mb.advantages, mb.loss_mask, cfg.algo))
-                versions.append(retried(pub.publish, backend.state_dict_hf(), failures=failures))
+                versions.append(retried(pub.publish, backend.state_dict_hf(), failures=failures).version)
             time.sleep(0.3)  # one more look after the last publish
         figures = fault_figures(proxy)
     assert figures["fault_rate"] >= 0.10, figures
@@ -154,10 +154,10 @@ def test_multipart_anchor_through_faults_is_never_seen_half_done(moto_server):
         pub = Publisher(faulty, man, key, anchor_interval=2, progress=False)
         versions = []
         with BucketWatcher(direct, "multipart", man.trainer_public_key, interval_s=0.005) as watcher:
-            versions.append(retried(pub.publish_anchor, state))
+            versions.append(retried(pub.publish_anchor, state).version)
             for _ in range(3):
                 state["model.embed_tokens.weight"][torch.randint(0, 2048, (50,), generator=g)] += 0.5
-                versions.append(retried(pub.publish, state))
+                versions.append(retried(pub.publish, state).version)
             time.sleep(0.2)
         figures = fault_figures(proxy)
         parts = len(proxy.requests("PUT", "partNumber="))

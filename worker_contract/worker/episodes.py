@@ -1,12 +1,16 @@
 """Multi-turn search episodes (PaperSearchQA) on either backend, through the task's one episode code.
 
 `sample_episode_group` drives `tasks.psqa.run_episodes` with a generator that keeps one KV cache per sample
-(`paged_prefix`): the group's prompt is prefilled once and the cache cloned into its n samples; after a
+(`paged_prefix`): each group's prompt is prefilled once and the cache cloned into its n samples; after a
 tool turn a sample's cache is extended by what it has not seen (its last sampled token and the tool
-tokens), never re-prefilled from the start. A turn ends after `</search>` or `</answer>` or at EOS. Each
-token's log-prob is the one it was drawn under (`Engine.pick`: temperature + nucleus, as single-turn).
-`PrefillCount` counts the tokens fed as prefill both ways: as done (extend) and as a worker without the
-cache would (every turn's whole context, every sample alone).
+tokens), never re-prefilled from the start. A turn's samples decode together: their caches are merged into
+one batch (left-padded), each decoding step is one batched forward (`Engine.forward`) for every sample
+still generating, a sample that stops (`</search>`, `</answer>`, EOS, budget) leaves the batch with its
+cache extracted, and rejoins at the next turn once its tool turn has extended that cache. Each sample draws
+from its own random stream (`Engine.streams`), so decoding a group together or one sample at a time
+(`batched=False`) draws the same noise for the same sample. Each token's log-prob is the one it was drawn
+under (temperature + nucleus, as single-turn). `PrefillCount` counts the tokens fed as prefill both ways
+(as done, and as a worker without the cache would) and the forward passes made.
 """
 
 from __future__ import annotations
@@ -18,44 +22,65 @@ from ..tasks.psqa import STOP_STRINGS, Encode, Episode, Search, TurnOutput, run_
 
 
 class Engine(Protocol):
-    """What a backend gives the episode generator: one batch-1 cache per sample."""
+    """What a backend gives the episode generator: batch-1 caches per sample, merged for decoding."""
+
+    forwards: int
+    """Model forward passes made (prefill chunks and batched decoding steps)."""
 
     def prefill(self, ids: list[int], state: Any | None) -> tuple[Any, Any]:
-        """Feed ids into `state` (None: a fresh cache); (state, logits of the last position)."""
+        """Feed ids into a batch-1 `state` (None: a fresh cache); (state, logits [1, vocab] of the last position)."""
 
     def clone(self, state: Any) -> Any:
         """An independent copy of a cache (later updates of either leave the other untouched)."""
 
-    def pick(self, logits: Any) -> tuple[int, float]:
-        """Draw one token; (id, its log-prob under the distribution drawn from)."""
+    def streams(self, n: int) -> list[Any]:
+        """n independent random streams, one per sample of a group."""
+
+    def merge(self, states: list[Any], logits: list[Any]) -> tuple[Any, Any]:
+        """Batch-1 caches and their last logits -> (one batched cache, logits [rows, vocab])."""
+
+    def forward(self, batch: Any, tokens: list[int]) -> Any:
+        """Feed one token per row of `batch`; logits [rows, vocab]. The one place the model runs on a batch."""
+
+    def extract(self, batch: Any, row: int) -> Any:
+        """Row `row` of a batched cache as a batch-1 cache (a copy)."""
+
+    def keep(self, batch: Any, rows: list[int]) -> Any:
+        """The batched cache with only the given rows, in that order."""
+
+    def pick(self, logits: Any, streams: list[Any]) -> tuple[list[int], list[float]]:
+        """One token per row, row r drawn with streams[r]; (ids, log-probs under the distribution drawn from)."""
 
     def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass
 class PrefillCount:
-    """Prefill tokens of one group, fed as done and as a cacheless worker would have fed them."""
+    """Prefill tokens and forward passes of one batch of groups."""
 
     extend: int = 0
-    """Tokens fed outside decoding: the prompt once, then each sample's extensions after its tool turns."""
+    """Tokens fed outside decoding: each prompt once, then each sample's extensions after its tool turns."""
     reprefill: int = 0
     """What re-prefilling every turn's context from the start, per sample, would have fed."""
     turns: int = 0
     """Assistant turns sampled (all samples)."""
+    forwards: int = 0
+    """Model forward passes (prefills, extensions and batched decoding steps)."""
 
 
 class _Row:
-    __slots__ = ("covered", "state", "logits")
+    __slots__ = ("covered", "state", "logits", "stream")
 
-    def __init__(self, covered: list[int], state: Any, logits: Any):
-        self.covered, self.state, self.logits = covered, state, logits
+    def __init__(self, covered: list[int], state: Any, logits: Any, stream: Any):
+        self.covered, self.state, self.logits, self.stream = covered, state, logits, stream
 
 
 class PrefixGenerator:
-    """`GenerateBatch` for run_episodes over per-sample caches that are extended, never rebuilt."""
+    """`GenerateBatch` for run_episodes over per-sample caches that are extended, never rebuilt, and merged
+    into one batch for each turn's decoding (`batched=False`: each sample decodes alone, the reference)."""
 
-    def __init__(self, engine: Engine, eos_ids: list[int]):
-        self.engine, self.eos = engine, set(eos_ids)
+    def __init__(self, engine: Engine, eos_ids: list[int], *, batched: bool = True):
+        self.engine, self.eos, self.batched = engine, set(eos_ids), batched
         self.rows: list[_Row] = []
         self.count = PrefillCount()
 
@@ -72,45 +97,89 @@ class PrefixGenerator:
             row.covered = list(ctx)
         return row
 
+    def _first_rows(self, contexts: list[list[int]]) -> None:
+        """Each distinct prompt prefilled once, its cache cloned into the rows of that prompt."""
+        streams = self.engine.streams(len(contexts))
+        seen: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        for i, ctx in enumerate(contexts):
+            key = tuple(ctx)
+            if key not in seen:
+                seen[key] = self.engine.prefill(ctx, None)
+                self.count.extend += len(ctx)
+                state, logits = seen[key]
+            else:
+                state, logits = self.engine.clone(seen[key][0]), seen[key][1]
+            self.rows.append(_Row(list(ctx), state, logits, streams[i]))
+
     def __call__(self, contexts: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
-        if not self.rows:  # the first turn: every context is the prompt, prefilled once for the group
-            assert all(c == contexts[0] for c in contexts), "one prompt per group"
-            state, logits = self.engine.prefill(contexts[0], None)
-            self.count.extend += len(contexts[0])
-            self.rows = [_Row(list(contexts[0]), state if i == 0 else self.engine.clone(state), logits)
-                         for i in range(len(contexts))]
+        before = self.engine.forwards
+        if not self.rows:
+            self._first_rows(contexts)
         rows = [self._row_for(c) for c in contexts]
         self.count.reprefill += sum(len(c) for c in contexts)
         self.count.turns += len(contexts)
-        outs = [self._turn(row, budget) for row, budget in zip(rows, budgets, strict=True)]
+        if self.batched:
+            outs = self._decode(rows, budgets)
+        else:
+            outs = [self._decode([row], [budget])[0] for row, budget in zip(rows, budgets, strict=True)]
         self.rows = rows
+        self.count.forwards += self.engine.forwards - before
         return outs
 
-    def _turn(self, row: _Row, budget: int) -> TurnOutput:
-        toks: list[int] = []
-        lps: list[float] = []
-        text, eos = "", False
-        while len(toks) < budget:
-            tok, lp = self.engine.pick(row.logits)
-            toks.append(tok)
-            lps.append(lp)
-            if tok in self.eos:
-                eos = True
+    def _stops(self, toks: list[int], budget: int) -> tuple[bool, bool]:
+        """(turn over, ended on EOS) after the token just drawn."""
+        if toks[-1] in self.eos:
+            return True, True
+        if ">" in self.engine.decode(toks[-1:]) and self.engine.decode(toks).rstrip().endswith(STOP_STRINGS):
+            return True, False
+        return len(toks) >= budget, False
+
+    def _decode(self, rows: list[_Row], budgets: list[int]) -> list[TurnOutput]:
+        """One turn of every row, decoded together: one batched forward per step for the rows still going; a
+        row that stops leaves the batch with its cache (its last token not fed: the next turn's extension
+        feeds it), so no row ever sees another's tokens."""
+        eng = self.engine
+        toks: list[list[int]] = [[] for _ in rows]
+        lps: list[list[float]] = [[] for _ in rows]
+        eos = [False] * len(rows)
+        live = list(range(len(rows)))
+        batch, logits = eng.merge([r.state for r in rows], [r.logits for r in rows])
+        while live:
+            drawn, probs = eng.pick(logits, [rows[i].stream for i in live])
+            going = []
+            for j, (i, t, lp) in enumerate(zip(live, drawn, probs, strict=True)):
+                toks[i].append(t)
+                lps[i].append(lp)
+                over, eos[i] = self._stops(toks[i], budgets[i])
+                if over:
+                    rows[i].state = eng.extract(batch, j)
+                else:
+                    going.append(j)
+            if not going:
                 break
-            if ">" in self.engine.decode([tok]):
-                text = self.engine.decode(toks)
-                if text.rstrip().endswith(STOP_STRINGS):
-                    break
-            if len(toks) < budget:  # feed the token only when another one will be drawn from it
-                row.state, row.logits = self.engine.prefill([tok], row.state)
-                row.covered.append(tok)
-        return TurnOutput(toks, lps, self.engine.decode(toks), eos)
+            if len(going) < len(live):
+                batch = eng.keep(batch, going)
+            live = [live[j] for j in going]
+            fed = [drawn[j] for j in going]
+            for i, t in zip(live, fed, strict=True):
+                rows[i].covered.append(t)
+            logits = eng.forward(batch, fed)
+        return [TurnOutput(toks[i], lps[i], eng.decode(toks[i]), eos[i]) for i in range(len(rows))]
+
+
+def sample_episode_groups(engine: Engine, eos_ids: list[int], prompts: list[list[int]], n: int, *,
+                          encode: Encode, search: Search, max_new_tokens: int, max_turns: int = 4,
+                          batched: bool = True) -> tuple[list[list[Episode]], PrefillCount]:
+    """n search episodes of each prompt, every group's samples decoding in one batch; (groups, counts)."""
+    gen = PrefixGenerator(engine, eos_ids, batched=batched)
+    flat = run_episodes([list(p) for p in prompts for _ in range(n)], gen, encode, search, max_new_tokens, max_turns)
+    return [flat[g * n:(g + 1) * n] for g in range(len(prompts))], gen.count
 
 
 def sample_episode_group(engine: Engine, eos_ids: list[int], prompt: list[int], n: int, *, encode: Encode,
-                         search: Search, max_new_tokens: int, max_turns: int = 4
+                         search: Search, max_new_tokens: int, max_turns: int = 4, batched: bool = True
                          ) -> tuple[list[Episode], PrefillCount]:
-    """n search episodes of one prompt from one shared prefill; the generator's prefill counts."""
-    gen = PrefixGenerator(engine, eos_ids)
-    eps = run_episodes([list(prompt)] * n, gen, encode, search, max_new_tokens, max_turns)
-    return eps, gen.count
+    """n search episodes of one prompt from one shared prefill; the generator's counts."""
+    groups, count = sample_episode_groups(engine, eos_ids, [prompt], n, encode=encode, search=search,
+                                          max_new_tokens=max_new_tokens, max_turns=max_turns, batched=batched)
+    return groups[0], count

@@ -119,6 +119,8 @@ class WorkerStats:
     """psqa: prefill tokens a worker re-prefilling every turn's context from the start would have fed."""
     searches: int = 0
     """psqa: tool calls made."""
+    forwards: int = 0
+    """psqa: model forward passes (prefills, tool-turn extensions, batched decoding steps)."""
     search_s: float = 0.0
     """psqa: seconds spent waiting for the retriever (inside `sampling_s`), failed calls included."""
 
@@ -421,31 +423,31 @@ class Worker:
             sampling=SamplingParams(temperature=m.temperature, top_p=m.top_p, max_new_tokens=m.max_new_tokens))
 
     def _episode_groups(self, problems: list[Problem], prompts: list[list[int]]) -> list[RolloutRecord]:
-        """psqa: n search episodes per problem (worker/episodes.py); a group whose search tool failed after
-        its retries is dropped and counted under `dropped['retriever']`, and the worker goes on."""
+        """psqa: n search episodes per problem, every group of the batch decoding together (worker/episodes.py);
+        a batch whose search tool failed after its retries is dropped (each of its groups counted under
+        `dropped['retriever']`), and the worker goes on."""
         from ..tasks.psqa_retrieval import RetrieverError
 
-        m, records = self.manifest, []
-        for problem, prompt in zip(problems, prompts, strict=True):
-            t0 = time.monotonic()
-            try:
-                eps, count = self.policy.sample_episodes(prompt, self.n_samples, temperature=m.temperature,
-                                                         top_p=m.top_p, max_new_tokens=m.max_new_tokens,
-                                                         search=self.search, max_turns=self.s.max_turns)
-            except RetrieverError as e:
-                self.stats.dropped["retriever"] = self.stats.dropped.get("retriever", 0) + 1
-                log.warning("group of %s dropped (%d so far): the retriever failed: %s", problem.id,
-                            self.stats.dropped["retriever"], str(e)[:200])
-                continue
-            finally:
-                self.stats.sampling_s += time.monotonic() - t0
-            self.stats.tokens += sum(sum(e.loss_mask) for e in eps)
-            self.stats.prefill_extend += count.extend
-            self.stats.prefill_reprefill += count.reprefill
-            self.stats.searches += sum(len(e.searches) for e in eps)
-            records.append(self._record(problem, prompt, [e.to_sample(self.task.reward(e.text, problem))
-                                                          for e in eps]))
-        return records
+        m = self.manifest
+        t0 = time.monotonic()
+        try:
+            groups, count = self.policy.sample_episode_groups(prompts, self.n_samples, temperature=m.temperature,
+                                                              top_p=m.top_p, max_new_tokens=m.max_new_tokens,
+                                                              search=self.search, max_turns=self.s.max_turns)
+        except RetrieverError as e:
+            self.stats.dropped["retriever"] = self.stats.dropped.get("retriever", 0) + len(problems)
+            log.warning("%d group(s) of %s dropped (%d so far): the retriever failed: %s", len(problems),
+                        ", ".join(p.id for p in problems), self.stats.dropped["retriever"], str(e)[:200])
+            return []
+        finally:
+            self.stats.sampling_s += time.monotonic() - t0
+        self.stats.tokens += sum(sum(e.loss_mask) for eps in groups for e in eps)
+        self.stats.prefill_extend += count.extend
+        self.stats.prefill_reprefill += count.reprefill
+        self.stats.forwards += count.forwards
+        self.stats.searches += sum(len(e.searches) for eps in groups for e in eps)
+        return [self._record(problem, prompt, [e.to_sample(self.task.reward(e.text, problem)) for e in eps])
+                for problem, prompt, eps in zip(problems, prompts, groups, strict=True)]
 
     def _timed(self, search):
         """`search`, adding the seconds each call waits (answered or failed) to stats.search_s."""
@@ -475,8 +477,8 @@ class Worker:
         recent = self.stats.rewards[-10 * self.n_samples:]
         st = self.stats
         extra = (f", {st.searches} searches ({st.search_s:.1f} s waiting for the retriever, "
-                 f"{100 * st.search_s / max(st.sampling_s, 1e-9):.0f}% of sampling), prefill {st.prefill_extend} "
-                 f"tokens (re-prefill would be {st.prefill_reprefill}), dropped {st.dropped or 0}"
+                 f"{100 * st.search_s / max(st.sampling_s, 1e-9):.0f}% of sampling), "
+                 f"{st.forwards / max(st.tokens, 1):.2f} forwards a sampled token, prefill {st.prefill_extend} tokens (re-prefill would be {st.prefill_reprefill}), dropped {st.dropped or 0}"
                  if self.search is not None else "")
         log.info("worker %s: v%d, %d groups, mean reward %.3f over the last %d samples, %.1f tokens/s%s; last %s",
                  self.s.worker_id, self.version, st.groups, sum(recent) / max(1, len(recent)),

@@ -119,6 +119,8 @@ class WorkerStats:
     """psqa: prefill tokens a worker re-prefilling every turn's context from the start would have fed."""
     searches: int = 0
     """psqa: tool calls made."""
+    swaps: list[dict] = field(default_factory=list)
+    """Each version load: its seconds (the pause) and what it wrote (elements, bytes, tensors rewritten whole)."""
     forwards: int = 0
     """psqa: model forward passes (prefills, tool-turn extensions, batched decoding steps)."""
     search_s: float = 0.0
@@ -327,8 +329,12 @@ class Worker:
     def _backend_name(self) -> str:
         return f"mlx {self.policy.dtype}" if self.s.backend == "mlx" else "torch"
 
-    def _swap(self, version: int, state) -> None:
-        self.policy.load_plane(self.plane, state)  # between groups only: sync() runs before a group starts
+    def _swap(self, version: int, state, changes=None) -> None:
+        """Load a version between groups (sync() runs before a group starts): after a patch only the elements
+        it changed (`changes`, from the reconstructor); after a join or an anchor every tensor."""
+        t0 = time.monotonic()
+        wrote = self.policy.load_plane(self.plane, state, changes)
+        self.stats.swaps.append({"version": version, "seconds": round(time.monotonic() - t0, 4), **(wrote or {})})
         self.version = version
         self.stats.versions_seen.append(version)
 
@@ -373,7 +379,7 @@ class Worker:
             log.warning("not following the pointer, staying on v%d: %s", self.version, e)
             update = None
         if update is not None:
-            self._swap(*update)
+            self._swap(*update, changes=self.rec.changes)
         return self.version
 
     def _batch_size(self) -> int:

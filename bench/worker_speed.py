@@ -232,9 +232,71 @@ def swap(worker: str) -> dict:
     return res
 
 
+def _rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def memory(n: int, budget: int) -> dict:
+    """The MLX worker's peak RSS at 8B-A1B shapes, layer-scaled (1 dense + 1 MoE layer), through a join, a
+    patch followed (the reconstructor's old and new plane both alive) and one psqa group, against the
+    estimate worker/memory.py refuses by; then the estimate at the full 24 layers."""
+    import mlx.core as mx
+
+    from worker_contract.planes import get_plane
+    from worker_contract.pulse import apply_patch, encode_patch
+    from worker_contract.worker.memory import worker_memory
+    from worker_contract.worker.mlx_model import MlxPolicy
+
+    plane = get_plane("int8g64")
+    old_hf, new_hf = _two_versions(_hf_shapes(False, 1, 1))
+    old, new = plane.from_hf(old_hf), plane.from_hf(new_hf)
+    patch = encode_patch(old, new)
+    del old_hf, new_hf, new
+    base = _rss()  # the bench's own copies up to here (the publisher's side): not the worker's
+    d = Path(tempfile.mkdtemp(prefix="worker-speed-mem-"))
+    _config(d, False)
+    pol = MlxPolicy(d, plane="int8g64", seed=0, dtype="bfloat16")
+    pol.load_plane("int8g64", old)
+    joined = _rss()
+    changes: dict = {}
+    new = apply_patch(old, patch, changes_out=changes)
+    pol.load_plane("int8g64", new, changes)
+    followed = _rss()
+    prompt = pol.chat.encode("Question: the dmd gene is " * 40)
+    pol.sample_episode_groups([prompt], n, temperature=1.0, top_p=1.0, max_new_tokens=budget,
+                              search=lambda q: "Doc 1 the dmd gene")
+    sampled = _rss()
+    est = worker_memory(pol.model, pol.config, plane="int8g64", dtype="bfloat16", n_samples=n,
+                        max_new_tokens=budget)
+    plane_bytes = sum(a.nbytes for a in old.values())
+    full_cfg = dict(pol.config, num_hidden_layers=LAYERS,
+                    layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(LAYERS)])
+    per_moe = sum(a.nbytes for k, a in old.items() if ".layers.1." in k)
+    per_dense = sum(a.nbytes for k, a in old.items() if ".layers.0." in k)
+    full_plane = plane_bytes + (DENSE_LAYERS - 1) * per_dense + (LAYERS - DENSE_LAYERS - 1) * per_moe
+    from worker_contract.worker.memory import OVERHEAD_BYTES, PROMPT_TOKENS, kv_bytes
+
+    full = {"weights": full_plane, "plane_copy": full_plane, "patch_result": full_plane,
+            "kv_cache_recipe": kv_bytes(full_cfg, 8, 4096 + PROMPT_TOKENS, "bfloat16"), "overhead": OVERHEAD_BYTES}
+    full["total"] = sum(full.values())
+    res = {"layer_scaled": {"rss_bench_before_worker": base, "rss_after_join": joined, "rss_after_follow": followed,
+                            "rss_after_psqa_group": sampled, "worker_rss_peak": sampled - base,
+                            "mlx_peak_memory": int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
+                            "plane_bytes": plane_bytes, "estimate": est},
+           "full_24_layers_estimate": {k: round(v / 1e9, 2) for k, v in full.items()},
+           "how": "RSS high-water marks (ru_maxrss) of one process: the publisher side's arrays are made first and "
+                  "counted in rss_bench_before_worker; the worker's share is the rise after it. The 24-layer figure "
+                  "is the plane's bytes from the shapes (exact) with the psqa recipe's KV cache (8 rows of "
+                  "4096 + 512 tokens, bf16) and the overhead the layer-scaled run measured under."}
+    print(res, flush=True)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.worker_speed", description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["decode", "swap"], help="what to measure")
+    p.add_argument("part", choices=["decode", "swap", "memory"], help="what to measure")
     p.add_argument("--groups", type=int, default=2, help="decode: prompts (groups) in one batch")
     p.add_argument("--n", type=int, default=8, help="decode: samples a group")
     p.add_argument("--budget", type=int, default=160, help="decode: max new tokens (sampled and tool)")
@@ -248,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.part == "decode":
         result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget}, **decode(a.groups, a.n, a.budget)}
+    elif a.part == "memory":
+        result = {"settings": {"n": a.n, "max_new_tokens": a.budget}, **memory(a.n, a.budget)}
     else:
         result = swap(a.worker)
     name = f"worker_speed_{a.part}" + (f"_{a.worker}" if a.part == "swap" else "")

@@ -317,6 +317,13 @@ class Worker:
             if manifest.rope_theta is not None and bases != {float(manifest.rope_theta)}:
                 raise ContractMismatch(f"the MLX model built from {model_dir} uses RoPE base(s) {sorted(bases)}, "
                                        f"run.json has rope_theta={manifest.rope_theta}")
+            from .memory import check_memory, total_bytes, worker_memory
+
+            need = worker_memory(policy.model, policy.config, plane=self.plane, dtype=policy.dtype,
+                                 n_samples=self.n_samples, max_new_tokens=manifest.max_new_tokens,
+                                 groups=self.s.batch_groups)
+            check_memory(need, total_bytes(), f"{manifest.model_id} on {self.plane} with {self.s.batch_groups} "
+                         f"group(s) of {self.n_samples} and max_new_tokens {manifest.max_new_tokens}")
             want = {(manifest.rope_scaling or {}).get("rope_type", "default")}
             if rope_types(policy.model) != want:
                 raise ContractMismatch(f"the MLX model built from {model_dir} uses RoPE {sorted(rope_types(policy.model))}, "

@@ -125,7 +125,8 @@ def _hf_shapes(fused: bool, moe_layers: int, dense_layers: int) -> dict[str, tup
         p = f"model.layers.{i}."
         out[p + "operator_norm.weight"] = out[p + "ffn_norm.weight"] = (h,)
         if i == 1:  # one attention layer (6 of the 24 are), the others gated short convs
-            for s, rows in (("q_proj", h), ("k_proj", 512), ("v_proj", 512), ("out_proj", h)):
+            kv = max(1, h // 64 // 4) * 64
+            for s, rows in (("q_proj", h), ("k_proj", kv), ("v_proj", kv), ("out_proj", h)):
                 out[f"{p}self_attn.{s}.weight"] = (rows, h)
             out[p + "self_attn.q_layernorm.weight"] = out[p + "self_attn.k_layernorm.weight"] = (64,)
         else:
@@ -166,7 +167,7 @@ def _config(d: Path, fused: bool) -> None:
     types = ["conv", "full_attention"]
     cfg = {"architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "vocab_size": VOCAB,
            "hidden_size": HIDDEN, "intermediate_size": DENSE_I, "moe_intermediate_size": MOE_I,
-           "num_hidden_layers": 2 + (not fused) * 0, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "num_hidden_layers": 2, "num_attention_heads": HIDDEN // 64, "num_key_value_heads": max(1, HIDDEN // 256),
            "norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": True, "num_dense_layers": 1,
            "num_experts": EXPERTS, "num_experts_per_tok": 4, "use_expert_bias": True, "norm_topk_prob": True,
            "conv_L_cache": 3, "conv_bias": False, "layer_types": types, "max_position_embeddings": 4096,
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=8, help="decode: samples a group")
     p.add_argument("--budget", type=int, default=160, help="decode: max new tokens (sampled and tool)")
     p.add_argument("--worker", choices=["mlx", "torch"], default="mlx", help="swap: which worker")
+    p.add_argument("--tiny", action="store_true", help="swap/memory: hidden 128, vocab 256, 4 experts (a CI run)")
     p.add_argument("--out", default=None, help="result file (default bench/results/worker_speed_<part>.json)")
     a = p.parse_args(argv)
     for flag in ("groups", "n", "budget"):
@@ -308,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{flag} {getattr(a, flag)} must be at least 1")
     from bench.common import write_result
 
+    if a.tiny:
+        global HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I
+        HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I = 128, 256, 4, 64, 256
     if a.part == "decode":
         result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget}, **decode(a.groups, a.n, a.budget)}
     elif a.part == "memory":

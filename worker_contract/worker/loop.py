@@ -259,6 +259,7 @@ class Worker:
         from .identity import check_identity
 
         check_identity(model_dir, manifest)
+        self.policy = self._make_policy(model_dir, manifest)  # refused here, before any weights are fetched
         from ..reconstruct import Reconstructor
 
         self.rec = Reconstructor(self.store, self.s.run, plane=self.plane, n_samples=self.n_samples,
@@ -290,7 +291,6 @@ class Worker:
                                f"({refused[0]}); the trainer rewrites it when it starts or publishes") from None
         if joined is None:
             return False
-        self.policy = self._make_policy(model_dir, manifest)
         self._swap(*joined)
         log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d, "
                  "backend %s%s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
@@ -322,7 +322,7 @@ class Worker:
             need = worker_memory(policy.model, policy.config, plane=self.plane, dtype=policy.dtype,
                                  n_samples=self.n_samples, max_new_tokens=manifest.max_new_tokens,
                                  groups=self.s.batch_groups)
-            check_memory(need, total_bytes(), f"{manifest.model_id} on {self.plane} with {self.s.batch_groups} "
+            check_memory(need, total_bytes(self.env), f"{manifest.model_id} on {self.plane} with {self.s.batch_groups} "
                          f"group(s) of {self.n_samples} and max_new_tokens {manifest.max_new_tokens}")
             want = {(manifest.rope_scaling or {}).get("rope_type", "default")}
             if rope_types(policy.model) != want:

@@ -59,8 +59,19 @@ def worker_memory(model, config: dict, *, plane: str, dtype: str, n_samples: int
     return {**parts, "total": sum(parts.values())}
 
 
-def total_bytes() -> int | None:
-    """This machine's physical memory (None where the OS does not say)."""
+def total_bytes(env=None) -> int | None:
+    """The memory the worker may use: DRL_WORKER_MEMORY_GB where set (a share of a machine others use too),
+    else this machine's physical memory (None where the OS does not say)."""
+    raw = (env or {}).get("DRL_WORKER_MEMORY_GB", "").strip()
+    if raw:
+        try:
+            gb = float(raw)
+        except ValueError:
+            gb = -1.0
+        if not gb > 0:
+            raise ValueError(f"DRL_WORKER_MEMORY_GB={raw!r} is not a positive number of GB: set it to the memory "
+                             "this worker may use, e.g. 12, or unset it to use the machine's")
+        return int(gb * 1e9)
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

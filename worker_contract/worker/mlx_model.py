@@ -143,6 +143,7 @@ def patch_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], 
     if hasattr(mx, "synchronize"):
         mx.synchronize()  # nothing in flight reads a buffer while it is written
     out = {"elements": 0, "bytes": 0, "whole": 0}
+    views: dict[str, np.ndarray] = {}  # one view a target: the stacked experts take 32 patch tensors each
     for name, idx in changes.items():
         src = np.asarray(state[name])
         targets = mlx_targets(architecture, name, src.shape, idx)
@@ -160,7 +161,9 @@ def patch_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], 
             vals = flat[take]
             if target.dtype == mx.float32 and vals.dtype.name == "bfloat16":
                 vals = vals.astype(np.float32)  # exact, as a full load's upcast
-            dst = _writable(target)
+            if mname not in views:
+                views[mname] = _writable(target)
+            dst = views[mname]
             dst[at] = vals.view(dst.dtype)
             out["elements"] += len(at)
             out["bytes"] += vals.nbytes

@@ -53,8 +53,8 @@ def build_learning_base(out: Path, *, max_steps: int, target: float, eval_every:
 
     import torch
 
-    from trainer.config import EmbeddedBaseConfig
-    from trainer.embedded.basemodel import SFTSteps, _render, build_model, build_tokenizer, evaluate
+    from embedded.basemodel import SFTSteps, _render, build_model, build_tokenizer, evaluate
+    from embedded.config import EmbeddedBaseConfig
     from worker_contract.tasks import get_task
 
     cfg = EmbeddedBaseConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536,
@@ -95,8 +95,8 @@ def build_random_qwen(out: Path, hf_id: str = "Qwen/Qwen2.5-1.5B-Instruct") -> d
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from embedded.basemodel import _render, build_tokenizer
     from infra.slime_launch import KNOWN_HF_CONFIGS
-    from trainer.embedded.basemodel import _render, build_tokenizer
     from worker_contract.tasks import get_task
 
     task = get_task("arithmetic")
@@ -195,8 +195,8 @@ def resolve_cfg(run: str, model_dir: str, store: str, overrides: dict):
 
 # -- part (a): learning ---------------------------------------------------------------------------------
 def part_learning(args) -> dict:
-    from trainer.embedded.heldout import HeldoutEvaluator
-    from trainer.embedded.localprocs import Processes
+    from embedded.heldout import HeldoutEvaluator
+    from embedded.localprocs import Processes
     from worker_contract.store import open_store
     from worker_contract.tasks import get_task
 
@@ -338,7 +338,7 @@ def _joined_at(log: Path, started: float, timeout_s: float) -> float | None:
 
 
 def part_throughput(args) -> dict:
-    from trainer.embedded.localprocs import Processes
+    from embedded.localprocs import Processes
     from worker_contract import layout
     from worker_contract.store import open_store
 

@@ -21,8 +21,8 @@ WORKERS = (("torch", "torch", None), ("mlx-float32", "mlx", "float32"), ("mlx-bf
 
 
 def _base_model(cfg) -> Path:
-    from trainer.embedded.basemodel import ensure_base
-    from trainer.embedded.run import STOA_DIR
+    from embedded.basemodel import ensure_base
+    from embedded.run import STOA_DIR
     from worker_contract.tasks import get_task
 
     rep = ensure_base(cfg.embedded.base, get_task(cfg.task), STOA_DIR / "cache", max_new_tokens=cfg.algo.max_new_tokens,
@@ -48,14 +48,14 @@ def _publish(store, cfg, model_dir: Path):
 
 
 def measure_plane(plane: str, model_dir: Path, groups: int, seed: int = 0) -> dict:
+    from embedded.config import resolve_embedded
     from trainer.audit import WorkerAudit
     from trainer.backends import get_backend
-    from trainer.config import resolve
     from trainer.step import collate
     from worker_contract.store.file import FileStore
     from worker_contract.worker.loop import Worker, WorkerSettings
 
-    cfg = resolve("gsm8k", env={}, overrides={"run": "bench-mlx", "contract.plane": plane}, embedded=True)
+    cfg = resolve_embedded("gsm8k", env={}, overrides={"run": "bench-mlx", "contract.plane": plane})
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(model_dir), "hf_id": None})})
     with tempfile.TemporaryDirectory() as tmp:
         store = FileStore(Path(tmp) / "bucket")
@@ -161,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from trainer.config import resolve
+    from embedded.config import resolve_embedded
 
     torch.set_num_threads(1)  # as the embedded run's workers
-    cfg = resolve("gsm8k", env={}, overrides={"run": "bench-mlx"}, embedded=True)
+    cfg = resolve_embedded("gsm8k", env={}, overrides={"run": "bench-mlx"})
     model_dir = Path(args.model) if args.model else _base_model(cfg)
     t0 = time.monotonic()
     planes = {}

@@ -1,4 +1,4 @@
-"""The PaperSearchQA loop on one GPU box: the embedded psqa run (trainer/embedded/run.py) with a larger model.
+"""The PaperSearchQA loop on one GPU box: the embedded psqa run (embedded/run.py) with a larger model.
 
     python -m bench.psqa_gpu [--rl-seconds 300] [--workers 4] [--out bench/results/psqa_gpu.json]
 
@@ -32,7 +32,7 @@ def _log(msg: str) -> None:
 
 
 def base_config(args):
-    from trainer.embedded.psqa_base import PsqaBaseConfig
+    from embedded.psqa_base import PsqaBaseConfig
 
     kinds = ("conv", "conv", "full_attention")
     return PsqaBaseConfig(
@@ -44,9 +44,9 @@ def base_config(args):
 
 def build_base(cfg, paths, args) -> tuple[Path, dict]:
     """The data, then the base on the GPU against a retriever of our own (stopped before the run starts its own)."""
+    from embedded.psqa import ensure_data, free_port
+    from embedded.psqa_base import ensure_psqa_base
     from infra.retriever import serve_argv
-    from trainer.embedded.psqa import ensure_data, free_port
-    from trainer.embedded.psqa_base import ensure_psqa_base
     from worker_contract.tasks.psqa_retrieval import RetrieverClient, RetrieverError, search_tool
 
     data = ensure_data(cfg, paths)
@@ -144,9 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from rich.console import Console
 
-    from infra.retriever import serve_argv
-    from trainer.config import resolve
-    from trainer.embedded.run import EmbeddedPaths, run_embedded
+    from embedded.config import resolve_embedded
+    from embedded.run import EmbeddedPaths, run_embedded
 
     ROOT.mkdir(parents=True, exist_ok=True)
     run = args.run or f"psqa-gpu-{int(time.time())}"
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             "embedded.eval_every": args.eval_every, "embedded.eval_problems": args.eval_problems,
             "embedded.worker_backends": ["torch"] * args.workers}
     paths = EmbeddedPaths(ROOT, run)
-    cfg = resolve("psqa", {}, over, embedded=True)
+    cfg = resolve_embedded("psqa", {}, over)
     t0 = time.monotonic()
     model_dir, base = build_base(cfg, paths, args)
     over["model.path"] = str(model_dir)
@@ -162,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         over["algo.lr"] = args.lr
     if args.groups_per_step is not None:
         over["algo.groups_per_step"] = args.groups_per_step
-    cfg = resolve("psqa", {}, over, embedded=True)  # MODEL=: the recipe's embedded.model_overrides
+    cfg = resolve_embedded("psqa", {}, over)  # MODEL=: the recipe's embedded.model_overrides
     base_s = time.monotonic() - t0
     t_rl = time.monotonic()
-    rc = run_embedded(cfg, Console(width=140), root=ROOT, retriever_argv=serve_argv)
+    rc = run_embedded(cfg, Console(width=140), root=ROOT)
     rl_s = time.monotonic() - t_rl
     rows = [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()] \
         if paths.metrics.exists() else []

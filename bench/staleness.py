@@ -27,7 +27,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from trainer.config import AlgoConfig, EmbeddedBaseConfig, RecipeConfig, resolve
+from embedded.config import EmbeddedBaseConfig, resolve_embedded
+from trainer.config import AlgoConfig, RecipeConfig
 
 from . import staleness_stats as stats
 from .common import RESULTS, git_commit, machine_info, provenance
@@ -105,7 +106,7 @@ def cell_recipe(cell: Cell, preset: Preset, base_dir: str | Path, sets: dict[str
     objective, a staleness bound that admits the forced lag (max(k, the recipe's)), each group used once (so
     its age is exactly k) and the cell's seed. `sets` (dotted values) wins over the preset's."""
     overrides = {**preset.recipe, **(sets or {}), "model.path": None}
-    cfg = resolve("gsm8k", env={}, overrides=overrides, embedded=True)
+    cfg = resolve_embedded("gsm8k", env={}, overrides=overrides)
     algo = cfg.algo.model_copy(update={"objective": cell.objective, "staleness": max(cell.lag, cfg.algo.staleness),
                                        "reuse_cap": 1})
     train = cfg.train.model_copy(update={"num_steps": preset.steps, "seed": cell.seed})
@@ -128,7 +129,7 @@ class _Heldout:
         self.max_new_tokens, self.plane = cfg.algo.max_new_tokens, cfg.contract.plane
 
     def __call__(self) -> tuple[int, float]:
-        from trainer.embedded.basemodel import evaluate
+        from embedded.basemodel import evaluate
         from worker_contract.planes import get_plane
 
         self.rec.follow()
@@ -249,10 +250,10 @@ def _mean(values) -> float | None:
 
 def build_base(preset: Preset, work: Path, log=print) -> tuple[str, dict]:
     """The preset's base (built once, cached under `work`/cache), and what building it measured."""
-    from trainer.embedded.basemodel import ensure_base
+    from embedded.basemodel import ensure_base
     from worker_contract.tasks import get_task
 
-    cfg = resolve("gsm8k", env={}, overrides=preset.recipe, embedded=True)
+    cfg = resolve_embedded("gsm8k", env={}, overrides=preset.recipe)
     base_cfg = preset.base or cfg.embedded.base
     reports, val = [], {}
     lo, hi = base_cfg.sft_target_accuracy
@@ -283,7 +284,7 @@ def _validation_accuracy(path: str, task, preset: Preset, max_new_tokens: int) -
     """Greedy accuracy of a base on bench.common.validation_problems (as many as the preset's held-out)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.embedded.basemodel import evaluate
+    from embedded.basemodel import evaluate
 
     from .common import validation_problems
 

@@ -1,10 +1,10 @@
 """`python -m entrypoints.launch --recipe gsm8k --run RUN [--host H] [--model PATH] [--ssh-key K] [--remote-dir D]`
 
-What `make gsm8k RUN=<id>` runs. It resolves the recipe (trainer.config.resolve), then picks where the job
-runs, in this order:
+What `make gsm8k RUN=<id>` runs. It resolves the recipe (embedded.config.resolve_embedded: trainer.config.resolve
+with the `embedded:` section typed), then picks where the job runs, in this order:
     --host given                                   -> infra.remote.launch_remote (the GPU box over SSH)
     a CUDA GPU here and R2 credentials or DRL_STORE -> infra.launch_gpu.launch_on_this_box
-    otherwise                                      -> the embedded default (trainer.embedded.run)
+    otherwise                                      -> the embedded default (embedded.run)
 DRL_DRY_RUN=1 prints the fully resolved configuration and exactly what would run (secrets redacted) and
 changes nothing. An unknown recipe or a bad run id is refused with exit status 2.
 """
@@ -104,7 +104,7 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
     from worker_contract.env import R2_VARS, REDACTED, SECRET_VARS
 
     if mode == "embedded":
-        from trainer.embedded.run import STOA_DIR, EmbeddedPaths, embedded_cfg
+        from embedded.run import STOA_DIR, EmbeddedPaths, embedded_cfg
 
         paths = EmbeddedPaths(STOA_DIR, cfg.run)
         cfg = embedded_cfg(cfg, paths)
@@ -118,18 +118,18 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
     if not shown:
         out("(no DRL_* contract or R2_* variables set)")
     if mode == "embedded":
-        from infra.retriever import serve_argv
-        from trainer.embedded.run import plan_lines
+        from embedded.run import plan_lines
 
         out("# will run:")
-        for line in plan_lines(cfg, paths, retriever_argv=serve_argv):
+        for line in plan_lines(cfg, paths):
             out(line)
 
 
 def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
            out: Callable[[str], None] = print) -> int:
     args = parse_args(argv)
-    from trainer.config import REPO_ROOT, load_recipe_file, recipe_path, resolve
+    from embedded.config import resolve_embedded
+    from trainer.config import REPO_ROOT, load_recipe_file, recipe_path
     from worker_contract import layout
     from worker_contract.env import EnvError, default_store_url, load_env, parse_env
 
@@ -172,7 +172,7 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
             from trainer.models.hf_io import load_hf_config
 
             load_hf_config(args.model)
-        cfg = resolve(args.recipe, env, overrides, embedded=mode == "embedded", override_names=FLAG_NAMES)
+        cfg = resolve_embedded(args.recipe, env, overrides, local=mode == "embedded", override_names=FLAG_NAMES)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -193,10 +193,9 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
     if dry:
         dry_run(cfg, mode, why, env, out)
         return 0
-    from infra.retriever import serve_argv
-    from trainer.embedded.run import run_embedded
+    from embedded.run import run_embedded
 
-    return run_embedded(cfg, retriever_argv=serve_argv)  # psqa: the retriever child's command (trainer names no infra)
+    return run_embedded(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """`python -m entrypoints.learner --recipe-json R --model-dir D --state-dir S [--env-file F]`: the learner.
 
 The one learner process, whichever launcher starts it: the native launch on a GPU box (detached,
-infra/native_launch.py) and the embedded run (a child of the launcher, trainer/embedded/localprocs.py). Its work is
+infra/native_launch.py) and the embedded run (a child of the launcher, embedded/localprocs.py). Its work is
 trainer.native.learner.serve (Ray on 127.0.0.1, run_learner until `train.num_steps` steps or SIGTERM/SIGINT, which
 stop it after the step in hand); its last line is `{"learner_done": {...}}`. `python -m trainer.native`
 re-executes this. A missing or invalid input is one sentence and exit status 2.

@@ -1,13 +1,12 @@
 """`python -m entrypoints.psqa_eval (--model DIR | --watch DIR) --out DIR --retriever URL [...]`: held-out psqa.
 
 The held-out PaperSearchQA curve (cover-EM pass@1, pass@k, search rate per version), run apart from the
-learner on its own GPU or box; its work is trainer.embedded.psqa_eval.main. `python -m trainer.psqa_eval`
-re-executes this.
+learner on its own GPU or box; its work is trainer.psqa_eval.main.
 """
 
 import sys
 
-from trainer.embedded.psqa_eval import main
+from trainer.psqa_eval import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="python -m entrypoints.psqa_eval"))

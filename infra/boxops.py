@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .children import CHILDREN_DIR, group_members, process_start_time, recorded_children
+
 #: the Ray dashboard slime's jobs are submitted to (bound to localhost by infra.launch_gpu)
 DASHBOARD = "http://127.0.0.1:8265"
 RAY_MARKER = ".stoa/ray.started"
@@ -192,10 +194,7 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
 SHIPPED_MARK = ".stoa-tree.sha256"
 
 
-#: the run dir's folder of the embedded launcher's child records (trainer/embedded/localprocs.py CHILDREN_DIR)
-CHILDREN_DIR = "children"
-
-#: the lock a running `make gsm8k RUN=<run>` holds on its run dir (trainer/embedded/run.py `_lock_run`)
+#: the lock a running `make gsm8k RUN=<run>` holds on its run dir (embedded/run.py `_lock_run`)
 RUN_LOCK = ".lock"
 
 
@@ -235,12 +234,10 @@ def run_is_live(state_dir: str | Path) -> bool:
 
 def leftover_children(state_dir: str | Path) -> list[dict]:
     """The embedded launcher's children still running after it died without stopping them (SIGKILL; a child
-    that outlived its SIGTERM; macOS): trainer.embedded.localprocs.recorded_children, read only with the run's lock
-    free (a live launcher stops its own children). Without records, no trainer import (the box's trees)."""
+    that outlived its SIGTERM; macOS): infra.children.recorded_children, read only with the run's lock
+    free (a live launcher stops its own children)."""
     if not (Path(state_dir) / CHILDREN_DIR).is_dir() or run_is_live(state_dir):
         return []
-    from trainer.embedded.localprocs import recorded_children
-
     return recorded_children(Path(state_dir))
 
 
@@ -263,8 +260,6 @@ def stop_leftovers(state_dir: str | Path, *, timeout_s: float = 30.0, log=print)
     """With the run's lock held: SIGTERM each leftover child (the learner checkpoints, a worker finishes its
     group), SIGKILL what is left of its process group after `timeout_s`, and delete the run's child records
     (also those of children gone by themselves). The children stopped; none while a launcher holds the lock."""
-    from trainer.embedded.localprocs import group_members, process_start_time, recorded_children
-
     lock = lock_run_dir(state_dir)
     if lock is None:  # a launcher runs (again): its children are its own
         return []
@@ -298,6 +293,12 @@ def _other_live_runs(root: Path, run: str) -> list[str]:
         return []
     return sorted(d.name for d in runs_dir.iterdir()
                   if d.name != run and (alive_pid(d / "trainer.pid") is not None or run_is_live(d)))
+
+
+def live_runs(root: str | Path) -> list[str]:
+    """Every run of this tree that a process holds right now (its lock, or its detached trainer alive):
+    `make clean STATE=1` deletes nothing while one does."""
+    return _other_live_runs(Path(root), "")
 
 
 def _refuse_live_run(root: Path, run: str, what: str) -> None:
@@ -353,8 +354,18 @@ def teardown_actions(remote_dir: str, run: str, *, purge: bool = False) -> list[
     if purge:
         for p in _run_paths(root, run):
             if p.exists():
-                actions.append(f"delete {p}{'/' if p.is_dir() else ''}")
+                actions.append(f"delete {p}{'/' if p.is_dir() else ''}{_what_goes(p)}")
     return actions
+
+
+def _what_goes(path: Path) -> str:
+    """What a purged run dir holds that cannot be made again, said in the plan before anything goes."""
+    if not path.is_dir():
+        return ""
+    named = (("trainer.key", "trainer.key, the run's signing key: without it the run can never resume or publish "
+              "again"), ("checkpoints", "its checkpoints"), ("metrics.jsonl", "its metrics"))
+    held = [what for name, what in named if (path / name).exists()]
+    return f" ({'; '.join(held)})" if held else ""
 
 
 def teardown(remote_dir: str, run: str, *, purge: bool = False, dry_run: bool = False, log=print) -> dict:

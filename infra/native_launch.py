@@ -45,10 +45,22 @@ NATIVE_BOX_STEPS = [
 ]
 
 
+#: the learner process's module (entrypoints/learner.py), as both launchers start it: `python -m infra.launch_gpu`
+#: runs on the box by itself, so it names the learner's main as a command, never imports it
+LEARNER_MODULE = "entrypoints.learner"
+
+
+def learner_argv(python: str, recipe_json: str | Path, model_dir: str | Path, state_dir: str | Path,
+                 env_file: str | Path | None = None) -> list[str]:
+    """The learner process's command line (entrypoints/learner.py): the native launch's detached learner
+    (below) and the embedded run's child (embedded/localprocs.py)."""
+    argv = [python, "-m", LEARNER_MODULE, "--recipe-json", str(recipe_json), "--model-dir", str(model_dir),
+            "--state-dir", str(state_dir)]
+    return argv + (["--env-file", str(env_file)] if env_file is not None else [])
+
+
 def learner_command(cfg: RecipeConfig, paths: BoxPaths, python: str = sys.executable) -> list[str]:
     """The detached learner's argv (what the dry run prints as the trainer command)."""
-    from trainer.native.learner import learner_argv
-
     return learner_argv(python, paths.recipe_file, paths.hf_dir(cfg.model.hf_id), paths.state_dir, paths.env_file)
 
 

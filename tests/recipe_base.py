@@ -1,6 +1,6 @@
 """The recipe's embedded base for the slow lane, rebuilt from scratch while the rest of the suite runs.
 
-The repository ships the recipe's base (trainer/embedded/base_gsm8k), so a clone's `make gsm8k` starts
+The repository ships the recipe's base (embedded/base_gsm8k), so a clone's `make gsm8k` starts
 RL at once; the slow lane checks that the shipped base is what the recipe builds. Building it takes 7-11
 minutes on one thread, so a child process starts it at collection, on a core the other tests leave free,
 and the tests that need it run last. It is the same `ensure_base` a user's first run calls without the
@@ -38,10 +38,10 @@ def _orphaned():  # the test run ended without stopping us (SIGKILL, a CI timeou
     os._exit(1)
 threading.Thread(target=_orphaned, daemon=True).start()
 from pathlib import Path
-from trainer.embedded.basemodel import ensure_base
-from trainer.config import resolve
+from embedded.basemodel import ensure_base
+from embedded.config import resolve_embedded
 from worker_contract.tasks import get_task
-cfg = resolve("gsm8k", env={}, overrides={"run": "slow-lane-base"}, embedded=True)
+cfg = resolve_embedded("gsm8k", env={}, overrides={"run": "slow-lane-base"})
 report = ensure_base(cfg.embedded.base, get_task(cfg.task), Path(sys.argv[1]), max_new_tokens=cfg.algo.max_new_tokens,
                      eval_problems=cfg.embedded.eval_problems, use_shipped=False, show_progress=True)
 print(f"base {report.path}: held-out {report.heldout_accuracy:.4f} after {report.sft_steps} steps, {report.sft_seconds} s")
@@ -106,7 +106,7 @@ def _elsewhere() -> str | None:
     DRL_RECIPE_BASE_BUILD=always builds anyway (the comparison then xfails)."""
     if os.environ.get("DRL_RECIPE_BASE_BUILD", "") == "always":
         return None
-    from trainer.embedded.basemodel import SHIPPED_BASE, BaseReport, build_environment
+    from embedded.basemodel import SHIPPED_BASE, BaseReport, build_environment
 
     shipped = BaseReport.model_validate_json((SHIPPED_BASE / "base.json").read_text()).built_on
     here = build_environment()

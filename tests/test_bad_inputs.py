@@ -317,7 +317,6 @@ ROWS = [
                                    "--model-dir", "{tmp}", "--state-dir", ".stoa/runs/seed-run"], says=("none.json",)),
     Row("native-shim-no-args", ["python", "-m", "trainer.native"], says=("--recipe-json",)),  # the old command
     Row("psqa-eval-no-args", ["python", "-m", "entrypoints.psqa_eval"], says=("--out",)),
-    Row("psqa-eval-shim-no-args", ["python", "-m", "trainer.psqa_eval"], says=("--out",)),  # the old command
     Row("retriever-cli-port", ["python", "-m", "infra.retriever", "serve", "--corpus", "x.jsonl", "--port", "99999"],
         says=("--port",)),
     Row("box-check-here", ["python", "-m", "infra.box_check", "--remote-dir", "{tmp}"], rc=1, lines=None,
@@ -363,7 +362,7 @@ ROWS = [
         says=("c.jsonl:1", "not JSON")),
     # megatron's torch_dist writer needs a CUDA build of torch; elsewhere convert refuses in a sentence (it imports
     # megatron-core and builds the model first: 6-12 s, so in the slow lane)
-    Row("convert-without-cuda", ["invoke", "convert", "--hf-dir", "trainer/embedded/base_gsm8k", "--out", "{tmp}/out"],
+    Row("convert-without-cuda", ["invoke", "convert", "--hf-dir", "embedded/base_gsm8k", "--out", "{tmp}/out"],
         says=("CUDA build of torch", "GPU host"), without_cuda=True, slow=True),
     Row("preflight-plan-list", ["python", "-m", "infra.preflight"], stdin=PLAN.format("[1]"),
         says=("launch plan does not validate",), never=("errors.pydantic.dev",)),

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import EmbeddedBaseConfig, resolve
-from trainer.embedded import basemodel
-from trainer.embedded.basemodel import ensure_base
+from embedded import basemodel
+from embedded.basemodel import ensure_base
+from embedded.config import EmbeddedBaseConfig, resolve_embedded
 from worker_contract.tasks import get_task
 
 #: the recipe's width (a narrower model's products are too small for torch to split across threads)
@@ -44,7 +44,7 @@ def test_the_base_does_not_depend_on_the_callers_thread_count(tmp_path):
 
 
 def _recipe():
-    cfg = resolve("gsm8k", env={}, overrides={"run": "base-test"}, embedded=True)
+    cfg = resolve_embedded("gsm8k", env={}, overrides={"run": "base-test"})
     return cfg.embedded.base, get_task(cfg.task), cfg
 
 

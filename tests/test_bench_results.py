@@ -6,9 +6,7 @@ The forms accepted (bench/common.provenance and write_result write them; docs/pe
   in `machine` counts as not clean;
 - `machine`: a dict naming the CPU or the GPU; `command`: the command line, or "unknown" with the note;
 - `provenance_recovered`: where a field was added after the run (from git history), a dict field -> how.
-Beyond the form: the commit is one this repository's history holds, a GPU result names its GPU, the raw
-files a result lists lie beside it, and no doc quotes a file of `bench/results/superseded/` (results whose
-provenance could not be completed).
+Beyond the form: the commit in git's history, a GPU result's GPU, its raw files; no doc quotes superseded/.
 """
 
 from __future__ import annotations

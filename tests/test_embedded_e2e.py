@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import resolve
+from embedded.config import resolve_embedded
 from worker_contract import layout
 from worker_contract.signing import fingerprint, load_private_key, public_key_b64
 from worker_contract.store.file import FileStore
@@ -40,9 +40,9 @@ TINY = {
 def _run(root: Path, run: str, **over):
     from rich.console import Console
 
-    from trainer.embedded.run import run_embedded
+    from embedded.run import run_embedded
 
-    cfg = resolve("gsm8k", env={}, overrides={"run": run, **TINY, **over}, embedded=True)
+    cfg = resolve_embedded("gsm8k", env={}, overrides={"run": run, **TINY, **over})
     buf = io.StringIO()
     rc = run_embedded(cfg, console=Console(file=buf, width=160), root=root)
     return rc, buf.getvalue()
@@ -84,14 +84,14 @@ def _wait_gone(root: Path, timeout: float = 30.0) -> list[str]:
 def test_a_second_launcher_of_the_same_run_is_refused(tmp_path):
     from rich.console import Console
 
-    from trainer.embedded.run import EmbeddedPaths, _lock_run, run_embedded
+    from embedded.run import EmbeddedPaths, _lock_run, run_embedded
 
     paths = EmbeddedPaths(tmp_path, "busy-run")
     paths.run_dir.mkdir(parents=True)
     held = _lock_run(paths)
     assert held is not None
     try:
-        cfg = resolve("gsm8k", env={}, overrides={"run": "busy-run", **TINY}, embedded=True)
+        cfg = resolve_embedded("gsm8k", env={}, overrides={"run": "busy-run", **TINY})
         buf = io.StringIO()
         assert run_embedded(cfg, console=Console(file=buf, width=160), root=tmp_path) == 2
         assert "already running on this machine" in buf.getvalue()
@@ -180,9 +180,9 @@ def test_model_option_runs_the_same_loop_on_a_model_from_disk_with_real_gsm8k_da
     """MODEL=/path: no base is built; the task is the real GSM8K (here a local copy of a few rows)."""
     from rich.console import Console
 
-    from trainer.config import EmbeddedBaseConfig
-    from trainer.embedded.basemodel import _render, build_model, build_tokenizer
-    from trainer.embedded.run import run_embedded
+    from embedded.basemodel import _render, build_model, build_tokenizer
+    from embedded.config import EmbeddedBaseConfig
+    from embedded.run import run_embedded
     from worker_contract.tasks import get_task
 
     rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
@@ -202,9 +202,8 @@ def test_model_option_runs_the_same_loop_on_a_model_from_disk_with_real_gsm8k_da
 
     run = "e2e-model"
     over = {k: v for k, v in TINY.items() if not k.startswith("embedded.base.")}
-    cfg = resolve("gsm8k", env={}, overrides={"run": run, "model.path": str(model_dir), **over,
-                                              "embedded.max_steps": 2, "train.micro_batch_size": 8},
-                  embedded=True)
+    cfg = resolve_embedded("gsm8k", env={}, overrides={"run": run, "model.path": str(model_dir), **over,
+                                              "embedded.max_steps": 2, "train.micro_batch_size": 8})
     assert cfg.task == "gsm8k"
     buf = io.StringIO()
     assert run_embedded(cfg, console=Console(file=buf, width=160), root=tmp_path) == 0, buf.getvalue()
@@ -228,13 +227,13 @@ def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path):
     rebuilds it from scratch and compares: tests/test_basemodel.py)."""
     from rich.console import Console
 
-    from trainer.embedded.run import run_embedded
+    from embedded.run import run_embedded
 
     run = "e2e-rises"
     # the recipe's 600 s budget is for a user's machine; a loaded CI box may take longer for the 60 steps,
     # and this test is about learning, not speed
-    cfg = resolve("gsm8k", env={}, overrides={"run": run, "embedded.max_steps": 60, "embedded.eval_every": 10,
-                                              "embedded.time_budget_s": 3600}, embedded=True)
+    cfg = resolve_embedded("gsm8k", env={}, overrides={"run": run, "embedded.max_steps": 60, "embedded.eval_every": 10,
+                                              "embedded.time_budget_s": 3600})
     buf = io.StringIO()
     assert run_embedded(cfg, console=Console(file=buf, width=160), root=tmp_path) == 0, buf.getvalue()
     rows = _rows(tmp_path, run)

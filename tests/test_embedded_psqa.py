@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_embedded_e2e import _leftovers, _verify, _wait_gone  # the gsm8k loop's run checks
 
-from trainer.config import resolve
+from embedded.config import resolve_embedded
 from trainer.rollouts.pool import BatchRules, GroupPool, Tally
 from worker_contract import layout
 from worker_contract.schema import RolloutRecord, Sample, SamplingParams
@@ -55,15 +55,14 @@ def test_a_psqa_batch_reports_its_search_rate_and_the_correct_answers_found_afte
 def _run(root: Path, run: str, model: Path, **over) -> tuple[int, str]:
     from rich.console import Console
 
-    from infra.retriever import serve_argv
-    from trainer.embedded.run import run_embedded
+    from embedded.run import run_embedded
 
     tiny = {"run": run, "model.path": str(model), "algo.groups_per_step": 2, "algo.max_new_tokens": 48,
             "embedded.eval_every": 2, "embedded.eval_problems": 6, "embedded.psqa.entities": 300,
             "embedded.psqa.heldout_entities": 30, "train.save_interval": 2}
-    cfg = resolve("psqa", env={}, overrides={**tiny, **over}, embedded=True)
+    cfg = resolve_embedded("psqa", env={}, overrides={**tiny, **over})
     buf = io.StringIO()
-    rc = run_embedded(cfg, console=Console(file=buf, width=160), root=root, retriever_argv=serve_argv)
+    rc = run_embedded(cfg, console=Console(file=buf, width=160), root=root)
     return rc, buf.getvalue()
 
 
@@ -118,12 +117,12 @@ def test_embedded_psqa_loop_with_real_processes_then_resume_and_ctrl_c(tmp_path)
 
 def test_the_data_cache_follows_the_generator(tmp_path, monkeypatch):
     """A data set written by an older generator is never reused: its version is in the cache's name."""
-    from trainer.config import resolve
-    from trainer.embedded import psqa_synth
-    from trainer.embedded.psqa import data_dir
-    from trainer.embedded.run import EmbeddedPaths
+    from embedded import psqa_synth
+    from embedded.config import resolve_embedded
+    from embedded.psqa import data_dir
+    from embedded.run import EmbeddedPaths
 
-    cfg = resolve("psqa", env={"DRL_RUN": "cache-1"}, embedded=True)
+    cfg = resolve_embedded("psqa", env={"DRL_RUN": "cache-1"})
     paths = EmbeddedPaths(root=tmp_path, run="cache-1")
     now = data_dir(cfg, paths)
     monkeypatch.setattr(psqa_synth, "GENERATOR_VERSION", psqa_synth.GENERATOR_VERSION + 1)

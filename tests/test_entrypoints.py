@@ -105,19 +105,17 @@ def test_process_mains_of_trainer_are_shims_of_entrypoints():
     for module, target in shims.items():
         assert target in blocks and target.startswith("entrypoints."), (module, target)
     # the old commands the docs, closed issues and users' notes name
-    assert shims == {"trainer.launch": "entrypoints.launch", "trainer.native": "entrypoints.learner",
-                     "trainer.psqa_eval": "entrypoints.psqa_eval"}
+    assert shims == {"trainer.launch": "entrypoints.launch", "trainer.native": "entrypoints.learner"}
 
 
 def test_both_launchers_start_the_one_learner_command(tmp_path):
-    from infra.native_launch import learner_command
+    from infra.native_launch import learner_argv, learner_command
     from infra.slime_launch import BoxPaths
     from trainer.config import resolve
-    from trainer.native.learner import learner_argv
 
     cfg = resolve("gsm8k", {}, {"run": "one-learner-1"})
     native = learner_command(cfg, BoxPaths(remote_dir=str(tmp_path), run=cfg.run), sys.executable)
-    embedded = learner_argv(sys.executable, tmp_path / "recipe.json", tmp_path, tmp_path)  # trainer/embedded/localprocs.py
+    embedded = learner_argv(sys.executable, tmp_path / "recipe.json", tmp_path, tmp_path)  # embedded/localprocs.py
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for argv in (native, embedded):
         assert argv[1:3] == ["-m", "entrypoints.learner"]

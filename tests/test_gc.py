@@ -153,6 +153,22 @@ def test_pointer_anchor_missing_is_refused(store, built):
         plan_gc(store, RUN, keep_anchors=1)
 
 
+@pytest.mark.parametrize("damage", ["shard-bytes", "shard-gone", "manifest-garbage"])
+def test_pointer_anchor_damaged_deletes_nothing(store, built, damage):
+    """The pointer's own anchor (v9) damaged: the older anchors and patches are the only route to the weights,
+    so gc plans nothing (it once kept v9 and deleted v1, v5 and every patch below v9)."""
+    if damage == "shard-bytes":
+        store.put(layout.anchor_shard_key(RUN, 9, 0), b"x" * len(store.get(layout.anchor_shard_key(RUN, 9, 0))))
+    elif damage == "shard-gone":
+        store.delete(layout.anchor_shard_key(RUN, 9, 0))
+    else:
+        store.put(layout.anchor_manifest_key(RUN, 9), b"{not json")
+    before = keys(store, layout.run_prefix(RUN))
+    with pytest.raises(GcError, match="pointer's own anchor is damaged.*deletes nothing"):
+        plan_gc(store, RUN, keep_anchors=1)
+    assert keys(store, layout.run_prefix(RUN)) == before
+
+
 def test_nothing_to_do_on_a_young_run(store):
     build_run(store, RUN, pointer=3, anchor_interval=4, workers={"w": [1, 2, 3]})
     plan = plan_gc(store, RUN, keep_anchors=2)

@@ -3,6 +3,7 @@
     worker_contract -> nothing of ours       (the contract both sides share)
     trainer         -> worker_contract only  (the learner; its models live in trainer/models/)
     infra           -> trainer, worker_contract
+    embedded        -> infra, trainer, worker_contract (the local runs; nothing below imports them)
     entrypoints/, tasks.py, noxfile.py, bench/ -> anything
 More in docs/map.md (module notes).
 """
@@ -15,20 +16,21 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("worker_contract", "trainer", "infra", "entrypoints", "bench")
+PACKAGES = ("worker_contract", "trainer", "infra", "embedded", "entrypoints", "bench")
 TOP_FILES = ("tasks.py", "noxfile.py")
 #: what each top-level unit may import (None: anything of ours)
 ALLOWED: dict[str, set[str] | None] = {
     "worker_contract": set(),
     "trainer": {"worker_contract"},
     "infra": {"trainer", "worker_contract"},
+    "embedded": {"infra", "trainer", "worker_contract"},
     "entrypoints": None, "bench": None, "tasks": None, "noxfile": None,
 }
 #: file -> the process mains above it that it may name as a `python -m` command, never import (an argv string):
-#: the old commands' shims re-execute their entry point, and trainer.native.learner's LEARNER_MODULE is the learner
+#: the old commands' shims re-execute their entry point, and infra.native_launch's LEARNER_MODULE is the learner
 #: process both launchers start
 SHIMS = {"trainer.launch": {"entrypoints.launch"}, "trainer.native.__main__": {"entrypoints.learner"},
-         "trainer.psqa_eval": {"entrypoints.psqa_eval"}, "trainer.native.learner": {"entrypoints.learner"}}
+         "infra.native_launch": {"entrypoints.learner"}}
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?")
 
 

@@ -174,3 +174,23 @@ def test_a_revealed_card_never_lands_in_the_tree(moto_server, s3_bucket, tmp_pat
     redacted = tmp_path / "redacted" / "card.env"
     r = _invoke(*args[:-1], "--out", str(redacted), env=env)
     assert r.returncode == 0 and secret not in redacted.read_text()
+
+
+def test_out_never_replaces_what_is_not_a_card(published, tmp_path):
+    """`--out <symlink>` once replaced the link's target; a directory and a file of the user's are refused
+    the same way (exit 2, one sentence), each left as it was; a card written before is replaced."""
+    store, _ = published
+    target = tmp_path / "precious.txt"
+    target.write_text("the user's own file\n")
+    (tmp_path / "link.env").symlink_to(target)
+    (tmp_path / "adir").mkdir()
+    for out, says in (("link.env", "symbolic link"), ("precious.txt", "not a join card"), ("adir", "directory")):
+        r = _invoke("joincard", "--run", "card-run", "--store", store.url, "--out", str(tmp_path / out),
+                    env={"DRL_STORE": ""})
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (out, r.stderr)
+    assert target.read_text() == "the user's own file\n" and (tmp_path / "link.env").is_symlink()
+    assert list((tmp_path / "adir").iterdir()) == []
+    for fmt in ("text", "env", "json", "env"):  # each format's card, then a card over a card of another format
+        r = _invoke("joincard", "--run", "card-run", "--store", store.url, "--format", fmt, "--out",
+                    str(tmp_path / "card"), env={"DRL_STORE": ""})
+        assert r.returncode == 0, r.stderr

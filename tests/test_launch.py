@@ -81,7 +81,7 @@ def test_environment_and_command_line_win_over_the_embedded_overrides():
 
 def test_model_option_uses_the_model_overrides(tmp_path):
     # a config.json the run accepts (the dry run refuses one the run would refuse)
-    (tmp_path / "config.json").write_text((REPO / "trainer" / "embedded" / "base_gsm8k" / "config.json").read_text())
+    (tmp_path / "config.json").write_text((REPO / "embedded" / "base_gsm8k" / "config.json").read_text())
     p = _launch("--recipe", "gsm8k", "--run", "launch-dry-3", "--model", str(tmp_path), env={"DRL_DRY_RUN": "1"})
     assert p.returncode == 0, p.stderr
     cfg = _config_of(p.stdout)
@@ -113,7 +113,7 @@ def test_psqa_without_host_dry_runs_the_embedded_miniature():
     assert "--backend torch" in out and "--backend mlx" in out and "--worker-id local-2" in out
     assert "--retriever-url <retriever URL> --retriever-tier medium --max-turns 2" in out
     assert "DRL_KV_MODE=paged_prefix DRL_RETRIEVER_URL=<retriever URL>" in out and "DRL_PULSE_PLANE=int8g64" in out
-    assert "trainer.embedded.psqa_base.ensure_psqa_base" in out and "cover-EM pass@1" in out
+    assert "embedded.psqa_base.ensure_psqa_base" in out and "cover-EM pass@1" in out
     assert "python -m entrypoints.learner --recipe-json" in out
     assert not (REPO / ".stoa" / "runs" / run).exists()
     # WORKER= puts every local worker on one backend

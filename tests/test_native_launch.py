@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from sshd import sshd_server  # noqa: F401  (fixture)
 
-from trainer.config import REPO_ROOT, EmbeddedBaseConfig, resolve
+from embedded.config import EmbeddedBaseConfig
+from trainer.config import REPO_ROOT, resolve
 
 pytestmark = pytest.mark.integration
 
@@ -116,7 +117,7 @@ def test_install_step_installs_nothing_that_imports():
 
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory) -> str:
-    from trainer.embedded.basemodel import ensure_base
+    from embedded.basemodel import ensure_base
     from worker_contract.tasks import get_task
 
     cfg = EmbeddedBaseConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
@@ -133,10 +134,10 @@ def test_native_loop_on_cpu(tmp_path, monkeypatch, tiny_base):
     """`make gsm8k` on a (reported) GPU box with the native engine: every on-box step, the detached learner
     (the hf backend: megatron needs CUDA) trains on a reference worker's groups; `stop` ends it after a
     checkpoint; a second launch resumes (run.json identical) and the learner's new anchor moves the pointer."""
+    from embedded.localprocs import Processes
     from infra import boxops
     from infra.launch_gpu import launch_on_this_box
     from infra.slime_launch import BoxPaths
-    from trainer.embedded.localprocs import Processes
     from worker_contract.manifest import load_manifest
     from worker_contract.signing import fingerprint
     from worker_contract.store import open_store

@@ -1,4 +1,4 @@
-"""The embedded psqa base (trainer/embedded/psqa_base.py): its supervised traces are what an episode records (tool
+"""The embedded psqa base (embedded/psqa_base.py): its supervised traces are what an episode records (tool
 turn masked), a build is deterministic and cached, the directory loads in transformers and mlx-lm with the
 same greedy tokens, and a bad data directory is refused in one sentence. Tiny configs: seconds each."""
 
@@ -9,9 +9,8 @@ import json
 import pytest
 import torch
 
-from infra.retriever.index import BM25Index
-from trainer.embedded import psqa_synth
-from trainer.embedded.psqa_base import (
+from embedded import psqa_synth
+from embedded.psqa_base import (
     PsqaBaseConfig,
     base_digest,
     batch_tensors,
@@ -21,6 +20,7 @@ from trainer.embedded.psqa_base import (
     make_trace,
     search_query,
 )
+from infra.retriever.index import BM25Index
 from worker_contract.tasks.psqa import TurnOutput, run_episodes, tool_turn_text
 from worker_contract.tasks.psqa_retrieval import format_hits
 
@@ -119,7 +119,7 @@ def test_the_directory_loads_in_transformers_and_mlx_lm_with_the_same_greedy_tok
 
 
 def test_a_bad_data_directory_is_refused_in_one_sentence(tmp_path, data):
-    with pytest.raises(ValueError, match=r"has no train\.jsonl; write it with trainer\.embedded\.psqa_synth") as e:
+    with pytest.raises(ValueError, match=r"has no train\.jsonl; write it with embedded\.psqa_synth") as e:
         ensure_psqa_base(tmp_path / "nowhere", tmp_path / "cache", data[1], cfg=TINY)
     assert "\n" not in str(e.value)
     (tmp_path / "empty").mkdir()

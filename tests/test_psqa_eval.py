@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from trainer.embedded import psqa_eval
+from trainer import psqa_eval
 from worker_contract.tasks.psqa import PsqaProblem, PsqaTask, TurnOutput
 
 

@@ -2,7 +2,7 @@
 import hashlib
 import json
 
-from trainer.embedded import psqa_synth
+from embedded import psqa_synth
 from worker_contract.tasks.psqa import cover_em, problem_from_row
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from embedded.config import resolve_embedded
 from trainer.config import RECIPES, RUNS_DIR, RecipeConfig, load_recipe_file, resolve
 from worker_contract.tasks import TASKS
 
@@ -53,7 +54,7 @@ def test_top_p_below_1_is_refused_naming_the_field_the_value_and_why(top_p):
     with pytest.raises(ValueError, match="top_p"):  # a resolved recipe validated again (preflight, box launch)
         RecipeConfig.model_validate(tree)
     with pytest.raises(ValueError, match="algo.top_p"):
-        resolve("gsm8k", env={}, overrides={"algo.top_p": top_p}, embedded=True)
+        resolve_embedded("gsm8k", env={}, overrides={"algo.top_p": top_p})
     assert resolve("gsm8k", env={}, overrides={"algo.top_p": 1.0}).algo.top_p == 1.0
     for out_of_range in (0.0, 1.5):
         with pytest.raises(ValueError, match="algo.top_p"):

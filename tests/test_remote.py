@@ -313,7 +313,7 @@ def test_box_launch_over_ssh_reaches_the_on_box_sequence(sshd_server, tmp_path):
 
 
 def test_teardown_refuses_a_run_that_holds_its_lock(tmp_path):
-    """A `make gsm8k RUN=R` in a terminal holds .stoa/runs/R/.lock (trainer/embedded/run.py's own lock, taken here
+    """A `make gsm8k RUN=R` in a terminal holds .stoa/runs/R/.lock (embedded/run.py's own lock, taken here
     by a real child process): `invoke teardown --local --purge --yes` and `invoke stop` refuse in one
     sentence (exit 2) and delete nothing; once that process is gone, teardown purges the run."""
     import subprocess
@@ -322,7 +322,7 @@ def test_teardown_refuses_a_run_that_holds_its_lock(tmp_path):
     state = tmp_path / ".stoa" / "runs" / run_id
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from trainer.embedded.run import EmbeddedPaths, _lock_run; "
+         "from embedded.run import EmbeddedPaths, _lock_run; "
          f"p = EmbeddedPaths(Path({str(tmp_path / '.stoa')!r}), {run_id!r}); p.run_dir.mkdir(parents=True); "
          "p.key_file.write_text('key'); p.metrics.write_text('{}'); lock = _lock_run(p); assert lock; "
          "print('locked', flush=True); time.sleep(300)"],

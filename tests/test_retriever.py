@@ -167,3 +167,39 @@ def test_invoke_task_dry_run_and_real_process(tmp_path):
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=20)
     assert proc.returncode == 0
+
+
+def _cli(*argv, cwd):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "infra.retriever", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_build_and_generate_never_overwrite_the_users_files(tmp_path):
+    """`build --corpus corpus.jsonl --out .` once rewrote the user's corpus in place (the index writes its own
+    corpus.jsonl); an existing file, '' and a directory of the user's are refused the same way, each in one
+    sentence with exit 2, the files unchanged. A directory an earlier build wrote is rebuilt."""
+    docs = [{**d, "id": f"pmid-{i}"} for i, d in enumerate(synthetic_corpus(12, seed=2))]  # the user's own
+    corpus = write_jsonl(docs, tmp_path / "corpus.jsonl")
+    original = corpus.read_bytes()
+    (tmp_path / "notes.txt").write_text("mine")
+    for out, says in ((".", "inside --out"), ("notes.txt", "is a file"), ("", "is empty"),
+                      (str(tmp_path), "inside --out")):
+        r = _cli("build", "--corpus", "corpus.jsonl", "--out", out, cwd=tmp_path)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (out, r.stderr)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "corpus.jsonl").write_text("the user's other file\n")
+    r = _cli("build", "--corpus", "corpus.jsonl", "--out", "mine", cwd=tmp_path)
+    assert r.returncode == 2 and "files of its own" in r.stderr, r.stderr
+    assert (mine / "corpus.jsonl").read_text() == "the user's other file\n"
+    for out in ("corpus.jsonl", "notes.txt", "", "mine"):  # generate overwrites only a corpus it wrote
+        r = _cli("generate", "--out", out, cwd=tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (out, r.stderr)
+    assert corpus.read_bytes() == original and (tmp_path / "notes.txt").read_text() == "mine"
+    assert _cli("generate", "--out", "gen.jsonl", cwd=tmp_path).returncode == 0
+    assert _cli("generate", "--out", "gen.jsonl", "--docs", "20", cwd=tmp_path).returncode == 0  # its own: again
+    for _ in range(2):  # a new directory, then the index it wrote: rebuilt
+        r = _cli("build", "--corpus", "corpus.jsonl", "--out", "idx", cwd=tmp_path)
+        assert r.returncode == 0 and "indexed 12 documents" in r.stdout, r.stderr
+    assert corpus.read_bytes() == original

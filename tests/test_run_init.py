@@ -63,3 +63,21 @@ def test_a_different_rotary_base_is_refused_before_anything_is_written(tmp_path,
     assert not key_file.exists()
     with pytest.raises(NotFound):
         load_manifest(store, "init-3")
+
+
+def test_a_lost_key_is_refused_never_replaced(tmp_path, hf_dir):
+    """The run exists in the store and its trainer.key is gone: a new key was made silently and the run could
+    then never resume ("different contract"), the new file standing where a backup would be restored."""
+    from trainer.run_init import KeyLost
+
+    store, key_file = open_store(f"file://{tmp_path / 'bucket'}"), tmp_path / "state" / "trainer.key"
+    cfg = recipe("init-4", hf_dir)
+    first = create_run(cfg, store, hf_dir, key_file, publish_base=False)
+    backup = key_file.read_bytes()
+    key_file.unlink()
+    with pytest.raises(KeyLost, match=f"trainer key {first.fingerprint}.*restore that file from a backup"):
+        create_run(cfg, store, hf_dir, key_file, publish_base=False)
+    assert not key_file.exists()
+    key_file.write_bytes(backup)
+    key_file.chmod(0o600)
+    assert create_run(cfg, store, hf_dir, key_file, publish_base=False).fingerprint == first.fingerprint

@@ -164,11 +164,11 @@ def test_no_credential_value_in_an_embedded_runs_logs(scan):
             "embedded.base.hidden_size=32", "embedded.base.num_layers=1", "embedded.base.num_heads=2",
             "embedded.base.num_kv_heads=1", "embedded.base.intermediate_size=64", "embedded.base.sft_steps=10",
             "embedded.base.tokenizer_corpus=200", "embedded.base.vocab_size=300"]
-    code = ("import sys\nfrom rich.console import Console\nfrom trainer.config import resolve\n"
-            "from trainer.embedded.run import run_embedded\n"
+    code = ("import sys\nfrom rich.console import Console\nfrom embedded.config import resolve_embedded\n"
+            "from embedded.run import run_embedded\n"
             "over = dict(kv.split('=', 1) for kv in sys.argv[1:])\n"
             "over = {k: (int(v) if v.isdigit() else v) for k, v in over.items()}\n"
-            "cfg = resolve('gsm8k', env={}, overrides={'run': 'scan-embedded', **over}, embedded=True)\n"
+            "cfg = resolve_embedded('gsm8k', env={}, overrides={'run': 'scan-embedded', **over})\n"
             "sys.exit(run_embedded(cfg, console=Console(width=140)))\n")
     scan.run("embedded run", [sys.executable, "-c", code, *over],
              env={"R2_ACCESS_KEY_ID": ACCESS, "R2_SECRET_ACCESS_KEY": SECRET}, timeout=900)

@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 import torch
 
+from embedded.config import EmbeddedBaseConfig
 from infra.anchor import publish_base_anchor
 from infra.launch_gpu import step_write_recipe
 from infra.slime_launch import BoxPaths
 from trainer import algo
-from trainer.config import EmbeddedBaseConfig, resolve
+from trainer.config import resolve
 from trainer.slime_plugin import context as plugin_context
 from trainer.slime_plugin import objective, publish
 from trainer.slime_plugin.rollout import generate_rollout, train_output
@@ -46,7 +47,7 @@ SlimeSample, TrainOut, EvalOut, FROM_SLIME = slime_types()
 @pytest.fixture(scope="module")
 def box(tmp_path_factory):
     """A tiny HF model dir, a file bucket with run.json + v1 published by infra.anchor, the recipe file."""
-    from trainer.embedded.basemodel import build_model, build_tokenizer
+    from embedded.basemodel import build_model, build_tokenizer
 
     root = tmp_path_factory.mktemp("box")
     task = get_task("arithmetic")
@@ -64,7 +65,7 @@ def box(tmp_path_factory):
     cfg.contract.n_samples = N
     cfg.algo.groups_per_step, cfg.algo.max_new_tokens, cfg.algo.reuse_cap = G, MAX_NEW, 2
     cfg.train.anchor_interval, cfg.train.poll_interval_s = 3, 0.01
-    cfg.embedded.eval_problems = 6
+    cfg.embedded["eval_problems"] = 6
     paths = BoxPaths(remote_dir=str(root / "dRL"), run=RUN, model_dir_override=str(hf))
     first = publish_base_anchor(cfg, paths, env={}, progress=False)
     again = publish_base_anchor(cfg, paths, env={}, progress=False)
@@ -545,7 +546,7 @@ class _SGLangStandIn(BaseHTTPRequestHandler):
 def test_eval_call_scores_held_out_problems_with_the_task(box, plugin, monkeypatch):
     task, tok = box["task"], box["tok"]
     test = task.dataset("test")
-    problems = [test[i] for i in range(box["cfg"].embedded.eval_problems)]
+    problems = [test[i] for i in range(box["cfg"].embedded["eval_problems"])]
     _SGLangStandIn.answers = {p.question: (i, p.answer) for i, p in enumerate(problems)}
     _SGLangStandIn.tok = tok
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SGLangStandIn)

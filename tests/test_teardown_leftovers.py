@@ -1,7 +1,7 @@
 """`invoke teardown --local` after the embedded launcher died (SIGKILL) without stopping its children.
 
 The launcher is a real process that takes the run's lock and starts its children through
-trainer.embedded.localprocs.Processes, as `make gsm8k` does; its children stand in for a learner and a worker that
+embedded.localprocs.Processes, as `make gsm8k` does; its children stand in for a learner and a worker that
 are still finishing their work when the launcher's death reaches them (the first SIGTERM asks for a clean
 stop, which takes them a while; a second ends them), the learner with a process of its own group (as its
 Ray processes are). Teardown must refuse while the launcher lives; then a new launch of the run is refused,
@@ -44,8 +44,8 @@ CHILD = ("import os, signal, subprocess, sys, time\n"
 
 LAUNCHER = ("import sys, time\n"
             "from pathlib import Path\n"
-            "from trainer.embedded.run import EmbeddedPaths, _lock_run\n"
-            "from trainer.embedded.localprocs import Processes\n"
+            "from embedded.run import EmbeddedPaths, _lock_run\n"
+            "from embedded.localprocs import Processes\n"
             "paths = EmbeddedPaths(Path(sys.argv[1]), sys.argv[2])\n"
             "paths.run_dir.mkdir(parents=True)\n"
             "lock = _lock_run(paths)\n"
@@ -107,13 +107,12 @@ def test_teardown_stops_the_children_a_killed_launcher_left(tmp_path):
 
         from rich.console import Console
 
-        from trainer.config import resolve
-        from trainer.embedded.run import run_embedded
+        from embedded.config import resolve_embedded
+        from embedded.run import run_embedded
 
         buf = io.StringIO()
         # (a model that is not there: were the launch not refused, it would stop at the model, not train)
-        cfg = resolve("gsm8k", env={}, overrides={"run": run, "model.path": str(tmp_path / "no-model")},
-                      embedded=True)
+        cfg = resolve_embedded("gsm8k", env={}, overrides={"run": run, "model.path": str(tmp_path / "no-model")})
         assert run_embedded(cfg, console=Console(file=buf, width=300), root=tmp_path / ".stoa") == 2
         assert f"learner (pid {pids['learner']})" in buf.getvalue(), buf.getvalue()
         assert "worker-9" not in buf.getvalue() and not (tmp_path / ".stoa" / "bucket").exists()

@@ -17,8 +17,8 @@ from worker_contract.tasks import get_task
 def save_tiny_qwen2(out: Path, *, hidden_size: int, intermediate_size: int) -> Path:
     """A 1-layer Qwen2 (2 heads, 1 KV head) and its 300-token tokenizer saved as an HF directory in `out`
     (seconds to build)."""
-    from trainer.config import EmbeddedBaseConfig
-    from trainer.embedded.basemodel import _render, build_model, build_tokenizer
+    from embedded.basemodel import _render, build_model, build_tokenizer
+    from embedded.config import EmbeddedBaseConfig
 
     torch.set_num_threads(1)
     task = get_task("arithmetic")
@@ -67,7 +67,7 @@ def save_tiny_llama(out: Path, *, rope_scaling: dict | None = None) -> Path:
     `rope_scaling` (llama3's four fields) its rotary frequencies are Llama 3.x's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.embedded.basemodel import _render, build_tokenizer
+    from embedded.basemodel import _render, build_tokenizer
 
     torch.set_num_threads(1)
     task = get_task("arithmetic")

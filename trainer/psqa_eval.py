@@ -1,12 +1,269 @@
-"""`trainer.psqa_eval` is trainer/embedded/psqa_eval.py, under the name earlier releases and users' scripts
-use; `python -m trainer.psqa_eval` (the old command) re-executes `python -m entrypoints.psqa_eval`."""
+"""Held-out PaperSearchQA evaluation: cover-EM pass@1, pass@k and search rate per policy version.
 
-import os
-import sys
+Runs apart from the learner (its own GPU, `--device cuda:1`, or its own process/box) so the primary
+signal, the held-out curve, never slows training. It evaluates one HF checkpoint (`--model DIR`), or
+watches a directory where checkpoints appear (`--watch DIR`: subdirectories `v<N>`/`step_<N>`/`iter_<N>`
+holding an HF model) and evaluates each new one in order. Every point is appended to
+`<out>/psqa_eval.jsonl` and the curve is redrawn to `<out>/psqa_eval.png`.
+The embedded psqa run (embedded/psqa.py) draws its curve with the same functions.
+More in docs/embedded.md (module notes).
+"""
 
-if __name__ == "__main__":
-    os.execv(sys.executable, [sys.executable, "-m", "entrypoints.psqa_eval", *sys.argv[1:]])
-else:
-    from .embedded import psqa_eval
+from __future__ import annotations
 
-    sys.modules[__name__] = psqa_eval
+import argparse
+import json
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+CURVE_FILE, PLOT_FILE = "psqa_eval.jsonl", "psqa_eval.png"
+_VERSION_DIR = re.compile(r"^(?:v|step_|iter_)0*(\d+)$")
+
+
+class EvalPoint(BaseModel):
+    """One point of the held-out curve."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    version: int
+    """Policy version (or training step) the checkpoint holds."""
+    questions: int
+    """Held-out questions evaluated."""
+    k: int
+    """Samples per question."""
+    pass1: float
+    """Mean cover-EM over all samples (the unbiased pass@1)."""
+    pass_k: float
+    """Mean unbiased pass@k over questions."""
+    search_rate: float
+    """Fraction of episodes that called the search tool at least once."""
+    searches_per_episode: float
+    """Mean tool calls per episode."""
+    correct_after_search: float = 0.0
+    """Share of the correct episodes that searched before answering (answers found through the tool)."""
+    response_tokens: float
+    """Mean response length in tokens (sampled plus tool tokens)."""
+    seconds: float
+    """Wall time of this evaluation."""
+    model: str = ""
+    """Where the checkpoint came from."""
+
+
+def heldout_subset(problems: Sequence, n: int, seed: int = 0) -> list:
+    """The same `n` test questions for every version: a seeded shuffle of the test split, cut at n."""
+    order = list(range(len(problems)))
+    random.Random(seed).shuffle(order)
+    return [problems[i] for i in order[: min(n, len(order))]]
+
+
+def evaluate(problems: Sequence, task, encode_prompt: Callable, generate_batch, encode, search, *, k: int,
+             max_new_tokens: int, max_turns: int, version: int, model: str = "",
+             questions_per_batch: int = 16) -> EvalPoint:
+    """Run k episodes per question and reduce them to one curve point. The episodes of
+    `questions_per_batch` questions run in lockstep (one batched generate call per turn for all of them):
+    the same episodes as one question at a time, in a fraction of the forward passes."""
+    from worker_contract.tasks.psqa import pass_at_k, run_episodes
+
+    t0 = time.monotonic()
+    answered = []  # (question, its k episodes)
+    for i in range(0, len(problems), questions_per_batch):
+        chunk = list(problems[i:i + questions_per_batch])
+        prompts = [encode_prompt(task.messages(problem)) for problem in chunk for _ in range(k)]
+        eps = run_episodes(prompts, generate_batch, encode, search, max_new_tokens, max_turns)
+        answered += [(problem, eps[j * k:(j + 1) * k]) for j, problem in enumerate(chunk)]
+    p1 = pk = searched = calls = tokens = 0.0
+    correct_total = correct_searched = 0
+    for problem, eps in answered:
+        right = [task.reward(ep.text, problem) >= 1.0 for ep in eps]
+        correct = sum(right)
+        correct_total += correct
+        correct_searched += sum(r and bool(ep.searches) for r, ep in zip(right, eps, strict=True))
+        p1 += correct / k
+        pk += pass_at_k(k, correct, k)
+        searched += sum(bool(ep.searches) for ep in eps) / k
+        calls += sum(len(ep.searches) for ep in eps) / k
+        tokens += sum(len(ep.response_ids) for ep in eps) / k
+    n = max(len(problems), 1)
+    return EvalPoint(version=version, questions=len(problems), k=k, pass1=p1 / n, pass_k=pk / n,
+                     search_rate=searched / n, searches_per_episode=calls / n,
+                     correct_after_search=correct_searched / correct_total if correct_total else 0.0,
+                     response_tokens=tokens / n,
+                     seconds=time.monotonic() - t0, model=model)
+
+
+def append_point(out_dir: str | Path, point: EvalPoint) -> Path:
+    path = Path(out_dir) / CURVE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(point.model_dump_json() + "\n")
+    return path
+
+
+def read_curve(out_dir: str | Path) -> list[EvalPoint]:
+    """Points in version order; a torn last line (a crash mid-write) is skipped."""
+    path = Path(out_dir) / CURVE_FILE
+    points = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                points.append(EvalPoint.model_validate_json(line))
+            except ValueError:
+                continue
+    return sorted(points, key=lambda p: p.version)
+
+
+def plot_curve(out_dir: str | Path) -> Path | None:
+    """Redraw the held-out curve PNG (Agg backend); None when there is nothing to draw yet."""
+    points = read_curve(out_dir)
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    v = [p.version for p in points]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(v, [p.pass1 for p in points], "o-", label="cover-EM pass@1")
+    ax.plot(v, [p.pass_k for p in points], "s-", label=f"pass@{points[-1].k}")
+    ax.plot(v, [p.search_rate for p in points], "^--", label="search rate")
+    ax.set_xlabel("policy version")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"PaperSearchQA held-out ({points[-1].questions} questions)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = Path(out_dir) / PLOT_FILE
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def cut_at_stop(decode: Callable[[list[int]], str], ids: list[int], start: int, stops: Sequence[str]) -> int | None:
+    """Length of the shortest prefix of `ids` (at least `start`+1 long) whose text contains a stop string."""
+    for j in range(start, len(ids)):
+        if any(s in decode(ids[: j + 1]) for s in stops):
+            return j + 1
+    return None
+
+
+def hf_generate_batch(model, tokenizer, *, temperature: float, top_p: float = 1.0, chunk: int = 64,
+                      generator=None):
+    """A GenerateBatch over an HF model: the reference sampler in chunks of `chunk` tokens, each row cut
+    at its first stop string (a few tokens past it are sampled and discarded; their log-probs never leave)."""
+    from worker_contract.tasks.psqa import STOP_STRINGS, TurnOutput
+    from worker_contract.worker.sampling import sample
+
+    eos = [t for t in ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+
+    def generate_batch(contexts: list[list[int]], budgets: list[int]) -> list:
+        rows = [{"ids": [], "lps": [], "eos": False, "done": False} for _ in contexts]
+        while not all(r["done"] for r in rows):
+            live = [i for i, r in enumerate(rows) if not r["done"]]
+            n = min(chunk, max(budgets[i] - len(rows[i]["ids"]) for i in live))
+            outs = sample(model, [contexts[i] + rows[i]["ids"] for i in live], temperature=temperature,
+                          top_p=top_p, max_new_tokens=n, eos_ids=eos, pad_id=pad, generator=generator)
+            for i, c in zip(live, outs, strict=True):
+                r, start = rows[i], len(rows[i]["ids"])
+                room = budgets[i] - start
+                r["ids"] += c.token_ids[:room]
+                r["lps"] += c.logprobs[:room]
+                cut = cut_at_stop(decode, r["ids"], start, STOP_STRINGS)
+                if cut is not None:
+                    r["ids"], r["lps"], r["done"] = r["ids"][:cut], r["lps"][:cut], True
+                elif c.finish_reason == "stop" and len(c.token_ids) <= room:
+                    r["eos"] = r["done"] = True
+                elif len(r["ids"]) >= budgets[i]:
+                    r["done"] = True
+        return [TurnOutput(r["ids"], r["lps"], decode(r["ids"]), r["eos"]) for r in rows]
+
+    return generate_batch
+
+
+def version_dirs(root: str | Path) -> list[tuple[int, Path]]:
+    """HF checkpoints under `root` named v<N>/step_<N>/iter_<N> (with a config.json), in version order."""
+    found = []
+    for d in Path(root).iterdir() if Path(root).exists() else []:
+        m = _VERSION_DIR.match(d.name)
+        if m and (d / "config.json").exists():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def evaluate_checkpoint(path: str | Path, version: int, problems: Sequence, task, search, args) -> EvalPoint:
+    """Load one HF checkpoint on `args.device` and evaluate it."""
+    import torch
+    import transformers
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    gen = torch.Generator(device=device).manual_seed(args.seed + version)
+    generate_batch = hf_generate_batch(model, tok, temperature=args.temperature, generator=gen)
+
+    def encode_prompt(messages):
+        from worker_contract.tasks.base import render_prompt
+
+        return render_prompt(tok, messages)
+
+    encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    point = evaluate(problems, task, encode_prompt, generate_batch, encode, search, k=args.k,
+                     max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, version=version,
+                     model=str(path))
+    del model
+    return point
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="one HF checkpoint directory to evaluate")
+    src.add_argument("--watch", help="directory where v<N>/step_<N>/iter_<N> HF checkpoints appear")
+    p.add_argument("--version", type=int, default=1, help="version label of --model")
+    p.add_argument("--out", required=True, help="directory for psqa_eval.jsonl and psqa_eval.png")
+    p.add_argument("--retriever", required=True, help="retriever URL (DRL_RETRIEVER_URL)")
+    p.add_argument("--data-dir", default=None, help="DRL_PSQA_DIR with test.jsonl (default: download)")
+    p.add_argument("--questions", type=int, default=500, help="held-out questions per point")
+    p.add_argument("--k", type=int, default=8, help="samples per question (pass@k)")
+    p.add_argument("--top-k", type=int, default=3, help="documents per search")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--max-turns", type=int, default=4, help="tool calls per episode")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--every", type=int, default=1, help="evaluate versions divisible by this")
+    p.add_argument("--poll-s", type=float, default=60.0, help="--watch polling interval")
+    p.add_argument("--device", default="cuda:1", help="a GPU the learner does not use, or cpu")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m entrypoints.psqa_eval") -> int:
+    """The evaluation process (entrypoints/psqa_eval.py): one checkpoint, or every new one under --watch."""
+    args = _parser(prog).parse_args(argv)
+    from worker_contract.tasks.psqa import PsqaTask
+    from worker_contract.tasks.psqa_retrieval import RetrieverClient, search_tool
+
+    task = PsqaTask(args.data_dir)
+    problems = heldout_subset(task.dataset("test"), args.questions, args.seed)
+    search = search_tool(RetrieverClient(args.retriever), k=args.top_k)
+    done = {p.version for p in read_curve(args.out)}
+    while True:
+        found = version_dirs(args.watch) if args.watch else [(args.version, Path(args.model))]
+        for version, path in found:
+            if version in done or version % args.every:
+                continue
+            point = evaluate_checkpoint(path, version, problems, task, search, args)
+            append_point(args.out, point)
+            plot_curve(args.out)
+            done.add(version)
+            print(json.dumps(point.model_dump()), flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.poll_s)

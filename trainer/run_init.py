@@ -3,7 +3,7 @@ weights as the v1 anchor. The one way every engine starts (or identically resume
 
     start = create_run(cfg, store, model_dir, key_file, publish_base=...)
 
-Idempotent: the key is created on first use (0600) and reused; run.json is created once and resumed only
+Idempotent: the key is created on first use (0600) and reused (never made again for a run that exists: KeyLost); run.json is created once and resumed only
 with an identical contract (same trainer key, model identity and recipe values); the base anchor is
 published only while the run has no pointer. `publish_base` says who writes v1: the slime engine asks for
 it here (slime's learner publishes nothing before its first step), the native learner publishes its own
@@ -45,6 +45,28 @@ def run_manifest(cfg: RecipeConfig, identity: Any, public_key: str) -> RunManife
     )
 
 
+class KeyLost(ValueError):
+    """The run exists in the store, but the signing key it was created with is not where the run keeps it."""
+
+
+def _refuse_a_lost_key(store: Any, run: str, key_file: Path) -> None:
+    """A new key for an existing run could never resume it (run.json names the old one) and would stand in
+    the old one's place: refuse before any key is made, so a restored backup is still all it takes."""
+    if key_file.exists():
+        return
+    from worker_contract.manifest import load_manifest
+    from worker_contract.signing import fingerprint
+    from worker_contract.store import NotFound
+
+    try:
+        published = load_manifest(store, run)
+    except NotFound:
+        return  # a new run: its key is made now
+    raise KeyLost(f"run {run!r} exists in {store.url} (trainer key {fingerprint(published.trainer_public_key)}), "
+                  f"but its signing key {key_file} is gone: restore that file from a backup to resume the run, or "
+                  "start a fresh run under another run id")
+
+
 def create_run(cfg: RecipeConfig, store: Any, model_dir: str | Path, key_file: str | Path, *, publish_base: bool,
                progress: bool = True) -> RunStart:
     """Create (or identically resume) the run in `store` for the HF model in `model_dir`.
@@ -58,6 +80,7 @@ def create_run(cfg: RecipeConfig, store: Any, model_dir: str | Path, key_file: s
 
     identity = identity_from_hf(model_dir)
     check_model_identity(identity, rotary_base=cfg.model.rotary_base, rotary_base_source="recipe model.rotary_base")
+    _refuse_a_lost_key(store, cfg.run, Path(key_file))
     Path(key_file).parent.mkdir(parents=True, exist_ok=True)
     key = load_or_create_private_key(key_file)
     pub_b64 = public_key_b64(key)

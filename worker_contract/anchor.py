@@ -214,6 +214,22 @@ def read_manifest(store: Store, run: str, version: int, public_key: str) -> Anch
     return m
 
 
+def check_anchor(store: Store, run: str, version: int, public_key: str) -> AnchorManifest:
+    """The anchor's manifest after checking that every shard it lists is there, of its size and digest (one
+    shard in memory at a time, no tensor decoded); AnchorError names the first damage. What `read_anchor`
+    would refuse at the shard level, for a caller that must know an anchor is usable before relying on it."""
+    m = read_manifest(store, run, version, public_key)
+    for shard in m.shards:
+        key = layout.anchor_shard_key(run, version, shard.index)
+        try:
+            data = store.get(key)
+        except NotFound:
+            raise AnchorError(f"anchor v{version} shard {shard.index} is missing ({key})") from None
+        if len(data) != shard.size or blake3_hex(data) != shard.digest:
+            raise AnchorError(f"anchor v{version} shard {shard.index} does not match its manifest digest")
+    return m
+
+
 def read_anchor(store: Store, run: str, version: int, public_key: str, *,
                 progress: Progress | None = None) -> tuple[AnchorManifest, dict[str, np.ndarray]]:
     """(manifest, plane state) of an anchor, every digest and the signature checked."""

@@ -202,16 +202,42 @@ def card_path(out: str | Path, repo_root: str | Path, *, secret: bool) -> Path:
     A card holding a secret is refused inside `repo_root`: files there are one `git add` (or one shipped
     tree) away from leaving the machine."""
     given = Path(out).expanduser()
+    if not str(out).strip() or given.name in ("", ".", ".."):
+        raise JoinCardError(f"--out {str(out)!r} names no file: give the card's file name (e.g. --out card.env)")
     if "/" not in str(out):  # `card.env`, not `./card.env` (Path drops the "./")
         cards = CARDS_DIR.expanduser()
         cards.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return cards / given.name
-    path = (Path.cwd() / given).resolve()
+        return _may_replace(cards / given.name, out)
+    path = _may_replace(Path.cwd() / given, out).resolve()
     root = Path(repo_root).resolve()
     if secret and path.is_relative_to(root):
         raise JoinCardError(f"--out {out} is inside the repository {root}, and a revealed card holds the secret "
                             f"key: write it outside the tree (a bare name such as --out {given.name} goes to "
                             f"{CARDS_DIR / given.name})")
+    return path
+
+
+#: how each card format begins (`render`): the only files `--out` replaces
+_CARD_STARTS = ("Join card for run ", "# join card of run ", "{")
+
+
+def _may_replace(path: Path, out: str | Path) -> Path:
+    """`path` unless writing there would destroy something that is not a card: a symbolic link (the card
+    would replace its target), a directory, or a file no `--out` wrote (JoinCardError says which)."""
+    if path.is_symlink():
+        raise JoinCardError(f"--out {out} is a symbolic link (to {os.readlink(path)}); the card would replace "
+                            "its target: name a plain file")
+    if path.is_dir():
+        raise JoinCardError(f"--out {out} is a directory: name the card's file (e.g. {path / 'card.env'})")
+    if path.exists():
+        try:
+            with open(path, encoding="utf-8") as f:
+                head = f.read(4096)
+        except (OSError, UnicodeDecodeError):
+            head = ""
+        if not head.startswith(_CARD_STARTS) or (head.startswith("{") and '"DRL_RUN"' not in head):
+            raise JoinCardError(f"--out {out} exists and is not a join card; the card never overwrites another "
+                                "file: name a new one")
     return path
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pydantic import BaseModel, ConfigDict
 
 from worker_contract import layout
-from worker_contract.anchor import anchor_versions
+from worker_contract.anchor import AnchorError, anchor_versions, check_anchor
 from worker_contract.pointer import PointerError
 from worker_contract.store import Store
 
@@ -121,6 +121,12 @@ def plan_gc(store: Store, run: str, keep_anchors: int) -> GcPlan:
         raise GcError(f"run {run!r}: the pointer v{pointer} names anchor v{ptr.anchor_version}, which is not a "
                       "complete anchor; a joiner could not start, so gc deletes nothing (check the run with "
                       "python -m worker_contract verify)")
+    try:  # every joiner starts there: a damaged one leaves the older anchors and patches the only route
+        check_anchor(store, run, ptr.anchor_version, manifest.trainer_public_key)
+    except AnchorError as e:
+        raise GcError(f"run {run!r}: the pointer's own anchor is damaged ({e}); the older anchors and patches "
+                      "are the only route left to these weights, so gc deletes nothing (check the run with "
+                      "python -m worker_contract verify)") from None
     kept_usable = sorted(set(usable[-keep_anchors:]) | {ptr.anchor_version})
     oldest_kept = kept_usable[0]
     kept = sorted(set(kept_usable) | {v for v in anchors if v > pointer})

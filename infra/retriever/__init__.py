@@ -13,6 +13,6 @@ from pathlib import Path
 
 def serve_argv(corpus: str | Path, port: int | str, host: str = "127.0.0.1") -> list[str]:
     """The command that serves `corpus` (JSONL, indexed in memory) on host:port: what the embedded psqa run starts
-    as its child process (entrypoints/launch.py hands it to trainer/embedded/psqa.py, which names no infra)."""
+    as its child process (embedded/psqa.py)."""
     return [sys.executable, "-m", "infra.retriever", "serve", "--corpus", str(corpus), "--host", host,
             "--port", str(port)]

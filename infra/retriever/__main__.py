@@ -29,22 +29,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _generated(path: str) -> bool:
+    """Whether `path` starts as a corpus `generate` wrote (its first id `syn-0`), the one file it overwrites."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().startswith('{"pmid": "syn-0"')
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from . import corpus
 
     if args.cmd == "generate":
+        if not args.out.strip() or Path(args.out).is_dir() or (Path(args.out).exists() and not _generated(args.out)):
+            raise ValueError(f"--out {args.out!r} is a directory, empty, or a file generate did not write: it "
+                             "overwrites only its own corpus (name a new file, e.g. --out generated.jsonl)")
         path = corpus.write_jsonl(corpus.synthetic_corpus(args.docs, args.seed), args.out)
         print(f"wrote {args.docs} documents to {path}")
         return 0
-    from .index import BM25Index
+    from .index import BM25Index, check_out_dir
 
     if args.cmd == "build":
         if not args.corpus and not args.download:
             raise ValueError("build needs --corpus PATH or --download")
         if args.corpus and not Path(args.corpus).is_file():
             raise ValueError(f"--corpus {args.corpus} is not a file (a JSONL corpus, one document a line)")
+        check_out_dir(args.out, args.corpus)  # before hours of indexing, and before a download
         path = args.corpus or str(corpus.download_corpus())
         index = BM25Index.build(corpus.iter_jsonl(path, args.limit), source=path)
         out = index.save(args.out)

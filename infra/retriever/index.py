@@ -30,6 +30,24 @@ def _tokenizer():
     return Tokenizer(lower=True, splitter=SPLITTER, stopwords="en")
 
 
+def check_out_dir(out_dir: str | Path, source: str | Path | None = None) -> Path:
+    """Where `build --out` may write: a new or empty directory, or an index an earlier build wrote (it is
+    rebuilt). The index's files (corpus.jsonl among them) would overwrite what a directory of the user's
+    holds, so anything else is refused, and so is a corpus inside the directory; ValueError says which."""
+    if not str(out_dir).strip():
+        raise ValueError(f"--out {str(out_dir)!r} is empty: name the index directory to write (a new one)")
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory: name a new directory for the index")
+    if source and Path(source).expanduser().resolve().is_relative_to(out.resolve()):
+        raise ValueError(f"--corpus {source} is inside --out {out}, where the index writes its own corpus.jsonl: "
+                         "name an index directory that does not hold the corpus")
+    if out.is_dir() and any(out.iterdir()) and not (out / META_FILE).is_file():
+        raise ValueError(f"--out {out} is a directory with files of its own (no {META_FILE}: not an index an "
+                         "earlier build wrote), which the index's files would overwrite: name a new directory")
+    return out
+
+
 class BM25Index:
     """A loaded index: `search(query, k)` -> ranked hits. Thread-safe (one lock around the lookup,
     because the memory-mapped corpus reader shares a file handle)."""
@@ -61,7 +79,7 @@ class BM25Index:
         return cls(retriever, tok, meta)
 
     def save(self, out_dir: str | Path) -> Path:
-        out = Path(out_dir)
+        out = check_out_dir(out_dir, self.meta.get("source") or None)
         out.mkdir(parents=True, exist_ok=True)
         self._retriever.save(str(out), corpus=self._retriever.corpus, show_progress=False)
         self._tokenizer.save_vocab(str(out))

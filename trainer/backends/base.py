@@ -8,6 +8,9 @@ More in docs/architecture.md (module notes).
 from __future__ import annotations
 
 import abc
+import logging
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
 # reducer divides by rows).
 
 DEFAULT_VOCAB_CHUNK = 8192
+
+log = logging.getLogger(__name__)
 
 
 def _chunk_lse_and_target(
@@ -96,6 +101,49 @@ def combine_metrics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, floa
             out[key] = sum(v for _, v in vals)
         else:
             out[key] = sum(r * v for r, v in vals) / total
+    return out
+
+
+def gather_logprobs(batch: TrainBatch, chunks: list[TrainBatch],
+                    forward: Callable[[TrainBatch], torch.Tensor]) -> torch.Tensor:
+    """[B, R] float32: `forward`'s [b, r] response log-probs of each consecutive chunk, stacked by rows (no
+    gradient is taken here: the caller runs it under torch.no_grad)."""
+    out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=batch.loss_mask.device)
+    row = 0
+    for mb in chunks:
+        lp = forward(mb)
+        out[row : row + mb.rows, : lp.shape[1]] = lp
+        row += mb.rows
+    return out
+
+
+def run_step(batch: TrainBatch, chunks: list[TrainBatch], loss_fn: LossFn, *,
+             forward: Callable[[TrainBatch], torch.Tensor], grad_norm: Callable[[], torch.Tensor],
+             update: Callable[[torch.Tensor], None], lr: float,
+             after_backward: Callable[[], None] | None = None) -> dict[str, float]:
+    """One optimizer step over `batch`, the loop every backend runs: for each micro-batch of `chunks`,
+    `forward` ([b, R] log-probs with grad), `loss_fn`, and a backward of the loss weighted by the chunk's
+    share of the batch's rows (then `after_backward`, e.g. folding bf16 grads into float32 masters); then
+    `grad_norm()` over the accumulated gradients and, if it is finite, `update(norm)` (clip and step).
+    A non-finite norm skips the update: one bad batch must not poison the weights; it is reported as
+    `skipped`. Returns the combined loss metrics plus `grad_norm` and `lr` (the rate this step used).
+    The caller zeroes the gradients afterwards."""
+    parts = []
+    for mb in chunks:
+        loss, metrics = loss_fn(forward(mb), mb)
+        (loss * (mb.rows / batch.rows)).backward()
+        if after_backward is not None:
+            after_backward()
+        parts.append((mb.rows, metrics))
+    norm = grad_norm()
+    out = combine_metrics(parts)
+    out["grad_norm"] = float(norm)
+    out["lr"] = lr
+    if math.isfinite(out["grad_norm"]):
+        update(norm)
+    else:
+        log.warning("non-finite gradient norm; optimizer step skipped")
+        out["skipped"] = 1.0
     return out
 
 

@@ -13,23 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..step import TrainBatch
-from .base import Backend, LossFn, combine_metrics, micro_batches, token_logprobs
+from .base import Backend, LossFn, gather_logprobs, micro_batches, run_step, token_logprobs
 from .vocab_parallel import chunk_tokens_for, vocab_parallel_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from ..config import RecipeConfig
-
-log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -122,33 +118,17 @@ class HFBackend(Backend):
     def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
         model = self.reference if reference else self.model
         batch = batch.to(self.device)
-        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
-        row = 0
-        for mb in micro_batches(batch, self.cfg.train):
-            lp = self._response_logp(model, mb)
-            out[row : row + mb.rows, : lp.shape[1]] = lp
-            row += mb.rows
-        return out
+        return gather_logprobs(batch, micro_batches(batch, self.cfg.train), lambda mb: self._response_logp(model, mb))
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         batch = batch.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        parts = []
-        for mb in micro_batches(batch, self.cfg.train):
-            logp = self._response_logp(self.model, mb)
-            loss, metrics = loss_fn(logp, mb)
-            (loss * (mb.rows / batch.rows)).backward()
-            parts.append((mb.rows, metrics))
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.algo.grad_clip)
-        out = combine_metrics(parts)
-        out["grad_norm"] = float(grad_norm)
-        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        if math.isfinite(out["grad_norm"]):
-            self.optimizer.step()
-        else:  # one bad batch must not poison the weights; the step is skipped and reported
-            log.warning("non-finite gradient norm; optimizer step skipped")
-            out["skipped"] = 1.0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        out = run_step(batch, micro_batches(batch, self.cfg.train), loss_fn,
+                       forward=lambda mb: self._response_logp(self.model, mb),
+                       grad_norm=lambda: torch.nn.utils.clip_grad_norm_(
+                           [p for p in params if p.grad is not None], self.cfg.algo.grad_clip),
+                       update=lambda _norm: self.optimizer.step(), lr=float(self.optimizer.param_groups[0]["lr"]))
         self.optimizer.zero_grad(set_to_none=True)
         return out
 

@@ -13,14 +13,13 @@ More in docs/architecture.md (module notes).
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..step import TrainBatch
-from .base import LossFn, combine_metrics, micro_batches
+from .base import LossFn, gather_logprobs, micro_batches, run_step
 from .megatron_graphs import fused_rope
 from .vocab_parallel import chunk_tokens_for, vocab_parallel_logprobs
 
@@ -229,13 +228,8 @@ class MegatronRank:
         `_NOGRAD_TOKENS` tokens at a time (at least the recipe's micro-batch): fewer, larger launches."""
         model = self.reference if reference else self.model
         batch = batch.to(self.device)
-        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32, device=self.device)
-        row = 0
-        for mb in micro_batches(batch, self.cfg.train, min_tokens=_NOGRAD_TOKENS):
-            lp = self.response_logp(model, mb)
-            out[row : row + mb.rows, : lp.shape[1]] = lp
-            row += mb.rows
-        return out
+        chunks = micro_batches(batch, self.cfg.train, min_tokens=_NOGRAD_TOKENS)
+        return gather_logprobs(batch, chunks, lambda mb: self.response_logp(model, mb))
 
     # -- training ------------------------------------------------------------------------------------
     def _grad_norm(self) -> torch.Tensor:
@@ -251,34 +245,25 @@ class MegatronRank:
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         batch = batch.to(self.device)
-        parts = []
         chunks = micro_batches(batch, self.cfg.train)
         if self.graphs is not None and self.graphs.prepare([(mb.rows, int(mb.input_ids.shape[1])) for mb in chunks],
                                                            int(self.hf_cfg["hidden_size"]), self.dtype):
             self._zero_grads()  # the capture's warm-up passes accumulated into the master gradients
-        for mb in chunks:
-            logp = self.response_logp(self.model, mb)
-            loss, metrics = loss_fn(logp, mb)
-            (loss * (mb.rows / batch.rows)).backward()
-            self._accumulate()
-            parts.append((mb.rows, metrics))
-        norm = self._grad_norm()
-        out = combine_metrics(parts)
-        out["grad_norm"] = float(norm)
-        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        if math.isfinite(out["grad_norm"]):
-            coef = self.cfg.algo.grad_clip / (norm + 1e-6)
-            if float(coef) < 1.0:
-                torch._foreach_mul_(self.grads or [p.grad for p in self.params if p.grad is not None], coef)
-            self.optimizer.step()
-            if not self.plan_optimizer and self.masters is not self.params:
-                with torch.no_grad():
-                    torch._foreach_copy_(self.params, self.masters)
-        else:  # one bad batch must not poison the weights; the step is skipped and reported
-            log.warning("non-finite gradient norm; optimizer step skipped")
-            out["skipped"] = 1.0
+        out = run_step(batch, chunks, loss_fn, forward=lambda mb: self.response_logp(self.model, mb),
+                       after_backward=self._accumulate, grad_norm=self._grad_norm, update=self._update,
+                       lr=float(self.optimizer.param_groups[0]["lr"]))
         self._zero_grads()
         return out
+
+    def _update(self, norm: torch.Tensor) -> None:
+        """Clip the float32 gradients to algo.grad_clip, step, and copy the masters into the model."""
+        coef = self.cfg.algo.grad_clip / (norm + 1e-6)
+        if float(coef) < 1.0:
+            torch._foreach_mul_(self.grads or [p.grad for p in self.params if p.grad is not None], coef)
+        self.optimizer.step()
+        if not self.plan_optimizer and self.masters is not self.params:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.masters)
 
     def _zero_grads(self) -> None:
         if self.grads is None:

@@ -237,19 +237,8 @@ def run_learner(
 
 
 # -- the learner process ---------------------------------------------------------------------------------
-#: the learner process's module, as both launchers start it (a command string: trainer imports nothing above it)
-LEARNER_MODULE = "entrypoints.learner"
 #: seconds between `waiting for rollouts` lines while the learner has no batch
 WAITING_EVERY_S = 30.0
-
-
-def learner_argv(python: str, recipe_json: str | Path, model_dir: str | Path, state_dir: str | Path,
-                 env_file: str | Path | None = None) -> list[str]:
-    """The learner process's command line (entrypoints/learner.py): the embedded run's child
-    (trainer/embedded/localprocs.py) and the native launch's detached learner (infra/native_launch.py)."""
-    argv = [python, "-m", LEARNER_MODULE, "--recipe-json", str(recipe_json), "--model-dir", str(model_dir),
-            "--state-dir", str(state_dir)]
-    return argv + (["--env-file", str(env_file)] if env_file is not None else [])
 
 
 def _waiting_lines(last_step: list[float], stop: threading.Event) -> None:

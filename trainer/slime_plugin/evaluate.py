@@ -15,11 +15,15 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from trainer.config import RecipeConfig
+
 from .context import PluginContext
 from .types import slime_types
 
 #: concurrent requests to the endpoint
 CONCURRENCY = 16
+#: test problems per evaluation when the recipe names none (the local run's default too: embedded/config.py)
+EVAL_PROBLEMS = 200
 
 
 def eval_endpoint(args: Any) -> str:
@@ -40,12 +44,18 @@ def _generate(url: str, input_ids: list[int], sampling: dict[str, Any], timeout_
         return json.loads(resp.read())
 
 
+def eval_problems(cfg: RecipeConfig) -> int:
+    """How many test problems: the recipe's `embedded.eval_problems`, the held-out count the local run uses too
+    (a value the recipe section holds as given; embedded/config.py types it), else EVAL_PROBLEMS."""
+    return int(cfg.embedded.get("eval_problems") or EVAL_PROBLEMS)
+
+
 def eval_output(args: Any, rollout_id: int, ctx: PluginContext):
     """Generate and score the held-out problems; returns slime's RolloutFnEvalOutput."""
     from transformers import AutoTokenizer
 
-    from trainer.embedded.basemodel import prompt_ids
     from worker_contract.tasks import get_task
+    from worker_contract.tasks.base import render_prompt
 
     Sample, _, EvalOutput, _ = slime_types()
     hf_dir = getattr(args, "hf_checkpoint", None) or ctx.cfg.model.path
@@ -54,13 +64,13 @@ def eval_output(args: Any, rollout_id: int, ctx: PluginContext):
     url = eval_endpoint(args)
     task = get_task(ctx.cfg.task)
     test = task.dataset("test")
-    problems = [test[i] for i in range(min(len(test), ctx.cfg.embedded.eval_problems))]
+    problems = [test[i] for i in range(min(len(test), eval_problems(ctx.cfg)))]
     tok = AutoTokenizer.from_pretrained(hf_dir)
     m = ctx.manifest
     temp = getattr(args, "eval_temperature", None)
     sampling = {"temperature": m.temperature if temp is None else float(temp), "top_p": m.top_p,
                 "max_new_tokens": int(getattr(args, "eval_max_response_len", None) or m.max_new_tokens)}
-    prompts = [prompt_ids(tok, task, p) for p in problems]
+    prompts = [render_prompt(tok, task.messages(p)) for p in problems]
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         answers = list(pool.map(lambda ids: _generate(url, ids, sampling), prompts))
     samples, rewards, truncated = [], [], []

@@ -59,7 +59,7 @@ def generate(n_entities: int = 3000, pool: int = 300, seed: int = 0,
              entity_syllables: int = 2) -> tuple[list[dict], list[dict]]:
     """(corpus, questions): one abstract per entity and one question per (entity, relation). Entities have
     `entity_syllables` syllables and "in": two keep a name at about three tokens, which the embedded base
-    (trainer/embedded/psqa_base.py) copies into its query reliably enough at temperature 1; three made it six."""
+    (embedded/psqa_base.py) copies into its query reliably enough at temperature 1; three made it six."""
     rng = random.Random(seed)
     taken: set[str] = set()
     values = {kind: _unique(rng, pool, 2, _SUFFIX[kind], taken) for _, kind, _ in RELATIONS}

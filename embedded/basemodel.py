@@ -6,7 +6,7 @@ supervision on worked solutions just long enough to be partly right, so RL has b
 of a group are right) and room (most are not). The result is an ordinary HF directory (config.json,
 model.safetensors, tokenizer files with a ChatML template) cached under `.stoa/cache/base-<digest>/`,
 keyed by everything that shapes it, so a second run starts in seconds. The recipe's own base ships in
-`trainer/embedded/base_gsm8k/` (weights pinned by digest): a clone copies it instead of building (docs/embedded.md).
+`embedded/base_gsm8k/` (weights pinned by digest): a clone copies it instead of building (docs/embedded.md).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
+from trainer.progress import progress
 from worker_contract.tasks import Problem, Task
 
-from ..config import EmbeddedBaseConfig
-from ..progress import progress
+from .config import EmbeddedBaseConfig
 
 if TYPE_CHECKING:
     import torch

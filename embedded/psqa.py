@@ -1,10 +1,10 @@
-"""The embedded psqa run's own pieces (`make psqa RUN=<id>` with no HOST, GPU or R2), around trainer/embedded/run.py.
+"""The embedded psqa run's own pieces (`make psqa RUN=<id>` with no HOST, GPU or R2), around embedded/run.py.
 
-    PsqaServices    the generated corpus (trainer/embedded/psqa_synth.py), the real retriever service on 127.0.0.1
+    PsqaServices    the generated corpus (embedded/psqa_synth.py), the real retriever service on 127.0.0.1
                     (`python -m infra.retriever serve`, a child process started first and stopped last), the
-                    base (trainer/embedded/psqa_base.py, or MODEL=), the workers' search flags and environment
+                    base (embedded/psqa_base.py, or MODEL=), the workers' search flags and environment
     PsqaHeldoutEvaluator   held-out cover-EM pass@1, search rate and the share of correct answers found after a
-                    search, through trainer/embedded/psqa_eval.py's `evaluate` on test questions never trained on
+                    search, through trainer/psqa_eval.py's `evaluate` on test questions never trained on
 More in docs/embedded.md (module notes).
 """
 
@@ -13,22 +13,23 @@ from __future__ import annotations
 import shutil
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from ..config import RecipeConfig
+from infra.retriever import serve_argv
+
+from .config import EmbeddedRecipe
 from .heldout import HeldoutEvaluator
 from .localprocs import Processes, child_env
 
 
-def data_dir(cfg: RecipeConfig, paths) -> Path:
+def data_dir(cfg: EmbeddedRecipe, paths) -> Path:
     from .psqa_synth import GENERATOR_VERSION  # another generator writes other bytes: another cache dir
 
     p = cfg.embedded.psqa
     return paths.cache / f"psqa-data-g{GENERATOR_VERSION}-{p.entities}-{p.heldout_entities}-{p.seed}"
 
 
-def ensure_data(cfg: RecipeConfig, paths) -> Path:
+def ensure_data(cfg: EmbeddedRecipe, paths) -> Path:
     """corpus.jsonl / train.jsonl / test.jsonl, written once (seeded, the same bytes on every machine)."""
     from .psqa_synth import write_dataset
 
@@ -51,23 +52,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: (corpus JSONL, port) -> the command serving it on 127.0.0.1 (infra.retriever.serve_argv)
-RetrieverArgv = Callable[[Path, int], list[str]]
 
 
-def worker_flags(cfg: RecipeConfig, url: str) -> list[str]:
+def worker_flags(cfg: EmbeddedRecipe, url: str) -> list[str]:
     p = cfg.embedded.psqa
     return ["--retriever-url", url, "--retriever-tier", p.retriever_tier, "--max-turns", str(p.max_turns)]
 
 
-def worker_env(cfg: RecipeConfig, url: str, data: Path) -> dict[str, str]:
+def worker_env(cfg: EmbeddedRecipe, url: str, data: Path) -> dict[str, str]:
     """What a psqa worker adds to the local workers' environment: the contract's KV mode, the retriever, the data."""
     return {"DRL_KV_MODE": cfg.contract.kv_mode or "paged_prefix", "DRL_RETRIEVER_URL": url,
             "DRL_PSQA_DIR": str(data)}
 
 
-def build_base(cfg: RecipeConfig, paths, data: Path, search, console) -> Path:
-    """The one call to trainer/embedded/psqa_base.py: the small LFM2-MoE supervised into the search format (cached)."""
+def build_base(cfg: EmbeddedRecipe, paths, data: Path, search, console) -> Path:
+    """The one call to embedded/psqa_base.py: the small LFM2-MoE supervised into the search format (cached)."""
     from .psqa_base import PsqaBaseConfig, ensure_psqa_base
 
     model_dir, report = ensure_psqa_base(data, paths.cache, search, cfg=PsqaBaseConfig(**cfg.embedded.psqa.base),
@@ -80,8 +79,8 @@ def build_base(cfg: RecipeConfig, paths, data: Path, search, console) -> Path:
 class PsqaServices:
     """The data and the retriever of one embedded psqa session; `stop` after every other child has stopped."""
 
-    def __init__(self, cfg: RecipeConfig, paths, retriever_argv: RetrieverArgv):
-        self.cfg, self.paths, self.retriever_argv = cfg, paths, retriever_argv
+    def __init__(self, cfg: EmbeddedRecipe, paths):
+        self.cfg, self.paths = cfg, paths
         self.procs = Processes(record=paths.run_dir)
         self.data: Path | None = None
         self.url: str | None = None
@@ -91,7 +90,7 @@ class PsqaServices:
 
         self.data = ensure_data(self.cfg, self.paths)
         port = free_port()
-        child = self.procs.start("retriever", self.retriever_argv(self.data / "corpus.jsonl", port), child_env(self.cfg),
+        child = self.procs.start("retriever", serve_argv(self.data / "corpus.jsonl", port), child_env(self.cfg),
                                  self.paths.run_dir / "retriever.log")
         self.url = f"http://127.0.0.1:{port}"
         client, deadline = RetrieverClient(self.url, timeout_s=2.0, retries=0), time.monotonic() + timeout_s
@@ -110,7 +109,7 @@ class PsqaServices:
 
         return search_tool(RetrieverClient(self.url), k=k, strict=True)
 
-    def prepare_model(self, cfg: RecipeConfig, console) -> tuple[RecipeConfig, Path]:
+    def prepare_model(self, cfg: EmbeddedRecipe, console) -> tuple[EmbeddedRecipe, Path]:
         if cfg.model.path:
             return cfg, Path(cfg.model.path)
         model_dir = build_base(cfg, self.paths, self.data, self.search(), console)
@@ -121,7 +120,7 @@ class PsqaServices:
 
         return PsqaTask(str(self.data))
 
-    def evaluator(self, cfg: RecipeConfig, store, model_dir: Path) -> PsqaHeldoutEvaluator:
+    def evaluator(self, cfg: EmbeddedRecipe, store, model_dir: Path) -> PsqaHeldoutEvaluator:
         e = cfg.embedded
         return PsqaHeldoutEvaluator(store, cfg.run, cfg.contract.plane, model_dir, self.task(),
                                     problems=e.eval_problems, max_new_tokens=cfg.algo.max_new_tokens,
@@ -146,7 +145,7 @@ class PsqaHeldoutEvaluator(HeldoutEvaluator):
 
     def __init__(self, *args, search, k: int, max_turns: int, out_dir: Path, seed: int = 0, **kw):
         super().__init__(*args, **kw)
-        from .psqa_eval import heldout_subset
+        from trainer.psqa_eval import heldout_subset
 
         self.problems = heldout_subset(self.task.dataset("test"), len(self.problems), seed)
         self.search, self.k, self.max_turns, self.out_dir, self.seed = search, k, max_turns, Path(out_dir), seed
@@ -154,7 +153,7 @@ class PsqaHeldoutEvaluator(HeldoutEvaluator):
     def _score(self) -> dict:
         import torch
 
-        from .psqa_eval import append_point, evaluate, hf_generate_batch, plot_curve
+        from trainer.psqa_eval import append_point, evaluate, hf_generate_batch, plot_curve
 
         p, version = self._policy, self._rec.version
         tok = p.tokenizer
@@ -172,23 +171,21 @@ class PsqaHeldoutEvaluator(HeldoutEvaluator):
                 "eval/response_tokens": point.response_tokens}
 
 
-def plan_lines(cfg: RecipeConfig, paths, middle: list[str], tail: list[str],
-               retriever_argv: RetrieverArgv | None) -> list[str]:
-    """What the embedded psqa run will do, for the dry run (`middle`: trainer/embedded/run.py's run.json, learner and
+def plan_lines(cfg: EmbeddedRecipe, paths, middle: list[str], tail: list[str]) -> list[str]:
+    """What the embedded psqa run will do, for the dry run (`middle`: embedded/run.py's run.json, learner and
     worker lines; `tail`: its stop and metrics lines)."""
     p, e = cfg.embedded.psqa, cfg.embedded
     data = data_dir(cfg, paths)
     base = (f"use the model at {cfg.model.path} (MODEL=)" if cfg.model.path else
-            f"build and cache (or reuse) the base under {paths.cache}/psqa-base-<digest>: trainer.embedded.psqa_base."
+            f"build and cache (or reuse) the base under {paths.cache}/psqa-base-<digest>: embedded.psqa_base."
             f"ensure_psqa_base, a small LFM2-MoE supervised into the search format "
             f"(PsqaBaseConfig{'(' + ', '.join(f'{k}={v!r}' for k, v in p.base.items()) + ')' if p.base else ' defaults'})")
-    serve = (" ".join(["python", *retriever_argv(data / "corpus.jsonl", 0)[1:]]).replace("--port 0", "--port <a free port>")
-             if retriever_argv else "(the caller's retriever command)")
+    serve = " ".join(["python", *serve_argv(data / "corpus.jsonl", 0)[1:]]).replace("--port 0", "--port <a free port>")
     return [
         "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the PaperSearchQA miniature on this "
         "machine",
         f"0. data {data}: {'reuse' if (data / 'test.jsonl').exists() else 'write'} the generated corpus "
-        f"(trainer.embedded.psqa_synth.write_dataset: {p.entities} abstracts, {p.heldout_entities} entities held out)",
+        f"(embedded.psqa_synth.write_dataset: {p.entities} abstracts, {p.heldout_entities} entities held out)",
         f"0. retriever: {serve}   (log {paths.run_dir}/retriever.log; started first, stopped last; its URL is "
         "DRL_RETRIEVER_URL)",
         f"1. {base}",
@@ -197,7 +194,7 @@ def plan_lines(cfg: RecipeConfig, paths, middle: list[str], tail: list[str],
         f"(DRL_KV_MODE={cfg.contract.kv_mode} DRL_RETRIEVER_URL=<retriever URL> DRL_PSQA_DIR={data})",
         f"5. held-out evaluation every {e.eval_every} steps: cover-EM pass@1 (k={p.eval_k}, temperature "
         f"{e.eval_temperature}), search rate and correct answers found after a search, on {e.eval_problems} test "
-        f"questions (trainer.embedded.psqa_eval.evaluate, at most {p.max_turns} searches of top {p.top_k}), in this process; "
+        f"questions (trainer.psqa_eval.evaluate, at most {p.max_turns} searches of top {p.top_k}), in this process; "
         f"curve {paths.run_dir}/plots/psqa_eval.png",
         *tail,
     ]

@@ -90,7 +90,7 @@ class HeldoutEvaluator:
                 return None
             self._policy.load(self._dense(state))
             t0 = time.monotonic()
-            scored = self._score()  # the accuracy, or a task's eval/* fields (trainer/embedded/psqa.py)
+            scored = self._score()  # the accuracy, or a task's eval/* fields (embedded/psqa.py)
             fields = scored if isinstance(scored, dict) else {"eval/accuracy": scored}
             row = {"step": self._step_of(version), "time": time.time(), **fields,
                    "eval/version": version, "eval/problems": len(self.problems),

@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import REPO_ROOT, RecipeConfig
+from trainer.config import REPO_ROOT
+
+from .config import EmbeddedRecipe
 from .localprocs import Child, Processes, per_worker_cap, start_learner, start_workers, worker_backends
 
 STOA_DIR = REPO_ROOT / ".stoa"
@@ -53,7 +55,7 @@ class EmbeddedPaths:
         return self.run_dir / "metrics.jsonl"
 
 
-def embedded_cfg(cfg: RecipeConfig, paths: EmbeddedPaths) -> RecipeConfig:
+def embedded_cfg(cfg: EmbeddedRecipe, paths: EmbeddedPaths) -> EmbeddedRecipe:
     """The recipe as the embedded run uses it: the file store, the hf backend, `max_steps` steps."""
     train = cfg.train.model_copy(update={"backend": "hf", "num_steps": cfg.embedded.max_steps})
     model = cfg.model.model_copy(update={"hf_id": None})  # built here or given with MODEL=: never fetched
@@ -72,16 +74,17 @@ def gsm8k_data_available() -> bool:
     return True
 
 
-def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> list[str]:
-    """What `run_embedded` will do, for the dry run (`retriever_argv`: as run_embedded takes it)."""
-    from ..native.learner import learner_argv
+def plan_lines(cfg: EmbeddedRecipe, paths: EmbeddedPaths) -> list[str]:
+    """What `run_embedded` will do, for the dry run."""
+    from infra.native_launch import learner_argv
+
     from .basemodel import config_digest
 
     py = "python"
     if cfg.model.path:
         base = f"use the model at {cfg.model.path} (MODEL=); task {cfg.task}"
     elif cfg.task == "psqa":
-        base = ""  # trainer/embedded/psqa.py's plan says how its base is built
+        base = ""  # embedded/psqa.py's plan says how its base is built
     else:
         from worker_contract.tasks import get_task
 
@@ -117,7 +120,7 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> 
     if cfg.task == "psqa":
         from . import psqa
 
-        return psqa.plan_lines(cfg, paths, middle, tail, retriever_argv)
+        return psqa.plan_lines(cfg, paths, middle, tail)
     return [
         "mode: embedded (no HOST; no CUDA GPU with R2 credentials or DRL_STORE): the whole loop on this machine",
         f"1. {base}", *middle,
@@ -127,7 +130,7 @@ def plan_lines(cfg: RecipeConfig, paths: EmbeddedPaths, retriever_argv=None) -> 
 
 
 # -- the run -------------------------------------------------------------------------------------------
-def prepare_model(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> tuple[RecipeConfig, Path]:
+def prepare_model(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console) -> tuple[EmbeddedRecipe, Path]:
     """The model directory (MODEL= or the cached small base, built now if needed) and the final recipe."""
     from worker_contract.tasks import get_task
 
@@ -140,7 +143,7 @@ def prepare_model(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> tuple[Rec
     from .basemodel import ensure_base
 
     task = get_task(cfg.task)
-    # the recipe's base ships with the repository (trainer/embedded/base_gsm8k); any other is built once, with a bar
+    # the recipe's base ships with the repository (embedded/base_gsm8k); any other is built once, with a bar
     report = ensure_base(cfg.embedded.base, task, paths.cache, max_new_tokens=cfg.algo.max_new_tokens,
                          eval_problems=cfg.embedded.eval_problems, log=console.print, show_progress=True)
     origin = ("shipped with the repository" if report.shipped else
@@ -156,12 +159,11 @@ def prepare_model(cfg: RecipeConfig, paths: EmbeddedPaths, console) -> tuple[Rec
     return cfg.model_copy(update={"model": model}), Path(report.path)
 
 
-def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
+def publish_contract(cfg: EmbeddedRecipe, paths: EmbeddedPaths, model_dir: Path):
     """run.json (created, or resumed with an identical contract) and the run's signing key; returns the
     store, the manifest and the fingerprint of the key this launcher holds (the workers' join card value)."""
+    from trainer.run_init import create_run
     from worker_contract.store import open_store
-
-    from ..run_init import create_run
 
     store = open_store(cfg.store)
     start = create_run(cfg, store, model_dir, paths.key_file, publish_base=False)  # the learner publishes v1
@@ -175,7 +177,7 @@ def publish_contract(cfg: RecipeConfig, paths: EmbeddedPaths, model_dir: Path):
 def _steps_done(paths: EmbeddedPaths, say=lambda _line: None) -> int:
     """Steps in the run's newest intact checkpoint (0 for a new run); `say` gets one line per damaged newer
     one the learner will fall back past."""
-    from .. import checkpoint
+    from trainer import checkpoint
 
     skipped: list[str] = []
     path = checkpoint.latest(paths.run_dir / "checkpoints", skipped)
@@ -196,12 +198,10 @@ class _Interrupts:
             self.procs.signal_all(signal.SIGKILL)
 
 
-def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR, retriever_argv=None) -> int:
+def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) -> int:
     """The embedded run, start to summary; the exit status of `make gsm8k` (0 ok, 1 failed, 130 Ctrl-C).
 
-    `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default).
-    `retriever_argv` (psqa): (corpus, port) -> the retriever's command, infra.retriever.serve_argv (trainer/
-    names no infra module; entrypoints/launch.py passes it)."""
+    `root` holds the bucket, the base-model cache and the run dirs (the repo's .stoa/ by default)."""
     from rich.console import Console
 
     console = console or Console()
@@ -213,7 +213,7 @@ def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR, retr
         console.print(f"[red]run {cfg.run!r} is already running on this machine[/] (lock {paths.run_dir}/.lock); "
                       "stop it first, or choose another RUN")
         return 2
-    from .localprocs import recorded_children
+    from infra.children import recorded_children
 
     if left := recorded_children(paths.run_dir):  # a launcher of this run died; its children still finish
         lock.close()
@@ -224,13 +224,10 @@ def run_embedded(cfg: RecipeConfig, console=None, *, root: Path = STOA_DIR, retr
                       "then run it again", markup=True, highlight=False)
         return 2
     services = None
-    if cfg.task == "psqa":  # the generated corpus and the retriever (trainer/embedded/psqa.py)
+    if cfg.task == "psqa":  # the generated corpus and the retriever (embedded/psqa.py)
         from .psqa import PsqaServices
 
-        if retriever_argv is None:
-            raise ValueError("the embedded psqa run needs the retriever's command: pass "
-                             "retriever_argv=infra.retriever.serve_argv (python -m entrypoints.launch does)")
-        services = PsqaServices(cfg, paths, retriever_argv)
+        services = PsqaServices(cfg, paths)
     try:
         return _run_locked(cfg, paths, console, services)
     finally:
@@ -252,12 +249,12 @@ def _lock_run(paths: EmbeddedPaths):
     return f
 
 
-def _run_locked(cfg: RecipeConfig, paths: EmbeddedPaths, console, services=None) -> int:
+def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=None) -> int:
+    from trainer.models import IdentityMismatch
+    from trainer.plots import plot_run
     from worker_contract.manifest import ContractMismatch, RunExists
     from worker_contract.tasks import get_task
 
-    from ..models import IdentityMismatch
-    from ..plots import plot_run
     from .heldout import HeldoutEvaluator
     from .view import MetricsTail, RunState, panel, status_line, summary
 

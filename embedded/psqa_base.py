@@ -1,7 +1,7 @@
 """The embedded psqa run's base model: a small LFM2-MoE (the fleet model's architecture), built on the spot.
 
 `ensure_psqa_base` trains a byte-level BPE tokenizer (the psqa tags as whole tokens, ChatML template) on
-search traces of the generated corpus (trainer/embedded/psqa_synth.py), builds a few-layer `lfm2_moe` from a config
+search traces of the generated corpus (embedded/psqa_synth.py), builds a few-layer `lfm2_moe` from a config
 and supervises it into the search format: `<search> entity </search>`, the retriever's real documents as
 a tool turn (loss mask 0, as the task says), then `<answer> X </answer>`; other traces answer at once with
 a guess. It ends searching some of the time and mostly right when it does, so RL has signal and room.
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainer.progress import progress
 from worker_contract.tasks.base import render_prompt
 from worker_contract.tasks.psqa import (
     ANSWER_CLOSE,
@@ -37,7 +38,6 @@ from worker_contract.tasks.psqa import (
     tool_turn_text,
 )
 
-from ..progress import progress
 from . import psqa_synth
 from .basemodel import SFTSteps, _one_thread, build_environment, build_tokenizer, prompt_ids, weights_digest
 
@@ -134,7 +134,7 @@ def load_problems(data_dir: str | Path) -> tuple[PsqaTask, list[PsqaProblem], li
     for name in ("train.jsonl", "test.jsonl"):
         if not (d / name).is_file():
             raise ValueError(f"the psqa data directory {str(d)!r} has no {name}; write it with "
-                             "trainer.embedded.psqa_synth.write_dataset(DIR)")
+                             "embedded.psqa_synth.write_dataset(DIR)")
     task = PsqaTask(str(d))
     train, test = list(task.dataset("train")), list(task.dataset("test"))
     if not train or not test:
@@ -294,11 +294,10 @@ class _Steps(SFTSteps):
 def score(model, tokenizer, task: PsqaTask, problems: Sequence[PsqaProblem], search: Search, *, k: int,
           temperature: float, max_new_tokens: int, seed: int = 0, max_turns: int = 4,
           questions_per_batch: int = 16) -> dict[str, float]:
-    """Held-out episodes through trainer.embedded.psqa_eval's sampler and the task's run_episodes and reward (as
+    """Held-out episodes through trainer.psqa_eval's sampler and the task's run_episodes and reward (as
     psqa_eval.evaluate runs them), split by whether the episode searched."""
+    from trainer.psqa_eval import hf_generate_batch
     from worker_contract.tasks.psqa import run_episodes
-
-    from .psqa_eval import hf_generate_batch
 
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     generate_batch = hf_generate_batch(model, tokenizer, temperature=temperature, generator=gen)
@@ -344,7 +343,7 @@ def ensure_psqa_base(data_dir: str | Path, cache_dir: str | Path, search: Search
                      cfg: PsqaBaseConfig | None = None, log: Callable[[str], None] = print,
                      show_progress: bool = False, device: str = "cpu") -> tuple[Path, PsqaBaseReport]:
     """(model directory, report) of the base for `cfg` over the data in `data_dir` (train.jsonl, test.jsonl as
-    trainer.embedded.psqa_synth writes them), built first if it is not cached (atomic: a half-built base is never used).
+    embedded.psqa_synth writes them), built first if it is not cached (atomic: a half-built base is never used).
 
     `search`: query -> the documents' text, exactly what workers' tool turns carry (the run's retriever).
     `show_progress`: a bar with the time left while building (lines every 30 s off a terminal).
@@ -369,7 +368,7 @@ def ensure_psqa_base(data_dir: str | Path, cache_dir: str | Path, search: Search
 def _build(cfg: PsqaBaseConfig, task: PsqaTask, train: list[PsqaProblem], test: list[PsqaProblem], search: Search,
            digest: str, out: Path, log: Callable[[str], None], show_progress: bool,
            device: str = "cpu") -> tuple[Path, PsqaBaseReport]:
-    from .psqa_eval import heldout_subset
+    from trainer.psqa_eval import heldout_subset
 
     with _one_thread():
         t0 = time.time()

@@ -20,7 +20,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import REPO_ROOT, RecipeConfig
+from infra.children import CHILDREN_DIR, process_start_time
+from trainer.config import REPO_ROOT
+
+from .config import EmbeddedRecipe
 
 
 def _die_with_parent() -> None:
@@ -48,55 +51,6 @@ class Child:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
-
-
-#: the run dir's folder of child records, one `<name>.json` per live child of the launcher
-CHILDREN_DIR = "children"
-
-
-def process_start_time(pid: int) -> float | None:
-    """When `pid` started (psutil's create_time, seconds), or None if it is gone or a zombie."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
-    except psutil.Error:
-        return None
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes of process group `pgid` (a child's own group: it and what it started, Ray's too)."""
-    import psutil
-
-    members = []
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                members.append(proc.pid)
-        except (OSError, psutil.Error):
-            continue
-    return members
-
-
-def recorded_children(run_dir: Path) -> list[dict]:
-    """The children recorded in `run_dir/children/` that still run: the recorded PID is still that process
-    (same start time: a recycled PID is not), or its process group (which the kernel keeps from reuse while
-    it has members) still has members, e.g. the learner's Ray processes after the learner ended. Each as
-    {name, pid, started, record, leader_alive}. Meaningful only while no launcher holds the run's lock."""
-    out = []
-    for rec in sorted((Path(run_dir) / CHILDREN_DIR).glob("*.json")):
-        try:
-            child = json.loads(rec.read_text())
-            pid, started = int(child["pid"]), child["started"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        now = process_start_time(pid)
-        alive = started is not None and now == started
-        if alive or (now is None and group_members(pid)):
-            out.append({"name": str(child.get("name", rec.stem)), "pid": pid, "started": started,
-                        "record": str(rec), "leader_alive": alive})
-    return out
 
 
 @dataclass
@@ -155,7 +109,7 @@ class Processes:
                 (self.record / CHILDREN_DIR / f"{c.name}.json").unlink(missing_ok=True)
 
 
-def child_env(cfg: RecipeConfig) -> dict[str, str]:
+def child_env(cfg: EmbeddedRecipe) -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
                DRL_N_SAMPLES=str(cfg.contract.n_samples), DRL_PULSE_PLANE=cfg.contract.plane,
@@ -163,29 +117,29 @@ def child_env(cfg: RecipeConfig) -> dict[str, str]:
     return env
 
 
-def start_learner(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path,
+def start_learner(procs: Processes, cfg: EmbeddedRecipe, paths, model_dir: Path,
                   extra_env: dict[str, str] | None = None) -> Child:
     recipe = paths.run_dir / "recipe.json"
     recipe.write_text(cfg.model_dump_json(indent=2))
-    from ..native.learner import learner_argv
+    from infra.native_launch import learner_argv
 
     argv = learner_argv(sys.executable, recipe, model_dir, paths.run_dir)
     return procs.start("learner", argv, {**child_env(cfg), **(extra_env or {})}, paths.run_dir / "learner.log")
 
 
-def worker_backends(cfg: RecipeConfig) -> list[str]:
+def worker_backends(cfg: EmbeddedRecipe) -> list[str]:
     """The local workers' backends, one per worker: `embedded.worker_backends`, else `workers` x `worker_backend`."""
     e = cfg.embedded
     return list(e.worker_backends) or [e.worker_backend] * e.workers
 
 
-def per_worker_cap(cfg: RecipeConfig) -> int:
+def per_worker_cap(cfg: EmbeddedRecipe) -> int:
     """Groups a local worker samples per version: together the workers make one step's batch per version,
     so on a shared CPU they do not burn cycles on groups that would go stale before the learner uses them."""
     return max(1, -(-cfg.algo.groups_per_step // len(worker_backends(cfg))))
 
 
-def worker_env(cfg: RecipeConfig, trainer_key_fingerprint: str) -> dict[str, str]:
+def worker_env(cfg: EmbeddedRecipe, trainer_key_fingerprint: str) -> dict[str, str]:
     """A local worker's environment: the join card's key fingerprint too, so the worker accepts run.json
     (and the pointer and patches it signs) only under the key this launcher holds, as a remote joiner does.
 
@@ -195,7 +149,7 @@ def worker_env(cfg: RecipeConfig, trainer_key_fingerprint: str) -> dict[str, str
     return {**child_env(cfg), "DRL_TRAINER_KEY_FINGERPRINT": trainer_key_fingerprint, "CUDA_VISIBLE_DEVICES": ""}
 
 
-def worker_argv(cfg: RecipeConfig, model_dir: Path | str, i: int, backend: str,
+def worker_argv(cfg: EmbeddedRecipe, model_dir: Path | str, i: int, backend: str,
                 extra_args: list[str] | None = None) -> list[str]:
     """The command line of local worker `i` (1-based), as started and as the dry run prints it."""
     return [sys.executable, "-m", "worker_contract.worker", "--store", cfg.store, "--run", cfg.run,
@@ -203,7 +157,7 @@ def worker_argv(cfg: RecipeConfig, model_dir: Path | str, i: int, backend: str,
             "--max-groups-per-version", str(per_worker_cap(cfg)), "--backend", backend, *(extra_args or [])]
 
 
-def start_workers(procs: Processes, cfg: RecipeConfig, paths, model_dir: Path, trainer_key_fingerprint: str,
+def start_workers(procs: Processes, cfg: EmbeddedRecipe, paths, model_dir: Path, trainer_key_fingerprint: str,
                   extra_args: list[str] | None = None, extra_env: dict[str, str] | None = None) -> list[Child]:
     out = []
     for i, backend in enumerate(worker_backends(cfg), start=1):

@@ -47,7 +47,7 @@ def _count_forwards(policy):
     return box
 
 
-def decode(groups: int, n: int, budget: int) -> dict:
+def decode(groups: int, n: int, budget: int, device: str = "cpu") -> dict:
     from infra.retriever.corpus import synthetic_corpus
     from infra.retriever.index import BM25Index
     from infra.retriever.server import make_server
@@ -67,7 +67,7 @@ def decode(groups: int, n: int, budget: int) -> dict:
 
     hf = AutoModelForCausalLM.from_pretrained(d)
     state = get_plane("bf16").from_hf({k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})
-    tp = PolicyModel(d, threads=1, seed=1, device="cpu")
+    tp = PolicyModel(d, threads=1, seed=1, device=device)
     mp = MlxPolicy(d, plane="bf16", seed=1, dtype="float32")
     prompts = [tp.chat.encode(q) for q in ("Question: the dmd gene is", "Question: a protein kinase in the cell",
                                            "Question: the cell of a gene", "Question: is the kinase a protein")]
@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=8, help="decode: samples a group")
     p.add_argument("--budget", type=int, default=160, help="decode: max new tokens (sampled and tool)")
     p.add_argument("--worker", choices=["mlx", "torch"], default="mlx", help="swap: which worker")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="decode: the torch worker's device")
     p.add_argument("--tiny", action="store_true", help="swap/memory: hidden 128, vocab 256, 4 experts (a CI run)")
     p.add_argument("--out", default=None, help="result file (default bench/results/worker_speed_<part>.json)")
     a = p.parse_args(argv)
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         global HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I
         HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I = 128, 256, 4, 64, 256
     if a.part == "decode":
-        result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget}, **decode(a.groups, a.n, a.budget)}
+        result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget, "device": a.device}, **decode(a.groups, a.n, a.budget, a.device)}
     elif a.part == "memory":
         result = {"settings": {"n": a.n, "max_new_tokens": a.budget}, **memory(a.n, a.budget)}
     else:

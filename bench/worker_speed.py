@@ -5,8 +5,8 @@ decode: forward passes per sampled token and sampled tokens/s for psqa groups (s
   (after), and for gsm8k-style single-turn groups (already one batch per group), on both workers, with
   mlx-lm's `batch_generate` on the same prompts as the yardstick. Tiny random LFM2-MoE of the tests.
 swap: the pause and bytes written per version at LFM2.5-8B-A1B shapes (hidden 2048, vocab 65536, 32
-  experts of 1792, int8g64), layer-scaled: one dense and one MoE layer are built, each part's swap timed
-  alone and summed as 2 dense + 22 MoE layers (the model's 24). The patch is the publisher's CPU path
+  experts of 1792, int8g64), layer-scaled: one dense and one MoE layer (4 of its 32 same-shaped experts)
+  are built, each part's swap timed alone and summed as 2 dense + 22 MoE layers of 32 experts. The patch is the publisher's CPU path
   (plane.from_hf, then encode_patch) after an Adam-sized step (every fp32 master weight moved by 1e-6).
   MLX: expert tensors under the per-expert names the learner publishes; torch: transformers' fused names.
 Results in bench/results/worker_speed_<part>.json.
@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, LAYERS, DENSE_LAYERS = 2048, 65536, 32, 1792, 7168, 24, 2
+#: experts built per MoE layer (each of the 32 has the same shapes: a part's cost is scaled by EXPERTS / BUILT)
+BUILT = 4
 
 
 # -- decode ---------------------------------------------------------------------------------------------
@@ -137,11 +139,11 @@ def _hf_shapes(fused: bool, moe_layers: int, dense_layers: int) -> dict[str, tup
             out[f + "w1.weight"] = out[f + "w3.weight"] = (DENSE_I, h)
             out[f + "w2.weight"] = (h, DENSE_I)
             continue
-        out[f + "gate.weight"], out[f + "expert_bias"] = (EXPERTS, h), (EXPERTS,)
+        out[f + "gate.weight"], out[f + "expert_bias"] = (BUILT, h), (BUILT,)
         if fused:
-            out[f + "experts.gate_up_proj"], out[f + "experts.down_proj"] = (EXPERTS, 2 * MOE_I, h), (EXPERTS, h, MOE_I)
+            out[f + "experts.gate_up_proj"], out[f + "experts.down_proj"] = (BUILT, 2 * MOE_I, h), (BUILT, h, MOE_I)
         else:
-            for e in range(EXPERTS):
+            for e in range(BUILT):
                 out[f"{f}experts.{e}.w1.weight"] = out[f"{f}experts.{e}.w3.weight"] = (MOE_I, h)
                 out[f"{f}experts.{e}.w2.weight"] = (h, MOE_I)
     return out
@@ -169,7 +171,7 @@ def _config(d: Path, fused: bool) -> None:
            "hidden_size": HIDDEN, "intermediate_size": DENSE_I, "moe_intermediate_size": MOE_I,
            "num_hidden_layers": 2, "num_attention_heads": HIDDEN // 64, "num_key_value_heads": max(1, HIDDEN // 256),
            "norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": True, "num_dense_layers": 1,
-           "num_experts": EXPERTS, "num_experts_per_tok": 4, "use_expert_bias": True, "norm_topk_prob": True,
+           "num_experts": BUILT, "num_experts_per_tok": min(4, BUILT), "use_expert_bias": True, "norm_topk_prob": True,
            "conv_L_cache": 3, "conv_bias": False, "layer_types": types, "max_position_embeddings": 4096,
            "eos_token_id": 0, "pad_token_id": 0}
     d.mkdir(parents=True, exist_ok=True)
@@ -210,7 +212,8 @@ def swap(worker: str) -> dict:
     pol.load_plane("int8g64", old)
     full_s = time.perf_counter() - t0
     parts = {"other": lambda k: ".layers." not in k, "dense_layer": lambda k: ".layers.0." in k,
-             "moe_layer": lambda k: ".layers.1." in k}
+             "moe_layer_rest": lambda k: ".layers.1." in k and ".experts." not in k,
+             "moe_layer_experts": lambda k: ".layers.1.feed_forward.experts." in k}
     per = {}
     for part, pick in parts.items():
         sub = {k: v for k, v in changes.items() if pick(k)}
@@ -218,13 +221,14 @@ def swap(worker: str) -> dict:
         wrote = pol.load_plane("int8g64", new, sub)
         per[part] = {"seconds": round(time.perf_counter() - t0, 4), **wrote,
                      "plane_bytes": int(sum(v.nbytes for k, v in new.items() if pick(k)))}
-    scale = {"other": 1, "dense_layer": DENSE_LAYERS, "moe_layer": LAYERS - DENSE_LAYERS}
+    moe = LAYERS - DENSE_LAYERS
+    scale = {"other": 1, "dense_layer": DENSE_LAYERS, "moe_layer_rest": moe, "moe_layer_experts": moe * EXPERTS / BUILT}
     est = {k: round(sum(per[p][k] * m for p, m in scale.items()), 3) for k in ("seconds", "bytes", "plane_bytes")}
     full_est = round(full_s * est["plane_bytes"] / sum(p["plane_bytes"] for p in per.values()), 2)
     res = {"worker": worker, "expert_names": "fused (transformers)" if fused else "per-expert (the learner's)",
            "patch_bytes": len(patch), "changed_elements": int(sum(len(v) for v in changes.values())),
            "plane_elements": int(sum(v.size for v in new.values())), "parts": per,
-           "scaled_to_8b_a1b": {**est, "layers": f"1 other + {DENSE_LAYERS} dense + {LAYERS - DENSE_LAYERS} MoE",
+           "scaled_to_8b_a1b": {**est, "layers": f"1 other + {DENSE_LAYERS} dense + {moe} MoE layers of {EXPERTS} experts ({BUILT} built)",
                                 "full_load_seconds_before": full_est},
            "measured_full_load_seconds": round(full_s, 2),
            "publisher_plane_s": round(plane_s, 2), "publisher_encode_s": round(encode_s, 2),
@@ -274,9 +278,10 @@ def memory(n: int, budget: int) -> dict:
     plane_bytes = sum(a.nbytes for a in old.values())
     full_cfg = dict(pol.config, num_hidden_layers=LAYERS,
                     layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(LAYERS)])
-    per_moe = sum(a.nbytes for k, a in old.items() if ".layers.1." in k)
+    per_moe = sum(a.nbytes * (EXPERTS / BUILT if ".experts." in k else 1) for k, a in old.items() if ".layers.1." in k)
     per_dense = sum(a.nbytes for k, a in old.items() if ".layers.0." in k)
-    full_plane = plane_bytes + (DENSE_LAYERS - 1) * per_dense + (LAYERS - DENSE_LAYERS - 1) * per_moe
+    full_plane = int(sum(a.nbytes for k, a in old.items() if ".layers." not in k) + DENSE_LAYERS * per_dense
+                     + (LAYERS - DENSE_LAYERS) * per_moe)
     from worker_contract.worker.memory import OVERHEAD_BYTES, PROMPT_TOKENS, kv_bytes
 
     full = {"weights": full_plane, "plane_copy": full_plane, "patch_result": full_plane,
@@ -303,16 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=160, help="decode: max new tokens (sampled and tool)")
     p.add_argument("--worker", choices=["mlx", "torch"], default="mlx", help="swap: which worker")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="decode: the torch worker's device")
+    p.add_argument("--experts-built", type=int, default=4, help="swap/memory: experts built per MoE layer")
     p.add_argument("--tiny", action="store_true", help="swap/memory: hidden 128, vocab 256, 4 experts (a CI run)")
     p.add_argument("--out", default=None, help="result file (default bench/results/worker_speed_<part>.json)")
     a = p.parse_args(argv)
-    for flag in ("groups", "n", "budget"):
+    for flag in ("groups", "n", "budget", "experts_built"):
         if getattr(a, flag) < 1:
-            p.error(f"--{flag} {getattr(a, flag)} must be at least 1")
+            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be at least 1")
     from bench.common import write_result
 
+    global HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, BUILT
+    BUILT = a.experts_built
     if a.tiny:
-        global HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I
         HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I = 128, 256, 4, 64, 256
     if a.part == "decode":
         result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget, "device": a.device}, **decode(a.groups, a.n, a.budget, a.device)}

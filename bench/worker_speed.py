@@ -6,7 +6,8 @@ decode: forward passes per sampled token and sampled tokens/s for psqa groups (s
   mlx-lm's `batch_generate` on the same prompts as the yardstick. Tiny random LFM2-MoE of the tests.
 swap: the pause and bytes written per version at LFM2.5-8B-A1B shapes (hidden 2048, vocab 65536, 32
   experts of 1792, int8g64), layer-scaled: one dense and one MoE layer (4 of its 32 same-shaped experts)
-  are built, each part's swap timed alone and summed as 2 dense + 22 MoE layers of 32 experts. The patch is the publisher's CPU path
+  and 8192 of the 65536 embedding rows are built, each part's swap timed alone and summed as the
+  whole embedding, 2 dense and 22 MoE layers of 32 experts. The patch is the publisher's CPU path
   (plane.from_hf, then encode_patch) after an Adam-sized step (every fp32 master weight moved by 1e-6).
   MLX: expert tensors under the per-expert names the learner publishes; torch: transformers' fused names.
 Results in bench/results/worker_speed_<part>.json.
@@ -26,6 +27,8 @@ import numpy as np
 HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, LAYERS, DENSE_LAYERS = 2048, 65536, 32, 1792, 7168, 24, 2
 #: experts built per MoE layer (each of the 32 has the same shapes: a part's cost is scaled by EXPERTS / BUILT)
 BUILT = 4
+#: embedding rows built (the "other" part, the embedding alone but for a norm, is scaled by VOCAB / VOCAB_BUILT)
+VOCAB_BUILT = 8192
 
 
 # -- decode ---------------------------------------------------------------------------------------------
@@ -122,7 +125,7 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 def _hf_shapes(fused: bool, moe_layers: int, dense_layers: int) -> dict[str, tuple[int, ...]]:
-    h, out = HIDDEN, {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.embedding_norm.weight": (HIDDEN,)}
+    h, out = HIDDEN, {"model.embed_tokens.weight": (VOCAB_BUILT, HIDDEN), "model.embedding_norm.weight": (HIDDEN,)}
     for i in range(dense_layers + moe_layers):
         p = f"model.layers.{i}."
         out[p + "operator_norm.weight"] = out[p + "ffn_norm.weight"] = (h,)
@@ -167,7 +170,7 @@ def _config(d: Path, fused: bool) -> None:
     from tests.episode_fixtures import save_tokenizer
 
     types = ["conv", "full_attention"]
-    cfg = {"architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "vocab_size": VOCAB,
+    cfg = {"architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "vocab_size": VOCAB_BUILT,
            "hidden_size": HIDDEN, "intermediate_size": DENSE_I, "moe_intermediate_size": MOE_I,
            "num_hidden_layers": 2, "num_attention_heads": HIDDEN // 64, "num_key_value_heads": max(1, HIDDEN // 256),
            "norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": True, "num_dense_layers": 1,
@@ -222,13 +225,13 @@ def swap(worker: str) -> dict:
         per[part] = {"seconds": round(time.perf_counter() - t0, 4), **wrote,
                      "plane_bytes": int(sum(v.nbytes for k, v in new.items() if pick(k)))}
     moe = LAYERS - DENSE_LAYERS
-    scale = {"other": 1, "dense_layer": DENSE_LAYERS, "moe_layer_rest": moe, "moe_layer_experts": moe * EXPERTS / BUILT}
+    scale = {"other": VOCAB / VOCAB_BUILT, "dense_layer": DENSE_LAYERS, "moe_layer_rest": moe, "moe_layer_experts": moe * EXPERTS / BUILT}
     est = {k: round(sum(per[p][k] * m for p, m in scale.items()), 3) for k in ("seconds", "bytes", "plane_bytes")}
     full_est = round(full_s * est["plane_bytes"] / sum(p["plane_bytes"] for p in per.values()), 2)
     res = {"worker": worker, "expert_names": "fused (transformers)" if fused else "per-expert (the learner's)",
            "patch_bytes": len(patch), "changed_elements": int(sum(len(v) for v in changes.values())),
            "plane_elements": int(sum(v.size for v in new.values())), "parts": per,
-           "scaled_to_8b_a1b": {**est, "layers": f"1 other + {DENSE_LAYERS} dense + {moe} MoE layers of {EXPERTS} experts ({BUILT} built)",
+           "scaled_to_8b_a1b": {**est, "layers": f"embedding of {VOCAB} rows ({VOCAB_BUILT} built) + {DENSE_LAYERS} dense + {moe} MoE layers of {EXPERTS} experts ({BUILT} built)",
                                 "full_load_seconds_before": full_est},
            "measured_full_load_seconds": round(full_s, 2),
            "publisher_plane_s": round(plane_s, 2), "publisher_encode_s": round(encode_s, 2),
@@ -280,7 +283,8 @@ def memory(n: int, budget: int) -> dict:
                     layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(LAYERS)])
     per_moe = sum(a.nbytes * (EXPERTS / BUILT if ".experts." in k else 1) for k, a in old.items() if ".layers.1." in k)
     per_dense = sum(a.nbytes for k, a in old.items() if ".layers.0." in k)
-    full_plane = int(sum(a.nbytes for k, a in old.items() if ".layers." not in k) + DENSE_LAYERS * per_dense
+    full_plane = int(sum(a.nbytes for k, a in old.items() if ".layers." not in k) * VOCAB / VOCAB_BUILT
+                     + DENSE_LAYERS * per_dense
                      + (LAYERS - DENSE_LAYERS) * per_moe)
     from worker_contract.worker.memory import OVERHEAD_BYTES, PROMPT_TOKENS, kv_bytes
 
@@ -317,10 +321,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be at least 1")
     from bench.common import write_result
 
-    global HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, BUILT
+    global HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, BUILT, VOCAB_BUILT
     BUILT = a.experts_built
     if a.tiny:
-        HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I = 128, 256, 4, 64, 256
+        HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, VOCAB_BUILT = 128, 256, 4, 64, 256, 256
     if a.part == "decode":
         result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget, "device": a.device}, **decode(a.groups, a.n, a.budget, a.device)}
     elif a.part == "memory":

@@ -1,16 +1,12 @@
-"""`python -m bench.worker_speed`: the workers at full speed (issue 38), on this CPU.
+"""`python -m bench.worker_speed decode|swap|memory`: the workers at full speed (issue 38), on this CPU.
 
-decode: forward passes per sampled token and sampled tokens/s for psqa groups (search episodes, the real
-  BM25 retriever on 127.0.0.1 over a generated corpus) one sample at a time (before) and decoded together
-  (after), and for gsm8k-style single-turn groups (already one batch per group), on both workers, with
-  mlx-lm's `batch_generate` on the same prompts as the yardstick. Tiny random LFM2-MoE of the tests.
-swap: the pause and bytes written per version at LFM2.5-8B-A1B shapes (hidden 2048, vocab 65536, 32
-  experts of 1792, int8g64), layer-scaled: one dense and one MoE layer (4 of its 32 same-shaped experts)
-  and 8192 of the 65536 embedding rows are built, each part's swap timed alone and summed as the
-  whole embedding, 2 dense and 22 MoE layers of 32 experts. The patch is the publisher's CPU path
-  (plane.from_hf, then encode_patch) after an Adam-sized step (every fp32 master weight moved by 1e-6).
-  MLX: expert tensors under the per-expert names the learner publishes; torch: transformers' fused names.
-Results in bench/results/worker_speed_<part>.json.
+decode: forwards per sampled token and tokens/s of psqa groups one sample at a time vs together, and of
+  gsm8k-style groups, both workers, with mlx-lm's `batch_generate` on the same prompts (tiny LFM2-MoE).
+swap: pause and bytes per version at LFM2.5-8B-A1B shapes on int8g64, layer-scaled (8192 of 65536
+  embedding rows, 1 dense layer, 1 MoE layer with 4 of its 32 experts; each part timed alone and scaled),
+  an Adam-sized step through the publisher's CPU path (plane.from_hf, encode_patch).
+memory: the MLX worker's RSS through a join, a follow and a psqa group at those shapes, and the estimate.
+Results in bench/results/worker_speed_<part>.json; docs/performance.md (Workers at full speed).
 """
 
 from __future__ import annotations

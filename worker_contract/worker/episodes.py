@@ -1,16 +1,12 @@
 """Multi-turn search episodes (PaperSearchQA) on either backend, through the task's one episode code.
 
-`sample_episode_group` drives `tasks.psqa.run_episodes` with a generator that keeps one KV cache per sample
-(`paged_prefix`): each group's prompt is prefilled once and the cache cloned into its n samples; after a
-tool turn a sample's cache is extended by what it has not seen (its last sampled token and the tool
-tokens), never re-prefilled from the start. A turn's samples decode together: their caches are merged into
-one batch (left-padded), each decoding step is one batched forward (`Engine.forward`) for every sample
-still generating, a sample that stops (`</search>`, `</answer>`, EOS, budget) leaves the batch with its
-cache extracted, and rejoins at the next turn once its tool turn has extended that cache. Each sample draws
-from its own random stream (`Engine.streams`), so decoding a group together or one sample at a time
-(`batched=False`) draws the same noise for the same sample. Each token's log-prob is the one it was drawn
-under (temperature + nucleus, as single-turn). `PrefillCount` counts the tokens fed as prefill both ways
-(as done, and as a worker without the cache would) and the forward passes made.
+Each group's prompt is prefilled once and its cache cloned into the n samples (`paged_prefix`); a turn's
+samples decode together, their caches merged into one batch, one batched forward (`Engine.forward`) a step
+for the samples still going; a sample that stops (`</search>`, `</answer>`, EOS, budget) leaves with its
+cache, which its tool turn extends before it rejoins at the next turn (never re-prefilled). Each sample
+draws from its own random stream, so `batched=False` (one at a time) draws the same tokens; log-probs are
+those of the distribution drawn from. `PrefillCount` counts prefill tokens both ways and forwards.
+More in docs/performance.md (Workers at full speed).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _run(store, model_dir, memory_gb: str):
     ("lots", "DRL_WORKER_MEMORY_GB='lots' is not a positive number of GB"),
     ("-3", "DRL_WORKER_MEMORY_GB='-3' is not a positive number of GB"),
 ])
-def test_a_worker_that_cannot_hold_the_model_refuses_in_one_sentence(tmp_path, tiny_model_dir, memory_gb, needle):
+def test_a_worker_that_cannot_hold_the_model_refuses_in_one_sentence(tmp_path, tiny_model_dir, memory_gb, needle):  # noqa: F811
     store = FileStore(tmp_path / "bucket")
     _publish_run(store, tiny_model_dir, "int8g64")
     p = _run(store, tiny_model_dir, memory_gb)

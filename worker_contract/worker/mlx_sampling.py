@@ -60,6 +60,8 @@ def sample_group(model, prompt: list[int], n: int, *, temperature: float, top_p:
     from mlx_lm.models.cache import make_prompt_cache
 
     assert prompt and n > 0 and max_new_tokens > 0
+    if recorder is not None:
+        recorder.clear()
     cache = make_prompt_cache(model)
     ids = mx.array(prompt, dtype=mx.int32)[None]
     for start in range(0, len(prompt), PREFILL_CHUNK):
@@ -127,6 +129,8 @@ class MlxEngine:
     def __init__(self, model, decode, *, temperature: float, top_p: float, key, recorder=None):
         self.model, self.decode, self.recorder = model, decode, recorder
         self.temperature, self.top_p, self.key = temperature, top_p, key
+        if recorder is not None:
+            recorder.clear()  # from here every forward is this engine's, taken after it
         self.forwards = 0
 
     def prefill(self, ids: list[int], state):

@@ -74,6 +74,8 @@ def sample(
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(eos_ids, device=device)
     cache_kw = _cache_kwarg(model)
+    if recorder is not None:
+        recorder.clear()
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
     past, logits = getattr(out, cache_kw), out.logits[:, -1]
     routes = [] if recorder is None else [recorder.take()]  # [rows, width, ...], then [rows, 1, ...] a step
@@ -216,6 +218,8 @@ class TorchEngine:
                  generator: torch.Generator | None = None, recorder=None):
         self.model, self.decode, self.recorder = model, decode, recorder
         self.temperature, self.top_p, self.greedy, self.generator = temperature, top_p, greedy, generator
+        if recorder is not None:
+            recorder.clear()  # from here every forward is this engine's, taken after it
         self.device = next(model.parameters()).device
         self.cache_kw = _cache_kwarg(model)
         self.forwards = 0

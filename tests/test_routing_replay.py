@@ -33,7 +33,17 @@ def search(query: str) -> str:
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return save_search_model(tmp_path_factory.mktemp("moe"), "lfm2_moe", seed=2)
+    """The tiny LFM2-MoE with weights exact in bf16: the workers' bf16 plane is then the learner's model itself
+    (rounded weights route a near-tie token otherwise: 1 of 178 on some draws)."""
+    from transformers import AutoModelForCausalLM
+
+    out = save_search_model(tmp_path_factory.mktemp("moe"), "lfm2_moe", seed=2)
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    hf.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -215,8 +215,8 @@ def part_learning(args) -> dict:
     run = f"gpu-loop-learn{args.tag}-{int(time.time())}"
     cfg = resolve_cfg(run, base["path"], f"file://{root / 'bucket'}", {
         "task": "arithmetic", "model.dtype": "float32", "optim.lr": args.lr, "algo.max_new_tokens": 48,
-        "train.backend": "megatron", "train.max_tokens_per_gpu": None, "train.micro_batch_size": 64,
-        "train.save_interval": 50, "train.anchor_interval": 20, "train.poll_interval_s": 0.5,
+        "train.backend": "megatron", "compute.max_tokens_per_gpu": None, "compute.micro_batch_size": 64,
+        "checkpoint.interval": 50, "train.anchor_interval": 20, "train.poll_interval_s": 0.5,
         "train.num_steps": 100000})
     rc, launch_s = launch(cfg)
     result: dict = {"base": base, "launch_rc": rc, "launch_s": round(launch_s, 1), "recipe": cfg.model_dump(mode="json")}
@@ -353,7 +353,7 @@ def part_throughput(args) -> dict:
     _log(f"random Qwen2.5-1.5B shapes: {model['params'] / 1e9:.3f} B parameters in {model['build_s']} s")
     run = f"gpu-loop-tput-{int(time.time())}"
     cfg = resolve_cfg(run, model["path"], f"file://{root / 'bucket'}", {
-        "task": args.tput_task, "train.save_interval": 100000, "train.num_steps": 100000,
+        "task": args.tput_task, "checkpoint.interval": 100000, "train.num_steps": 100000,
         "algo.max_new_tokens": args.tput_max_new_tokens})  # None: the recipe's 1024
     rc, launch_s = launch(cfg)
     result: dict = {"model": model, "reward": TPUT_REWARDS[args.tput_task], "launch_rc": rc,

@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.layers, args.rows, args.prompt, args.response, args.compare_rows = 4, 4, 8, 24, 2
         args.optim_elements = 2e7
-        args.set = ["train.micro_batch_size=2", *args.set]
+        args.set = ["compute.micro_batch_size=2", *args.set]
     sys.path.insert(0, str(REPO))
     import torch
 

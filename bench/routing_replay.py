@@ -21,8 +21,9 @@ from worker_contract.cli import number
 DEFAULT_CACHE = Path("/tmp/stoa-bench-cache")
 
 
-def _base(cache: Path, tiny: bool, sft_steps: int | None = None) -> tuple[Path, list, object]:
-    """(model dir, train problems, search) of the embedded psqa run (built and cached on first use)."""
+def _base(cache: Path, tiny: bool, sft_steps: int | None = None, model: str | None = None) -> tuple[Path, list, object]:
+    """(model dir, train problems, search) of the embedded psqa run (built and cached on first use; `model`,
+    another LFM2-MoE, is used as it is)."""
     from embedded.psqa_base import PsqaBaseConfig, ensure_psqa_base, load_problems
     from embedded.psqa_synth import write_dataset
     from infra.retriever.index import BM25Index
@@ -39,7 +40,7 @@ def _base(cache: Path, tiny: bool, sft_steps: int | None = None) -> tuple[Path, 
                          eval_questions=2, max_new_tokens=48) if tiny else PsqaBaseConfig()
     if sft_steps is not None:  # the same model, supervised for fewer steps (a loaded machine's budget)
         cfg = cfg.model_copy(update={"sft_steps": sft_steps, "short_steps": sft_steps * 3 // 4, "eval_questions": 8})
-    model_dir, _ = ensure_psqa_base(data, cache, search, cfg=cfg, log=print)
+    model_dir = Path(model) if model else ensure_psqa_base(data, cache, search, cfg=cfg, log=print)[0]
     _, train, _ = load_problems(data)
     return Path(model_dir), train, search
 
@@ -183,8 +184,8 @@ def run(args) -> dict:
     from trainer.backends.hf import HFBackend
 
     torch.set_num_threads(args.threads)
-    model_dir, train, search = _base(Path(args.cache), args.tiny, args.sft_steps)
-    model_dir = Path(args.model) if args.model else model_dir  # another LFM2-MoE on the same generated questions
+    # --model: another LFM2-MoE on the same generated questions
+    model_dir, train, search = _base(Path(args.cache), args.tiny, args.sft_steps, args.model)
     problems = random.Random(args.seed).sample(list(train), args.groups)
     learner = HFBackend.load(model_dir, _recipe(True, args.budget), device=args.device)
     shape, gate = learner.route_shape, _recipe(True, args.budget).algo.gate

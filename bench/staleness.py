@@ -72,7 +72,7 @@ PRESETS: dict[str, Preset] = {
         base=EmbeddedBaseConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
                                 vocab_size=300, tokenizer_corpus=200, sft_steps=2, sft_batch_size=4),
         recipe={"algo.groups_per_step": 2, "contract.n_samples": 4, "algo.max_new_tokens": 8,
-                "train.micro_batch_size": 8, "train.anchor_interval": 4},
+                "compute.micro_batch_size": 8, "train.anchor_interval": 4},
         steps=3, eval_every=0, eval_problems=4),
     # the embedded run's own base and recipe on the CPU (0.85 M parameters: it plateaus within ~20 steps)
     "cpu": Preset(steps=40, eval_every=10, eval_problems=200),
@@ -87,7 +87,7 @@ PRESETS: dict[str, Preset] = {
         base=EmbeddedBaseConfig(hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4, intermediate_size=2048,
                                 vocab_size=512, sft_steps=250, sft_batch_size=64, sft_lr=1e-3),
         sft_candidates=(60, 120, 250, 500),
-        recipe={"optim.lr": 1e-5, "train.micro_batch_size": 64},
+        recipe={"optim.lr": 1e-5, "compute.micro_batch_size": 64},
         steps=50, eval_every=25, eval_problems=300, device="cuda", threads=1),
 }
 

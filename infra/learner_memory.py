@@ -43,11 +43,12 @@ def dense_params(cfg: Mapping[str, Any]) -> int | None:
     return embeddings + layers * per_layer + h
 
 
-def tokens_per_micro_batch(train: Any, max_new_tokens: int) -> int:
-    """Padded tokens in one learner micro-batch: the token budget, or rows x a nominal sequence."""
-    if train.max_tokens_per_gpu is not None:
-        return int(train.max_tokens_per_gpu)
-    return int(train.micro_batch_size) * (NOMINAL_PROMPT + int(max_new_tokens))
+def tokens_per_micro_batch(compute: Any, max_new_tokens: int) -> int:
+    """Padded tokens in one learner micro-batch (`compute`: the recipe's compute section): the token budget, or
+    rows x a nominal sequence."""
+    if compute.max_tokens_per_gpu is not None:
+        return int(compute.max_tokens_per_gpu)
+    return int(compute.micro_batch_size) * (NOMINAL_PROMPT + int(max_new_tokens))
 
 
 def _activation_bytes_per_token(cfg: Mapping[str, Any], per_unit: float = ACTIVATION_BYTES) -> float:
@@ -55,20 +56,20 @@ def _activation_bytes_per_token(cfg: Mapping[str, Any], per_unit: float = ACTIVA
     return per_unit * int(cfg["num_hidden_layers"]) * int(cfg["hidden_size"])
 
 
-def learner_peak_gib(cfg: Mapping[str, Any], train: Any, max_new_tokens: int) -> float | None:
+def learner_peak_gib(cfg: Mapping[str, Any], compute: Any, max_new_tokens: int) -> float | None:
     """Estimated peak GiB on each GPU of the tensor-parallel group; None when the shape is not dense."""
     params = dense_params(cfg)
     if params is None:
         return None
-    tokens = tokens_per_micro_batch(train, max_new_tokens)
+    tokens = tokens_per_micro_batch(compute, max_new_tokens)
     total = params * BYTES_PER_PARAM + tokens * _activation_bytes_per_token(cfg) + LOGITS_BYTES
-    return total / max(1, int(train.tensor_parallel)) / GIB
+    return total / max(1, int(compute.tensor_parallel)) / GIB
 
 
-def tokens_that_fit(cfg: Mapping[str, Any], train: Any, gpu_gib: float) -> int:
+def tokens_that_fit(cfg: Mapping[str, Any], compute: Any, gpu_gib: float) -> int:
     """The largest token budget (a multiple of 1024, at least 0) the estimate fits in `gpu_gib`."""
     params = dense_params(cfg) or 0
-    room = USABLE * gpu_gib * GIB * max(1, int(train.tensor_parallel)) - params * BYTES_PER_PARAM - LOGITS_BYTES
+    room = USABLE * gpu_gib * GIB * max(1, int(compute.tensor_parallel)) - params * BYTES_PER_PARAM - LOGITS_BYTES
     return max(0, int(room / _activation_bytes_per_token(cfg)) // 1024 * 1024)
 
 

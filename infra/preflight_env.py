@@ -174,16 +174,16 @@ def check_gpu_memory(ctx: Context) -> Row:
 
     cfg, src = hf_config(ctx)
     gpu = ctx.facts.get("gpu_gib")
-    train, new_tokens = ctx.cfg.compute, ctx.cfg.algo.max_new_tokens
+    compute, new_tokens = ctx.cfg.compute, ctx.cfg.algo.max_new_tokens
     if cfg is not None and gpu is not None and is_moe(cfg):
         return _moe_gpu_memory(ctx, cfg, gpu)
-    est = learner_peak_gib(cfg, train, new_tokens) if cfg is not None else None
+    est = learner_peak_gib(cfg, compute, new_tokens) if cfg is not None else None
     if gpu is None or est is None:
         why = "no GPU memory from nvidia-smi" if gpu is None else f"no dense-decoder estimate ({src})"
         return _row("box.gpu_memory", False, f"not estimated: {why}", "the learner's estimate within the GPU",
                     "check the GPU with nvidia-smi on the box", warn=True)
-    tokens = tokens_per_micro_batch(train, new_tokens)
-    fit = tokens_that_fit(cfg, train, gpu)
+    tokens = tokens_per_micro_batch(compute, new_tokens)
+    fit = tokens_that_fit(cfg, compute, gpu)
     return _row("box.gpu_memory", est <= USABLE * gpu,
                 f"~{est:.0f} GiB per GPU at {tokens} tokens per micro-batch; the GPU has {gpu:.0f} GiB",
                 f"<= {USABLE * gpu:.0f} GiB ({USABLE:.0%})",

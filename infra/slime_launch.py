@@ -248,7 +248,7 @@ def objective_args(cfg: RecipeConfig) -> list[str]:
 
 
 def moment_bytes(cfg: RecipeConfig, offload: float | None = None) -> int:
-    """Bytes of each Adam moment the engine keeps under the recipe's plan (`offload`: train.optimizer_offload
+    """Bytes of each Adam moment the engine keeps under the recipe's plan (`offload`: optim.offload
     unless given). The native engine keeps optim.moment_dtype. On slime, bf16 moments come from Megatron's
     precision-aware optimizer, but with --optimizer-cpu-offload Megatron-LM builds its HybridDeviceOptimizer from
     the learning rate, betas, eps and weight decay alone (no moment dtype): torch's AdamW on float32 copies of

@@ -84,6 +84,11 @@ class R2Rules:
         start(status, [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
         return [body]
 
+    def holding(self, bucket: str, key: str) -> bool:
+        """Whether a write of `key` is in flight right now (a concurrent write of it is answered 429)."""
+        with self._lock:
+            return (bucket, key) in self._writing
+
     def statuses(self, method: str | None = None) -> list[int]:
         return [s.status for s in self.seen if method in (None, s.method)]
 

@@ -13,7 +13,7 @@ def test_lfm2_step_bench_runs_tiny_on_cpu(dist, tmp_path):
     out = tmp_path / "lfm2_step.json"
     rc = lfm2_step.main(["--tiny", "--device", "cpu", "--steps", "1", "--out", str(out),
                          "--parts", "optim,step,profile,compare",
-                         "--set", "train.optimizer_offload=0.5", "--set", "algo.optim.moment_dtype=bfloat16"])
+                         "--set", "optim.offload=0.5", "--set", "optim.moment_dtype=bfloat16"])
     result = json.loads(out.read_text())
     assert rc == 0, result.get("traceback")
     m, step = result["measured"], result["step"]

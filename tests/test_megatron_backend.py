@@ -281,7 +281,7 @@ def test_tensor_parallel_2_through_ray_actors(tmp_path, mcore, monkeypatch):
 
 
 def test_padded_decoder_calls_give_the_same_step(tmp_path, mcore):
-    """train.cuda_graphs pads each micro-batch's length up to a multiple of 128 for its graphs; on the CPU
+    """compute.cuda_graphs pads each micro-batch's length up to a multiple of 128 for its graphs; on the CPU
     the same padded calls run eagerly, and the step must equal the unpadded one."""
     from trainer.backends.megatron import MegatronBackend
 

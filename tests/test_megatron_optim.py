@@ -1,6 +1,6 @@
 """The megatron backend's memory plan (trainer/backends/megatron_optim.py, megatron_rank.py), on the CPU:
 MasterAdamW is torch's AdamW; the recipe's optim.moment_dtype and optim.offload reach the
-optimizer (states seen where the plan puts them); train.gradient_checkpointing recomputes the same step."""
+optimizer (states seen where the plan puts them); compute.gradient_checkpointing recomputes the same step."""
 
 from __future__ import annotations
 

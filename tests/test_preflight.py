@@ -323,11 +323,11 @@ def test_learner_memory_estimate_matches_the_measured_peaks():
     measured = json.loads((Path(__file__).parent.parent / "bench/results/megatron_gpu.json").read_text())
     cfg = KNOWN_HF_CONFIGS["Qwen/Qwen2.5-1.5B-Instruct"]
     assert dense_params(cfg) == measured["params"]
-    train = resolve("gsm8k", env={}).compute
+    compute = resolve("gsm8k", env={}).compute
     for variant in ("megatron", "megatron@8"):
         step = measured["step"][variant]
-        train.max_tokens_per_gpu = step["rows_per_micro_batch"] * 512
-        assert learner_peak_gib(cfg, train, 384) == pytest.approx(step["peak_mem_gib"], rel=0.03), variant
+        compute.max_tokens_per_gpu = step["rows_per_micro_batch"] * 512
+        assert learner_peak_gib(cfg, compute, 384) == pytest.approx(step["peak_mem_gib"], rel=0.03), variant
     assert dense_params({**cfg, "num_experts": 32}) is None
 
 

@@ -44,7 +44,7 @@ def test_megatron_and_hf_run_the_psqa_loop_on_the_same_base(tmp_path, monkeypatc
     assert rc == 0, json.dumps(result["runs"], indent=1)[:3000]
     mg, hf = result["recipes"]["megatron"], result["recipes"]["hf"]
     assert mg["train"]["backend"] == "megatron" and hf["train"]["backend"] == "hf"
-    assert (mg["train"]["compute_dtype"], mg["algo"]["optim"]["moment_dtype"]) == ("bfloat16", "bfloat16")
+    assert (mg["compute"]["dtype"], mg["optim"]["moment_dtype"]) == ("bfloat16", "bfloat16")
     assert mg["model"]["path"] == hf["model"]["path"] and mg["train"]["seed"] == hf["train"]["seed"]
     assert mg["contract"] == hf["contract"] == {"n_samples": 8, "plane": "int8g64", "kv_mode": "paged_prefix"}
     base = json.loads((Path(mg["model"]["path"]) / "config.json").read_text())

@@ -64,7 +64,7 @@ def test_each_run_compiles_into_its_own_cache(recipe):
 
 
 def test_the_disk_need_follows_the_engines_checkpoint():
-    """A native-engine checkpoint is its fp32 masters and Adam's moments in algo.optim.moment_dtype (8 bytes a
+    """A native-engine checkpoint is its fp32 masters and Adam's moments in optim.moment_dtype (8 bytes a
     parameter with bf16 moments, 12 with fp32), a slime one 14; both keep K + 1 beside the model's two copies."""
     from infra import slime_launch as sl
     from trainer.config import resolve

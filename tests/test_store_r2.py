@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -49,24 +50,65 @@ def r2_store(r2):
     return S3Store.from_url(f"s3://{bucket}", env, part_size=5 * MiB, read_timeout=30.0)
 
 
+class _HeldWrite:
+    """A create-only PUT of `size` bytes sent by hand: headers and half the body go now, the rest when
+    `finish()` is called, so the server is inside this write (the key held) for as long as the test likes."""
+
+    def __init__(self, endpoint: str, bucket: str, key: str, size: int = 2 * MiB):
+        import http.client
+        from urllib.parse import urlsplit
+
+        url = urlsplit(endpoint)
+        self.size, self.body = size, os.urandom(size)
+        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        self.conn.putrequest("PUT", f"/{bucket}/{key}", skip_accept_encoding=True)
+        self.conn.putheader("Content-Length", str(size))
+        self.conn.putheader("If-None-Match", "*")
+        self.conn.endheaders()
+        self.conn.send(self.body[: size // 2])
+
+    def finish(self) -> int:
+        self.conn.send(self.body[self.size // 2:])
+        resp = self.conn.getresponse()
+        resp.read()
+        self.conn.close()
+        return resp.status
+
+
 def test_the_server_enforces_what_moto_alone_does_not(r2, r2_store, moto_server, tmp_path):
-    """The rules can fail: a write racing another on one key gets 429; unequal parts are refused at
-    CompleteMultipartUpload (moto alone takes both)."""
+    """The rules can fail: a write arriving while another write of the same key is in flight gets 429 (the
+    first write is held open by hand, so the overlap is certain, not a matter of thread timing); unequal parts
+    are refused at CompleteMultipartUpload (moto alone takes both)."""
     raw = _client(r2.endpoint, attempts=1)
     bucket = r2_store.bucket
     barrier = threading.Barrier(12)
 
-    def put(i: int) -> int:
-        barrier.wait()
+    def put() -> int:
         try:
-            raw.put_object(Bucket=bucket, Key="k", Body=os.urandom(2 * MiB), IfNoneMatch="*")
+            raw.put_object(Bucket=bucket, Key="k", Body=os.urandom(64 * 1024), IfNoneMatch="*")
             return 200
         except raw.exceptions.ClientError as e:
             return e.response["ResponseMetadata"]["HTTPStatusCode"]
 
-    with ThreadPoolExecutor(12) as pool:
-        codes = list(pool.map(put, range(12)))
-    assert codes.count(200) == 1 and set(codes) <= {200, 412, 429} and 429 in codes, codes
+    def racing(i: int) -> int:
+        barrier.wait()
+        return put()
+
+    held = _HeldWrite(r2.endpoint, bucket, "k")
+    try:
+        deadline = time.monotonic() + 30
+        while not r2.rules.holding(bucket, "k"):
+            assert time.monotonic() < deadline, "the held write never reached the server"
+            time.sleep(0.005)
+        with ThreadPoolExecutor(12) as pool:  # twelve racers while the key is held: each is told 429
+            codes = list(pool.map(racing, range(12)))
+        assert r2.rules.holding(bucket, "k"), "the held write ended early: the racers did not race it"
+        assert codes == [429] * 12, codes
+        assert held.finish() == 200  # the held write lands; a create-only write after it is told 412
+    finally:
+        held.conn.close()
+    assert put() == 412
+    assert raw.get_object(Bucket=bucket, Key="k")["Body"].read() == held.body
 
     def unequal(client, bkt):
         up = client.create_multipart_upload(Bucket=bkt, Key="mpu")["UploadId"]

@@ -33,8 +33,8 @@ def _scan_recipes(runs_dir: Path) -> dict[str, str]:
     """recipe name -> its file under runs/: every `runs/*.yaml` and `runs/*/recipe.yaml`, under the `name:` it
     gives (read as one top-level line, not parsed: every process start builds this). Two files of one name
     are refused. A file whose name cannot be read (not UTF-8, no `name:` line: a broken edit) is listed under
-    its file's stem (`runs/X.yaml` -> X, `runs/D/recipe.yaml` -> D) where no named recipe takes it, so that
-    asking for it loads the file and the refusal names the file and what is wrong with it."""
+    its file's stem (the file name less `.yaml`, or the folder's name for a `recipe.yaml`) where no named recipe
+    takes it, so that asking for it loads the file and the refusal names the file and what is wrong with it."""
     import re
 
     found: dict[str, str] = {}

@@ -23,21 +23,18 @@ from .spec import REAL_ANCHOR_BYTES, REAL_PATCH_BYTES, FleetSpec
 
 
 def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of worker counts") from None
-    if not out or any(n < 1 for n in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: worker counts must be at least 1")
+    """Comma-separated worker counts, each checked by worker_contract.cli.number."""
+    count = number(int, at_least=1, hint="a worker count")
+    out = [count(x.strip()) for x in text.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of worker counts")
     return out
 
 
 def _bytes(text: str) -> int:
-    try:
-        n = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 3e9)") from None
-    if not n >= 0 or n != int(n):
+    """A byte count, written as an integer or in e-notation (3e9): worker_contract.cli.number's check, then whole."""
+    n = number(float, at_least=0, hint="a byte count, e.g. 3e9")(text)
+    if n != int(n):
         raise argparse.ArgumentTypeError(f"{text!r}: a byte count is a whole number, at least 0")
     return int(n)
 

@@ -80,13 +80,13 @@ def token_logprobs(
     return picked - torch.logsumexp(torch.stack(lses, dim=0), dim=0)
 
 
-def micro_batches(batch: TrainBatch, train: ComputeConfig, *, min_tokens: int = 0) -> list[TrainBatch]:
+def micro_batches(batch: TrainBatch, compute: ComputeConfig, *, min_tokens: int = 0) -> list[TrainBatch]:
     """The recipe's forward/backward chunks: `max_tokens_per_gpu` padded tokens when set (at least
     `min_tokens`: gradient-free passes keep nothing for backward and afford more), else
     `micro_batch_size` rows (or as many as `min_tokens` allows, if more)."""
-    if train.max_tokens_per_gpu is not None:
-        return batch.micro_batches(batch.rows, max(train.max_tokens_per_gpu, min_tokens))
-    rows = max(train.micro_batch_size, min_tokens // max(1, int(batch.input_ids.shape[1])))
+    if compute.max_tokens_per_gpu is not None:
+        return batch.micro_batches(batch.rows, max(compute.max_tokens_per_gpu, min_tokens))
+    rows = max(compute.micro_batch_size, min_tokens // max(1, int(batch.input_ids.shape[1])))
     return batch.micro_batches(rows)
 
 

@@ -95,7 +95,7 @@ class MegatronBackend(Backend):
              fused_wgrad: bool | None = None, cuda_graphs: bool | None = None) -> MegatronBackend:
         """`device`: "cuda" (default when available) or "cpu" (tests); `load`: a converted torch_dist root;
         `setup`: "module:function" each rank calls before megatron is imported; `compute_dtype`: the
-        model's dtype (default: train.compute_dtype; its `auto` is the recipe's model.dtype on CUDA, float32 on
+        model's dtype (default: compute.dtype; its `auto` is the recipe's model.dtype on CUDA, float32 on
         CPU); `fused_wgrad`: accumulate
         weight gradients into the float32 masters inside the GEMM (default: where torch can, probed);
         `cuda_graphs`: the recipe's compute.cuda_graphs unless given."""

@@ -301,23 +301,26 @@ def memory(n: int, budget: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, BUILT, VOCAB_BUILT
+    from worker_contract.cli import number
+
     p = argparse.ArgumentParser(prog="python -m bench.worker_speed", description=__doc__.splitlines()[0])
     p.add_argument("part", choices=["decode", "swap", "memory"], help="what to measure")
-    p.add_argument("--groups", type=int, default=2, help="decode: prompts (groups) in one batch")
-    p.add_argument("--n", type=int, default=8, help="decode: samples a group")
-    p.add_argument("--budget", type=int, default=160, help="decode: max new tokens (sampled and tool)")
+    p.add_argument("--groups", type=number(int, at_least=1), default=2, help="decode: prompts (groups) in one batch")
+    p.add_argument("--n", type=number(int, at_least=1), default=8, help="decode: samples a group")
+    p.add_argument("--budget", type=number(int, at_least=1), default=160,
+                   help="decode: max new tokens (sampled and tool)")
     p.add_argument("--worker", choices=["mlx", "torch"], default="mlx", help="swap: which worker")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="decode: the torch worker's device")
-    p.add_argument("--experts-built", type=int, default=4, help="swap/memory: experts built per MoE layer")
+    p.add_argument("--experts-built", type=number(int, at_least=1, at_most=EXPERTS), default=4,
+                   help=f"swap/memory: experts built per MoE layer (of the {EXPERTS})")
     p.add_argument("--tiny", action="store_true", help="swap/memory: hidden 128, vocab 256, 4 experts (a CI run)")
     p.add_argument("--out", default=None, help="result file (default bench/results/worker_speed_<part>.json)")
     a = p.parse_args(argv)
-    for flag in ("groups", "n", "budget", "experts_built"):
-        if getattr(a, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be at least 1")
+    if a.tiny and a.experts_built > 4:
+        p.error(f"--experts-built {a.experts_built} with --tiny: the tiny model has 4 experts a layer; give at most 4")
     from bench.common import write_result
 
-    global HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, BUILT, VOCAB_BUILT
     BUILT = a.experts_built
     if a.tiny:
         HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, VOCAB_BUILT = 128, 256, 4, 64, 256, 256

@@ -39,7 +39,7 @@ def test_the_bench_runs_tiny(tmp_path):
     assert json.loads((tmp_path / "m.json").read_text())["layer_scaled"]["worker_rss_peak"] >= 0
 
 
-@pytest.mark.parametrize("args,needle", [(["decode", "--n", "0"], "--n 0 must be at least 1"),
+@pytest.mark.parametrize("args,needle", [(["decode", "--n", "0"], "--n: 0 is out of range: give a number at least 1"),
                                          (["swap", "--worker", "cuda"], "invalid choice: 'cuda'"),
                                          (["speed"], "invalid choice: 'speed'")])
 def test_a_bad_option_is_one_sentence_and_exit_2(args, needle):

@@ -48,9 +48,11 @@ def _groups(policy, prompts, *, batched, seed, temp, top_p):
 
 @pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.7, 0.9)])
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
-def test_batched_episodes_equal_one_sample_at_a_time(policies, backend, temp, top_p):
+def test_batched_episodes_equal_one_sample_at_a_time(request, policies, backend, temp, top_p):
     tp, mp = policies
     policy = tp if backend == "torch" else mp
+    moe = request.node.callspec.params["policies"] == "lfm2_moe"
+    assert (policy.recorder is not None) == moe, "routes recorded for the MoE model only"
     prompts = [policy.prompt_ids(QUESTION), policy.prompt_ids(OTHER)]
     searched = 0
     for seed in range(4):  # until tool turns happened (two seeds at least)
@@ -62,6 +64,10 @@ def test_batched_episodes_equal_one_sample_at_a_time(policies, backend, temp, to
             for a, b in zip(g1, gn, strict=True):
                 assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
                 assert a.finish_reason == b.finish_reason and a.searches == b.searches
+                if moe:  # the same routes either way (tests/test_routing_replay.py: they are the forward's)
+                    assert np.array_equal(a.routes, b.routes) and np.array_equal(a.prompt_routes, b.prompt_routes)
+                else:  # a dense model records nothing
+                    assert a.routes is b.routes is a.prompt_routes is b.prompt_routes is None
                 diff = np.abs(np.array(a.behavior_logprobs) - np.array(b.behavior_logprobs)).max()
                 assert diff == 0.0 if backend == "mlx" else diff < 1e-5, diff
                 searched += len(b.searches)

@@ -6,7 +6,8 @@ for the samples still going; a sample that stops (`</search>`, `</answer>`, EOS,
 cache, which its tool turn extends before it rejoins at the next turn (never re-prefilled). Each sample
 draws from its own random stream, so `batched=False` (one at a time) draws the same tokens; log-probs are
 those of the distribution drawn from. MoE models: every forward's routes go to the rows it fed (the prompt's
-once per group). `PrefillCount` counts prefill tokens both ways and forwards. More in docs/performance.md.
+once per group). `PrefillCount` counts prefill tokens both ways and forwards. More in docs/performance.md
+(Workers at full speed) and docs/contract.md (the route recorder).
 """
 
 from __future__ import annotations

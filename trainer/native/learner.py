@@ -136,7 +136,6 @@ class LearnerActor:
         t_pub = time.monotonic()
         state = self.backend.publish_snapshot()  # the step's own copy: training may go on at once
         snapshot_s = time.monotonic() - t_pub
-        note.counts = ray.get(self.source.counts.remote())  # the source as it stands after the step
         metrics = step_metrics(note, s.audit, train)
         metrics["train/step_time_s"] = step_time
         metrics.update(step=s.step, version=s.current, batch_version=note.current_version)

@@ -20,12 +20,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker_contract.manifest import RunManifest
 from worker_contract.store import Store
 
 from ..config import RecipeConfig
+
+if TYPE_CHECKING:
+    from ..rollouts.pool import Batch
+    from ..step import BatchNote
 
 log = logging.getLogger(__name__)
 
@@ -119,16 +123,19 @@ class LearnerActor:
         """One optimizer step, or None if no batch could be assembled within `timeout_s`."""
         import ray
 
-        from ..step import publish_metrics, step_metrics, train_on
-
         s = self.session
         s.take_published()
         t_wait = time.monotonic()
         got = ray.get(self.source.next_batch.remote(s.current, timeout_s))
         self._waited += time.monotonic() - t_wait  # learner/wait_s: the loop's busy share (bench/gpu_loop.py)
-        if got is None:
-            return None
-        batch, note = got
+        return None if got is None else self.train_batch(*got)
+
+    def train_batch(self, batch: Batch, note: BatchNote) -> dict:
+        """The step on a batch the source handed out: train, snapshot the new weights, hand them to the
+        publisher with the step's report; returns the step's row."""
+        from ..step import publish_metrics, step_metrics, train_on
+
+        s = self.session
         t0 = time.monotonic()
         train = train_on(self.backend, [g.record for g in batch.groups], s.cfg.algo, s.audit, s.weights_version())
         s.step += 1

@@ -248,16 +248,7 @@ class Worker:
         manifest = self._wait_for("run.json", lambda: read_manifest(self.store, self.s.run), stop)
         if manifest is None:
             return False
-        check_contract(manifest, self.n_samples, self.plane)
-        check_kv_mode(manifest, parse_env(self.env).kv_mode, self.s.backend)
-        check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
-        if self.s.lag_versions > manifest.staleness:
-            raise ValueError(f"--lag-versions {self.s.lag_versions} is beyond run {manifest.run!r}'s staleness bound "
-                             f"({manifest.staleness}): every group would be dropped as stale; give at most "
-                             f"{manifest.staleness}")
-        if not is_task(manifest.task):
-            raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}; this worker samples "
-                                   f"{', '.join(sorted(TASKS))}")
+        self._check_run(manifest)
         self.task = get_task(manifest.task)
         self.search = None
         if "retriever" in self.task.services:  # refused before any weights are fetched (exit 2)
@@ -278,6 +269,33 @@ class Worker:
         self.rec = Reconstructor(self.store, self.s.run, plane=self.plane, n_samples=self.n_samples,
                                  public_key=manifest.trainer_public_key)  # the key checked above, kept
 
+        joined = self._join_first(stop)
+        if joined is None:
+            return False
+        self._swap(*joined)
+        log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d, "
+                 "backend %s%s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
+                 self.plane, manifest.temperature, manifest.max_new_tokens, self._backend_name(),
+                 f", {self.s.batch_groups} groups a batch" if self.s.batch_groups > 1 else "")
+        return True
+
+    def _check_run(self, manifest: RunManifest) -> None:
+        """What this worker can check of run.json before anything is loaded: the contract, the KV mode, the
+        trainer's key, the lag within the staleness bound, a task it knows."""
+        check_contract(manifest, self.n_samples, self.plane)
+        check_kv_mode(manifest, parse_env(self.env).kv_mode, self.s.backend)
+        check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
+        if self.s.lag_versions > manifest.staleness:
+            raise ValueError(f"--lag-versions {self.s.lag_versions} is beyond run {manifest.run!r}'s staleness bound "
+                             f"({manifest.staleness}): every group would be dropped as stale; give at most "
+                             f"{manifest.staleness}")
+        if not is_task(manifest.task):
+            raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}; this worker samples "
+                                   f"{', '.join(sorted(TASKS))}")
+
+    def _join_first(self, stop: threading.Event):
+        """Cold-join at the newest anchor (waiting for the trainer's first weights); (version, state), or None
+        if stopped while waiting. A pointer that does not verify is waited out, and said once."""
         refused: list[str] = []  # why the pointer did not verify, said once
 
         def join():
@@ -295,21 +313,13 @@ class Worker:
                 raise
 
         try:
-            joined = self._wait_for("its first weights", join, stop)
+            return self._wait_for("its first weights", join, stop)
         except TimeoutError:
             if not refused:
                 raise
             raise TimeoutError(f"run {self.s.run!r} had no valid pointer within {self.s.wait_timeout_s:.0f} s: "
                                f"{layout.pointer_key(self.s.run)} does not verify under the trainer's key "
                                f"({refused[0]}); the trainer rewrites it when it starts or publishes") from None
-        if joined is None:
-            return False
-        self._swap(*joined)
-        log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d, "
-                 "backend %s%s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
-                 self.plane, manifest.temperature, manifest.max_new_tokens, self._backend_name(),
-                 f", {self.s.batch_groups} groups a batch" if self.s.batch_groups > 1 else "")
-        return True
 
     def _make_policy(self, model_dir: Path, manifest: RunManifest):
         seed = self._rng.getrandbits(63)

@@ -57,21 +57,13 @@ def sample_group(model, prompt: list[int], n: int, *, temperature: float, top_p:
     """n completions of one prompt from one shared prefill; each token's log-prob from its own forward. With a
     `recorder` (worker/route_recorder.py) the prompt's routes (recorded once) and each sample's come along."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     assert prompt and n > 0 and max_new_tokens > 0
     if recorder is not None:
         recorder.clear()
-    cache = make_prompt_cache(model)
-    ids = mx.array(prompt, dtype=mx.int32)[None]
-    for start in range(0, len(prompt), PREFILL_CHUNK):
-        logits = model(ids[:, start:start + PREFILL_CHUNK], cache=cache)[:, -1, :]
-    mx.eval(logits, [c.state for c in cache])
+    cache, logits = _shared_prefill(model, prompt, n)
     prompt_routes = None if recorder is None else recorder.take()[0]
     routes: list[list] = [[] for _ in range(n)]
-    for c in cache:
-        _expand(c, n)
-    logits = mx.repeat(logits, n, axis=0)
     eos = set(eos_ids)
     toks: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
@@ -107,13 +99,34 @@ def sample_group(model, prompt: list[int], n: int, *, temperature: float, top_p:
                 routes[i].append(step_routes[row, 0])
     out = [Completion(toks[i], lps[i], finish[i]) for i in range(n)]
     if recorder is not None:
-        import numpy as np
-
-        for i, c in enumerate(out):
-            c.prompt_routes = prompt_routes
-            c.routes = (np.stack(routes[i][:len(c.token_ids) - 1]) if len(c.token_ids) > 1
-                        else np.zeros((0, *prompt_routes.shape[1:]), dtype=np.uint8))
+        _attach_routes(out, prompt_routes, routes)
     return out
+
+
+def _shared_prefill(model, prompt: list[int], n: int):
+    """The prompt prefilled once (in chunks), its cache and last logits repeated for n samples."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    ids = mx.array(prompt, dtype=mx.int32)[None]
+    for start in range(0, len(prompt), PREFILL_CHUNK):
+        logits = model(ids[:, start:start + PREFILL_CHUNK], cache=cache)[:, -1, :]
+    mx.eval(logits, [c.state for c in cache])
+    for c in cache:
+        _expand(c, n)
+    return cache, mx.repeat(logits, n, axis=0)
+
+
+def _attach_routes(out: list[Completion], prompt_routes, routes: list[list]) -> None:
+    """Each completion's routes: the shared prompt's, and one row per sampled token that was fed back (the
+    last token is never fed, so it has none)."""
+    import numpy as np
+
+    for i, c in enumerate(out):
+        c.prompt_routes = prompt_routes
+        c.routes = (np.stack(routes[i][:len(c.token_ids) - 1]) if len(c.token_ids) > 1
+                    else np.zeros((0, *prompt_routes.shape[1:]), dtype=np.uint8))
 
 
 class MlxEngine:

@@ -1,4 +1,4 @@
-"""No function over 60 lines outside bench/ and tests/ (STYLE.md rule 8), read with ast; nothing is imported.
+"""No function over 60 lines outside bench/ and tests/, read with ast; nothing is imported.
 
 A function's length runs from its `def` line to its last line, nested functions and classes counted as part
 of it. A long one is split into named helpers, each with one job, not listed here as an exception.

@@ -2,7 +2,7 @@
 follower checking every version bit-exact, coin-task workers, a cold join, checkpoints, a kill and a resume.
 
     python -m bench.lfm2_loop [--seconds 300] [--planes int8g64,bf16] [--out bench/results/lfm2_loop.json]
-    python -m bench.lfm2_loop --tiny --device cpu --seconds 60     # smoke (megatron: DRL_MEGATRON_CPU_SETUP)
+    python -m bench.lfm2_loop --tiny --device cpu --steps 6     # smoke (megatron: DRL_MEGATRON_CPU_SETUP)
 
 More in docs/performance.md (module notes).
 """
@@ -230,7 +230,7 @@ def patch_figures(rows: list[dict]) -> dict:
 
 
 def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: None) -> dict:
-    """One run on `plane`: the window of --seconds, a cold join, and with `kill` the kill-and-resume.
+    """One run on `plane`: the window of --seconds (or --steps), a cold join, and with `kill` the kill-and-resume.
     `record(out)` is called with the figures so far before each long wait (a device call may end in one)."""
     from embedded.localprocs import Processes, start_learner
     from embedded.run import EmbeddedPaths, publish_contract
@@ -254,8 +254,8 @@ def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: Non
         out["first_worker_join_s"] = _joined_at(paths.run_dir / "worker-1.log", t_start, args.join_timeout_s)
         follower.start()
         t0, t0_at = time.monotonic(), time.time()
-        while time.monotonic() - t0 < args.seconds and learner.alive():
-            time.sleep(2)
+        while _window_open(args, t0, learner, paths.metrics):
+            time.sleep(1)
         wall, t1_at = time.monotonic() - t0, time.time()
         rows = [r for r in read_rows(paths.metrics) if "train/grad_norm" in r]
         out.update(summary_throughput(rows, wall, args.workers, out["first_worker_join_s"], {}, _lags(follower),
@@ -280,6 +280,13 @@ def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: Non
     return out
 
 
+def _window_open(args, t0: float, learner, metrics: Path) -> bool:
+    """The window lasts --seconds while the learner runs, and ends sooner at its --steps-th step where given."""
+    if time.monotonic() - t0 >= args.seconds or not learner.alive():
+        return False
+    return args.steps is None or sum("train/grad_norm" in r for r in read_rows(metrics)) < args.steps
+
+
 def _lags(follower: Follower):
     """The follower's figures as bench.gpu_loop's summary reads them."""
     from types import SimpleNamespace
@@ -301,6 +308,8 @@ def _median(xs):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lfm2_loop", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=number(float, above=0), default=300.0, help="each plane's window, from the first worker's join")
+    ap.add_argument("--steps", type=number(int, at_least=1), default=None,
+                    help="end each plane's window at the learner's Nth step, if that comes before --seconds")
     ap.add_argument("--planes", default="int8g64,bf16", help="one run each; the first also kills and resumes the learner")
     ap.add_argument("--layers", type=number(int, at_least=1), default=24)
     ap.add_argument("--tiny", action="store_true", help="bench.lfm2_step's tiny shape (a smoke run on the CPU)")

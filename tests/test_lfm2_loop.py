@@ -16,8 +16,11 @@ def test_lfm2_loop_bench_runs_tiny_on_cpu(tmp_path, monkeypatch):
 
     monkeypatch.setenv("DRL_MEGATRON_CPU_SETUP", "tests.megatron_cpu:setup_rank")
     out = tmp_path / "lfm2_loop.json"
-    rc = lfm2_loop.main(["--tiny", "--device", "cpu", "--seconds", "45", "--workers", "1", "--worker-device", "cpu",
-                         "--planes", "int8g64,bf16", "--root", str(tmp_path / "root"), "--out", str(out)])
+    # each window ends at the learner's 8th step (checkpoints, an anchor and patches past the base), not after a
+    # fixed 45 s of the learner, the worker and the follower running (about 30 steps on an idle core)
+    rc = lfm2_loop.main(["--tiny", "--device", "cpu", "--steps", "8", "--seconds", "300", "--workers", "1",
+                         "--worker-device", "cpu", "--planes", "int8g64,bf16", "--root", str(tmp_path / "root"),
+                         "--out", str(out)])
     result = json.loads(out.read_text())
     assert rc == 0, json.dumps({p: result[p].get("error") or result[p].get("learner_log_tail", "")[-1500:]
                                 for p in ("int8g64", "bf16")}, indent=1)

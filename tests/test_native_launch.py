@@ -174,6 +174,9 @@ def test_native_loop_on_cpu(tmp_path, monkeypatch, tiny_base):
             assert time.monotonic() < deadline, boxops.tail(paths.log_file, 30)
             assert boxops.alive_pid(paths.pid_file) is not None, boxops.tail(paths.log_file, 30)
             time.sleep(1)
+        # the learner has trained on the worker's groups: the worker would only go on sampling (a core) through
+        # the second launch and the stop, which need no more steps (stop checkpoints the step it has)
+        procs.stop(timeout_s=20)
         st = boxops.status(str(REPO_ROOT), run)
         assert st["alive"] is True
         again = []  # the same launch while the learner runs: every step finds its work done

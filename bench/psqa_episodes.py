@@ -29,8 +29,10 @@ def _fresh(tp, mp, prompt, response):
     return t, np.array(mx.take_along_axis(lp, mx.array(response)[:, None], axis=-1)[:, 0])
 
 
-def run(arch: str, groups: int, n: int, budget: int) -> dict:
-    import numpy as np
+def search_setup(prefix: str, arch: str):
+    """The tiny search model of the tests saved in a fresh temporary folder, its weights on the bf16 plane, and
+    a search tool over the real BM25 retriever serving a generated corpus on 127.0.0.1: (model dir, bf16 state,
+    search, server; the caller shuts the server down)."""
     from transformers import AutoModelForCausalLM
 
     from infra.retriever.corpus import synthetic_corpus
@@ -38,20 +40,27 @@ def run(arch: str, groups: int, n: int, budget: int) -> dict:
     from infra.retriever.server import make_server
     from tests.episode_fixtures import save_search_model
     from worker_contract.planes import get_plane
-    from worker_contract.tasks import get_task
-    from worker_contract.tasks.psqa import PsqaProblem
     from worker_contract.tasks.psqa_retrieval import RetrieverClient, search_tool
-    from worker_contract.worker.mlx_model import MlxPolicy
-    from worker_contract.worker.model import PolicyModel
 
-    tmp = Path(tempfile.mkdtemp(prefix="psqa-bench-"))
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
     d = save_search_model(tmp / arch, arch)
     BM25Index.build(synthetic_corpus(500, seed=1), source="generated").save(tmp / "idx")
     srv = make_server(BM25Index.load(tmp / "idx"), "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    search = search_tool(RetrieverClient(srv.url), k=3, strict=True)
     hf = AutoModelForCausalLM.from_pretrained(d)
     state = get_plane("bf16").from_hf({k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})
+    return d, state, search_tool(RetrieverClient(srv.url), k=3, strict=True), srv
+
+
+def run(arch: str, groups: int, n: int, budget: int) -> dict:
+    import numpy as np
+
+    from worker_contract.tasks import get_task
+    from worker_contract.tasks.psqa import PsqaProblem
+    from worker_contract.worker.mlx_model import MlxPolicy
+    from worker_contract.worker.model import PolicyModel
+
+    d, state, search, srv = search_setup("psqa-bench-", arch)
     tp = PolicyModel(d, threads=1, seed=1, device="cpu")
     tp.load_plane("bf16", state)
     mp = MlxPolicy(d, plane="bf16", seed=1, dtype="float32")

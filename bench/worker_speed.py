@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -49,25 +48,12 @@ def _count_forwards(policy):
 
 
 def decode(groups: int, n: int, budget: int, device: str = "cpu") -> dict:
-    from infra.retriever.corpus import synthetic_corpus
-    from infra.retriever.index import BM25Index
-    from infra.retriever.server import make_server
-    from tests.episode_fixtures import save_search_model
-    from worker_contract.planes import get_plane
-    from worker_contract.tasks.psqa_retrieval import RetrieverClient, search_tool
     from worker_contract.worker.mlx_model import MlxPolicy
     from worker_contract.worker.model import PolicyModel
 
-    tmp = Path(tempfile.mkdtemp(prefix="worker-speed-"))
-    d = save_search_model(tmp / "m", "lfm2_moe")
-    BM25Index.build(synthetic_corpus(500, seed=1), source="generated").save(tmp / "idx")
-    srv = make_server(BM25Index.load(tmp / "idx"), "127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    search = search_tool(RetrieverClient(srv.url), k=3, strict=True)
-    from transformers import AutoModelForCausalLM
+    from .psqa_episodes import search_setup
 
-    hf = AutoModelForCausalLM.from_pretrained(d)
-    state = get_plane("bf16").from_hf({k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})
+    d, state, search, srv = search_setup("worker-speed-", "lfm2_moe")
     tp = PolicyModel(d, threads=1, seed=1, device=device)
     mp = MlxPolicy(d, plane="bf16", seed=1, dtype="float32")
     prompts = [tp.chat.encode(q) for q in ("Question: the dmd gene is", "Question: a protein kinase in the cell",

@@ -5,6 +5,7 @@ that vocabulary saved as an HF directory with its config and tokenizer. Seconds 
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -62,3 +63,20 @@ def save_search_model(out: Path, arch: str, seed: int = 0, words: list[str] = WO
     cfg = json.loads((out / "config.json").read_text())
     assert cfg.get("eos_token_id") == 0, cfg.get("eos_token_id")
     return out
+
+
+def reseed(policy, seed: int) -> None:
+    """Restart a worker policy's random stream: the torch worker's generator, or the MLX worker's key."""
+    if hasattr(policy, "generator"):
+        policy.generator.manual_seed(seed)
+    else:
+        import mlx.core as mx
+
+        policy.key = mx.random.key(seed)
+
+
+def varied_search():
+    """A search tool whose every answer differs, so no two samples' tool turns hold the same tokens (one
+    sample's tool turn cannot pass for another's)."""
+    words = itertools.cycle(["dmd gene", "protein kinase", "the cell", "a gene of the cell", "kinase in a cell"])
+    return lambda query: f"Doc 1 {next(words)} is {next(words)}"

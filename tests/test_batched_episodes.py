@@ -6,12 +6,10 @@ equal to a cache-free recomputation of that sample's own context, with each sear
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
-from tests.episode_fixtures import save_search_model
+from tests.episode_fixtures import reseed, save_search_model, varied_search
 from tests.test_psqa_episodes import _load_both, _mlx_fresh, _torch_fresh
 
 mx = pytest.importorskip("mlx.core", reason="the MLX worker needs mlx (mlx[cpu] on Linux)")
@@ -27,23 +25,10 @@ def policies(request, tmp_path_factory):
     return _load_both(save_search_model(tmp_path_factory.mktemp(request.param), request.param, seed=3))
 
 
-def _reseed(policy, seed: int) -> None:
-    if hasattr(policy, "generator"):
-        policy.generator.manual_seed(seed)
-    else:
-        policy.key = mx.random.key(seed)
-
-
-def _docs():
-    """A search tool whose every answer differs (so one sample's tool turn cannot pass for another's)."""
-    words = itertools.cycle(["dmd gene", "protein kinase", "the cell", "a gene of the cell", "kinase in a cell"])
-    return lambda query: f"Doc 1 {next(words)} is {next(words)}"
-
-
 def _groups(policy, prompts, *, batched, seed, temp, top_p):
-    _reseed(policy, seed)
+    reseed(policy, seed)
     return policy.sample_episode_groups(prompts, N, temperature=temp, top_p=top_p, max_new_tokens=BUDGET,
-                                        search=_docs(), batched=batched)
+                                        search=varied_search(), batched=batched)
 
 
 @pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.7, 0.9)])

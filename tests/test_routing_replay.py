@@ -7,13 +7,11 @@ a gradient; hf and megatron replay alike."""
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 
-from tests.episode_fixtures import save_search_model
+from tests.episode_fixtures import reseed, save_search_model, varied_search
 from worker_contract.planes import get_plane
 from worker_contract.routes import (
     RouteShape,
@@ -134,19 +132,6 @@ def test_episode_routes_are_the_forwards_tool_turns_included(policies, moe_dir, 
     assert searched, "no episode with a tool turn: the tool tokens' routes went unchecked"
 
 
-def _reseed(policy, seed: int) -> None:
-    if hasattr(policy, "generator"):
-        policy.generator.manual_seed(seed)
-    else:
-        policy.key = mx.random.key(seed)
-
-
-def _varied_search():
-    """A search tool whose every answer differs, so no two samples' tool turns hold the same tokens."""
-    words = itertools.cycle(["dmd gene", "protein kinase", "the cell", "a gene of the cell", "kinase in a cell"])
-    return lambda query: f"Doc 1 {next(words)} is {next(words)}"
-
-
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
 def test_batched_groups_record_each_samples_own_routes(policies, moe_dir, backend):
     """Two groups of different prompt lengths decode in one batch (torch: rows left-padded), samples leave the
@@ -162,9 +147,9 @@ def test_batched_groups_record_each_samples_own_routes(policies, moe_dir, backen
     for seed in range(6):
         runs = {}
         for batched in (True, False):
-            _reseed(policy, seed)
+            reseed(policy, seed)
             runs[batched], _ = policy.sample_episode_groups(prompts, N, temperature=1.0, top_p=1.0,
-                                                                max_new_tokens=48, search=_varied_search(),
+                                                                max_new_tokens=48, search=varied_search(),
                                                                 batched=batched)
         for prompt, group, alone in zip(prompts, runs[True], runs[False], strict=True):
             checked += assert_recorded_as_forward(policy, prompt, group, shape, least=1)

@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="the learner's and the torch worker's device (cpu, cuda)")
     p.add_argument("--out", default=None, help="result file (default bench/results/routing_replay.json)")
     args = p.parse_args(argv)
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there; give an LFM2-MoE HF directory")
     from .common import provenance
 
     tree = provenance()  # the code that runs: the checkout may move on during a long run

@@ -315,3 +315,14 @@ def test_bench_runs_tiny_on_cpu(tmp_path):
             assert case[way]["tokens"] > 0 and 0 <= case[way]["gate_dropped"] <= 1
         assert case["record_bytes"]["ratio"] > 1 and len(case["route_flips"]["per_layer"]) == 3
     assert result["step_time"]["with_replay_s"] > 0 and result["command"].startswith("python -m bench.routing_replay")
+
+
+def test_bench_refuses_a_model_directory_without_a_config(tmp_path, capsys):
+    """--model is checked before any data or base is built: one sentence, exit 2."""
+    from bench import routing_replay
+
+    with pytest.raises(SystemExit) as e:
+        routing_replay.main(["--model", str(tmp_path / "nowhere"), "--cache", str(tmp_path / "cache")])
+    assert e.value.code == 2
+    assert f"--model {tmp_path / 'nowhere'}: no config.json there" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()

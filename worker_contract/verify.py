@@ -4,7 +4,8 @@ For each version up to the pointer: its patch (signature, base and result digest
 version's state) and its anchor (signature, shard and tensor digests), and that both agree where a version
 has both. A version with no complete objects is an interrupted attempt that the pointer skipped, or, below
 the oldest anchor left, collected (`invoke gc` deletes what no joiner can need; a run's first anchor is v1);
-it is reported, and only a failure if something needed it. Finally the pointer's signature and digest.
+it is reported, and only a failure if something needed it. Finally the pointer's signature and digest;
+a missing pointer is a failure once versions past v1 exist (it was deleted).
 """
 
 from __future__ import annotations

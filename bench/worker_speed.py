@@ -47,20 +47,24 @@ def _count_forwards(policy):
     return box
 
 
-def decode(groups: int, n: int, budget: int, device: str = "cpu") -> dict:
-    from worker_contract.worker.mlx_model import MlxPolicy
+def decode(groups: int, n: int, budget: int, device: str = "cpu", workers: tuple[str, ...] = ("torch", "mlx")) -> dict:
     from worker_contract.worker.model import PolicyModel
 
     from .psqa_episodes import search_setup
 
     d, state, search, srv = search_setup("worker-speed-", "lfm2_moe")
     tp = PolicyModel(d, threads=1, seed=1, device=device)
-    mp = MlxPolicy(d, plane="bf16", seed=1, dtype="float32")
+    policies = [("torch", tp)]
+    if "mlx" in workers:  # a CUDA box has no mlx: --workers torch leaves it out
+        from worker_contract.worker.mlx_model import MlxPolicy
+
+        policies.append(("mlx", MlxPolicy(d, plane="bf16", seed=1, dtype="float32")))
+    policies = [(k, pol) for k, pol in policies if k in workers]
     prompts = [tp.chat.encode(q) for q in ("Question: the dmd gene is", "Question: a protein kinase in the cell",
                                            "Question: the cell of a gene", "Question: is the kinase a protein")]
     prompts = [prompts[i % len(prompts)] for i in range(groups)]
     out: dict = {}
-    for name, pol in (("torch", tp), ("mlx", mp)):
+    for name, pol in policies:
         pol.load_plane("bf16", state)
         fwd = _count_forwards(pol)
         res = {}
@@ -84,7 +88,7 @@ def decode(groups: int, n: int, budget: int, device: str = "cpu") -> dict:
             from mlx_lm.tokenizer_utils import TokenizerWrapper
 
             f0, t0 = fwd[0], time.perf_counter()
-            r = batch_generate(mp.model, TokenizerWrapper(mp.tokenizer, eos_token_ids=set(mp.eos_ids)), [p for p in prompts for _ in range(n)], max_tokens=budget,
+            r = batch_generate(pol.model, TokenizerWrapper(pol.tokenizer, eos_token_ids=set(pol.eos_ids)), [p for p in prompts for _ in range(n)], max_tokens=budget,
                                return_token_ids=True)
             secs = time.perf_counter() - t0
             toks = sum(len(t) for t in r.token_ids) if getattr(r, "token_ids", None) else None
@@ -298,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode: max new tokens (sampled and tool)")
     p.add_argument("--worker", choices=["mlx", "torch"], default="mlx", help="swap: which worker")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="decode: the torch worker's device")
+    p.add_argument("--workers", nargs="+", choices=["torch", "mlx"], default=["torch", "mlx"],
+                   help="decode: which workers to measure (a CUDA box: torch)")
     p.add_argument("--experts-built", type=number(int, at_least=1, at_most=EXPERTS), default=4,
                    help=f"swap/memory: experts built per MoE layer (of the {EXPERTS})")
     p.add_argument("--tiny", action="store_true", help="swap/memory: hidden 128, vocab 256, 4 experts (a CI run)")
@@ -311,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.tiny:
         HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, VOCAB_BUILT = 128, 256, 4, 64, 256, 256
     if a.part == "decode":
-        result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget, "device": a.device}, **decode(a.groups, a.n, a.budget, a.device)}
+        result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget, "device": a.device,
+                                "workers": a.workers}, **decode(a.groups, a.n, a.budget, a.device, tuple(a.workers))}
     elif a.part == "memory":
         result = {"settings": {"n": a.n, "max_new_tokens": a.budget}, **memory(a.n, a.budget)}
     else:

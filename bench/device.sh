@@ -21,7 +21,7 @@ WHEELS=(megatron-core==0.19.2 blake3==1.0.11 cryptography==50.0.2 cffi==2.1.1 py
         pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
         zstandard==0.25.0 bcrypt==5.0.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
         referencing==0.37.0 rpds-py==2026.9.1 rfc3339-validator==0.1.4 jsonpointer==3.12 attrs==26.1.0
-        ml_dtypes==0.6.0 msgpack==1.2.4 psutil==7.2.2 PyYAML==6.0.4)
+        ml_dtypes==0.6.0 msgpack==1.2.4 psutil==7.2.2 PyYAML==6.0.4 bm25s==0.3.16)
 RAY=ray==2.60.0
 # ray's parts the learner never imports (the libraries on top of core ray; below, the dashboard's source maps and
 # flame-graph viewer: the carry is 64 MiB with the tree)

@@ -239,3 +239,17 @@ def test_torch_encoder_every_dtype(dtype):
     patch = encode_patch_torch(o, n)
     assert patch == encode_patch({"t": old}, {"t": new})
     _assert_state_equal(apply_patch({"t": old}, patch), {"t": new})
+
+
+def test_sorted_positions_equals_unique_on_both_paths():
+    """The changed positions a worker rewrites: sorted and distinct whether they are few (sorted) or many
+    (marked on the tensor), and the union of several lists is the union."""
+    from worker_contract.tensors import sorted_positions
+
+    rng = np.random.default_rng(3)
+    for size, n in ((1 << 20, 50), (4096, 3000)):  # few changes in a large tensor; many in a small one
+        a, b = rng.integers(0, size, n), rng.integers(0, size, n // 2)
+        got = sorted_positions(a, b, size=size)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, np.unique(np.concatenate([a, b])))
+        np.testing.assert_array_equal(sorted_positions(a, size=size), np.unique(a))

@@ -20,6 +20,7 @@ from .planes import get_plane
 from .pointer import PointerError, read_pointer
 from .pulse import PatchError, apply_patch, read_header, verify_patch_signature
 from .store import NotFound, Store
+from .tensors import sorted_positions
 
 #: progress(stage, done, total): stage is "anchor" (bytes) or "patches" (count)
 JoinProgress = Callable[[str, int, int], None]
@@ -167,7 +168,7 @@ class Reconstructor:
                 state = apply_patch(state, patch, verified_base_digest=digest, changes_out=step)
                 if changes is not None:
                     for name, idx in step.items():
-                        changes[name] = np.union1d(changes[name], idx) if name in changes else idx
+                        changes[name] = sorted_positions(changes[name], idx, size=state[name].size) if name in changes else idx
             except PatchError as e:
                 raise SyncError(f"v{v}: {e}") from None
             version, digest = v, header.result_digest

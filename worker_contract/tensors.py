@@ -143,6 +143,20 @@ def state_from_numpy(state: Mapping[str, np.ndarray], as_torch: bool) -> dict[st
 DIGEST_ALG = "blake3"
 
 
+def sorted_positions(*idx: np.ndarray, size: int) -> np.ndarray:
+    """The sorted distinct flat positions (int64) among `idx`, all below `size`. np.unique hashes or sorts, a
+    cost that grows with the changes (seconds for a patch of tens of millions of words); marking a boolean
+    array of the tensor's size and reading it back costs one pass over the tensor, whatever the changes."""
+    parts = [np.asarray(i, dtype=np.int64).reshape(-1) for i in idx]
+    n = sum(p.size for p in parts)
+    if n * 64 < size:  # a few changes in a large tensor: sorting them is cheaper than the pass
+        return np.unique(np.concatenate(parts)) if len(parts) != 1 else np.unique(parts[0])
+    mark = np.zeros(size, dtype=bool)
+    for part in parts:
+        mark[part] = True
+    return np.flatnonzero(mark)
+
+
 def blake3_hex(data) -> str:
     """BLAKE3 (256-bit, hex) of a bytes-like object: collision-resistant like sha256 (the signed digest chain
     relies on that) and about 4x faster on one core here (AVX-512), so hashing a state costs ~0.13 s per GB."""

@@ -24,6 +24,7 @@ from ..tensors import (
     digest_of_entries,
     dtype_name,
     np_dtype,
+    sorted_positions,
     state_from_numpy,
     state_to_numpy,
     tensor_digest,
@@ -208,7 +209,7 @@ def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: s
             raise PatchError(f"tensor {t.name}: {e}") from None
         arr = w.view(np_dtype(t.dtype)).reshape(t.shape)
         if changes_out is not None and pos:
-            changes_out[t.name] = np.unique(pos[0] * t.unit // arr.dtype.itemsize)
+            changes_out[t.name] = sorted_positions(pos[0] * t.unit // arr.dtype.itemsize, size=arr.size)
         result[t.name] = arr
         rows.append({"name": t.name, "dtype": t.dtype, "shape": t.shape, "digest": tensor_digest(arr)})
     if digest_of_entries(rows) != header.result_digest:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..tensors import to_torch
+from ..tensors import sorted_positions, to_torch
 from .chat import ChatPolicy
 from .sampling import Completion, sample
 
@@ -70,7 +70,8 @@ class PolicyModel(ChatPolicy):
             mod, _, leaf = name.rpartition(".")
             if mod in mods:  # codes: 16 uint32 words (64 codes) a group; scales and biases: one a group
                 g = idx // (int8g64.GROUP_SIZE // 4) if leaf == "weight" else idx
-                groups[mod] = np.union1d(groups[mod], g) if mod in groups else g
+                groups[mod] = sorted_positions(*([groups[mod]] if mod in groups else []), g,
+                                               size=np.asarray(state[f"{mod}.scales"]).size)
                 continue
             if name not in params:
                 continue  # a tied lm_head, RoPE's inv_freq: as `load` skips them

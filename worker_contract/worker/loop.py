@@ -128,6 +128,8 @@ class WorkerStats:
     """psqa: model forward passes (prefills, tool-turn extensions, batched decoding steps)."""
     search_s: float = 0.0
     """psqa: seconds spent waiting for the retriever (inside `sampling_s`), failed calls included."""
+    follow_s: float = 0.0
+    """Seconds spent following the pointer: reading, checking and applying patches, then the version load."""
 
 
 def declared_contract(env: Mapping[str, str]) -> tuple[int, str]:
@@ -403,6 +405,7 @@ class Worker:
     def sync(self) -> int:
         """Follow the pointer (`lag_versions` behind it); returns the version now held. A forged or damaged
         object or a flaky store leaves the worker on the version it holds."""
+        t0 = time.monotonic()
         try:
             update = self.rec.follow(self.s.lag_versions)
         except (SyncError, StoreError) as e:
@@ -410,6 +413,7 @@ class Worker:
             update = None
         if update is not None:
             self._swap(*update, changes=self.rec.changes)
+        self.stats.follow_s += time.monotonic() - t0
         return self.version
 
     def _batch_size(self) -> int:
@@ -526,6 +530,7 @@ class Worker:
                  f"{st.forwards / max(st.tokens, 1):.2f} forwards a sampled token, prefill {st.prefill_extend} "
                  f"tokens (re-prefill would be {st.prefill_reprefill}), dropped {st.dropped or 0}"
                  if self.search is not None else "")
-        log.info("worker %s: v%d, %d groups, mean reward %.3f over the last %d samples, %.1f tokens/s%s; last %s",
-                 self.s.worker_id, self.version, st.groups, sum(recent) / max(1, len(recent)),
-                 len(recent), st.tokens / max(st.sampling_s, 1e-9), extra, key)
+        log.info("worker %s: v%d, %d groups, mean reward %.3f over the last %d samples, %.1f tokens/s, %.1f s "
+                 "sampling and %.1f s following versions so far%s; last %s", self.s.worker_id, self.version, st.groups,
+                 sum(recent) / max(1, len(recent)), len(recent), st.tokens / max(st.sampling_s, 1e-9), st.sampling_s,
+                 st.follow_s, extra, key)

@@ -47,7 +47,13 @@ pack() {
   local tmp; tmp=$(mktemp -d)
   "${pip[@]}" -d "$tmp" "$RAY"
   mkdir "$tmp/unpacked"
-  python3 -m zipfile -e "$tmp"/ray-*.whl "$tmp/unpacked"
+  # `python -m zipfile -e` drops the modes: ray's gcs_server and raylet would not be executable there
+  python3 -c 'import os, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for i in z.infolist():
+    z.extract(i, sys.argv[2])
+    if i.external_attr >> 16:
+        os.chmod(os.path.join(sys.argv[2], i.filename), (i.external_attr >> 16) & 0o777)' "$tmp"/ray-*.whl "$tmp/unpacked"
   (cd "$tmp/unpacked" && rm -rf "${RAY_DROP[@]}" && find ray/dashboard -name '*.map' -delete && rm -rf ray/dashboard/client/build/speedscope-* && tar -cf - .) | xz -9e > .whl/ray-trimmed.tar.xz
   rm -rf "$tmp"
   du -sh .whl .carry

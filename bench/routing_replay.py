@@ -113,7 +113,7 @@ def route_flips(learner_model, records, shape) -> dict:
         for s, resp in zip(rec.samples, samples, strict=True):
             ids = list(rec.prompt_ids) + list(s.response_ids)
             with torch.no_grad():
-                learner_model(input_ids=torch.tensor([ids]))
+                learner_model(input_ids=torch.tensor([ids], device=learner_model.device))
             mine = rec_hook.take()[0]
             got = np.concatenate([prompt, resp])
             d = (mine[:len(got)] != got).any(axis=-1)  # [tokens, layers]
@@ -130,7 +130,7 @@ def mismatch(backend, records, shape, replay: bool, gate) -> dict:
     from trainer.step import collate
 
     tb = collate(records, routes=shape if replay else None)
-    lp = backend.logprobs(tb)
+    lp = backend.logprobs(tb).float().cpu()  # the batch stays on the host; the learner may run on a GPU
     mask = tb.loss_mask.bool()
     d = (lp - tb.behavior_logp)[mask].double()
     keep = dppo_keep_mask(lp, tb.behavior_logp, tb.advantages[:, None], gate.delta_low, gate.delta_high,

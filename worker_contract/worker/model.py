@@ -27,6 +27,12 @@ class PolicyModel(ChatPolicy):
             torch.set_num_threads(threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        if self.device.type == "cuda":
+            # cuDNN's attention builds a graph for each new key length, and decoding makes a new one every
+            # token: on an H100 each attention call blocked the host about 30 ms (half of the torch worker's
+            # sampling time, bench/results/worker_speed_decode_cuda_h100_*). Flash and memory-efficient
+            # attention serve the same shapes without a per-shape build.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         super().__init__(model_dir)
         config = AutoConfig.from_pretrained(str(model_dir))
         self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).to(self.device).eval()

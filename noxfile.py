@@ -6,10 +6,12 @@ learner stack (torch, ray, megatron-core) is about 2 GB and CI has 20 minutes. S
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import nox
 
@@ -76,10 +78,18 @@ def soak(session: nox.Session) -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
     clean = "" if status.returncode else ("1" if not status.stdout.strip() else "0")
+    started, t0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.monotonic()
     session.run(PY, "-m", "pytest", "-m", "soak", *args,
                 env={"DRL_SOAK_TRIALS": trials, "DRL_SOAK_RESULTS": os.path.abspath(partial),
                      "DRL_SOAK_COMMIT": commit, "DRL_SOAK_CLEAN": clean,
                      "DRL_SOAK_COMMAND": " ".join(["nox", "-s", "soak", "--", trials, *args])})
+    # the whole session's start and wall time (each test's record() knows only its own end)
+    with open(partial) as f:
+        doc = json.load(f)
+    doc["started_at"] = started
+    doc["session"] = {"wall_s": round(time.monotonic() - t0, 1), "trials": int(trials), "command": doc.get("command")}
+    with open(partial, "w") as f:
+        f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     os.replace(partial, out)
     session.log(f"soak figures written to {out}")
 

@@ -251,27 +251,15 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
 
 
 def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=None) -> int:
-    from infra.ops.plots import plot_run
+    """The run under its lock: the refusals, the model and run.json, the children followed to their end, then
+    the last evaluation and the summary; returns the exit status."""
     from trainer.models import IdentityMismatch
     from worker_contract.manifest import ContractMismatch, RunExists
-    from worker_contract.tasks import get_task
 
-    from .heldout import HeldoutEvaluator
-    from .view import MetricsTail, RunState, panel, status_line, summary
+    from .view import panel, status_line
 
-    done = _steps_done(paths, lambda line: console.print(line, style="yellow", markup=False, highlight=False))
-    if done >= cfg.train.num_steps:
-        console.print(f"run {cfg.run!r} already took {done} steps (embedded.max_steps={cfg.train.num_steps}): "
-                      f"nothing to do. Its metrics: {paths.metrics}; choose a new RUN to start fresh")
-        return 0
-    try:  # a recipe that cannot resume this run is refused before a base is built or a retriever started
-        from trainer.run_init import check_recipe_against_run
-        from worker_contract.store import open_store
-
-        check_recipe_against_run(cfg, open_store(cfg.store), same_task=("arithmetic",) if cfg.task == "gsm8k" else ())
-    except ContractMismatch as e:
-        console.print(f"[red]{e}[/]\nchoose a new RUN id to start fresh", markup=True, highlight=False)
-        return 2
+    if (refused := _refusal(cfg, paths, console)) is not None:
+        return refused
     if services is not None:
         services.start(console)
         cfg, model_dir = services.prepare_model(cfg, console)
@@ -285,27 +273,10 @@ def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=Non
     procs = Processes(record=paths.run_dir)
     interrupts = _Interrupts(procs)
     old = {s: signal.signal(s, interrupts) for s in (signal.SIGINT, signal.SIGTERM)}
-    if services is not None:
-        evaluator = services.evaluator(cfg, store, model_dir)
-    else:
-        evaluator = HeldoutEvaluator(store, cfg.run, cfg.contract.plane, model_dir, get_task(cfg.task),
-                                     problems=cfg.embedded.eval_problems, max_new_tokens=cfg.algo.max_new_tokens,
-                                     temperature=cfg.embedded.eval_temperature, metrics_path=paths.metrics)
-    state = RunState(run=cfg.run, max_steps=cfg.train.num_steps, budget_s=cfg.embedded.time_budget_s,
-                     heldout_label=get_task(cfg.task).heldout_label, recipe=cfg.name)
-    for row in MetricsTail(paths.metrics).read():  # earlier sessions of this run
-        state.update(row)
-    state.session_first_step = None
-    tail = MetricsTail(paths.metrics)
-    tail.offset = paths.metrics.stat().st_size if paths.metrics.exists() else 0
+    evaluator = _evaluator(cfg, paths, store, model_dir, services)
+    state, tail = _run_state(cfg, paths)
     try:
-        if services is not None:
-            learner = start_learner(procs, cfg, paths, model_dir, services.env())
-            workers = start_workers(procs, cfg, paths, model_dir, key_fingerprint, services.worker_flags(),
-                                    services.env())
-        else:
-            learner = start_learner(procs, cfg, paths, model_dir)
-            workers = start_workers(procs, cfg, paths, model_dir, key_fingerprint)
+        learner, workers = _start_children(procs, cfg, paths, model_dir, key_fingerprint, services)
         evaluator.start()
         reason, rc = _watch(cfg, state, tail, evaluator, learner, workers, procs, interrupts, console,
                             panel, status_line)
@@ -315,18 +286,95 @@ def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=Non
             signal.signal(s, h)
         evaluator.close()
     if rc == 0:  # after Ctrl-C or a failure, report what was measured and leave
-        try:
-            evaluator.evaluate_newest()
-        except Exception as e:  # advisory: the run itself is complete
-            console.print(f"[yellow]final held-out evaluation failed: {type(e).__name__}: {e}[/]")
-        for row in tail.read():
-            state.update(row)
+        _last_evaluation(evaluator, tail, state, console)
+    _summarize(cfg, paths, store, manifest, state, reason, services, console)
+    return rc
+
+
+def _refusal(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console) -> int | None:
+    """The exit status when there is nothing to run (0: the run took its steps) or the recipe cannot resume
+    this run (2), found before a base is built or a retriever started; None to go on."""
+    from worker_contract.manifest import ContractMismatch
+
+    done = _steps_done(paths, lambda line: console.print(line, style="yellow", markup=False, highlight=False))
+    if done >= cfg.train.num_steps:
+        console.print(f"run {cfg.run!r} already took {done} steps (embedded.max_steps={cfg.train.num_steps}): "
+                      f"nothing to do. Its metrics: {paths.metrics}; choose a new RUN to start fresh")
+        return 0
+    try:
+        from trainer.run_init import check_recipe_against_run
+        from worker_contract.store import open_store
+
+        check_recipe_against_run(cfg, open_store(cfg.store), same_task=("arithmetic",) if cfg.task == "gsm8k" else ())
+    except ContractMismatch as e:
+        console.print(f"[red]{e}[/]\nchoose a new RUN id to start fresh", markup=True, highlight=False)
+        return 2
+    return None
+
+
+def _evaluator(cfg: EmbeddedRecipe, paths: EmbeddedPaths, store, model_dir: Path, services):
+    """The held-out evaluation of each published version, in this process: the services' own, or the task's."""
+    if services is not None:
+        return services.evaluator(cfg, store, model_dir)
+    from worker_contract.tasks import get_task
+
+    from .heldout import HeldoutEvaluator
+
+    return HeldoutEvaluator(store, cfg.run, cfg.contract.plane, model_dir, get_task(cfg.task),
+                            problems=cfg.embedded.eval_problems, max_new_tokens=cfg.algo.max_new_tokens,
+                            temperature=cfg.embedded.eval_temperature, metrics_path=paths.metrics)
+
+
+def _run_state(cfg: EmbeddedRecipe, paths: EmbeddedPaths):
+    """The panel's state, caught up on the rows of this run's earlier sessions, and a tail of metrics.jsonl
+    that starts after them."""
+    from worker_contract.tasks import get_task
+
+    from .view import MetricsTail, RunState
+
+    state = RunState(run=cfg.run, max_steps=cfg.train.num_steps, budget_s=cfg.embedded.time_budget_s,
+                     heldout_label=get_task(cfg.task).heldout_label, recipe=cfg.name)
+    for row in MetricsTail(paths.metrics).read():
+        state.update(row)
+    state.session_first_step = None
+    tail = MetricsTail(paths.metrics)
+    tail.offset = paths.metrics.stat().st_size if paths.metrics.exists() else 0
+    return state, tail
+
+
+def _start_children(procs: Processes, cfg: EmbeddedRecipe, paths: EmbeddedPaths, model_dir: Path,
+                    key_fingerprint: str, services) -> tuple[Child, list[Child]]:
+    """The learner and the workers as child processes, with the services' environment and worker flags."""
+    if services is None:
+        return (start_learner(procs, cfg, paths, model_dir),
+                start_workers(procs, cfg, paths, model_dir, key_fingerprint))
+    learner = start_learner(procs, cfg, paths, model_dir, services.env())
+    workers = start_workers(procs, cfg, paths, model_dir, key_fingerprint, services.worker_flags(), services.env())
+    return learner, workers
+
+
+def _last_evaluation(evaluator, tail, state, console) -> None:
+    """The newest version's held-out evaluation and the learner's last rows, after a run that ended well."""
+    try:
+        evaluator.evaluate_newest()
+    except Exception as e:  # advisory: the run itself is complete
+        console.print(f"[yellow]final held-out evaluation failed: {type(e).__name__}: {e}[/]")
+    for row in tail.read():
+        state.update(row)
+
+
+def _summarize(cfg: EmbeddedRecipe, paths: EmbeddedPaths, store, manifest, state, reason: str, services,
+               console) -> None:
+    """The plots and the summary, which names the version the signed pointer holds."""
+    from infra.ops.plots import plot_run
+
+    from .view import summary
+
     plots = plot_run(paths.metrics, paths.run_dir / "plots")
     if services is not None and (paths.run_dir / "plots" / "psqa_eval.png").exists():
         plots.append(paths.run_dir / "plots" / "psqa_eval.png")
     state.version = _pointer_version(store, cfg.run, manifest.trainer_public_key, state.version)
     summary(console, state, paths=paths, plots=plots, stop_reason=reason, store_url=cfg.store)
-    return rc
 
 
 def _pointer_version(store, run: str, public_key: str, fallback):

@@ -127,29 +127,48 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
 
 def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
            out: Callable[[str], None] = print) -> int:
+    """Parse, check the inputs, choose the mode, resolve the recipe for it, then run (or dry-run) there."""
     args = parse_args(argv)
-    from embedded.config import resolve_embedded
-    from trainer.config import REPO_ROOT, load_recipe_file, recipe_path
-    from worker_contract import layout
-    from worker_contract.env import EnvError, default_store_url, load_env, parse_env
+    from worker_contract.env import EnvError
 
     for name in ("run", "host", "model", "ssh_key", "remote_dir"):  # make passes an unset variable as ""
         setattr(args, name, getattr(args, name) or None)
     try:
-        recipe_tree = load_recipe_file(recipe_path(args.recipe))
-        env = load_env(env, repo_root=REPO_ROOT)
-        contract = parse_env(env)  # the one validation of the contract variables, DRL_DRY_RUN included
-        args.run = args.run or contract.require_run()
-        layout.check_run_id(args.run)
-        if args.host:
-            from infra.remote import parse_host
-
-            parse_host(args.host)
-        default_store_url(env, REPO_ROOT)  # DRL_STORE understood; R2 all four values or none
+        recipe_tree, env, dry = _read_inputs(args, env)
     except (ValueError, EnvError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     mode, why = choose_mode(host=args.host, env=env, gpu=has_cuda())
+    try:
+        cfg = _resolve(args, recipe_tree, env, mode)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return _run(cfg, args, mode, why, env, dry, out)
+
+
+def _read_inputs(args: argparse.Namespace, env: Mapping[str, str] | None) -> tuple[dict, Mapping[str, str], bool]:
+    """The recipe file, the environment (with .r2env) and whether it asks for a dry run, with the run id
+    set on `args`: all checked before a mode is chosen."""
+    from trainer.config import REPO_ROOT, load_recipe_file, recipe_path
+    from worker_contract import layout
+    from worker_contract.env import default_store_url, load_env, parse_env
+
+    recipe_tree = load_recipe_file(recipe_path(args.recipe))
+    env = load_env(env, repo_root=REPO_ROOT)
+    contract = parse_env(env)  # the one validation of the contract variables, DRL_DRY_RUN included
+    args.run = args.run or contract.require_run()
+    layout.check_run_id(args.run)
+    if args.host:
+        from infra.remote import parse_host
+
+        parse_host(args.host)
+    default_store_url(env, REPO_ROOT)  # DRL_STORE understood; R2 all four values or none
+    return recipe_tree, env, contract.dry_run
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    """The recipe keys the flags set."""
     overrides = {"run": args.run, "model.path": os.path.abspath(args.model) if args.model else None}
     if args.remote_dir:
         overrides["launch.remote_dir"] = args.remote_dir
@@ -158,40 +177,46 @@ def launch(argv: list[str] | None = None, env: Mapping[str, str] | None = None,
         overrides["embedded.worker_backends"] = []  # every local worker on that backend (psqa mixes torch and mlx)
     if args.engine:  # make passes an unset ENGINE as ""; a bad name is refused by the recipe's schema
         overrides["train.engine"] = args.engine
-    try:
-        if mode == "embedded" and "embedded" not in recipe_tree:  # no embedded: section, no run on this machine
-            raise ValueError(f"the {recipe_tree.get('name', args.recipe)} recipe has no embedded run: give "
-                             "HOST=user@box (a GPU box), or "
-                             "run it on a GPU box with R2 credentials")
-        if mode == "embedded" and args.engine == "slime":
-            raise ValueError("ENGINE=slime runs slime's train.py on a GPU box with the slime image: give "
-                             "HOST=user@box, or leave ENGINE unset for the embedded run here")
-        if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
-            raise ValueError(f"MODEL={args.model!r} is not an HF model directory (no config.json there)")
-        if args.model:  # the dry run refuses the config.json the run would refuse
-            from trainer.models.hf_io import load_hf_config
+    return overrides
 
-            load_hf_config(args.model)
-        cfg = resolve_embedded(args.recipe, env, overrides, local=mode == "embedded", override_names=FLAG_NAMES)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    dry = contract.dry_run
+
+def _resolve(args: argparse.Namespace, recipe_tree: dict, env: Mapping[str, str], mode: Mode):
+    """The recipe resolved for `mode` with the flags' overrides; a ValueError where the recipe, the engine or
+    MODEL cannot run there."""
+    from embedded.config import resolve_embedded
+
+    overrides = _overrides(args)
+    if mode == "embedded" and "embedded" not in recipe_tree:  # no embedded: section, no run on this machine
+        raise ValueError(f"the {recipe_tree.get('name', args.recipe)} recipe has no embedded run: give "
+                         "HOST=user@box (a GPU box), or "
+                         "run it on a GPU box with R2 credentials")
+    if mode == "embedded" and args.engine == "slime":
+        raise ValueError("ENGINE=slime runs slime's train.py on a GPU box with the slime image: give "
+                         "HOST=user@box, or leave ENGINE unset for the embedded run here")
+    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise ValueError(f"MODEL={args.model!r} is not an HF model directory (no config.json there)")
+    if args.model:  # the dry run refuses the config.json the run would refuse
+        from trainer.models.hf_io import load_hf_config
+
+        load_hf_config(args.model)
+    return resolve_embedded(args.recipe, env, overrides, local=mode == "embedded", override_names=FLAG_NAMES)
+
+
+def _run(cfg, args: argparse.Namespace, mode: Mode, why: str, env: Mapping[str, str], dry: bool,
+         out: Callable[[str], None]) -> int:
+    """Hand the resolved recipe to the mode's launcher (after the dry run's listing, when asked)."""
+    if dry:
+        dry_run(cfg, mode, why, env, out)
     if mode == "remote":
         from infra.remote import launch_remote
 
-        if dry:
-            dry_run(cfg, mode, why, env, out)
         return launch_remote(cfg, host=args.host, ssh_key=args.ssh_key, remote_dir=args.remote_dir, dry_run=dry,
                              out=out)
     if mode == "gpu":
         from infra.launch_gpu import launch_on_this_box
 
-        if dry:
-            dry_run(cfg, mode, why, env, out)
         return launch_on_this_box(cfg, dry_run=dry, out=out)
     if dry:
-        dry_run(cfg, mode, why, env, out)
         return 0
     from embedded.run import run_embedded
 

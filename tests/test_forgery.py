@@ -9,6 +9,7 @@ its last good version."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -420,9 +421,14 @@ def test_a_bumped_pointer_neither_crashes_workers_nor_outlives_a_trainer_start(t
     assert len([line for line in err.splitlines() if "worker error" in line]) == 1
 
     p = _spawn(store, tiny_model_dir, "--wait", "300")
+    lines: list[str] = []  # the worker's stderr, read as it comes (the worker must have seen the forgery first)
+    reader = threading.Thread(target=lambda: lines.extend(iter(p.stderr.readline, "")), daemon=True)
+    reader.start()
     try:
-        time.sleep(3)
-        assert p.poll() is None
+        deadline = time.monotonic() + 120  # the worker builds its model before it reads the pointer
+        while not any("not joining until" in line for line in lines):
+            assert p.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
         key_file = tmp_path / "trainer.key"
         save_private_key(pub.key, key_file)
         start = create_run(cfg, store, tiny_model_dir, key_file, publish_base=False)
@@ -436,7 +442,9 @@ def test_a_bumped_pointer_neither_crashes_workers_nor_outlives_a_trainer_start(t
             assert time.monotonic() < deadline, "no record within 180 s of the reclaim"
             time.sleep(0.2)
         p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=60)
+        p.wait(timeout=60)
+        reader.join(timeout=60)
+        err = "".join(lines)
     finally:
         if p.poll() is None:  # the test started it; end it by PID
             p.kill()

@@ -1,10 +1,13 @@
 """MoE routing replay end to end on the CPU: the torch and MLX workers record the routes their forwards
-took (single-turn groups and psqa episodes with tool turns), equal to the routes of one forward of the same
-tokens on the same weights, token for token and layer for layer; records carry them (version 2) and the
-learner's rules accept them; the hf backend's replayed forward equals its normal forward where the routes
-agree and differs where they do not, and the router still gets a gradient; hf and megatron replay alike."""
+took (single-turn groups; psqa episodes with tool turns, several groups decoding in one batch), equal to
+the routes of one forward of the same tokens on the same weights, token for token and layer for layer;
+records carry them (version 2) and the learner's rules accept them; the hf backend's replayed forward
+equals its normal forward where the routes agree and differs where they do not, and the router still gets
+a gradient; hf and megatron replay alike."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -33,7 +36,17 @@ def search(query: str) -> str:
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return save_search_model(tmp_path_factory.mktemp("moe"), "lfm2_moe", seed=2)
+    """The tiny LFM2-MoE with weights exact in bf16: the workers' bf16 plane is then the learner's model itself
+    (rounded weights route a near-tie token otherwise: 1 of 178 on some draws)."""
+    from transformers import AutoModelForCausalLM
+
+    out = save_search_model(tmp_path_factory.mktemp("moe"), "lfm2_moe", seed=2)
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    hf.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +84,9 @@ def full_forward_routes(hf, ids: list[int]) -> np.ndarray:
     return torch.stack(per_layer, dim=1).sort(dim=-1).values.to(torch.uint8).numpy()
 
 
-def assert_recorded_as_forward(policy, prompt: list[int], samples, shape: RouteShape) -> None:
+def assert_recorded_as_forward(policy, prompt: list[int], samples, shape: RouteShape, least: int = 21) -> int:
     """Each sample's recorded routes equal a forward's of the same tokens, and the comparison is sharp: the
-    same routes one token off, or with two layers swapped, would not pass."""
+    same routes one token off, or with two layers swapped, would not pass. Returns the tokens checked."""
     checked = 0
     for s in samples:
         response = list(s.token_ids if hasattr(s, "token_ids") else s.response_ids)
@@ -88,7 +101,8 @@ def assert_recorded_as_forward(policy, prompt: list[int], samples, shape: RouteS
             assert not np.array_equal(got[1:], want[:len(got) - 1]), "routes constant over tokens: test not sharp"
             assert not np.array_equal(got[:, ::-1], got), "routes equal across layers: test not sharp"
         checked += len(got)
-    assert checked > 20
+    assert checked >= least
+    return checked
 
 
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
@@ -118,6 +132,53 @@ def test_episode_routes_are_the_forwards_tool_turns_included(policies, moe_dir, 
         if searched >= 2:
             break
     assert searched, "no episode with a tool turn: the tool tokens' routes went unchecked"
+
+
+def _reseed(policy, seed: int) -> None:
+    if hasattr(policy, "generator"):
+        policy.generator.manual_seed(seed)
+    else:
+        policy.key = mx.random.key(seed)
+
+
+def _varied_search():
+    """A search tool whose every answer differs, so no two samples' tool turns hold the same tokens."""
+    words = itertools.cycle(["dmd gene", "protein kinase", "the cell", "a gene of the cell", "kinase in a cell"])
+    return lambda query: f"Doc 1 {next(words)} is {next(words)}"
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_batched_groups_record_each_samples_own_routes(policies, moe_dir, backend):
+    """Two groups of different prompt lengths decode in one batch (torch: rows left-padded), samples leave the
+    batch at their tool turns and rejoin with their own documents: each sample's routes (its prompt's, once
+    per group; its sampled and tool tokens) are a plain forward's of its own tokens, and decoding one sample
+    at a time records the same routes."""
+    import json
+
+    policy = policies[backend]
+    shape = route_shape(json.loads((moe_dir / "config.json").read_text()))
+    prompts = [[9, 11, 5, 12, 6, 13, 4], [4, 13, 7]]
+    searched, checked, lengths = 0, 0, set()
+    for seed in range(6):
+        runs = {}
+        for batched in (True, False):
+            _reseed(policy, seed)
+            runs[batched], _ = policy.sample_episode_groups(prompts, N, temperature=1.0, top_p=1.0,
+                                                                max_new_tokens=48, search=_varied_search(),
+                                                                batched=batched)
+        for prompt, group, alone in zip(prompts, runs[True], runs[False], strict=True):
+            checked += assert_recorded_as_forward(policy, prompt, group, shape, least=1)
+            assert all(e.prompt_routes is group[0].prompt_routes for e in group), "prompt routes once per group"
+            for a, b in zip(group, alone, strict=True):
+                assert a.response_ids == b.response_ids
+                assert np.array_equal(a.routes, b.routes) and np.array_equal(a.prompt_routes, b.prompt_routes)
+            searched += sum(len(e.searches) for e in group)
+            lengths |= {len(e.response_ids) for e in group}
+        if seed >= 1 and searched >= 4:
+            break
+    assert searched >= 2, "no tool turns: no sample left the batch and rejoined"
+    assert checked > 100
+    assert len(lengths) > 1, "every sample as long as every other: rows never left the batch at different steps"
 
 
 def test_worker_record_carries_routes_the_learner_accepts(policies, moe_dir):

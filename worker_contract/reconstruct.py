@@ -58,6 +58,9 @@ class Reconstructor:
         self.version: int | None = None
         self.state: dict[str, np.ndarray] | None = None
         self.digest: str | None = None
+        self.changes: dict[str, np.ndarray] | None = None
+        """What the last join/follow changed: tensor name -> sorted flat element indices, for a worker that
+        rewrites only those; None = everything (a join, or an anchor entered on the way)."""
 
     # -- public ------------------------------------------------------------------------------------------
     def join(self, behind: int = 0) -> tuple[int, dict[str, np.ndarray]]:
@@ -72,7 +75,7 @@ class Reconstructor:
         version, state, digest = self._load_anchor(anchor)
         version, state, digest = self._walk(version, state, digest, max(target, anchor), progress=True)
         self._check_pointer_digest(pointer, version, digest)
-        self.version, self.state, self.digest = version, state, digest
+        self.version, self.state, self.digest, self.changes = version, state, digest, None
         return version, state
 
     def follow(self, behind: int = 0) -> tuple[int, dict[str, np.ndarray]] | None:
@@ -88,8 +91,9 @@ class Reconstructor:
         target, anchor = self._target(pointer, behind)
         if target <= self.version:
             return None
+        changes: dict[str, np.ndarray] | None = {}
         try:
-            version, state, digest = self._walk(self.version, self.state, self.digest, target)
+            version, state, digest = self._walk(self.version, self.state, self.digest, target, changes=changes)
         except SyncError:
             if anchor <= self.version:
                 raise
@@ -97,8 +101,10 @@ class Reconstructor:
             # trainer then skipped); the signed pointer names a newer anchor: enter there, as a joiner would
             version, state, digest = self._load_anchor(anchor)
             version, state, digest = self._walk(version, state, digest, target)
+            changes = None
         self._check_pointer_digest(pointer, version, digest)
         self.version, self.state, self.digest = version, state, digest
+        self.changes = changes if changes is None or "" not in changes else None
         return version, state
 
     # -- steps -------------------------------------------------------------------------------------------
@@ -134,9 +140,11 @@ class Reconstructor:
             raise SyncError(f"anchor v{version} is in plane {m.plane!r}, the run's is {self.plane!r}")
         return version, state, m.state_digest
 
-    def _walk(self, version: int, state, digest: str, target: int, *, progress: bool = False):
+    def _walk(self, version: int, state, digest: str, target: int, *, progress: bool = False,
+              changes: dict[str, np.ndarray] | None = None):
         """Patches version+1..target. Where a version has no patch (the chain restarted with an anchor after
-        a resume, or an attempt crashed before its objects were complete), enter at the next anchor."""
+        a resume, or an attempt crashed before its objects were complete), enter at the next anchor.
+        `changes` accumulates what the patches changed (key "" marks an anchor entered: everything)."""
         v = version + 1
         while v <= target:
             try:
@@ -146,6 +154,8 @@ class Reconstructor:
                 if not anchors:
                     raise SyncError(f"v{v} has no patch and no anchor follows it up to v{target}") from None
                 version, state, digest = self._load_anchor(anchors[0])
+                if changes is not None:
+                    changes[""] = np.zeros(0, np.int64)
                 v = version + 1
                 continue
             try:
@@ -153,7 +163,11 @@ class Reconstructor:
                 if header.base_version != version or header.target_version != v or header.base_digest != digest:
                     raise PatchError(f"patch v{v} is for base v{header.base_version} ({header.base_digest[:19]}), "
                                      f"this worker holds v{version} ({digest[:19]})")
-                state = apply_patch(state, patch, verified_base_digest=digest)
+                step: dict[str, np.ndarray] = {}
+                state = apply_patch(state, patch, verified_base_digest=digest, changes_out=step)
+                if changes is not None:
+                    for name, idx in step.items():
+                        changes[name] = np.union1d(changes[name], idx) if name in changes else idx
             except PatchError as e:
                 raise SyncError(f"v{v}: {e}") from None
             version, digest = v, header.result_digest

@@ -341,24 +341,16 @@ def collect_status(
     pointer = ptr.version if ptr else None
     anchors = anchor_versions(store, run)
     staleness_bound = manifest.staleness if manifest else 3
-    workers, rate, hist, consumed, drops, recent, publishes = [], None, {}, {}, {}, {}, []
+    activity: dict = {"workers": [], "groups_per_minute": None, "staleness": {}, "staleness_consumed": {},
+                      "drops": {}, "drops_recent": {}, "publishes": []}
     if pointer is None and not store.exists(layout.pointer_key(run)):
         notes.append("no pointer yet (current.json): the trainer has not published version 1")
     elif pointer is None:
         notes.append("current.json is unreadable (the note above says why): nothing beyond run.json is shown")
     else:
-        items = recent_rollouts(store, run, pointer - staleness_bound - EXTRA_VERSIONS_BACK, pointer + 1)
-        times, partial = _upload_times(store, items, {} if record_times is None else record_times)
-        if partial:
-            notes.append(f"upload times read from the newest {MAX_RECORD_READS} records only (more each refresh)")
-        workers, rate = summarize_workers(items, times, pointer, now, window_min * 60)
-        hist = dict(sorted(Counter(pointer - k.version for k, _ in items).items()))
-        stats = read_stats(store, run, pointer)
-        drops, recent = sum_drops(stats)
-        consumed = consumed_staleness(stats)
-        add_learner_counts(workers, stats)
-        publishes = summarize_publishes(stats, recent_patch_sizes(store, run, pointer))
-    active = sum(1 for w in workers if w.groups_recent is None or w.groups_recent > 0)
+        activity = _activity(store, run, pointer, staleness_bound, now, window_min * 60,
+                             {} if record_times is None else record_times, notes)
+    active = sum(1 for w in activity["workers"] if w.groups_recent is None or w.groups_recent > 0)
     usage = bytes_cache
     if usage is None and include_bytes:
         usage = bucket_usage(store, run, advance=advance)
@@ -372,7 +364,25 @@ def collect_status(
         manifest={k: getattr(manifest, k) for k in _MANIFEST_FIELDS} if manifest else None,
         pointer_version=pointer, pointer_age_s=(now - ptr.published_at) if ptr else None,
         pointer_anchor=ptr.anchor_version if ptr else None, anchors=anchors,
-        window_min=window_min, workers=workers, active_workers=active, groups_per_minute=rate,
-        staleness=hist, staleness_consumed=consumed, drops=drops, drops_recent=recent, publishes=publishes,
+        window_min=window_min, active_workers=active, **activity,
         bytes_by_prefix=usage, cost=cost, remote=None, notes=notes,
     )
+
+
+def _activity(store: Store, run: str, pointer: int, staleness_bound: int, now: float, window_s: float,
+              record_times: dict[str, float], notes: list[str]) -> dict:
+    """What happened near the pointer, as RunStatus fields: the workers' uploads (per worker, the rate, the
+    staleness histogram) and what the trainer's recent stats objects and patches say."""
+    items = recent_rollouts(store, run, pointer - staleness_bound - EXTRA_VERSIONS_BACK, pointer + 1)
+    times, partial = _upload_times(store, items, record_times)
+    if partial:
+        notes.append(f"upload times read from the newest {MAX_RECORD_READS} records only (more each refresh)")
+    workers, rate = summarize_workers(items, times, pointer, now, window_s)
+    stats = read_stats(store, run, pointer)
+    drops, recent = sum_drops(stats)
+    consumed = consumed_staleness(stats)
+    add_learner_counts(workers, stats)
+    return {"workers": workers, "groups_per_minute": rate,
+            "staleness": dict(sorted(Counter(pointer - k.version for k, _ in items).items())),
+            "staleness_consumed": consumed, "drops": drops, "drops_recent": recent,
+            "publishes": summarize_publishes(stats, recent_patch_sizes(store, run, pointer))}

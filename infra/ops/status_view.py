@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -190,6 +193,42 @@ def attach_remote(st: RunStatus, host: str, *, ssh_key: str | None = None, remot
         st.notes.append(f"trainer box {host}: {type(e).__name__}: {redact(str(e))}")
 
 
+class _PipeConsole(Console):
+    def on_broken_pipe(self) -> None:  # rich exits 1 here; the task's guard ends a closed pipe quietly
+        self.quiet = True
+        raise BrokenPipeError
+
+
+@dataclass
+class _StatusReader:
+    """Reads the run's status, again on every refresh: records' upload times are read once (records are
+    immutable), and the whole-run bytes listing is redone only every BYTES_REFRESH_S."""
+
+    store: Any
+    run: str
+    window_min: float
+    host: str | None
+    ssh_key: str | None
+    remote_dir: str | None
+    bytes_at: float = 0.0
+    record_times: dict[str, float] = field(default_factory=dict)
+
+    def read(self, prev: RunStatus | None) -> RunStatus:
+        from trainer.progress import progress
+
+        from .status import collect_status
+
+        fresh = prev is None or time.monotonic() - self.bytes_at >= BYTES_REFRESH_S
+        with progress("listing the run", unit="items") as advance:
+            st = collect_status(self.store, self.run, window_min=self.window_min, advance=advance,
+                                record_times=self.record_times, bytes_cache=None if fresh else prev.bytes_by_prefix)
+        if fresh:
+            self.bytes_at = time.monotonic()
+        if self.host:
+            attach_remote(st, self.host, ssh_key=self.ssh_key, remote_dir=self.remote_dir)
+        return st
+
+
 def show_status(store, run: str, *, watch: bool = False, as_json: bool = False, host: str | None = None,
                 ssh_key: str | None = None, remote_dir: str | None = None, window_min: float = 5.0,
                 iterations: int | None = None) -> RunStatus:
@@ -198,46 +237,28 @@ def show_status(store, run: str, *, watch: bool = False, as_json: bool = False, 
     With `watch` and `as_json` every refresh prints one JSON line (for scripts that follow the run).
     `iterations` bounds the watch loop (tests); None refreshes until Ctrl-C.
     """
-    import contextlib
-    import time
-
-    from rich.console import Console
-    from rich.live import Live
-
-    from trainer.progress import progress
-
-    from .status import collect_status
-
-    class PipeConsole(Console):
-        def on_broken_pipe(self) -> None:  # rich exits 1 here; the task's guard ends a closed pipe quietly
-            self.quiet = True
-            raise BrokenPipeError
-
     # Off a terminal (a pipe, a file) rich would fold every table into 80 columns and cut its cells short;
     # there each table keeps its natural width instead (none of them expands to the console's).
     on_terminal = sys.stdout.isatty()
-    console = PipeConsole() if on_terminal else PipeConsole(width=OFF_TERMINAL_WIDTH)
-    state = {"bytes_at": 0.0}
-    record_times: dict[str, float] = {}  # rollout records are immutable: their times are read once
-
-    def read(prev: RunStatus | None) -> RunStatus:
-        fresh = prev is None or time.monotonic() - state["bytes_at"] >= BYTES_REFRESH_S
-        with progress("listing the run", unit="items") as advance:
-            st = collect_status(store, run, window_min=window_min, advance=advance, record_times=record_times,
-                                bytes_cache=None if fresh else prev.bytes_by_prefix)
-        if fresh:
-            state["bytes_at"] = time.monotonic()
-        if host:
-            attach_remote(st, host, ssh_key=ssh_key, remote_dir=remote_dir)
-        return st
-
-    st = read(None)
+    console = _PipeConsole() if on_terminal else _PipeConsole(width=OFF_TERMINAL_WIDTH)
+    reader = _StatusReader(store, run, window_min, host, ssh_key, remote_dir)
+    st = reader.read(None)
     if as_json:
         print(st.model_dump_json(indent=None if watch else 2), flush=True)
     if not watch:
         if not as_json:
             console.print(render_status(st))
         return st
+    return _watch(reader, st, console, on_terminal=on_terminal, as_json=as_json, iterations=iterations)
+
+
+def _watch(reader: _StatusReader, st: RunStatus, console: Console, *, on_terminal: bool, as_json: bool,
+           iterations: int | None) -> RunStatus:
+    """Refresh every WATCH_INTERVAL_S until Ctrl-C (or `iterations` views); returns the last status."""
+    import contextlib
+
+    from rich.live import Live
+
     # Off a terminal a Live view prints nothing until it stops, so `--watch | head` waited forever: there every
     # refresh is printed in full as it comes, and the first write after the reader went away ends the watch.
     live = Live(render_status(st), console=console, refresh_per_second=2) if on_terminal and not as_json else None
@@ -248,7 +269,7 @@ def show_status(store, run: str, *, watch: bool = False, as_json: bool = False, 
         n = 1
         while iterations is None or n < iterations:
             time.sleep(WATCH_INTERVAL_S)
-            st = read(st)
+            st = reader.read(st)
             if as_json:
                 print(st.model_dump_json(), flush=True)
             elif live is not None:

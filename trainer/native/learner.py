@@ -20,12 +20,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker_contract.manifest import RunManifest
 from worker_contract.store import Store
 
 from ..config import RecipeConfig
+
+if TYPE_CHECKING:
+    from ..rollouts.pool import Batch
+    from ..step import BatchNote
 
 log = logging.getLogger(__name__)
 
@@ -119,16 +123,19 @@ class LearnerActor:
         """One optimizer step, or None if no batch could be assembled within `timeout_s`."""
         import ray
 
-        from ..step import publish_metrics, step_metrics, train_on
-
         s = self.session
         s.take_published()
         t_wait = time.monotonic()
         got = ray.get(self.source.next_batch.remote(s.current, timeout_s))
         self._waited += time.monotonic() - t_wait  # learner/wait_s: the loop's busy share (bench/gpu_loop.py)
-        if got is None:
-            return None
-        batch, note = got
+        return None if got is None else self.train_batch(*got)
+
+    def train_batch(self, batch: Batch, note: BatchNote) -> dict:
+        """The step on a batch the source handed out: train, snapshot the new weights, hand them to the
+        publisher with the step's report; returns the step's row."""
+        from ..step import publish_metrics, step_metrics, train_on
+
+        s = self.session
         t0 = time.monotonic()
         train = train_on(self.backend, [g.record for g in batch.groups], s.cfg.algo, s.audit, s.weights_version())
         s.step += 1
@@ -136,7 +143,6 @@ class LearnerActor:
         t_pub = time.monotonic()
         state = self.backend.publish_snapshot()  # the step's own copy: training may go on at once
         snapshot_s = time.monotonic() - t_pub
-        note.counts = ray.get(self.source.counts.remote())  # the source as it stands after the step
         metrics = step_metrics(note, s.audit, train)
         metrics["train/step_time_s"] = step_time
         metrics.update(step=s.step, version=s.current, batch_version=note.current_version)
@@ -201,60 +207,94 @@ def run_learner(
     else torch's own choice).
     """
     from ..metrics import MetricsLogger
-    from ..ray_runtime import key_to_pem, ray_session, store_spec
+    from ..ray_runtime import ray_session
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if manifest.n_samples != cfg.contract.n_samples or manifest.plane != cfg.contract.plane:
-        raise ValueError(f"run.json has n_samples={manifest.n_samples}, plane={manifest.plane!r} but the recipe "
-                         f"resolves contract.n_samples={cfg.contract.n_samples}, contract.plane="
-                         f"{cfg.contract.plane!r}; resume with the run's contract (DRL_N_SAMPLES / DRL_PULSE_PLANE)")
+    _check_contract(cfg, manifest)
     threads = torch_threads or int(os.environ.get("DRL_TORCH_THREADS", "0") or 0) or None
     stop_event = stop_event or threading.Event()
     with ray_session(run_dir, address=ray_address):
         import ray  # after the session set Ray's environment up
 
-        spec = store_spec(store, store_env)
-        mjson = manifest.model_dump_json()
-        source = ray.remote(num_cpus=0)(SourceActor).remote(
-            spec, mjson, cfg.algo.model_dump_json(), cfg.train.poll_interval_s, str(model_dir))
-        on_gpus = ray.cluster_resources().get("GPU", 0) >= 1
-        tp_ranks = on_gpus and cfg.compute.tensor_parallel > 1  # the rank actors take the GPUs, one each
-        gpus = 1 if on_gpus and not tp_ranks else 0
-        learner = ray.remote(num_cpus=0, num_gpus=gpus)(LearnerActor).remote(
-            cfg.model_dump_json(), str(model_dir), str(run_dir), source, spec, mjson, key_to_pem(key), threads,
-            "cuda" if tp_ranks else None)
-        try:
-            info = ray.get(learner.setup.remote())
-        except ray.exceptions.RayTaskError as e:
-            from ..checkpoint import CheckpointError
-
-            if isinstance(e.cause, CheckpointError):  # no checkpoint loads: one sentence, not Ray's traceback
-                raise CheckpointError(str(e.cause)) from None
-            raise
-        for line in info.get("skipped_checkpoints", []):
-            log.warning("%s", line)
-        log.info("learner at step %d, published anchor v%d%s", info["step"], info["version"],
-                 f" (resumed from {info['resumed_from']})" if info["resumed_from"] else "")
+        source, learner = _start_actors(cfg, store, store_env, manifest, key, model_dir, run_dir, threads)
+        info = _setup(learner)
         logger = MetricsLogger(run_dir, manifest.run, config=cfg.model_dump(mode="json"))
         try:
-            step = info["step"]
-            while step < cfg.train.num_steps and not stop_event.is_set():
-                metrics = ray.get(learner.train_one.remote(batch_wait_s))
-                if metrics is None:
-                    continue
-                step = metrics["step"]
-                logger.log(step, metrics)  # before the checkpoint: every checkpointed step is in the log
-                if on_step is not None:
-                    on_step(metrics)
-                if step % cfg.checkpoint.interval == 0:
-                    ray.get(learner.save.remote())
+            _drive(cfg, learner, info["step"], logger, on_step, stop_event, batch_wait_s)
             final = ray.get(learner.finish.remote())
             ray.get(source.stop.remote())
         finally:
             logger.close()
     return LearnerResult(step=final["step"], version=final["version"], first_version=info["version"],
                          resumed_from=info["resumed_from"], metrics_path=logger.path)
+
+
+def _check_contract(cfg: RecipeConfig, manifest: RunManifest) -> None:
+    """A run keeps its contract: the recipe must resolve run.json's group size and plane."""
+    if manifest.n_samples != cfg.contract.n_samples or manifest.plane != cfg.contract.plane:
+        raise ValueError(f"run.json has n_samples={manifest.n_samples}, plane={manifest.plane!r} but the recipe "
+                         f"resolves contract.n_samples={cfg.contract.n_samples}, contract.plane="
+                         f"{cfg.contract.plane!r}; resume with the run's contract (DRL_N_SAMPLES / DRL_PULSE_PLANE)")
+
+
+def _start_actors(cfg: RecipeConfig, store: Store, store_env: dict[str, str] | None, manifest: RunManifest, key,
+                  model_dir: str | Path, run_dir: Path, threads: int | None):
+    """The source actor and the learner actor (in the Ray session); the learner holds the GPU, unless
+    tensor-parallel rank actors take the GPUs, one each."""
+    import ray
+
+    from ..ray_runtime import key_to_pem, store_spec
+
+    spec = store_spec(store, store_env)
+    mjson = manifest.model_dump_json()
+    source = ray.remote(num_cpus=0)(SourceActor).remote(
+        spec, mjson, cfg.algo.model_dump_json(), cfg.train.poll_interval_s, str(model_dir))
+    on_gpus = ray.cluster_resources().get("GPU", 0) >= 1
+    tp_ranks = on_gpus and cfg.compute.tensor_parallel > 1
+    gpus = 1 if on_gpus and not tp_ranks else 0
+    learner = ray.remote(num_cpus=0, num_gpus=gpus)(LearnerActor).remote(
+        cfg.model_dump_json(), str(model_dir), str(run_dir), source, spec, mjson, key_to_pem(key), threads,
+        "cuda" if tp_ranks else None)
+    return source, learner
+
+
+def _setup(learner) -> dict:
+    """The learner actor's setup (resume, the first anchor), logged; a checkpoint that does not load is
+    raised as its own one-sentence error, not as Ray's traceback."""
+    import ray
+
+    try:
+        info = ray.get(learner.setup.remote())
+    except ray.exceptions.RayTaskError as e:
+        from ..checkpoint import CheckpointError
+
+        if isinstance(e.cause, CheckpointError):
+            raise CheckpointError(str(e.cause)) from None
+        raise
+    for line in info.get("skipped_checkpoints", []):
+        log.warning("%s", line)
+    log.info("learner at step %d, published anchor v%d%s", info["step"], info["version"],
+             f" (resumed from {info['resumed_from']})" if info["resumed_from"] else "")
+    return info
+
+
+def _drive(cfg: RecipeConfig, learner, step: int, logger, on_step: StepCallback | None,
+           stop_event: threading.Event, batch_wait_s: float) -> None:
+    """Steps from `step` until `cfg.train.num_steps` or the stop event: each row logged (before the
+    checkpoint: every checkpointed step is in the log), handed to `on_step`, a checkpoint every interval."""
+    import ray
+
+    while step < cfg.train.num_steps and not stop_event.is_set():
+        metrics = ray.get(learner.train_one.remote(batch_wait_s))
+        if metrics is None:
+            continue
+        step = metrics["step"]
+        logger.log(step, metrics)
+        if on_step is not None:
+            on_step(metrics)
+        if step % cfg.checkpoint.interval == 0:
+            ray.get(learner.save.remote())
 
 
 # -- the learner process ---------------------------------------------------------------------------------

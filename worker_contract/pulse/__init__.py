@@ -147,19 +147,9 @@ def verify_patch_signature(patch: bytes, public_b64: str) -> PatchHeader:
     return header
 
 
-def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: str | None = None,
-                public_key: str | None = None) -> dict[str, Any]:
-    """The state the patch produces from `old`, as a new dict of new tensors.
-
-    Refuses (PatchError) a patch for another base, a truncated or corrupted one, and (with `public_key`)
-    an unsigned or forged one. `verified_base_digest`: the digest the caller already checked `old` to have
-    (a follower keeps it from its last step), which spares hashing `old` again.
-    """
-    hb, header, sig, body = split(patch)
-    if public_key is not None:
-        verify_patch_signature(patch, public_key)
-    _check_body(header, body)
-    o, as_torch = state_to_numpy(old)
+def _check_base(header, o: Mapping[str, np.ndarray], verified_base_digest: str | None) -> None:
+    """Refuse (PatchError) a base that is not the one the patch was made against: its names, dtypes and shapes,
+    then its digest (skipped where the caller already verified `o` to have the patch's base digest)."""
     missing = sorted({t.name for t in header.tensors} - set(o))
     extra = sorted(set(o) - {t.name for t in header.tensors})
     if missing or extra:
@@ -182,6 +172,24 @@ def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: s
         if digest_of_entries(base_rows) != header.base_digest:
             raise PatchError(f"wrong base for this patch (v{header.base_version} -> v{header.target_version}): "
                              "its digest differs from the patch's base digest")
+
+
+def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: str | None = None,
+                public_key: str | None = None, changes_out: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """The state the patch produces from `old`, as a new dict of new tensors.
+
+    Refuses (PatchError) a patch for another base, a truncated or corrupted one, and (with `public_key`)
+    an unsigned or forged one. `verified_base_digest`: the digest the caller already checked `old` to have
+    (a follower keeps it from its last step), which spares hashing `old` again. `changes_out`, when
+    given, receives for each tensor the patch changed the sorted flat element indices it changed (a packed
+    word whose byte changed counts as changed): what a worker rewrites instead of reloading every tensor.
+    """
+    hb, header, sig, body = split(patch)
+    if public_key is not None:
+        verify_patch_signature(patch, public_key)
+    _check_body(header, body)
+    o, as_torch = state_to_numpy(old)
+    _check_base(header, o, verified_base_digest)
     streams = {f: memoryview(x) for f, x in decompress_streams(header, body).items()}
     cursors = dict.fromkeys(streams, 0)
     result: dict[str, np.ndarray] = {}
@@ -193,11 +201,14 @@ def apply_patch(old: Mapping[str, Any], patch: bytes, *, verified_base_digest: s
                 raise PatchError(f"corrupted PULSE patch: stream {fam} is short for tensor {t.name}")
             chunks[fam] = streams[fam][cursors[fam]:cursors[fam] + ln]
             cursors[fam] += ln
+        pos: list = []
         try:
-            w = codec.decode_tensor(o[t.name], _coded(t), t.dtype, chunks)
+            w = codec.decode_tensor(o[t.name], _coded(t), t.dtype, chunks, positions_out=pos)
         except codec.CodecError as e:
             raise PatchError(f"tensor {t.name}: {e}") from None
         arr = w.view(np_dtype(t.dtype)).reshape(t.shape)
+        if changes_out is not None and pos:
+            changes_out[t.name] = np.unique(pos[0] * t.unit // arr.dtype.itemsize)
         result[t.name] = arr
         rows.append({"name": t.name, "dtype": t.dtype, "shape": t.shape, "digest": tensor_digest(arr)})
     if digest_of_entries(rows) != header.result_digest:

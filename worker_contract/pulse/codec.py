@@ -328,8 +328,10 @@ def pack_streams(out: Coded, pos_out: np.ndarray, zigzagged: np.ndarray) -> Code
     return out
 
 
-def decode_tensor(old: np.ndarray, coded: Coded, dtype_name: str, chunks: dict) -> np.ndarray:
-    """The new tensor's words (a fresh array; `old` is not touched)."""
+def decode_tensor(old: np.ndarray, coded: Coded, dtype_name: str, chunks: dict,
+                  positions_out: list | None = None) -> np.ndarray:
+    """The new tensor's words (a fresh array; `old` is not touched); `positions_out` receives the changed
+    word positions (int64, unsorted) when given."""
     unit = coded.unit
     ow = as_units(old, unit)
     if ow.size != coded.count:
@@ -367,6 +369,8 @@ def decode_tensor(old: np.ndarray, coded: Coded, dtype_name: str, chunks: dict) 
             raise CodecError("a changed position lies outside the tensor")
         parts.append(pos_out)
     positions = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    if positions_out is not None:
+        positions_out.append(positions)
     z = _unplanes([chunks.get(f"val{j}", b"") for j in range(unit)], k, unit)
     nw[positions] += _unzigzag(z, unit)
     return nw

@@ -62,10 +62,19 @@ class ChatPolicy:
         raise NotImplementedError
 
     def sample_episodes(self, prompt: list[int], n: int, *, temperature: float, top_p: float, max_new_tokens: int,
-                        search, max_turns: int = 4, **options):
+                        search, max_turns: int = 4, batched: bool = True, **options):
         """n search episodes of one prompt, one shared prompt prefill (worker/episodes.py): (episodes, counts)."""
-        from .episodes import sample_episode_group
+        groups, count = self.sample_episode_groups([prompt], n, temperature=temperature, top_p=top_p,
+                                                   max_new_tokens=max_new_tokens, search=search, max_turns=max_turns,
+                                                   batched=batched, **options)
+        return groups[0], count
+
+    def sample_episode_groups(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
+                              max_new_tokens: int, search, max_turns: int = 4, batched: bool = True, **options):
+        """n search episodes of each prompt, all decoding in one batch (batched=False: one sample at a time,
+        the reference); each prompt prefilled once: (groups, counts)."""
+        from .episodes import sample_episode_groups
 
         engine = self.episode_engine(temperature=temperature, top_p=top_p, **options)
-        return sample_episode_group(engine, self.eos_ids, prompt, n, encode=self.encode, search=search,
-                                    max_new_tokens=max_new_tokens, max_turns=max_turns)
+        return sample_episode_groups(engine, self.eos_ids, prompts, n, encode=self.encode, search=search,
+                                     max_new_tokens=max_new_tokens, max_turns=max_turns, batched=batched)

@@ -122,6 +122,10 @@ class WorkerStats:
     """psqa: prefill tokens a worker re-prefilling every turn's context from the start would have fed."""
     searches: int = 0
     """psqa: tool calls made."""
+    swaps: list[dict] = field(default_factory=list)
+    """Each version load: its seconds (the pause) and what it wrote (elements, bytes, tensors rewritten whole)."""
+    forwards: int = 0
+    """psqa: model forward passes (prefills, tool-turn extensions, batched decoding steps)."""
     search_s: float = 0.0
     """psqa: seconds spent waiting for the retriever (inside `sampling_s`), failed calls included."""
 
@@ -244,16 +248,7 @@ class Worker:
         manifest = self._wait_for("run.json", lambda: read_manifest(self.store, self.s.run), stop)
         if manifest is None:
             return False
-        check_contract(manifest, self.n_samples, self.plane)
-        check_kv_mode(manifest, parse_env(self.env).kv_mode, self.s.backend)
-        check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
-        if self.s.lag_versions > manifest.staleness:
-            raise ValueError(f"--lag-versions {self.s.lag_versions} is beyond run {manifest.run!r}'s staleness bound "
-                             f"({manifest.staleness}): every group would be dropped as stale; give at most "
-                             f"{manifest.staleness}")
-        if not is_task(manifest.task):
-            raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}; this worker samples "
-                                   f"{', '.join(sorted(TASKS))}")
+        self._check_run(manifest)
         self.task = get_task(manifest.task)
         self.search = None
         if "retriever" in self.task.services:  # refused before any weights are fetched (exit 2)
@@ -268,11 +263,39 @@ class Worker:
         from .identity import check_identity
 
         check_identity(model_dir, manifest)
+        self.policy = self._make_policy(model_dir, manifest)  # refused here, before any weights are fetched
         from ..reconstruct import Reconstructor
 
         self.rec = Reconstructor(self.store, self.s.run, plane=self.plane, n_samples=self.n_samples,
                                  public_key=manifest.trainer_public_key)  # the key checked above, kept
 
+        joined = self._join_first(stop)
+        if joined is None:
+            return False
+        self._swap(*joined)
+        log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d, "
+                 "backend %s%s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
+                 self.plane, manifest.temperature, manifest.max_new_tokens, self._backend_name(),
+                 f", {self.s.batch_groups} groups a batch" if self.s.batch_groups > 1 else "")
+        return True
+
+    def _check_run(self, manifest: RunManifest) -> None:
+        """What this worker can check of run.json before anything is loaded: the contract, the KV mode, the
+        trainer's key, the lag within the staleness bound, a task it knows."""
+        check_contract(manifest, self.n_samples, self.plane)
+        check_kv_mode(manifest, parse_env(self.env).kv_mode, self.s.backend)
+        check_trainer_key(manifest, self.env.get("DRL_TRAINER_KEY_FINGERPRINT", "").strip())
+        if self.s.lag_versions > manifest.staleness:
+            raise ValueError(f"--lag-versions {self.s.lag_versions} is beyond run {manifest.run!r}'s staleness bound "
+                             f"({manifest.staleness}): every group would be dropped as stale; give at most "
+                             f"{manifest.staleness}")
+        if not is_task(manifest.task):
+            raise ContractMismatch(f"run {manifest.run!r} trains task {manifest.task!r}; this worker samples "
+                                   f"{', '.join(sorted(TASKS))}")
+
+    def _join_first(self, stop: threading.Event):
+        """Cold-join at the newest anchor (waiting for the trainer's first weights); (version, state), or None
+        if stopped while waiting. A pointer that does not verify is waited out, and said once."""
         refused: list[str] = []  # why the pointer did not verify, said once
 
         def join():
@@ -290,22 +313,13 @@ class Worker:
                 raise
 
         try:
-            joined = self._wait_for("its first weights", join, stop)
+            return self._wait_for("its first weights", join, stop)
         except TimeoutError:
             if not refused:
                 raise
             raise TimeoutError(f"run {self.s.run!r} had no valid pointer within {self.s.wait_timeout_s:.0f} s: "
                                f"{layout.pointer_key(self.s.run)} does not verify under the trainer's key "
                                f"({refused[0]}); the trainer rewrites it when it starts or publishes") from None
-        if joined is None:
-            return False
-        self.policy = self._make_policy(model_dir, manifest)
-        self._swap(*joined)
-        log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d, "
-                 "backend %s%s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
-                 self.plane, manifest.temperature, manifest.max_new_tokens, self._backend_name(),
-                 f", {self.s.batch_groups} groups a batch" if self.s.batch_groups > 1 else "")
-        return True
 
     def _make_policy(self, model_dir: Path, manifest: RunManifest):
         seed = self._rng.getrandbits(63)
@@ -326,6 +340,13 @@ class Worker:
             if manifest.rope_theta is not None and bases != {float(manifest.rope_theta)}:
                 raise ContractMismatch(f"the MLX model built from {model_dir} uses RoPE base(s) {sorted(bases)}, "
                                        f"run.json has rope_theta={manifest.rope_theta}")
+            from .memory import check_memory, total_bytes, worker_memory
+
+            need = worker_memory(policy.model, policy.config, plane=self.plane, dtype=policy.dtype,
+                                 n_samples=self.n_samples, max_new_tokens=manifest.max_new_tokens,
+                                 groups=self.s.batch_groups)
+            check_memory(need, total_bytes(self.env), f"{manifest.model_id} on {self.plane} with {self.s.batch_groups} "
+                         f"group(s) of {self.n_samples} and max_new_tokens {manifest.max_new_tokens}")
             want = {(manifest.rope_scaling or {}).get("rope_type", "default")}
             if rope_types(policy.model) != want:
                 raise ContractMismatch(f"the MLX model built from {model_dir} uses RoPE {sorted(rope_types(policy.model))}, "
@@ -338,8 +359,12 @@ class Worker:
     def _backend_name(self) -> str:
         return f"mlx {self.policy.dtype}" if self.s.backend == "mlx" else "torch"
 
-    def _swap(self, version: int, state) -> None:
-        self.policy.load_plane(self.plane, state)  # between groups only: sync() runs before a group starts
+    def _swap(self, version: int, state, changes=None) -> None:
+        """Load a version between groups (sync() runs before a group starts): after a patch only the elements
+        it changed (`changes`, from the reconstructor); after a join or an anchor every tensor."""
+        t0 = time.monotonic()
+        wrote = self.policy.load_plane(self.plane, state, changes)
+        self.stats.swaps.append({"version": version, "seconds": round(time.monotonic() - t0, 4), **(wrote or {})})
         self.version = version
         self.stats.versions_seen.append(version)
 
@@ -384,7 +409,7 @@ class Worker:
             log.warning("not following the pointer, staying on v%d: %s", self.version, e)
             update = None
         if update is not None:
-            self._swap(*update)
+            self._swap(*update, changes=self.rec.changes)
         return self.version
 
     def _batch_size(self) -> int:
@@ -443,31 +468,31 @@ class Worker:
             sampling=SamplingParams(temperature=m.temperature, top_p=m.top_p, max_new_tokens=m.max_new_tokens))
 
     def _episode_groups(self, problems: list[Problem], prompts: list[list[int]]) -> list[RolloutRecord]:
-        """psqa: n search episodes per problem (worker/episodes.py); a group whose search tool failed after
-        its retries is dropped and counted under `dropped['retriever']`, and the worker goes on."""
+        """psqa: n search episodes per problem, every group of the batch decoding together (worker/episodes.py);
+        a batch whose search tool failed after its retries is dropped (each of its groups counted under
+        `dropped['retriever']`), and the worker goes on."""
         from ..tasks.psqa_retrieval import RetrieverError
 
-        m, records = self.manifest, []
-        for problem, prompt in zip(problems, prompts, strict=True):
-            t0 = time.monotonic()
-            try:
-                eps, count = self.policy.sample_episodes(prompt, self.n_samples, temperature=m.temperature,
-                                                         top_p=m.top_p, max_new_tokens=m.max_new_tokens,
-                                                         search=self.search, max_turns=self.s.max_turns)
-            except RetrieverError as e:
-                self.stats.dropped["retriever"] = self.stats.dropped.get("retriever", 0) + 1
-                log.warning("group of %s dropped (%d so far): the retriever failed: %s", problem.id,
-                            self.stats.dropped["retriever"], str(e)[:200])
-                continue
-            finally:
-                self.stats.sampling_s += time.monotonic() - t0
-            self.stats.tokens += sum(sum(e.loss_mask) for e in eps)
-            self.stats.prefill_extend += count.extend
-            self.stats.prefill_reprefill += count.reprefill
-            self.stats.searches += sum(len(e.searches) for e in eps)
-            records.append(self._record(problem, prompt, [e.to_sample(self.task.reward(e.text, problem))
-                                                          for e in eps], eps))
-        return records
+        m = self.manifest
+        t0 = time.monotonic()
+        try:
+            groups, count = self.policy.sample_episode_groups(prompts, self.n_samples, temperature=m.temperature,
+                                                              top_p=m.top_p, max_new_tokens=m.max_new_tokens,
+                                                              search=self.search, max_turns=self.s.max_turns)
+        except RetrieverError as e:
+            self.stats.dropped["retriever"] = self.stats.dropped.get("retriever", 0) + len(problems)
+            log.warning("%d group(s) of %s dropped (%d so far): the retriever failed: %s", len(problems),
+                        ", ".join(p.id for p in problems), self.stats.dropped["retriever"], str(e)[:200])
+            return []
+        finally:
+            self.stats.sampling_s += time.monotonic() - t0
+        self.stats.tokens += sum(sum(e.loss_mask) for eps in groups for e in eps)
+        self.stats.prefill_extend += count.extend
+        self.stats.prefill_reprefill += count.reprefill
+        self.stats.forwards += count.forwards
+        self.stats.searches += sum(len(e.searches) for eps in groups for e in eps)
+        return [self._record(problem, prompt, [e.to_sample(self.task.reward(e.text, problem)) for e in eps], eps)
+                for problem, prompt, eps in zip(problems, prompts, groups, strict=True)]
 
     def _timed(self, search):
         """`search`, adding the seconds each call waits (answered or failed) to stats.search_s."""
@@ -497,7 +522,8 @@ class Worker:
         recent = self.stats.rewards[-10 * self.n_samples:]
         st = self.stats
         extra = (f", {st.searches} searches ({st.search_s:.1f} s waiting for the retriever, "
-                 f"{100 * st.search_s / max(st.sampling_s, 1e-9):.0f}% of sampling), prefill {st.prefill_extend} "
+                 f"{100 * st.search_s / max(st.sampling_s, 1e-9):.0f}% of sampling), "
+                 f"{st.forwards / max(st.tokens, 1):.2f} forwards a sampled token, prefill {st.prefill_extend} "
                  f"tokens (re-prefill would be {st.prefill_reprefill}), dropped {st.dropped or 0}"
                  if self.search is not None else "")
         log.info("worker %s: v%d, %d groups, mean reward %.3f over the last %d samples, %.1f tokens/s%s; last %s",

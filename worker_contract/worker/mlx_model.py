@@ -16,7 +16,7 @@ import numpy as np
 
 from .chat import ChatPolicy
 from .completion import Completion
-from .mlx_weights import mlx_model_name, quantized_modules, to_mlx
+from .mlx_weights import mlx_model_name, mlx_targets, quantized_modules, to_mlx
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -120,6 +120,56 @@ def load_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], *
     return mine
 
 
+def _writable(x) -> np.ndarray:
+    """A flat numpy view of an evaluated mlx array's own buffer (bf16 seen as uint16): writing it rewrites
+    the array in place, with no copy of the rest (unified memory on Apple silicon; the host on a CPU)."""
+    import mlx.core as mx
+
+    if x.dtype == mx.bfloat16:
+        x = x.view(mx.uint16)
+    return np.array(x, copy=False).reshape(-1)
+
+
+def patch_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], changes: Mapping[str, np.ndarray],
+                     *, dtype: str) -> dict[str, int]:
+    """Rewrite only the changed elements of the plane tensors `changes` names (flat indices, from the
+    reconstructor) in the loaded model, in place: for int8g64 the changed code words and their groups'
+    scales and biases, each a tensor of its own in the plane. Bit for bit what `load_plane_into` of the
+    whole state gives. Returns {"elements": rewritten, "bytes": written, "whole": tensors rewritten whole}."""
+    import mlx.core as mx
+
+    held = flat_parameters(model)
+    mx.eval(list(held.values()))
+    if hasattr(mx, "synchronize"):
+        mx.synchronize()  # nothing in flight reads a buffer while it is written
+    out = {"elements": 0, "bytes": 0, "whole": 0}
+    views: dict[str, np.ndarray] = {}  # one view a target: the stacked experts take 32 patch tensors each
+    for name, idx in changes.items():
+        src = np.asarray(state[name])
+        targets = mlx_targets(architecture, name, src.shape, idx)
+        if targets is None:  # reordered by the mapping: the whole tensor, mapped as a load maps it
+            for mname, a in to_mlx(architecture, {name: src}).items():
+                x = mx.array(a).astype(held[mname].dtype)
+                mx.eval(x)
+                model.load_weights([(mname, x)], strict=False)
+                out["whole"] += 1
+                out["bytes"] += x.nbytes
+            continue
+        flat = src.reshape(-1)
+        for mname, at, take in targets:
+            target = held[mname]
+            vals = flat[take]
+            if target.dtype == mx.float32 and vals.dtype.name == "bfloat16":
+                vals = vals.astype(np.float32)  # exact, as a full load's upcast
+            if mname not in views:
+                views[mname] = _writable(target)
+            dst = views[mname]
+            dst[at] = vals.view(dst.dtype)
+            out["elements"] += len(at)
+            out["bytes"] += vals.nbytes
+    return out
+
+
 class MlxPolicy(ChatPolicy):
     def __init__(self, model_dir: str | Path, *, plane: str, seed: int = 0, dtype: str = "auto"):
         import mlx.core as mx
@@ -136,14 +186,20 @@ class MlxPolicy(ChatPolicy):
         shape = route_shape(self.config)  # MoE: every forward's routes are recorded (worker_contract/routes.py)
         self.recorder = None if shape is None else MlxRouteRecorder(self.model, shape)
 
-    def load_plane(self, plane: str, state: Mapping[str, np.ndarray]) -> None:
-        """Replace every parameter with the published one (between groups only: the loop calls this after a
-        group is uploaded). A missing, unknown or misshapen tensor is an error found before any is replaced,
-        so the model keeps its previous weights."""
+    def load_plane(self, plane: str, state: Mapping[str, np.ndarray],
+                   changes: Mapping[str, np.ndarray] | None = None) -> dict[str, int]:
+        """Replace the parameters with the published ones (between groups only: the loop calls this after a
+        group is uploaded): all of them (`changes` None: a join or an anchor; a missing, unknown or misshapen
+        tensor is an error found before any is replaced, so the model keeps its previous weights), or only
+        the elements a patch changed. Returns what was written (see `patch_plane_into`)."""
         if plane != self.plane:
             raise ValueError(f"this policy was built for plane {self.plane!r}, not {plane!r}")
+        if changes is not None and self._quantized is not None:
+            return patch_plane_into(self.model, self.architecture, state, changes, dtype=self.dtype)
         self._quantized = load_plane_into(self.model, self.architecture, state, dtype=self.dtype,
                                           quantized=self._quantized)
+        return {"elements": sum(int(np.asarray(a).size) for a in state.values()),
+                "bytes": sum(int(np.asarray(a).nbytes) for a in state.values()), "whole": len(state)}
 
     def sample(self, prompt: list[int], n: int, *, temperature: float, top_p: float,
                max_new_tokens: int) -> list[Completion]:

@@ -57,19 +57,13 @@ def sample_group(model, prompt: list[int], n: int, *, temperature: float, top_p:
     """n completions of one prompt from one shared prefill; each token's log-prob from its own forward. With a
     `recorder` (worker/route_recorder.py) the prompt's routes (recorded once) and each sample's come along."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     assert prompt and n > 0 and max_new_tokens > 0
-    cache = make_prompt_cache(model)
-    ids = mx.array(prompt, dtype=mx.int32)[None]
-    for start in range(0, len(prompt), PREFILL_CHUNK):
-        logits = model(ids[:, start:start + PREFILL_CHUNK], cache=cache)[:, -1, :]
-    mx.eval(logits, [c.state for c in cache])
+    if recorder is not None:
+        recorder.clear()
+    cache, logits = _shared_prefill(model, prompt, n)
     prompt_routes = None if recorder is None else recorder.take()[0]
     routes: list[list] = [[] for _ in range(n)]
-    for c in cache:
-        _expand(c, n)
-    logits = mx.repeat(logits, n, axis=0)
     eos = set(eos_ids)
     toks: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
@@ -105,22 +99,52 @@ def sample_group(model, prompt: list[int], n: int, *, temperature: float, top_p:
                 routes[i].append(step_routes[row, 0])
     out = [Completion(toks[i], lps[i], finish[i]) for i in range(n)]
     if recorder is not None:
-        import numpy as np
-
-        for i, c in enumerate(out):
-            c.prompt_routes = prompt_routes
-            c.routes = (np.stack(routes[i][:len(c.token_ids) - 1]) if len(c.token_ids) > 1
-                        else np.zeros((0, *prompt_routes.shape[1:]), dtype=np.uint8))
+        _attach_routes(out, prompt_routes, routes)
     return out
 
 
+def _shared_prefill(model, prompt: list[int], n: int):
+    """The prompt prefilled once (in chunks), its cache and last logits repeated for n samples."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    ids = mx.array(prompt, dtype=mx.int32)[None]
+    for start in range(0, len(prompt), PREFILL_CHUNK):
+        logits = model(ids[:, start:start + PREFILL_CHUNK], cache=cache)[:, -1, :]
+    mx.eval(logits, [c.state for c in cache])
+    for c in cache:
+        _expand(c, n)
+    return cache, mx.repeat(logits, n, axis=0)
+
+
+def _attach_routes(out: list[Completion], prompt_routes, routes: list[list]) -> None:
+    """Each completion's routes: the shared prompt's, and one row per sampled token that was fed back (the
+    last token is never fed, so it has none)."""
+    import numpy as np
+
+    for i, c in enumerate(out):
+        c.prompt_routes = prompt_routes
+        c.routes = (np.stack(routes[i][:len(c.token_ids) - 1]) if len(c.token_ids) > 1
+                    else np.zeros((0, *prompt_routes.shape[1:]), dtype=np.uint8))
+
+
 class MlxEngine:
-    """The episode generator's backend (worker/episodes.py): one batch-1 mlx-lm prompt cache per sample,
-    extended by feeding the new tokens; a clone holds fresh arrays (an update of one never reaches another)."""
+    """The episode generator's backend (worker/episodes.py) on mlx-lm's caches: a sample's batch-1 prompt
+    cache is extended by feeding it new tokens; a turn's samples are merged into mlx-lm's batch caches
+    (`BatchKVCache` left-pads attention; LFM2's conv state `ArraysCache` stacks) and split back with their
+    `extract`/`filter`. mlx-lm's `BatchGenerator` itself is not used: it samples from the raw logits through
+    its own sampler and reports the log-softmax before temperature and top-p (not the distribution drawn
+    from), draws one key for the whole batch (a sample's tokens would then depend on which others share its
+    batch), and has no way to take a sample out at `</search>` and put it back with its cache extended by a
+    tool turn while sharing the group's one prompt prefill."""
 
     def __init__(self, model, decode, *, temperature: float, top_p: float, key, recorder=None):
         self.model, self.decode, self.recorder = model, decode, recorder
         self.temperature, self.top_p, self.key = temperature, top_p, key
+        if recorder is not None:
+            recorder.clear()  # from here every forward is this engine's, taken after it
+        self.forwards = 0
 
     def prefill(self, ids: list[int], state):
         import mlx.core as mx
@@ -130,12 +154,13 @@ class MlxEngine:
         x = mx.array(ids, dtype=mx.int32)[None]
         for start in range(0, len(ids), PREFILL_CHUNK):
             logits = self.model(x[:, start:start + PREFILL_CHUNK], cache=cache)[:, -1, :]
+            self.forwards += 1
         mx.eval(logits, [c.state for c in cache])
         return cache, logits
 
     def take_routes(self):
-        """The routes of the ids the last prefill fed, uint8 [ids, layers, top_k]; None for a dense model."""
-        return None if self.recorder is None else self.recorder.take()[0]
+        """MoE: uint8 [rows, tokens, layers, top_k] of the forwards since the last take; None for a dense model."""
+        return None if self.recorder is None else self.recorder.take()
 
     def clone(self, state):
         import copy
@@ -147,12 +172,47 @@ class MlxEngine:
             out.append(d)
         return out
 
-    def pick(self, logits) -> tuple[int, float]:
+    def streams(self, n: int) -> list:
         import mlx.core as mx
 
         self.key, sub = mx.random.split(self.key)
+        return [[k] for k in mx.random.split(sub, n)]  # a mutable holder per sample: [its current key]
+
+    def merge(self, states: list, logits: list):
+        import mlx.core as mx
+
+        batch = [type(layers[0]).merge(list(layers)) for layers in zip(*states, strict=True)]
+        return batch, mx.concatenate(logits, axis=0)
+
+    def forward(self, batch, tokens: list[int]):
+        """The model on a batch, one new token per row (a route recorder's take gives its rows in batch order)."""
+        import mlx.core as mx
+
+        self.forwards += 1
+        return self.model(mx.array(tokens, dtype=mx.int32)[:, None], cache=batch)[:, -1, :]
+
+    def extract(self, batch, row: int):
+        return [c.extract(row) for c in batch]
+
+    def keep(self, batch, rows: list[int]):
+        import mlx.core as mx
+
+        idx = mx.array(rows, dtype=mx.int32)
+        for c in batch:
+            c.filter(idx)
+        return batch
+
+    def pick(self, logits, streams: list) -> tuple[list[int], list[float]]:
+        """Row r drawn with its sample's own key (a batch's draw never depends on who else is in it); one
+        host synchronisation for the whole batch."""
+        import mlx.core as mx
+
         logp = nucleus_logprobs(logits, self.temperature, self.top_p)
-        tok = mx.random.categorical(logp, axis=-1, key=sub)
+        drawn = []
+        for r, s in enumerate(streams):
+            s[0], sub = mx.random.split(s[0])
+            drawn.append(mx.random.categorical(logp[r], key=sub))
+        tok = mx.stack(drawn)
         lp = mx.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
         mx.eval(tok, lp)
-        return int(tok.item()), float(lp.item())
+        return tok.tolist(), lp.tolist()

@@ -68,3 +68,32 @@ def to_mlx(architecture: str, state: Mapping[str, np.ndarray]) -> dict[str, np.n
 def quantized_modules(mlx_state: Mapping[str, np.ndarray]) -> set[str]:
     """mlx-lm module paths that the plane quantized (those with `.scales`), as mlx-lm's loader decides."""
     return {k[: -len(".scales")] for k in mlx_state if k.endswith(".scales")}
+
+
+
+def mlx_targets(architecture: str, name: str, shape: tuple[int, ...], idx: np.ndarray
+                ) -> list[tuple[str, np.ndarray, np.ndarray]] | None:
+    """Where the elements `idx` (flat) of an HF-named plane tensor live in the mlx-lm model: a list of
+    (mlx-lm name, flat positions there, the source positions they take), or None where the mapping
+    reorders values (a transposed conv kernel: rewritten whole). RoPE's inv_freq lives nowhere: []."""
+    kind = mlx_model_name(architecture)
+    if name.endswith("rotary_emb.inv_freq"):
+        return []
+    if kind not in ("qwen2", "llama") and name.endswith("conv.conv.weight") and len(shape) == 3 and shape[1] == 1:
+        return None
+    if kind == "lfm2_moe":
+        if m := _EXPERT.fullmatch(name):  # expert e is slab e of the stacked tensor
+            return [(f"{m[1]}switch_mlp.{_PROJ[m[3]]}.{m[4]}", idx + int(m[2]) * int(np.prod(shape)), idx)]
+        if m := _FUSED.fullmatch(name):
+            if m[2] == "down_proj":
+                return [(f"{m[1]}switch_mlp.down_proj.weight", idx, idx)]
+            experts, rows, width = shape  # gate_up [E, 2I, h]: rows < I are gate's, the rest up's
+            half = rows // 2
+            e, r, c = idx // (rows * width), (idx // width) % rows, idx % width
+            up = r >= half
+            at = e * half * width + (r - half * up) * width + c
+            return [(f"{m[1]}switch_mlp.gate_proj.weight", at[~up], idx[~up]),
+                    (f"{m[1]}switch_mlp.up_proj.weight", at[up], idx[up])]
+        if m := _DENSE_FF.fullmatch(name):
+            return [(f"{m[1]}{_PROJ[m[2]]}.{m[3]}", idx, idx)]
+    return [(name, idx, idx)]

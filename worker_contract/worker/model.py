@@ -38,12 +38,57 @@ class PolicyModel(ChatPolicy):
 
         shape = route_shape(config.to_dict())  # MoE: every forward's routes are recorded (worker_contract/routes.py)
         self.recorder = None if shape is None else TorchRouteRecorder(self.model, shape)
+        self._loaded = False
 
-    def load_plane(self, plane: str, state: Mapping[str, np.ndarray]) -> None:
-        """A full state in the run's plane: dequantized to HF-named dense tensors first (int8g64)."""
+    def load_plane(self, plane: str, state: Mapping[str, np.ndarray],
+                   changes: Mapping[str, np.ndarray] | None = None) -> dict[str, int]:
+        """A state in the run's plane: all of it (`changes` None: a join or an anchor; dequantized to HF-named
+        dense tensors first for int8g64), or only the elements a patch changed (see `patch`)."""
         from ..planes import get_plane
 
+        if changes is not None and self._loaded:
+            return self.patch(plane, state, changes)
         self.load(get_plane(plane).to_dense(state))
+        self._loaded = True
+        return {"elements": sum(p.numel() for p in self.model.parameters()),
+                "bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()), "whole": -1}
+
+    @torch.no_grad()
+    def patch(self, plane: str, state: Mapping[str, np.ndarray], changes: Mapping[str, np.ndarray]) -> dict[str, int]:
+        """Rewrite only what a patch changed, in place: a dense tensor's changed elements; for an int8g64
+        module, each group of 64 whose codes, scale or bias changed, dequantized alone (the dequantization is
+        per group, so this is bit for bit the whole tensor's). Returns {"elements", "bytes", "whole": 0}."""
+        from ..planes import int8g64
+
+        params = dict(self.model.named_parameters())
+        persistent = set(self.model.state_dict())
+        params.update({n: b for n, b in self.model.named_buffers() if n in persistent})
+        mods = set(int8g64.quantized_modules(state)) if plane == int8g64.NAME else set()
+        groups: dict[str, np.ndarray] = {}
+        out = {"elements": 0, "bytes": 0, "whole": 0}
+        for name, idx in changes.items():
+            mod, _, leaf = name.rpartition(".")
+            if mod in mods:  # codes: 16 uint32 words (64 codes) a group; scales and biases: one a group
+                g = idx // (int8g64.GROUP_SIZE // 4) if leaf == "weight" else idx
+                groups[mod] = np.union1d(groups[mod], g) if mod in groups else g
+                continue
+            if name not in params:
+                continue  # a tied lm_head, RoPE's inv_freq: as `load` skips them
+            vals = to_torch(np.ascontiguousarray(np.asarray(state[name]).reshape(-1)[idx]))
+            flat = params[name].view(-1)
+            flat[torch.from_numpy(idx).to(flat.device)] = vals.to(device=flat.device, dtype=flat.dtype)
+            out["elements"] += len(idx)
+            out["bytes"] += len(idx) * flat.element_size()
+        for mod, g in groups.items():
+            codes = np.asarray(state[f"{mod}.weight"]).reshape(-1, int8g64.GROUP_SIZE // 4)[g]
+            scales = np.asarray(state[f"{mod}.scales"]).reshape(-1, 1)[g]
+            biases = np.asarray(state[f"{mod}.biases"]).reshape(-1, 1)[g]
+            dense = to_torch(np.ascontiguousarray(int8g64.dequantize_np(codes, scales, biases)))
+            w = params[f"{mod}.weight"].view(-1, int8g64.GROUP_SIZE)
+            w[torch.from_numpy(g).to(w.device)] = dense.to(device=w.device, dtype=w.dtype)
+            out["elements"] += dense.numel()
+            out["bytes"] += dense.numel() * w.element_size()
+        return out
 
     @torch.no_grad()
     def load(self, state: Mapping[str, np.ndarray]) -> None:

@@ -3,6 +3,7 @@
     rec = TorchRouteRecorder(model, shape)   # or MlxRouteRecorder(model, shape)
     model(ids)                                # any forward: prefill, a decode step, a batch of rows
     rec.take()                                # uint8 [rows, tokens, layers, top_k] of the forwards since the last take
+    rec.clear()                               # a sampler starts here: what other forwards recorded is dropped
 
 torch: a forward hook on each transformers LFM2-MoE router; MLX: a recording subclass of mlx-lm's expert
 stack (parameters and names unchanged). The decode paths map rows and tokens to samples.
@@ -41,6 +42,10 @@ class TorchRouteRecorder:
             self._ids[pos].append(output[2].detach())
         return hook
 
+    def clear(self) -> None:
+        """Forget what forwards outside a sampler (an evaluation, a test's own forward) recorded."""
+        self._rows, self._ids = [], [[] for _ in self._ids]
+
     def take(self) -> np.ndarray:
         """uint8 [rows, tokens, layers, top_k] of every forward since the last take (then forgotten)."""
         import torch
@@ -73,6 +78,11 @@ class MlxRouteRecorder:
         for pos, block in enumerate(blocks):
             block.switch_mlp.__class__ = _recording(type(block.switch_mlp))
             block.switch_mlp.__dict__["_route_sink"] = self._ids[pos]  # not a parameter: outside the module tree
+
+    def clear(self) -> None:
+        """Forget what forwards outside a sampler (an evaluation, a test's own forward) recorded."""
+        for layer in self._ids:
+            layer.clear()
 
     def take(self) -> np.ndarray:
         """uint8 [rows, tokens, layers, top_k] of every forward since the last take (then forgotten)."""

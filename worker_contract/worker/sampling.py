@@ -74,6 +74,8 @@ def sample(
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(eos_ids, device=device)
     cache_kw = _cache_kwarg(model)
+    if recorder is not None:
+        recorder.clear()
     out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
     past, logits = getattr(out, cache_kw), out.logits[:, -1]
     routes = [] if recorder is None else [recorder.take()]  # [rows, width, ...], then [rows, 1, ...] a step
@@ -125,16 +127,102 @@ def _collect(tok_rows: list[list[int]], lp_rows: list[list[float]], eos: set[int
     return result
 
 
+class _Batch:
+    """A turn's merged HF cache: rows left-padded to one length, their attention mask and next positions."""
+
+    __slots__ = ("cache", "mask", "pos")
+
+    def __init__(self, cache, mask: torch.Tensor, pos: torch.Tensor):
+        self.cache, self.mask, self.pos = cache, mask, pos
+
+
+def _layer_kind(layer) -> str:
+    """'attn' (keys/values along the sequence), 'conv' (LFM2's per-row conv state), else refused."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    if isinstance(layer, LinearAttentionCacheLayerMixin) and not hasattr(layer, "keys"):
+        return "conv"
+    if type(layer) is DynamicLayer:
+        return "attn"
+    raise ValueError(f"the torch worker cannot batch a {type(layer).__name__} cache layer across samples")
+
+
+def _with_layers(template, layers):
+    """A cache object like `template` holding `layers`; each conv layer's length counter (which transformers
+    updates in place, and which `get_seq_length` reads when the first layer is a conv) and flag dicts made
+    its own, set to the attention length."""
+    import copy
+
+    out = copy.copy(template)
+    out.layers = layers
+    seq = next((layer.keys.shape[-2] for layer in layers if _layer_kind(layer) == "attn"), None)
+    for layer in layers:
+        if _layer_kind(layer) == "conv":
+            for name in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
+                         "conv_kernel_size"):
+                setattr(layer, name, dict(getattr(layer, name)))
+            n = int(layer.cumulative_length_linear) if seq is None else seq
+            layer.cumulative_length_linear = torch.tensor(n, dtype=torch.long, device=layer.conv_states[0].device
+                                                          if layer.conv_states.get(0) is not None else None)
+    return out
+
+
+def merge_caches(states: list) -> tuple:
+    """Batch-1 HF `DynamicCache`s -> one cache of len(states) rows, left-padded to the longest; (cache,
+    lengths). Written here because transformers' caches only select or repeat rows of one batch; none
+    stacks caches of different lengths."""
+    import copy
+
+    lens = [s.get_seq_length() for s in states]
+    width = max(lens)
+    layers = []
+    for per in zip(*(s.layers for s in states), strict=True):
+        new = copy.copy(per[0])
+        if _layer_kind(per[0]) == "attn":
+            pad = [(0, 0, width - n, 0) for n in lens]
+            new.keys = torch.cat([torch.nn.functional.pad(x.keys, p) for x, p in zip(per, pad, strict=True)])
+            new.values = torch.cat([torch.nn.functional.pad(x.values, p) for x, p in zip(per, pad, strict=True)])
+        else:
+            new.conv_states = {k: None if v is None else torch.cat([x.conv_states[k] for x in per])
+                               for k, v in per[0].conv_states.items()}
+            new.recurrent_states = {k: None if v is None else torch.cat([x.recurrent_states[k] for x in per])
+                                    for k, v in per[0].recurrent_states.items()}
+        layers.append(new)
+    return _with_layers(states[0], layers), lens
+
+
+def _rows_of(cache, rows: torch.Tensor, trim: int = 0):
+    """The cache's given rows (a copy), attention dropped of its first `trim` positions."""
+    import copy
+
+    layers = []
+    for layer in cache.layers:
+        new = copy.copy(layer)
+        if _layer_kind(layer) == "attn":
+            new.keys, new.values = layer.keys[rows, :, trim:], layer.values[rows, :, trim:]
+        else:
+            new.conv_states = {k: None if v is None else v[rows] for k, v in layer.conv_states.items()}
+            new.recurrent_states = {k: None if v is None else v[rows] for k, v in layer.recurrent_states.items()}
+        layers.append(new)
+    return _with_layers(cache, layers)
+
+
 class TorchEngine:
     """The episode generator's backend (worker/episodes.py): one batch-1 HF cache per sample, extended in
-    place (`DynamicCache`; LFM2's conv state lives in the same cache object), cloned by deep copy."""
+    place (`DynamicCache`; LFM2's conv state lives in the same cache object), cloned by deep copy, merged
+    left-padded for a turn's batched decoding (an attention mask hides the padding; positions are each
+    row's own). Each sample draws with its own `torch.Generator` (exponential race: the same distribution
+    as multinomial, one stream per sample)."""
 
     def __init__(self, model, decode, *, temperature: float, top_p: float, greedy: bool = False,
                  generator: torch.Generator | None = None, recorder=None):
         self.model, self.decode, self.recorder = model, decode, recorder
         self.temperature, self.top_p, self.greedy, self.generator = temperature, top_p, greedy, generator
+        if recorder is not None:
+            recorder.clear()  # from here every forward is this engine's, taken after it
         self.device = next(model.parameters()).device
         self.cache_kw = _cache_kwarg(model)
+        self.forwards = 0
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], state):
@@ -142,6 +230,7 @@ class TorchEngine:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         kw = {} if state is None else {self.cache_kw: state}
         out = self.model(input_ids=x, use_cache=True, **kw)
+        self.forwards += 1
         return getattr(out, self.cache_kw), out.logits[:, -1]
 
     def clone(self, state):
@@ -149,11 +238,51 @@ class TorchEngine:
 
         return copy.deepcopy(state)
 
+    def streams(self, n: int) -> list[torch.Generator]:
+        base = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
+        return [torch.Generator(device=self.device).manual_seed(base + i) for i in range(n)]
+
+    def merge(self, states: list, logits: list):
+        cache, lens = merge_caches(states)
+        width = max(lens)
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lens], dtype=torch.long, device=self.device)
+        pos = torch.tensor(lens, dtype=torch.long, device=self.device)
+        return _Batch(cache, mask, pos), torch.cat(logits)
+
     def take_routes(self):
-        """The routes of the ids the last prefill fed, uint8 [ids, layers, top_k]; None for a dense model."""
-        return None if self.recorder is None else self.recorder.take()[0]
+        """MoE: uint8 [rows, tokens, layers, top_k] of the forwards since the last take; None for a dense model."""
+        return None if self.recorder is None else self.recorder.take()
 
     @torch.inference_mode()
-    def pick(self, logits) -> tuple[int, float]:
-        tok, lp = _pick(logits, self.temperature, self.top_p, self.greedy, self.generator)
-        return int(tok[0]), float(lp[0])
+    def forward(self, batch: _Batch, tokens: list[int]):
+        """The model on a batch, one new token per row (a route recorder's take gives its rows in batch order)."""
+        self.forwards += 1
+        batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
+        x = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+        out = self.model(input_ids=x, attention_mask=batch.mask, position_ids=batch.pos[:, None], use_cache=True,
+                         **{self.cache_kw: batch.cache})
+        batch.cache, batch.pos = getattr(out, self.cache_kw), batch.pos + 1
+        return out.logits[:, -1]
+
+    def extract(self, batch: _Batch, row: int):
+        pad = int((batch.mask[row] == 0).sum())
+        return _rows_of(batch.cache, torch.tensor([row], device=self.device), trim=pad)
+
+    def keep(self, batch: _Batch, rows: list[int]) -> _Batch:
+        idx = torch.tensor(rows, device=self.device)
+        mask = batch.mask[idx]
+        trim = int((mask == 0).all(dim=0).long().cumprod(0).sum())  # padding every kept row has: dropped
+        return _Batch(_rows_of(batch.cache, idx, trim), mask[:, trim:], batch.pos[idx])
+
+    @torch.inference_mode()
+    def pick(self, logits, streams: list[torch.Generator]) -> tuple[list[int], list[float]]:
+        if self.greedy:
+            logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+            tok = logp.argmax(dim=-1)
+        else:
+            logp = nucleus_logprobs(logits, self.temperature, self.top_p)
+            race = torch.stack([torch.empty(logp.shape[-1], device=logp.device).exponential_(generator=g)
+                                for g in streams])
+            tok = (logp - race.log()).argmax(dim=-1)  # argmax of p / E, E ~ Exp(1): a draw from p
+        lp = logp.gather(-1, tok[:, None]).squeeze(-1)
+        return tok.tolist(), lp.tolist()

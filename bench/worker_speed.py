@@ -1,0 +1,339 @@
+"""`python -m bench.worker_speed decode|swap|memory`: the workers at full speed (issue 38), on this CPU.
+
+decode: forwards per sampled token and tokens/s of psqa groups one sample at a time vs together, and of
+  gsm8k-style groups, both workers, with mlx-lm's `batch_generate` on the same prompts (tiny LFM2-MoE).
+swap: pause and bytes per version at LFM2.5-8B-A1B shapes on int8g64, layer-scaled (8192 of 65536
+  embedding rows, 1 dense layer, 1 MoE layer with 4 of its 32 experts; each part timed alone and scaled),
+  an Adam-sized step through the publisher's CPU path (plane.from_hf, encode_patch).
+memory: the MLX worker's RSS through a join, a follow and a psqa group at those shapes, and the estimate.
+Results in bench/results/worker_speed_<part>.json; docs/performance.md (Workers at full speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, LAYERS, DENSE_LAYERS = 2048, 65536, 32, 1792, 7168, 24, 2
+#: experts built per MoE layer (each of the 32 has the same shapes: a part's cost is scaled by EXPERTS / BUILT)
+BUILT = 4
+#: embedding rows built (the "other" part, the embedding alone but for a norm, is scaled by VOCAB / VOCAB_BUILT)
+VOCAB_BUILT = 8192
+
+
+# -- decode ---------------------------------------------------------------------------------------------
+def _count_forwards(policy):
+    """A counter of the model's forward calls (torch: a pre-hook on the input embedding; MLX: a wrapper)."""
+    box = [0]
+    if hasattr(policy, "generator"):
+        policy.model.get_input_embeddings().register_forward_pre_hook(lambda *_: box.__setitem__(0, box[0] + 1))
+    else:
+        inner = policy.model
+
+        class Counting:
+            def __call__(self, *a, **k):
+                box[0] += 1
+                return inner(*a, **k)
+
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+        policy.model = Counting()
+    return box
+
+
+def decode(groups: int, n: int, budget: int, device: str = "cpu") -> dict:
+    from infra.retriever.corpus import synthetic_corpus
+    from infra.retriever.index import BM25Index
+    from infra.retriever.server import make_server
+    from tests.episode_fixtures import save_search_model
+    from worker_contract.planes import get_plane
+    from worker_contract.tasks.psqa_retrieval import RetrieverClient, search_tool
+    from worker_contract.worker.mlx_model import MlxPolicy
+    from worker_contract.worker.model import PolicyModel
+
+    tmp = Path(tempfile.mkdtemp(prefix="worker-speed-"))
+    d = save_search_model(tmp / "m", "lfm2_moe")
+    BM25Index.build(synthetic_corpus(500, seed=1), source="generated").save(tmp / "idx")
+    srv = make_server(BM25Index.load(tmp / "idx"), "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    search = search_tool(RetrieverClient(srv.url), k=3, strict=True)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(d)
+    state = get_plane("bf16").from_hf({k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})
+    tp = PolicyModel(d, threads=1, seed=1, device=device)
+    mp = MlxPolicy(d, plane="bf16", seed=1, dtype="float32")
+    prompts = [tp.chat.encode(q) for q in ("Question: the dmd gene is", "Question: a protein kinase in the cell",
+                                           "Question: the cell of a gene", "Question: is the kinase a protein")]
+    prompts = [prompts[i % len(prompts)] for i in range(groups)]
+    out: dict = {}
+    for name, pol in (("torch", tp), ("mlx", mp)):
+        pol.load_plane("bf16", state)
+        fwd = _count_forwards(pol)
+        res = {}
+        for mode, batched in (("psqa_one_at_a_time", False), ("psqa_together", True)):
+            f0, t0 = fwd[0], time.perf_counter()
+            g, count = pol.sample_episode_groups(prompts, n, temperature=1.0, top_p=1.0, max_new_tokens=budget,
+                                                 search=search, batched=batched)
+            secs = time.perf_counter() - t0
+            toks = sum(sum(e.loss_mask) for eps in g for e in eps)
+            res[mode] = {"forwards": fwd[0] - f0, "sampled_tokens": toks, "seconds": round(secs, 2),
+                         "forwards_per_token": round((fwd[0] - f0) / toks, 3), "tokens_per_s": round(toks / secs, 1),
+                         "searches": sum(len(e.searches) for eps in g for e in eps), "turns": count.turns}
+        f0, t0 = fwd[0], time.perf_counter()
+        outs = pol.sample_many(prompts, n, temperature=1.0, top_p=1.0, max_new_tokens=budget)
+        secs, toks = time.perf_counter() - t0, sum(len(o.token_ids) for grp in outs for o in grp)
+        res["gsm8k_style_group"] = {"forwards": fwd[0] - f0, "sampled_tokens": toks, "seconds": round(secs, 2),
+                                    "forwards_per_token": round((fwd[0] - f0) / toks, 3),
+                                    "tokens_per_s": round(toks / secs, 1), "note": "single-turn: batched before and after"}
+        if name == "mlx":
+            from mlx_lm.generate import batch_generate
+            from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+            f0, t0 = fwd[0], time.perf_counter()
+            r = batch_generate(mp.model, TokenizerWrapper(mp.tokenizer, eos_token_ids=set(mp.eos_ids)), [p for p in prompts for _ in range(n)], max_tokens=budget,
+                               return_token_ids=True)
+            secs = time.perf_counter() - t0
+            toks = sum(len(t) for t in r.token_ids) if getattr(r, "token_ids", None) else None
+            res["mlx_lm_batch_generate"] = {"forwards": fwd[0] - f0, "sampled_tokens": toks, "seconds": round(secs, 2),
+                                            "tokens_per_s": round(toks / secs, 1) if toks else None,
+                                            "forwards_per_token": round((fwd[0] - f0) / toks, 3) if toks else None}
+        out[name] = res
+        for k, v in res.items():
+            print(f"{name} {k}: {v}", flush=True)
+    srv.shutdown()
+    srv.server_close()
+    return out
+
+
+# -- swap -----------------------------------------------------------------------------------------------
+def _bf16(x: np.ndarray) -> np.ndarray:
+    from worker_contract.tensors import round_to
+
+    return round_to(x, "bfloat16").reshape(x.shape)
+
+
+def _hf_shapes(fused: bool, moe_layers: int, dense_layers: int) -> dict[str, tuple[int, ...]]:
+    h, out = HIDDEN, {"model.embed_tokens.weight": (VOCAB_BUILT, HIDDEN), "model.embedding_norm.weight": (HIDDEN,)}
+    for i in range(dense_layers + moe_layers):
+        p = f"model.layers.{i}."
+        out[p + "operator_norm.weight"] = out[p + "ffn_norm.weight"] = (h,)
+        if i == 1:  # one attention layer (6 of the 24 are), the others gated short convs
+            kv = max(1, h // 64 // 4) * 64
+            for s, rows in (("q_proj", h), ("k_proj", kv), ("v_proj", kv), ("out_proj", h)):
+                out[f"{p}self_attn.{s}.weight"] = (rows, h)
+            out[p + "self_attn.q_layernorm.weight"] = out[p + "self_attn.k_layernorm.weight"] = (64,)
+        else:
+            out[p + "conv.conv.weight"], out[p + "conv.in_proj.weight"] = (h, 1, 3), (3 * h, h)
+            out[p + "conv.out_proj.weight"] = (h, h)
+        f = p + "feed_forward."
+        if i < dense_layers:
+            out[f + "w1.weight"] = out[f + "w3.weight"] = (DENSE_I, h)
+            out[f + "w2.weight"] = (h, DENSE_I)
+            continue
+        out[f + "gate.weight"], out[f + "expert_bias"] = (BUILT, h), (BUILT,)
+        if fused:
+            out[f + "experts.gate_up_proj"], out[f + "experts.down_proj"] = (BUILT, 2 * MOE_I, h), (BUILT, h, MOE_I)
+        else:
+            for e in range(BUILT):
+                out[f"{f}experts.{e}.w1.weight"] = out[f"{f}experts.{e}.w3.weight"] = (MOE_I, h)
+                out[f"{f}experts.{e}.w2.weight"] = (h, MOE_I)
+    return out
+
+
+def _two_versions(shapes, seed: int = 0):
+    """bf16 states before and after one Adam-sized step (each fp32 master weight moved by +-1e-6)."""
+    rng = np.random.default_rng(seed)
+    old, new = {}, {}
+    for name, shape in shapes.items():
+        w = (rng.standard_normal(shape, dtype=np.float32) * 0.02) if len(shape) > 1 else np.ones(shape, np.float32)
+        old[name] = _bf16(w)
+        w -= np.float32(1e-6) * np.sign(rng.standard_normal(shape, dtype=np.float32))
+        new[name] = _bf16(w)
+    return old, new
+
+
+def _config(d: Path, fused: bool) -> None:
+    import json
+
+    from tests.episode_fixtures import save_tokenizer
+
+    types = ["conv", "full_attention"]
+    cfg = {"architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "vocab_size": VOCAB_BUILT,
+           "hidden_size": HIDDEN, "intermediate_size": DENSE_I, "moe_intermediate_size": MOE_I,
+           "num_hidden_layers": 2, "num_attention_heads": HIDDEN // 64, "num_key_value_heads": max(1, HIDDEN // 256),
+           "norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": True, "num_dense_layers": 1,
+           "num_experts": BUILT, "num_experts_per_tok": min(4, BUILT), "use_expert_bias": True, "norm_topk_prob": True,
+           "conv_L_cache": 3, "conv_bias": False, "layer_types": types, "max_position_embeddings": 4096,
+           "eos_token_id": 0, "pad_token_id": 0}
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_tokenizer(d)
+
+
+def swap(worker: str) -> dict:
+    """One dense layer (0) and one MoE layer (1, attention): each part's patch-only swap timed alone."""
+    from worker_contract.planes import get_plane
+    from worker_contract.pulse import apply_patch, encode_patch
+
+    fused = worker == "torch"
+    plane = get_plane("int8g64")
+    old_hf, new_hf = _two_versions(_hf_shapes(fused, 1, 1))
+    t0 = time.perf_counter()
+    old, new = plane.from_hf(old_hf), plane.from_hf(new_hf)
+    del old_hf, new_hf
+    plane_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    patch = encode_patch(old, new, base_version=1, target_version=2)
+    encode_s = time.perf_counter() - t0
+    changes: dict = {}
+    t0 = time.perf_counter()
+    new = apply_patch(old, patch, changes_out=changes)
+    apply_s = time.perf_counter() - t0
+    d = Path(tempfile.mkdtemp(prefix="worker-speed-swap-"))
+    _config(d, fused)
+    if worker == "mlx":
+        from worker_contract.worker.mlx_model import MlxPolicy
+
+        pol = MlxPolicy(d, plane="int8g64", seed=0, dtype="bfloat16")
+    else:
+        from worker_contract.worker.model import PolicyModel
+
+        pol = PolicyModel(d, threads=2, seed=0, device="cpu")
+    t0 = time.perf_counter()
+    pol.load_plane("int8g64", old)
+    full_s = time.perf_counter() - t0
+    parts = {"other": lambda k: ".layers." not in k, "dense_layer": lambda k: ".layers.0." in k,
+             "moe_layer_rest": lambda k: ".layers.1." in k and ".experts." not in k,
+             "moe_layer_experts": lambda k: ".layers.1.feed_forward.experts." in k}
+    per = {}
+    for part, pick in parts.items():
+        sub = {k: v for k, v in changes.items() if pick(k)}
+        t0 = time.perf_counter()
+        wrote = pol.load_plane("int8g64", new, sub)
+        per[part] = {"seconds": round(time.perf_counter() - t0, 4), **wrote,
+                     "plane_bytes": int(sum(v.nbytes for k, v in new.items() if pick(k)))}
+    moe = LAYERS - DENSE_LAYERS
+    scale = {"other": VOCAB / VOCAB_BUILT, "dense_layer": DENSE_LAYERS, "moe_layer_rest": moe, "moe_layer_experts": moe * EXPERTS / BUILT}
+    est = {k: round(sum(per[p][k] * m for p, m in scale.items()), 3) for k in ("seconds", "bytes", "plane_bytes")}
+    full_est = round(full_s * est["plane_bytes"] / sum(p["plane_bytes"] for p in per.values()), 2)
+    res = {"worker": worker, "expert_names": "fused (transformers)" if fused else "per-expert (the learner's)",
+           "patch_bytes": len(patch), "changed_elements": int(sum(len(v) for v in changes.values())),
+           "plane_elements": int(sum(v.size for v in new.values())), "parts": per,
+           "scaled_to_8b_a1b": {**est, "layers": f"embedding of {VOCAB} rows ({VOCAB_BUILT} built) + {DENSE_LAYERS} dense + {moe} MoE layers of {EXPERTS} experts ({BUILT} built)",
+                                "full_load_seconds_before": full_est},
+           "measured_full_load_seconds": round(full_s, 2),
+           "publisher_plane_s": round(plane_s, 2), "publisher_encode_s": round(encode_s, 2),
+           "worker_apply_patch_s": round(apply_s, 2)}
+    print(res, flush=True)
+    return res
+
+
+def _rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def memory(n: int, budget: int) -> dict:
+    """The MLX worker's peak RSS at 8B-A1B shapes, layer-scaled (1 dense + 1 MoE layer), through a join, a
+    patch followed (the reconstructor's old and new plane both alive) and one psqa group, against the
+    estimate worker/memory.py refuses by; then the estimate at the full 24 layers."""
+    import mlx.core as mx
+
+    from worker_contract.planes import get_plane
+    from worker_contract.pulse import apply_patch, encode_patch
+    from worker_contract.worker.memory import worker_memory
+    from worker_contract.worker.mlx_model import MlxPolicy
+
+    plane = get_plane("int8g64")
+    old_hf, new_hf = _two_versions(_hf_shapes(False, 1, 1))
+    old, new = plane.from_hf(old_hf), plane.from_hf(new_hf)
+    patch = encode_patch(old, new)
+    del old_hf, new_hf, new
+    base = _rss()  # the bench's own copies up to here (the publisher's side): not the worker's
+    d = Path(tempfile.mkdtemp(prefix="worker-speed-mem-"))
+    _config(d, False)
+    pol = MlxPolicy(d, plane="int8g64", seed=0, dtype="bfloat16")
+    pol.load_plane("int8g64", old)
+    joined = _rss()
+    changes: dict = {}
+    new = apply_patch(old, patch, changes_out=changes)
+    pol.load_plane("int8g64", new, changes)
+    followed = _rss()
+    prompt = pol.chat.encode("Question: the dmd gene is " * 40)
+    pol.sample_episode_groups([prompt], n, temperature=1.0, top_p=1.0, max_new_tokens=budget,
+                              search=lambda q: "Doc 1 the dmd gene")
+    sampled = _rss()
+    est = worker_memory(pol.model, pol.config, plane="int8g64", dtype="bfloat16", n_samples=n,
+                        max_new_tokens=budget)
+    plane_bytes = sum(a.nbytes for a in old.values())
+    full_cfg = dict(pol.config, num_hidden_layers=LAYERS,
+                    layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(LAYERS)])
+    per_moe = sum(a.nbytes * (EXPERTS / BUILT if ".experts." in k else 1) for k, a in old.items() if ".layers.1." in k)
+    per_dense = sum(a.nbytes for k, a in old.items() if ".layers.0." in k)
+    full_plane = int(sum(a.nbytes for k, a in old.items() if ".layers." not in k) * VOCAB / VOCAB_BUILT
+                     + DENSE_LAYERS * per_dense
+                     + (LAYERS - DENSE_LAYERS) * per_moe)
+    from worker_contract.worker.memory import OVERHEAD_BYTES, PROMPT_TOKENS, kv_bytes
+
+    full = {"weights": full_plane, "plane_copy": full_plane, "patch_result": full_plane,
+            "kv_cache_recipe": kv_bytes(full_cfg, 8, 4096 + PROMPT_TOKENS, "bfloat16"), "overhead": OVERHEAD_BYTES}
+    full["total"] = sum(full.values())
+    res = {"layer_scaled": {"rss_bench_before_worker": base, "rss_after_join": joined, "rss_after_follow": followed,
+                            "rss_after_psqa_group": sampled, "worker_rss_peak": sampled - base,
+                            "mlx_peak_memory": int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
+                            "plane_bytes": plane_bytes, "estimate": est},
+           "full_24_layers_estimate": {k: round(v / 1e9, 2) for k, v in full.items()},
+           "how": "RSS high-water marks (ru_maxrss) of one process: the publisher side's arrays are made first and "
+                  "counted in rss_bench_before_worker; the worker's share is the rise after it. The 24-layer figure "
+                  "is the plane's bytes from the shapes (exact) with the psqa recipe's KV cache (8 rows of "
+                  "4096 + 512 tokens, bf16) and the overhead the layer-scaled run measured under."}
+    print(res, flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    global HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, BUILT, VOCAB_BUILT
+    from worker_contract.cli import number
+
+    p = argparse.ArgumentParser(prog="python -m bench.worker_speed", description=__doc__.splitlines()[0])
+    p.add_argument("part", choices=["decode", "swap", "memory"], help="what to measure")
+    p.add_argument("--groups", type=number(int, at_least=1), default=2, help="decode: prompts (groups) in one batch")
+    p.add_argument("--n", type=number(int, at_least=1), default=8, help="decode: samples a group")
+    p.add_argument("--budget", type=number(int, at_least=1), default=160,
+                   help="decode: max new tokens (sampled and tool)")
+    p.add_argument("--worker", choices=["mlx", "torch"], default="mlx", help="swap: which worker")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="decode: the torch worker's device")
+    p.add_argument("--experts-built", type=number(int, at_least=1, at_most=EXPERTS), default=4,
+                   help=f"swap/memory: experts built per MoE layer (of the {EXPERTS})")
+    p.add_argument("--tiny", action="store_true", help="swap/memory: hidden 128, vocab 256, 4 experts (a CI run)")
+    p.add_argument("--out", default=None, help="result file (default bench/results/worker_speed_<part>.json)")
+    a = p.parse_args(argv)
+    if a.tiny and a.experts_built > 4:
+        p.error(f"--experts-built {a.experts_built} with --tiny: the tiny model has 4 experts a layer; give at most 4")
+    from bench.common import write_result
+
+    BUILT = a.experts_built
+    if a.tiny:
+        HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, VOCAB_BUILT = 128, 256, 4, 64, 256, 256
+    if a.part == "decode":
+        result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget, "device": a.device}, **decode(a.groups, a.n, a.budget, a.device)}
+    elif a.part == "memory":
+        result = {"settings": {"n": a.n, "max_new_tokens": a.budget}, **memory(a.n, a.budget)}
+    else:
+        result = swap(a.worker)
+    name = f"worker_speed_{a.part}" + (f"_{a.worker}" if a.part == "swap" else "")
+    print(write_result(name, result, path=a.out, argv=argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

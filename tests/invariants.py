@@ -72,16 +72,16 @@ class BucketWatcher(threading.Thread):
     def poll(self) -> None:
         s = self.seen
         s.polls += 1
-        for info in [i for prefix in self.prefixes for i in self.store.list(prefix)]:
-            if info.key in s.digests and info.key != layout.pointer_key(self.run_id):
+        for key in [k for prefix in self.prefixes for k in self.store.list_keys(prefix)]:
+            if key in s.digests and key != layout.pointer_key(self.run_id):
                 continue  # create-only objects are read once; the final check compares them
             try:
-                data = self.store.get(info.key)
+                data = self.store.get(key)
             except NotFound:
                 continue  # deleted between list and get (gc, stats rewrite): not a partial object
             s.reads += 1
-            s.digests.setdefault(info.key, set()).add(hashlib.sha256(data).hexdigest())
-            if info.key == layout.pointer_key(self.run_id):
+            s.digests.setdefault(key, set()).add(hashlib.sha256(data).hexdigest())
+            if key == layout.pointer_key(self.run_id):
                 self._pointer(data)
 
     def _pointer(self, data: bytes) -> None:

@@ -142,12 +142,13 @@ class FileStore(Store):
                 raise PreconditionFailed(f"{key} changed (ETag {info.etag}, expected {etag})")
             return self.put(key, data)
 
-    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[ObjectInfo]:
-        # Walk only the directory the prefix names (its last complete segment), then filter by the rest.
+    def _keys(self, prefix: str, start_after: str | None) -> list[str]:
+        """The keys under `prefix` after `start_after`, sorted: a walk of only the directory the prefix names
+        (its last complete segment), filtered by the rest."""
         base_key = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
         base = self.root / base_key if base_key else self.root
         if not base.is_dir():
-            return
+            return []
         keys = []
         for dirpath, dirnames, filenames in os.walk(base):
             dirnames.sort()
@@ -157,10 +158,17 @@ class FileStore(Store):
                 key = Path(dirpath, name).relative_to(self.root).as_posix()
                 if key.startswith(prefix) and (start_after is None or key > start_after):
                     keys.append(key)
-        for key in sorted(keys):
+        return sorted(keys)
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> Iterator[ObjectInfo]:
+        for key in self._keys(prefix, start_after):
             info = self.head(key)
             if info is not None:
                 yield info
+
+    def list_keys(self, prefix: str = "", start_after: str | None = None) -> list[str]:
+        # list's ObjectInfo carries each file's ETag, the MD5 of all its bytes: the keys alone need a stat
+        return [key for key in self._keys(prefix, start_after) if (self.root / key).is_file()]
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -213,12 +213,17 @@ def swap(worker: str) -> dict:
     moe = LAYERS - DENSE_LAYERS
     scale = {"other": VOCAB / VOCAB_BUILT, "dense_layer": DENSE_LAYERS, "moe_layer_rest": moe, "moe_layer_experts": moe * EXPERTS / BUILT}
     est = {k: round(sum(per[p][k] * m for p, m in scale.items()), 3) for k in ("seconds", "bytes", "plane_bytes")}
-    full_est = round(full_s * est["plane_bytes"] / sum(p["plane_bytes"] for p in per.values()), 2)
+    built = sum(p["plane_bytes"] for p in per.values())
+    full_est = round(full_s * est["plane_bytes"] / built, 2)
+    # the reconstructor's apply_patch copies and hashes every tensor of the plane (the contract's digest is
+    # over whole tensors): it scales with the plane, not with the patch
+    apply_est = round(apply_s * est["plane_bytes"] / built, 2)
     res = {"worker": worker, "expert_names": "fused (transformers)" if fused else "per-expert (the learner's)",
            "patch_bytes": len(patch), "changed_elements": int(sum(len(v) for v in changes.values())),
            "plane_elements": int(sum(v.size for v in new.values())), "parts": per,
            "scaled_to_8b_a1b": {**est, "layers": f"embedding of {VOCAB} rows ({VOCAB_BUILT} built) + {DENSE_LAYERS} dense + {moe} MoE layers of {EXPERTS} experts ({BUILT} built)",
-                                "full_load_seconds_before": full_est},
+                                "full_load_seconds_before": full_est, "apply_patch_seconds": apply_est,
+                                "pause_seconds": round(est["seconds"] + apply_est, 2)},
            "measured_full_load_seconds": round(full_s, 2),
            "publisher_plane_s": round(plane_s, 2), "publisher_encode_s": round(encode_s, 2),
            "worker_apply_patch_s": round(apply_s, 2)}

@@ -51,8 +51,8 @@ def _publish(store, cfg, model_dir: Path):
 
 def measure_plane(plane: str, model_dir: Path, groups: int, seed: int = 0) -> dict:
     from embedded.config import resolve_embedded
-    from trainer.audit import WorkerAudit
     from trainer.backends import get_backend
+    from trainer.rollouts.audit import WorkerAudit
     from trainer.step import collate
     from worker_contract.store.file import FileStore
     from worker_contract.worker.loop import Worker, WorkerSettings

@@ -17,8 +17,8 @@ import pytest
 import torch
 from learner_fixtures import make_record, manifest, put_record, recipe, save_tiny_model, tiny_model
 
-from trainer.audit import DEFAULT_THRESHOLD, WorkerAudit
 from trainer.backends import get_backend
+from trainer.rollouts.audit import DEFAULT_THRESHOLD, WorkerAudit
 from trainer.step import collate
 from worker_contract.schema import RolloutRecord, Sample
 

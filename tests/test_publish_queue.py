@@ -15,8 +15,8 @@ import torch
 from learner_fixtures import make_record, manifest, recipe, save_tiny_model, tiny_model
 
 from trainer import step
-from trainer.audit import WorkerAudit
 from trainer.backends import get_backend
+from trainer.rollouts.audit import WorkerAudit
 from trainer.session import LearnerSession
 from worker_contract import layout
 from worker_contract.manifest import create_or_resume

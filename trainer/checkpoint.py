@@ -21,15 +21,23 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from worker_contract.store.file import fsync_dir
 
-if TYPE_CHECKING:
-    from .backends.base import Backend
+
+class Backend(Protocol):
+    """What a checkpoint asks of the learner's backend (trainer/backends/base.py has each): its state in and
+    out of a checkpoint folder, and, for a backend whose state is in this process, the files a background save
+    copies while the next steps wait at the gate."""
+
+    def save_checkpoint(self, path: Path) -> None: ...
+    def load_checkpoint(self, path: Path) -> None: ...
+    def checkpoint_files(self) -> dict[str, Any] | None: ...
+    def attach_checkpoint_gate(self, gate: Any) -> bool: ...
 
 FORMAT = 1
 _NAME_RE = re.compile(r"^step-(\d{10})$")

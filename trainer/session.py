@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from worker_contract.manifest import RunManifest
 from worker_contract.store import Store
 
-from .audit import WorkerAudit
 from .config import AlgoConfig, RecipeConfig
+from .rollouts.audit import WorkerAudit
 from .step import BatchNote, SourceCounts, StepReport, note_batch, source_counts, step_report
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class LearnerSession:
         from .step import VersionStats
 
         self.cfg = cfg
-        self.audit = WorkerAudit()  # behaviour log-probs vs ours, per worker (trainer/audit.py)
+        self.audit = WorkerAudit()  # behaviour log-probs vs ours, per worker (trainer/rollouts/audit.py)
         self.publisher = Publisher(store, manifest, key, anchor_interval=cfg.train.anchor_interval,
                                    progress=progress)
         self.stats = VersionStats(store, manifest.run)

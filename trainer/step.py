@@ -2,7 +2,7 @@
 
 `collate` lays a batch's prompt groups out as one `TrainBatch` (prompt then response, right-padded, with
 Dr.GRPO advantages). A batch comes with its `BatchNote` (who sampled each group, the batch's and the
-source's counts). The train side audits the groups sampled at its own weights (trainer/audit.py), runs the
+source's counts). The train side audits the groups sampled at its own weights (trainer/rollouts/audit.py), runs the
 objective (trainer/algo.py) on the backend's micro-batches (`train_on`, native only: slime runs the model
 itself), and hands the new weights to the publish queue with the `StepReport` that `step_report` builds
 in both engines. trainer/session.py wires these parts once. Importable without torch (imported where a
@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from worker_contract.routes import RouteShape
     from worker_contract.store import Store
 
-    from .audit import WorkerAudit
     from .config import AlgoConfig
     from .publish.queue import Published, PublishQueue
+    from .rollouts.audit import WorkerAudit
     from .rollouts.pool import Batch
     from .rollouts.source import RolloutSource
 

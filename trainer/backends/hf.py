@@ -69,11 +69,11 @@ class HFBackend(Backend):
         self._replayers = self._routing_replay(cfg)
 
     def _routing_replay(self, cfg: RecipeConfig) -> dict[int, Any]:
-        """The model's route shape, and with algo.routing_replay a Replayer per model (trainer/routing_replay.py),
+        """The model's route shape, and with algo.routing_replay a Replayer per model (trainer/models/routing_replay.py),
         installed after the reference copy so each model's hooks are its own."""
         from worker_contract.routes import route_shape
 
-        from ..routing_replay import Replayer
+        from ..models.routing_replay import Replayer
 
         self.route_shape = route_shape(self.model.config.to_dict())
         if not cfg.algo.routing_replay or self.route_shape is None:

@@ -85,10 +85,10 @@ class MegatronRank:
         self.replayers = self._routing_replay(cfg)
 
     def _routing_replay(self, cfg: RecipeConfig) -> dict[int, Any]:
-        """With algo.routing_replay on an MoE model, a Replayer per model (trainer/routing_replay.py)."""
+        """With algo.routing_replay on an MoE model, a Replayer per model (trainer/models/routing_replay.py)."""
         from worker_contract.routes import route_shape
 
-        from ..routing_replay import Replayer
+        from ..models.routing_replay import Replayer
 
         self.route_shape = route_shape(self.hf_cfg)
         if not cfg.algo.routing_replay or self.route_shape is None:

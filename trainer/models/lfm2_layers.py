@@ -112,7 +112,7 @@ class Lfm2ShortConv(MegatronModule):
 class FrozenBiasRouter(TopKRouter):
     """TopKRouter whose expert bias is a frozen parameter: it loads and saves with the weights (HF keeps it
     in the checkpoint), and RL fine-tuning never moves it (bias_update_rate is 0 in the config). Under
-    routing replay (trainer/routing_replay.py) it routes to the recorded experts."""
+    routing replay (trainer/models/routing_replay.py) it routes to the recorded experts."""
 
     #: (Replayer, this router's MoE layer position), set by `Replayer.megatron`
     replay_source: tuple[Any, int] | None = None
@@ -125,7 +125,7 @@ class FrozenBiasRouter(TopKRouter):
 
     def routing(self, logits: torch.Tensor, *args: Any, **kwargs: Any):
         """megatron's routing; with recorded routes in hand, through its replay entry (MegatronReplay)."""
-        from trainer.routing_replay import MegatronReplay
+        from .routing_replay import MegatronReplay
 
         src = self.replay_source
         recorded = None if src is None else src[0].layer(src[1])

@@ -16,7 +16,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from worker_contract import layout
 from worker_contract.routes import RouteError, RouteShape, decode_routes
@@ -26,7 +26,14 @@ from worker_contract.tasks import get_task, is_task
 if TYPE_CHECKING:
     from worker_contract.manifest import RunManifest
 
-    from ..config import AlgoConfig
+
+class AlgoConfig(Protocol):
+    """What the rollouts read of the recipe's algo section (trainer/config.py's AlgoConfig has each)."""
+
+    staleness: int
+    routing_replay: bool
+    groups_per_step: int
+    reuse_cap: int
 
 #: every reason a record can be dropped for, with what it means (the metric is rollout/drops/<reason>)
 DROP_REASONS: dict[str, str] = {

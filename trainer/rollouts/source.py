@@ -36,7 +36,7 @@ from .pool import (
 if TYPE_CHECKING:
     from worker_contract.manifest import RunManifest
 
-    from ..config import AlgoConfig
+    from .pool import AlgoConfig
 
 log = logging.getLogger(__name__)
 #: records read ahead of judging hold at most this many bytes (a single larger record is read alone)

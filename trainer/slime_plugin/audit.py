@@ -1,7 +1,7 @@
 """`--rollout-data-postprocess-path trainer.slime_plugin.audit.audit_rollout_data`: the worker audit in slime.
 
 slime calls the hook on every train rank after it recomputed the policy's log-probs of the step's samples
-and before it trains; the same trainer.audit.WorkerAudit the native learner runs then compares each audited
+and before it trains; the same trainer.rollouts.audit.WorkerAudit the native learner runs then compares each audited
 worker's recorded log-probs with the learner's, under the same metric names.
 More in docs/slime.md (module notes).
 """
@@ -22,7 +22,7 @@ class _Sample:
 
 @dataclass
 class _Group:
-    """The part of a rollout record the audit reads (trainer/audit.py)."""
+    """The part of a rollout record the audit reads (trainer/rollouts/audit.py)."""
 
     worker_id: str
     policy_version: int

@@ -323,6 +323,11 @@ class Gen:
         d["plane"] = "int8g64"
         return v, w, g, z(d), "wrong_plane"
 
+    def make_wrong_task(self):
+        v, w, g, d = self.rec()
+        d["task"] = "psqa" if d["task"] != "psqa" else "gsm8k"  # a registered task, not the run's
+        return v, w, g, z(d), "wrong_task"
+
     def make_group_size(self):
         v, w, g, d = self.rec()
         k = self.rng.choice([1, 2, 3, 5, 8, 64])
@@ -352,7 +357,7 @@ KINDS = {
     "missing_field": 6, "extra_field": 5, "wrong_type": 8, "wrong_element_type": 4, "deep_nesting": 3,
     "duplicate_json_key": 4, "bad_enum": 4, "empty_prompt": 2, "length_mismatch": 4, "nan_logprob": 5,
     "overflow_logprob": 2, "nan_reward": 3, "positive_logprob": 3, "out_of_vocab": 6, "too_long": 3,
-    "future": 5, "stale": 4, "wrong_run": 3, "key_mismatch": 4, "wrong_plane": 3, "group_size": 4,
+    "future": 5, "stale": 4, "wrong_run": 3, "key_mismatch": 4, "wrong_plane": 3, "wrong_task": 3, "group_size": 4,
     "sampling": 3, "forged_size": 1, "routes_on_dense": 3,
 }
 #: counts of the costly kinds, whatever the total
@@ -443,7 +448,7 @@ def fuzz(tmp_path: Path, total: int, seed: int) -> dict:
     del items
     gc.collect()
     rules = RecordRules(run=RUN, n_samples=N, plane="bf16", vocab_size=VOCAB, temperature=1.0, top_p=1.0,
-                        max_new_tokens=MAX_NEW, staleness=STALENESS)
+                        max_new_tokens=MAX_NEW, staleness=STALENESS, task="arithmetic")
     src = RolloutSource(store, rules, BatchRules(groups_per_step=4, reuse_cap=2))
     if not _reset_peak():
         pytest.skip("this kernel cannot reset the peak-RSS mark (/proc/self/clear_refs)")
@@ -618,7 +623,7 @@ def test_hostile_routes_on_an_moe_run_are_each_dropped_with_their_reason(tmp_pat
         else:
             expect[reason] += 1
     rules = RecordRules(run=RUN, n_samples=N, plane="bf16", vocab_size=VOCAB, temperature=1.0, top_p=1.0,
-                        max_new_tokens=MAX_NEW, staleness=STALENESS, routes=MOE, replay=True)
+                        max_new_tokens=MAX_NEW, staleness=STALENESS, routes=MOE, replay=True, task="arithmetic")
     src = RolloutSource(store, rules, BatchRules(groups_per_step=4, reuse_cap=2))
     assert src.poll(CURRENT) == len(controls)
     assert set(src._pool) == controls

@@ -1,5 +1,5 @@
-"""The Ray session never writes into HOME, whatever auth mode the environment hands it, and a start that
-times out is made again."""
+"""The Ray session never writes into HOME, whatever auth mode the environment hands it, runs its workers at
+the trainer's priority, and a start that times out is made again."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ import ray
 from trainer.ray_runtime import ray_session, ray_tmpdir
 
 def worker_token():
-    return os.environ.get("RAY_AUTH_TOKEN")
+    return os.environ.get("RAY_AUTH_TOKEN"), os.nice(0)
 
 with ray_session(sys.argv[1], num_cpus=1):
     seen = {"mode": os.environ.get("RAY_AUTH_MODE"), "token": os.environ.get("RAY_AUTH_TOKEN"),
-            "worker_token": ray.get(ray.remote(worker_token).remote()),
+            "worker": ray.get(ray.remote(worker_token).remote()),
             "ray_dir_mode": os.stat(ray_tmpdir(sys.argv[1])[0]).st_mode & 0o777}
 seen["token_after"] = os.environ.get("RAY_AUTH_TOKEN")
 print("SEEN " + json.dumps(seen), flush=True)
@@ -50,7 +50,8 @@ def test_inherited_token_mode_keeps_the_token_in_memory_not_in_home(tmp_path):
     assert list(home.iterdir()) == []  # no ~/.ray/auth_token, nothing else either
     seen = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("SEEN "))[5:])
     assert seen["mode"] == "token" and len(seen["token"]) == 64
-    assert seen["worker_token"] == seen["token"]  # the Ray processes got it by inheritance, not a file
+    assert seen["worker"][0] == seen["token"]  # the Ray processes got it by inheritance, not a file
+    assert seen["worker"][1] == os.nice(0)  # the learner at the trainer's priority, not Ray's nice 15
     assert seen["token_after"] is None  # and it left the process's environment with the session
     assert seen["ray_dir_mode"] == 0o700  # Ray made it 0777 (world-writable, its sockets reachable by anyone)
 

@@ -57,7 +57,7 @@ def _private_dir(path: Path) -> None:
 #: Ray offers no setting for that wait, so a start that times out is ended and made again.
 _START_ATTEMPTS = 3
 
-_ENV_KEYS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED", "PYTHONPATH",
+_ENV_KEYS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED", "RAY_worker_niceness", "PYTHONPATH",
              "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 
 
@@ -84,6 +84,9 @@ def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: in
             os.environ["RAY_TMPDIR"] = str(tmp)
             # Ray's worker processes inherit this environment: make our packages importable there too
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), saved["PYTHONPATH"]) if p)
+            # Ray starts its workers at nice 15; ours is the learner, the box's main job, which at nice 15
+            # yields the CPU to the rollout workers and the retriever beside it (an operator's value stands)
+            os.environ["RAY_worker_niceness"] = env.get("RAY_worker_niceness", "0")
             _loopback_only()
             _set_auth(env)
             dashboard = env.get("DRL_RAY_DASHBOARD", "") not in ("", "0")

@@ -47,6 +47,7 @@ DROP_REASONS: dict[str, str] = {
     "stale": "sampled more than `staleness` versions ago (never used before it aged out)",
     "key_mismatch": "version, worker or group in the key differs from the record",
     "wrong_plane": "sampled on another weight plane (DRL_PULSE_PLANE)",
+    "wrong_task": "the record names another task than the run's (its reward and prompts are another task's)",
     "group_size": "group size differs from DRL_N_SAMPLES",
     "sampling_mismatch": "temperature, top_p or max_new_tokens differs from the run's",
     "vocab": "a token id outside [0, vocab_size)",
@@ -83,6 +84,8 @@ class RecordRules:
     """The model's MoE route shape (None: a dense model, whose records carry no routes)."""
     replay: bool = False
     """algo.routing_replay: a record of an MoE model must carry its routes."""
+    task: str | None = None
+    """The run's task (run.json); None: any task the worker names (rules built by hand, without a run)."""
 
     def __post_init__(self) -> None:
         layout.check_run_id(self.run)
@@ -97,7 +100,7 @@ class RecordRules:
         return cls(run=manifest.run, n_samples=manifest.n_samples, plane=manifest.plane,
                    vocab_size=manifest.vocab_size, temperature=manifest.temperature, top_p=manifest.top_p,
                    max_new_tokens=manifest.max_new_tokens, staleness=algo.staleness,
-                   replay=algo.routing_replay, **kw)
+                   replay=algo.routing_replay, task=manifest.task, **kw)
 
     def window(self, current: int) -> range:
         """Policy versions a record may carry when the learner is at `current`."""
@@ -115,6 +118,8 @@ class RecordRules:
             return "key_mismatch"
         if rec.plane != self.plane:
             return "wrong_plane"
+        if self.task is not None and rec.task != self.task:
+            return "wrong_task"
         if len(rec.samples) != self.n_samples:
             return "group_size"
         sp = rec.sampling

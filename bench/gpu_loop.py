@@ -147,6 +147,8 @@ def start_workers(procs, cfg, model_dir: str, n: int, *, cpu: bool, threads: int
     env = {**os.environ, "DRL_N_SAMPLES": str(cfg.contract.n_samples), "DRL_PULSE_PLANE": cfg.contract.plane,
            "DRL_TRAINER_KEY_FINGERPRINT": fingerprint(manifest.trainer_public_key), "PYTHONUNBUFFERED": "1",
            "DRL_PROGRESS": "0", "OMP_NUM_THREADS": str(threads)}
+    if manifest.kv_mode:  # the worker checks its declared mode against run.json's
+        env["DRL_KV_MODE"] = manifest.kv_mode
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     out = []

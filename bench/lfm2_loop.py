@@ -240,7 +240,6 @@ def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: Non
     paths.run_dir.mkdir(parents=True, exist_ok=True)
     cfg = resolve_cfg(args, run, paths.store_url, model["path"], plane)
     store, _, _ = publish_contract(cfg, paths, Path(model["path"]))
-    os.environ["DRL_KV_MODE"] = cfg.contract.kv_mode
     env = {"DRL_TORCH_THREADS": str(args.learner_threads)} if args.learner_threads else {}
     procs, follower, gpu = Processes(record=paths.run_dir), Follower(store, run, plane), GpuMemory()
     out: dict = {"plane": plane, "run": run, "recipe": cfg.model_dump(mode="json")}

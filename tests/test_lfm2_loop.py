@@ -15,6 +15,10 @@ def test_lfm2_loop_bench_runs_tiny_on_cpu(tmp_path, monkeypatch):
     from bench import lfm2_loop
 
     monkeypatch.setenv("DRL_MEGATRON_CPU_SETUP", "tests.megatron_cpu:setup_rank")
+    # the values the bench's main sets by default, here through monkeypatch: the next test in this process
+    # gets its environment back as it was
+    monkeypatch.setenv("DRL_MIN_FREE_GB", "20")
+    monkeypatch.setenv("DRL_RAY_DASHBOARD", "0")
     out = tmp_path / "lfm2_loop.json"
     # each window ends at the learner's 8th step (checkpoints, an anchor and patches past the base), not after a
     # fixed 45 s of the learner, the worker and the follower running (about 30 steps on an idle core)

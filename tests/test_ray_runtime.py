@@ -94,4 +94,4 @@ def test_a_ray_start_that_times_out_is_ended_and_made_again(tmp_path):
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
     assert "did not come up in time (attempt 1 of 3" in err
-    assert json.loads(out.split("SEEN ", 1)[1])["worker_token"] is None  # a Ray task ran in the new start
+    assert json.loads(out.split("SEEN ", 1)[1])["worker"][0] is None  # a Ray task ran in the new start

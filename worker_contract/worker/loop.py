@@ -38,7 +38,7 @@ from ..schema import (
     encode_record,
 )
 from ..signing import fingerprint
-from ..store import NotFound, PreconditionFailed, Store, StoreError, open_store
+from ..store import NotFound, PreconditionFailed, Store, open_store
 from ..tasks import TASKS, Problem, get_task, is_task
 
 log = logging.getLogger("worker")
@@ -129,7 +129,8 @@ class WorkerStats:
     search_s: float = 0.0
     """psqa: seconds spent waiting for the retriever (inside `sampling_s`), failed calls included."""
     follow_s: float = 0.0
-    """Seconds spent following the pointer: reading, checking and applying patches, then the version load."""
+    """Seconds between groups spent on new versions: the patches the background follower had not applied yet
+    (worker/follower.py), then the model's rewrite of what changed."""
 
 
 def declared_contract(env: Mapping[str, str]) -> tuple[int, str]:
@@ -275,6 +276,9 @@ class Worker:
         if joined is None:
             return False
         self._swap(*joined)
+        from .follower import Follower
+
+        self.follower = Follower(self.rec, behind=self.s.lag_versions, interval_s=self.s.poll_interval_s)
         log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d, "
                  "backend %s%s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
                  self.plane, manifest.temperature, manifest.max_new_tokens, self._backend_name(),
@@ -378,6 +382,13 @@ class Worker:
         return self.loop(stop)
 
     def loop(self, stop: threading.Event) -> WorkerStats:
+        self.follower.start()  # patches are read and applied while a group samples (worker/follower.py)
+        try:
+            return self._loop(stop)
+        finally:
+            self.follower.close()
+
+    def _loop(self, stop: threading.Event) -> WorkerStats:
         train = self.task.dataset("train")
         last_log, key = time.monotonic(), None
         while not stop.is_set() and (self.s.max_groups <= 0 or self.stats.groups < self.s.max_groups):
@@ -406,13 +417,10 @@ class Worker:
         """Follow the pointer (`lag_versions` behind it); returns the version now held. A forged or damaged
         object or a flaky store leaves the worker on the version it holds."""
         t0 = time.monotonic()
-        try:
-            update = self.rec.follow(self.s.lag_versions)
-        except (SyncError, StoreError) as e:
-            log.warning("not following the pointer, staying on v%d: %s", self.version, e)
-            update = None
+        update = self.follower.take()  # what the background follower moved through, then the rest up to now
         if update is not None:
-            self._swap(*update, changes=self.rec.changes)
+            version, state, changes = update
+            self._swap(version, state, changes=changes)
         self.stats.follow_s += time.monotonic() - t0
         return self.version
 

@@ -1,0 +1,53 @@
+"""The background follower (worker/follower.py): patches published while a group samples are read, checked
+and applied beside it; between groups the worker gets the version at the pointer, bit for bit, with the union
+of what every patch on the way changed (a position missed would leave a stale weight in the model)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from test_reconstruct import _published
+from weightsync_helpers import assert_same_bits
+
+from worker_contract.planes import get_plane
+from worker_contract.reconstruct import Reconstructor
+from worker_contract.tensors import words
+from worker_contract.worker.follower import Follower
+
+pytest.importorskip("torch")
+
+
+def _move_rows(policy, k: int) -> None:
+    """Version k moves rows 16k..16k+15 alone: each patch changes positions the others do not."""
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+        policy.w[name][16 * k:16 * (k + 1)] += 0.01
+
+
+@pytest.mark.parametrize("plane", ["bf16", "int8g64"])
+def test_versions_followed_in_the_background_hand_over_every_change(file_store, plane):
+    manifest, _, pub, policy, states = _published(file_store, plane=plane, n=2)
+    rec = Reconstructor(file_store, manifest.run, plane=plane, n_samples=8, public_key=manifest.trainer_public_key)
+    start, held = rec.join()
+    follower = Follower(rec, interval_s=0.05)
+    assert follower.take() is None  # nothing published since the join
+    follower.start()
+    try:
+        for k in range(3):  # three versions while the worker "samples", each followed on its own
+            _move_rows(policy, k)
+            states[pub.publish(policy.state()).version] = get_plane(plane).from_hf(policy.state())
+            deadline = time.monotonic() + 60
+            while rec.version != start + k + 1:  # the thread did the work, not take()
+                assert time.monotonic() < deadline, "the follower did not move in the background"
+                time.sleep(0.02)
+        version, state, changes = follower.take()
+    finally:
+        follower.close()
+    assert version == start + 3
+    assert_same_bits(state, states[version])
+    assert changes is not None
+    for name, new in state.items():
+        moved = np.flatnonzero(words(np.asarray(held[name])).reshape(-1) != words(np.asarray(new)).reshape(-1))
+        assert np.isin(moved, changes.get(name, np.zeros(0, np.int64))).all(), f"{name}: a change not handed over"
+    assert follower.take() is None

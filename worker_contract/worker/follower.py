@@ -1,0 +1,88 @@
+"""Following the pointer beside sampling: the reconstructor reads, checks and applies each new patch in a
+background thread while the worker samples a group on the version it holds, so that between groups a new
+version costs only the model's rewrite of what changed.
+
+    follower = Follower(rec, behind=0, interval_s=2.0); follower.start()
+    update = follower.take()     # between groups: (version, state, changes) or None
+    follower.close()
+
+`take()` still follows up to the pointer as it is when called (waiting for a follow in flight), so a worker
+reaches the same version it would without the thread; the thread only does that work earlier. Changes
+accumulate across the versions the thread moved through (the union of each patch's positions), or become
+None (rewrite everything) where it entered an anchor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..reconstruct import Reconstructor, SyncError
+from ..store import StoreError
+from ..tensors import sorted_positions
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    def __init__(self, rec: Reconstructor, *, behind: int = 0, interval_s: float = 2.0):
+        self.rec, self.behind, self.interval_s = rec, behind, interval_s
+        self._lock = threading.Lock()  # one follow at a time: the thread's or take()'s
+        self._moved = False
+        self._changes: dict[str, np.ndarray] | None = {}  # since the last take; None: everything
+        self._said: str | None = None  # the last failure the thread logged (said once, not every poll)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pointer-follower", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def take(self) -> tuple[int, dict[str, Any], dict[str, np.ndarray] | None] | None:
+        """What moved since the last take, followed up to the pointer now; None if nothing did. A follow that
+        fails (a forged or damaged object, a flaky store) is logged, and what the thread already moved
+        through and checked is still handed over."""
+        with self._lock:
+            try:
+                self._follow()
+            except (SyncError, StoreError) as e:
+                log.warning("not following the pointer, staying on v%d: %s", self.rec.version, e)
+            if not self._moved:
+                return None
+            out = (self.rec.version, self.rec.state, self._changes)
+            self._moved, self._changes = False, {}
+            return out
+
+    def _follow(self) -> None:
+        if self.rec.follow(self.behind) is None:
+            return
+        self._moved = True
+        step = self.rec.changes
+        if step is None or self._changes is None:
+            self._changes = None
+            return
+        for name, idx in step.items():
+            old = self._changes.get(name)
+            self._changes[name] = idx if old is None else sorted_positions(old, idx, size=self.rec.state[name].size)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                with self._lock:
+                    self._follow()
+                self._said = None
+            except (SyncError, StoreError) as e:
+                if str(e) != self._said:  # take() says it again at the next group, where it matters
+                    log.info("the pointer moved but did not follow yet: %s", e)
+                self._said = str(e)
+            except Exception:  # a bug here must not end the thread silently; take() follows on its own
+                log.exception("following the pointer in the background failed")
+                self._said = None

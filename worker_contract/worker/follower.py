@@ -1,15 +1,10 @@
-"""Following the pointer beside sampling: the reconstructor reads, checks and applies each new patch in a
-background thread while the worker samples a group on the version it holds, so that between groups a new
-version costs only the model's rewrite of what changed.
+"""Following the pointer beside sampling: a background thread reads, checks and applies each new patch while
+the worker samples a group on the version it holds, so that between groups a new version costs only the
+model's rewrite of what changed.
 
-    follower = Follower(rec, behind=0, interval_s=2.0); follower.start()
-    update = follower.take()     # between groups: (version, state, changes) or None
-    follower.close()
-
-`take()` still follows up to the pointer as it is when called (waiting for a follow in flight), so a worker
-reaches the same version it would without the thread; the thread only does that work earlier. Changes
-accumulate across the versions the thread moved through (the union of each patch's positions), or become
-None (rewrite everything) where it entered an anchor.
+`take()` (between groups) still follows up to the pointer as it is then, waiting for a follow in flight: the
+worker reaches the version it would without the thread, which only does that work earlier. It hands over
+the union of the positions every patch on the way changed, or None (rewrite everything) past an anchor.
 """
 
 from __future__ import annotations

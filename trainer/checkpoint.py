@@ -29,7 +29,7 @@ import torch
 from worker_contract.store.file import fsync_dir
 
 
-class Backend(Protocol):
+class Checkpointable(Protocol):
     """What a checkpoint asks of the learner's backend (trainer/backends/base.py has each): its state in and
     out of a checkpoint folder, and, for a backend whose state is in this process, the files a background save
     copies while the next steps wait at the gate."""
@@ -95,7 +95,7 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(root: str | Path, state: TrainerState, backend: Backend, *, keep: int = 2) -> Path:
+def save(root: str | Path, state: TrainerState, backend: Checkpointable, *, keep: int = 2) -> Path:
     """Write a checkpoint for `state.step` atomically; prune to the newest `keep`. Returns its path."""
     return _write(root, state, backend.save_checkpoint, capture_rng(), keep=keep)
 
@@ -162,7 +162,7 @@ class BackgroundSaver:
     once complete (renamed into place; a crash before leaves the previous one and a temporary directory the
     next start removes), so nothing is lost. Backends whose state is in other processes write synchronously."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Checkpointable) -> None:
         self.backend, self.gate = backend, ReadGate()
         self.overlaps = backend.attach_checkpoint_gate(self.gate)
         self._thread: threading.Thread | None = None
@@ -278,7 +278,7 @@ def latest(root: str | Path, skipped: list[str] | None = None) -> Path | None:
     return None
 
 
-def load(path: str | Path, backend: Backend) -> TrainerState:
+def load(path: str | Path, backend: Checkpointable) -> TrainerState:
     """Restore backend state and RNG from `path`; returns the learner's state."""
     path = Path(path)
     state = read_state(path)
@@ -287,7 +287,7 @@ def load(path: str | Path, backend: Backend) -> TrainerState:
     return state
 
 
-def load_latest(root: str | Path, backend: Backend, skipped: list[str]) -> tuple[Path, TrainerState] | None:
+def load_latest(root: str | Path, backend: Checkpointable, skipped: list[str]) -> tuple[Path, TrainerState] | None:
     """Load the newest checkpoint that is intact and loads, falling back past damaged ones (each described
     in `skipped`, to be said to the user); None when there is none (a fresh start). When every one is
     damaged, a CheckpointError: starting over from the base under a run that went on would be wrong."""

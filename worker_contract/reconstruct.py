@@ -9,7 +9,7 @@ More in docs/pulse.md (module notes).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -167,8 +167,7 @@ class Reconstructor:
                 step: dict[str, np.ndarray] = {}
                 state = apply_patch(state, patch, verified_base_digest=digest, changes_out=step)
                 if changes is not None:
-                    for name, idx in step.items():
-                        changes[name] = sorted_positions(changes[name], idx, size=state[name].size) if name in changes else idx
+                    merge_changes(changes, step, state)
             except PatchError as e:
                 raise SyncError(f"v{v}: {e}") from None
             version, digest = v, header.result_digest
@@ -183,6 +182,13 @@ class Reconstructor:
         if version != pointer.version or digest != pointer.result_digest:
             raise SyncError(f"reconstructed v{version} has digest {digest}, the pointer names v{pointer.version} "
                             f"with {pointer.result_digest}")
+
+
+def merge_changes(into: dict[str, np.ndarray], step: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray]) -> None:
+    """Add what one step changed (tensor name -> sorted flat positions) to `into`: the union, tensor by tensor,
+    each within its size in `state`."""
+    for name, idx in step.items():
+        into[name] = sorted_positions(into[name], idx, size=state[name].size) if name in into else idx
 
 
 def read_patch_header(store: Store, run: str, version: int):

@@ -150,7 +150,7 @@ def sorted_positions(*idx: np.ndarray, size: int) -> np.ndarray:
     parts = [np.asarray(i, dtype=np.int64).reshape(-1) for i in idx]
     n = sum(p.size for p in parts)
     if n * 64 < size:  # a few changes in a large tensor: sorting them is cheaper than the pass
-        return np.unique(np.concatenate(parts)) if len(parts) != 1 else np.unique(parts[0])
+        return np.unique(np.concatenate(parts))
     mark = np.zeros(size, dtype=bool)
     for part in parts:
         mark[part] = True

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from worker_contract.manifest import RunManifest
 
 
-class AlgoConfig(Protocol):
+class AlgoSection(Protocol):
     """What the rollouts read of the recipe's algo section (trainer/config.py's AlgoConfig has each)."""
 
     staleness: int
@@ -94,7 +94,7 @@ class RecordRules:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {low}")
 
     @classmethod
-    def from_manifest(cls, manifest: RunManifest, algo: AlgoConfig, **kw) -> RecordRules:
+    def from_manifest(cls, manifest: RunManifest, algo: AlgoSection, **kw) -> RecordRules:
         """The run's published contract (run.json), the recipe's staleness bound and its routing replay;
         `routes=` the model's route shape (worker_contract/routes.py)."""
         return cls(run=manifest.run, n_samples=manifest.n_samples, plane=manifest.plane,

@@ -36,7 +36,7 @@ from .pool import (
 if TYPE_CHECKING:
     from worker_contract.manifest import RunManifest
 
-    from .pool import AlgoConfig
+    from .pool import AlgoSection
 
 log = logging.getLogger(__name__)
 #: records read ahead of judging hold at most this many bytes (a single larger record is read alone)
@@ -76,7 +76,7 @@ class RolloutSource:
         self._poll_lock = threading.Lock()  # one poll at a time (I/O happens outside the pool's lock)
 
     @classmethod
-    def from_manifest(cls, store: Store, manifest: RunManifest, algo: AlgoConfig, routes=None, **kw) -> RolloutSource:
+    def from_manifest(cls, store: Store, manifest: RunManifest, algo: AlgoSection, routes=None, **kw) -> RolloutSource:
         """A source that checks records against the run's published contract and the recipe (`routes`: the
         model's MoE route shape, worker_contract/routes.py; None for a dense model)."""
         return cls(store, RecordRules.from_manifest(manifest, algo, routes=routes),

@@ -15,9 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..reconstruct import Reconstructor, SyncError
+from ..reconstruct import Reconstructor, SyncError, merge_changes
 from ..store import StoreError
-from ..tensors import sorted_positions
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +62,8 @@ class Follower:
         step = self.rec.changes
         if step is None or self._changes is None:
             self._changes = None
-            return
-        for name, idx in step.items():
-            old = self._changes.get(name)
-            self._changes[name] = idx if old is None else sorted_positions(old, idx, size=self.rec.state[name].size)
+        else:
+            merge_changes(self._changes, step, self.rec.state)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -415,7 +415,7 @@ class Worker:
 
     def sync(self) -> int:
         """Follow the pointer (`lag_versions` behind it); returns the version now held. A forged or damaged
-        object or a flaky store leaves the worker on the version it holds."""
+        object or a flaky store leaves the worker on the last version that verified (worker/follower.py)."""
         t0 = time.monotonic()
         update = self.follower.take()  # what the background follower moved through, then the rest up to now
         if update is not None:

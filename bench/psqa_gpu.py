@@ -158,6 +158,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--run", default=None, help="run id (default psqa-gpu-<time>); each backend's run adds -<backend>")
     ap.add_argument("--pair-with", default=None, help="an earlier result of this bench on the same base (another "
                     "backend, run in a separate call): its runs join this one's in the paired comparison")
+    ap.add_argument("--base-only", action="store_true", help="build (or find in the cache) the base, print its "
+                    "directory on the last line and stop: other benches take it as --model")
     ap.add_argument("--out", default=str(RESULTS / "psqa_gpu.json"))
     return ap
 
@@ -232,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         base = {"path": str(model_dir), "given": True, "weights_sha256": digest}
     else:
         model_dir, base = build_base(resolve_embedded("psqa", {}, over), EmbeddedPaths(root, run), args, root)
+        if args.base_only:
+            print(model_dir)
+            return 0
     over["model.path"] = str(model_dir)
     if args.lr is not None:
         over["optim.lr"] = args.lr

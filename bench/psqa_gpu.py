@@ -158,10 +158,22 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--run", default=None, help="run id (default psqa-gpu-<time>); each backend's run adds -<backend>")
     ap.add_argument("--pair-with", default=None, help="an earlier result of this bench on the same base (another "
                     "backend, run in a separate call): its runs join this one's in the paired comparison")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=_setting,
+                    help="a recipe override for the runs (dotted key, YAML value), e.g. algo.routing_replay=true; "
+                    "repeat for more")
     ap.add_argument("--base-only", action="store_true", help="build (or find in the cache) the base, print its "
                     "directory on the last line and stop: other benches take it as --model")
     ap.add_argument("--out", default=str(RESULTS / "psqa_gpu.json"))
     return ap
+
+
+def _setting(text: str) -> tuple[str, object]:
+    import yaml
+
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (a dotted recipe key, e.g. algo.routing_replay=true)")
+    return key, yaml.safe_load(value)
 
 
 def _run_backend(backend: str, over: dict, args, root: Path) -> tuple[int, float, list[dict], list[dict], dict]:
@@ -242,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         over["optim.lr"] = args.lr
     if args.groups_per_step is not None:
         over["algo.groups_per_step"] = args.groups_per_step
+    over.update(dict(args.set))
     base_s = time.monotonic() - t0
     runs, recipes = {}, {}
     for backend in backends:

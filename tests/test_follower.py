@@ -51,3 +51,23 @@ def test_versions_followed_in_the_background_hand_over_every_change(file_store, 
         moved = np.flatnonzero(words(np.asarray(held[name])).reshape(-1) != words(np.asarray(new)).reshape(-1))
         assert np.isin(moved, changes.get(name, np.zeros(0, np.int64))).all(), f"{name}: a change not handed over"
     assert follower.take() is None
+
+
+def test_take_never_waits_for_the_store_while_the_thread_runs(file_store):
+    """Between groups the worker takes what the thread reached and samples on: a version the thread has not
+    read yet is not followed by take() (that would be the pause); once the thread is gone, take() follows."""
+    manifest, _, pub, policy, states = _published(file_store, plane="int8g64", n=2)
+    rec = Reconstructor(file_store, manifest.run, plane="int8g64", n_samples=8,
+                        public_key=manifest.trainer_public_key)
+    start, _ = rec.join()
+    follower = Follower(rec, interval_s=3600)  # the thread will not poll within this test
+    follower.start()
+    _move_rows(policy, 0)
+    new = pub.publish(policy.state()).version
+    try:
+        assert follower.take() is None and rec.version == start, "take() followed the pointer itself"
+    finally:
+        follower.close()
+    version, state, _ = follower.take()  # no thread: the worker follows on its own
+    assert version == new == start + 1
+    assert_same_bits(state, get_plane("int8g64").from_hf(policy.state()))

@@ -331,6 +331,7 @@ def test_the_reference_worker_keeps_producing_on_its_last_good_version(tmp_path,
 
     from worker_contract.schema import decode_record
     from worker_contract.store.file import FileStore
+    from worker_contract.worker.loop import WorkerSettings
 
     store = FileStore(tmp_path / "bucket")
     man, _, _ = _publish_run(store, tiny_model_dir)
@@ -352,8 +353,9 @@ def test_the_reference_worker_keeps_producing_on_its_last_good_version(tmp_path,
         pointer = read_pointer(store, WRUN, man.trainer_public_key)[0]
         evil = generate_private_key()
         store.put(layout.pointer_key(WRUN), make_pointer(WRUN, 2, 1, pointer.result_digest, evil).to_bytes())
-        before = len(records())
+        forged_at, before = time.monotonic(), len(records())
         wait_records(before + 3, p)  # still producing, after the forgery
+        time.sleep(max(0.0, forged_at + 2 * WorkerSettings.model_fields["poll_interval_s"].default - time.monotonic()))  # the follower polled
         p.send_signal(__import__("signal").SIGTERM)
         _, err = p.communicate(timeout=60)
     finally:

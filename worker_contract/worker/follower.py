@@ -2,9 +2,12 @@
 the worker samples a group on the version it holds, so that between groups a new version costs only the
 model's rewrite of what changed.
 
-`take()` (between groups) still follows up to the pointer as it is then, waiting for a follow in flight: the
-worker reaches the version it would without the thread, which only does that work earlier. It hands over
-the union of the positions every patch on the way changed, or None (rewrite everything) past an anchor.
+While the thread runs, `take()` (between groups) never waits for the store or for a follow in flight: it hands
+over what the thread has reached, and a patch still being applied lands at the next group. A group may thus
+start one version behind the pointer, for at most a poll interval and one apply; the learner's staleness
+bound and gate already cover that, and the worker never stops sampling to follow. Without the thread (before
+the loop starts, or a worker driven by hand) `take()` follows up to the pointer itself. It hands over the
+union of the positions every patch on the way changed, or None (rewrite everything) past an anchor.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ log = logging.getLogger(__name__)
 class Follower:
     def __init__(self, rec: Reconstructor, *, behind: int = 0, interval_s: float = 2.0):
         self.rec, self.behind, self.interval_s = rec, behind, interval_s
-        self._lock = threading.Lock()  # one follow at a time: the thread's or take()'s
-        self._moved = False
+        self._following = threading.Lock()  # one follow at a time: the thread's or take()'s
+        self._handing = threading.Lock()  # what is ready: held only to merge or to hand over, never to follow
+        self._ready: tuple[int, dict[str, Any]] | None = None  # (version, state) since the last take
         self._changes: dict[str, np.ndarray] | None = {}  # since the last take; None: everything
         self._said: str | None = None  # the last failure the thread logged (said once, not every poll)
         self._stop = threading.Event()
@@ -41,39 +45,41 @@ class Follower:
             self._thread.join(timeout=60)
 
     def take(self) -> tuple[int, dict[str, Any], dict[str, np.ndarray] | None] | None:
-        """What moved since the last take, followed up to the pointer now; None if nothing did. A follow that
-        fails (a forged or damaged object, a flaky store) is logged, and what the thread already moved
-        through and checked is still handed over."""
-        with self._lock:
-            try:
-                self._follow()
-            except (SyncError, StoreError) as e:
-                log.warning("not following the pointer, staying on v%d: %s", self.rec.version, e)
-            if not self._moved:
+        """What moved since the last take; None if nothing did. A follow that fails (a forged or damaged
+        object, a flaky store) is logged, and what was already moved through and checked is still handed over."""
+        if self._thread is None or not self._thread.is_alive():
+            with self._following:
+                try:
+                    self._follow()
+                except (SyncError, StoreError) as e:
+                    log.warning("not following the pointer, staying on v%d: %s", self.rec.version, e)
+        with self._handing:
+            if self._ready is None:
                 return None
-            out = (self.rec.version, self.rec.state, self._changes)
-            self._moved, self._changes = False, {}
+            out = (*self._ready, self._changes)
+            self._ready, self._changes = None, {}
             return out
 
     def _follow(self) -> None:
         if self.rec.follow(self.behind) is None:
             return
-        self._moved = True
         step = self.rec.changes
-        if step is None or self._changes is None:
-            self._changes = None
-        else:
-            merge_changes(self._changes, step, self.rec.state)
+        with self._handing:
+            self._ready = (self.rec.version, self.rec.state)
+            if step is None or self._changes is None:
+                self._changes = None
+            else:
+                merge_changes(self._changes, step, self.rec.state)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                with self._lock:
+                with self._following:
                     self._follow()
                 self._said = None
             except (SyncError, StoreError) as e:
-                if str(e) != self._said:  # take() says it again at the next group, where it matters
-                    log.info("the pointer moved but did not follow yet: %s", e)
+                if str(e) != self._said:  # once a cause, not every poll
+                    log.warning("not following the pointer, staying on v%d: %s", self.rec.version, e)
                 self._said = str(e)
             except Exception:  # a bug here must not end the thread silently; take() follows on its own
                 log.exception("following the pointer in the background failed")

@@ -414,8 +414,10 @@ class Worker:
         return self.stats
 
     def sync(self) -> int:
-        """Follow the pointer (`lag_versions` behind it); returns the version now held. A forged or damaged
-        object or a flaky store leaves the worker on the last version that verified (worker/follower.py)."""
+        """Take the version the background follower reached (`lag_versions` behind the pointer; before the loop,
+        the pointer's own) and rewrite what changed; returns the version now held. It does not wait for a patch
+        in flight (worker/follower.py). A forged or damaged object or a flaky store leaves the worker on the
+        last version that verified."""
         t0 = time.monotonic()
         update = self.follower.take()  # what the background follower moved through, then the rest up to now
         if update is not None:

@@ -55,19 +55,26 @@ def test_versions_followed_in_the_background_hand_over_every_change(file_store, 
 
 def test_take_never_waits_for_the_store_while_the_thread_runs(file_store):
     """Between groups the worker takes what the thread reached and samples on: a version the thread has not
-    read yet is not followed by take() (that would be the pause); once the thread is gone, take() follows."""
-    manifest, _, pub, policy, states = _published(file_store, plane="int8g64", n=2)
+    read yet is not followed by take() (that would be the pause). A worker with nothing left to sample on its
+    version (take(wait=True)), or one without the thread, follows at once."""
+    manifest, _, pub, policy, _ = _published(file_store, plane="int8g64", n=2)
     rec = Reconstructor(file_store, manifest.run, plane="int8g64", n_samples=8,
                         public_key=manifest.trainer_public_key)
     start, _ = rec.join()
     follower = Follower(rec, interval_s=3600)  # the thread will not poll within this test
     follower.start()
-    _move_rows(policy, 0)
-    new = pub.publish(policy.state()).version
     try:
-        assert follower.take() is None and rec.version == start, "take() followed the pointer itself"
+        for k, wait in ((0, True), (1, False)):
+            _move_rows(policy, k)
+            new = pub.publish(policy.state()).version
+            assert new == start + k + 1
+            if wait:
+                assert follower.take() is None and rec.version == new - 1, "take() followed the pointer itself"
+                version, state, _ = follower.take(wait=True)
+            else:
+                follower.close()  # no thread: the worker follows on its own
+                version, state, _ = follower.take()
+            assert version == new
+            assert_same_bits(state, get_plane("int8g64").from_hf(policy.state()))
     finally:
         follower.close()
-    version, state, _ = follower.take()  # no thread: the worker follows on its own
-    assert version == new == start + 1
-    assert_same_bits(state, get_plane("int8g64").from_hf(policy.state()))

@@ -2,8 +2,9 @@
 the worker samples a group on the version it holds, so that between groups a new version costs only the
 model's rewrite of what changed.
 
-While the thread runs, `take()` (between groups) never waits for the store or for a follow in flight: it hands
-over what the thread has reached, and a patch still being applied lands at the next group. A group may thus
+While the thread runs, `take()` (between groups) does not wait for the store or for a follow in flight: it hands
+over what the thread has reached, and a patch still being applied lands at the next group. Only a worker
+with nothing left to sample on its version (its per-version cap reached) follows the pointer at once. A group may thus
 start one version behind the pointer, for at most a poll interval and one apply; the learner's staleness
 bound and gate already cover that, and the worker never stops sampling to follow. Without the thread (before
 the loop starts, or a worker driven by hand) `take()` follows up to the pointer itself. It hands over the
@@ -44,10 +45,12 @@ class Follower:
         if self._thread is not None:
             self._thread.join(timeout=60)
 
-    def take(self) -> tuple[int, dict[str, Any], dict[str, np.ndarray] | None] | None:
-        """What moved since the last take; None if nothing did. A follow that fails (a forged or damaged
-        object, a flaky store) is logged, and what was already moved through and checked is still handed over."""
-        if self._thread is None or not self._thread.is_alive():
+    def take(self, wait: bool = False) -> tuple[int, dict[str, Any], dict[str, np.ndarray] | None] | None:
+        """What moved since the last take; None if nothing did. `wait` (a worker with nothing to sample on the
+        version it holds) follows up to the pointer now, after any follow in flight. A follow that fails (a
+        forged or damaged object, a flaky store) is logged, and what was already moved through and checked is
+        still handed over."""
+        if wait or self._thread is None or not self._thread.is_alive():
             with self._following:
                 try:
                     self._follow()

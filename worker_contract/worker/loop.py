@@ -394,6 +394,8 @@ class Worker:
         while not stop.is_set() and (self.s.max_groups <= 0 or self.stats.groups < self.s.max_groups):
             self.sync()  # between groups only: a group never mixes versions
             if self._ahead():
+                self.sync(wait=True)  # nothing left to sample on this version: follow the pointer now
+            if self._ahead():
                 stop.wait(min(self.s.poll_interval_s, 0.5))
                 continue
             problems = [train[self._rng.randrange(len(train))] for _ in range(self._batch_size())]
@@ -413,13 +415,13 @@ class Worker:
                  self.version, searched)
         return self.stats
 
-    def sync(self) -> int:
+    def sync(self, wait: bool = False) -> int:
         """Take the version the background follower reached (`lag_versions` behind the pointer; before the loop,
-        the pointer's own) and rewrite what changed; returns the version now held. It does not wait for a patch
-        in flight (worker/follower.py). A forged or damaged object or a flaky store leaves the worker on the
-        last version that verified."""
+        or with `wait`, follow it now) and rewrite what changed; returns the version now held. Without `wait` it
+        does not wait for a patch in flight (worker/follower.py). A forged or damaged object or a flaky store
+        leaves the worker on the last version that verified."""
         t0 = time.monotonic()
-        update = self.follower.take()  # what the background follower moved through, then the rest up to now
+        update = self.follower.take(wait)
         if update is not None:
             version, state, changes = update
             self._swap(version, state, changes=changes)

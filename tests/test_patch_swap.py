@@ -95,6 +95,9 @@ def test_a_patch_only_swap_equals_a_full_reload_and_a_missed_element_is_caught(m
     full.load_plane(plane, new)
     assert _differing(bits(patched), bits(full)) == []
     assert _differing(before, bits(full)), "the patch changed nothing the models hold"
+    patched.load_plane(plane, old)  # an anchor's full load replaces the arrays: the next patch writes the new ones
+    patched.load_plane(plane, new, changes)
+    assert _differing(bits(patched), bits(full)) == [], "a patch after a full load wrote into the replaced arrays"
 
     # the same swap missing one changed group of 64 (int8g64: its code words, scale and bias) or one
     # changed element (bf16): the comparison above catches it

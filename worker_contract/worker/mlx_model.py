@@ -131,11 +131,13 @@ def _writable(x) -> np.ndarray:
 
 
 def patch_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], changes: Mapping[str, np.ndarray],
-                     *, dtype: str) -> dict[str, int]:
+                     *, dtype: str, views: dict[str, np.ndarray] | None = None) -> dict[str, int]:
     """Rewrite only the changed elements of the plane tensors `changes` names (flat indices, from the
     reconstructor) in the loaded model, in place: for int8g64 the changed code words and their groups'
     scales and biases, each a tensor of its own in the plane. Bit for bit what `load_plane_into` of the
-    whole state gives. Returns {"elements": rewritten, "bytes": written, "whole": tensors rewritten whole}."""
+    whole state gives. `views` keeps each tensor's writable view from one version to the next (the caller
+    empties it when a full load replaces the arrays). Returns {"elements": rewritten, "bytes": written,
+    "whole": tensors rewritten whole}."""
     import mlx.core as mx
 
     held = flat_parameters(model)
@@ -143,7 +145,7 @@ def patch_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], 
     if hasattr(mx, "synchronize"):
         mx.synchronize()  # nothing in flight reads a buffer while it is written
     out = {"elements": 0, "bytes": 0, "whole": 0}
-    views: dict[str, np.ndarray] = {}  # one view a target: the stacked experts take 32 patch tensors each
+    views = {} if views is None else views  # one view a target: the stacked experts take 32 patch tensors each
     for name, idx in changes.items():
         src = np.asarray(state[name])
         targets = mlx_targets(architecture, name, src.shape, idx)
@@ -152,18 +154,20 @@ def patch_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], 
                 x = mx.array(a).astype(held[mname].dtype)
                 mx.eval(x)
                 model.load_weights([(mname, x)], strict=False)
+                views.pop(mname, None)  # a new array: a view of the old one would write nowhere
                 out["whole"] += 1
                 out["bytes"] += x.nbytes
             continue
         flat = src.reshape(-1)
-        for mname, at, take in targets:
-            target = held[mname]
-            vals = flat[take]
-            if target.dtype == mx.float32 and vals.dtype.name == "bfloat16":
-                vals = vals.astype(np.float32)  # exact, as a full load's upcast
+        if flat.dtype.name == "bfloat16":
+            flat = flat.view(np.uint16)  # bits are what is copied: an integer gather is faster than bf16's
+        for mname, start, at, take in targets:
             if mname not in views:
-                views[mname] = _writable(target)
-            dst = views[mname]
+                views[mname] = _writable(held[mname])
+            dst = views[mname][start:] if start else views[mname]
+            vals = flat[take]
+            if dst.dtype == np.float32 and vals.dtype == np.uint16:
+                vals = vals.view(state[name].dtype).astype(np.float32)  # exact, as a full load's upcast
             dst[at] = vals.view(dst.dtype)
             out["elements"] += len(at)
             out["bytes"] += vals.nbytes
@@ -180,6 +184,7 @@ class MlxPolicy(ChatPolicy):
         self.dtype = resolve_dtype(dtype)
         self.key = mx.random.key(seed % (2**63))
         self._quantized: set[str] | None = None
+        self._views: dict[str, np.ndarray] = {}  # writable views of the model's arrays (patch_plane_into)
         from ..routes import route_shape
         from .route_recorder import MlxRouteRecorder
 
@@ -195,7 +200,9 @@ class MlxPolicy(ChatPolicy):
         if plane != self.plane:
             raise ValueError(f"this policy was built for plane {self.plane!r}, not {plane!r}")
         if changes is not None and self._quantized is not None:
-            return patch_plane_into(self.model, self.architecture, state, changes, dtype=self.dtype)
+            return patch_plane_into(self.model, self.architecture, state, changes, dtype=self.dtype,
+                                    views=self._views)
+        self._views.clear()  # the arrays are replaced: their views would write into the old ones
         self._quantized = load_plane_into(self.model, self.architecture, state, dtype=self.dtype,
                                           quantized=self._quantized)
         return {"elements": sum(int(np.asarray(a).size) for a in state.values()),

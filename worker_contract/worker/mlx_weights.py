@@ -72,10 +72,11 @@ def quantized_modules(mlx_state: Mapping[str, np.ndarray]) -> set[str]:
 
 
 def mlx_targets(architecture: str, name: str, shape: tuple[int, ...], idx: np.ndarray
-                ) -> list[tuple[str, np.ndarray, np.ndarray]] | None:
+                ) -> list[tuple[str, int, np.ndarray, np.ndarray]] | None:
     """Where the elements `idx` (flat) of an HF-named plane tensor live in the mlx-lm model: a list of
-    (mlx-lm name, flat positions there, the source positions they take), or None where the mapping
-    reorders values (a transposed conv kernel: rewritten whole). RoPE's inv_freq lives nowhere: []."""
+    (mlx-lm name, start, flat positions there counted from start, the source positions they take), or None
+    where the mapping reorders values (a transposed conv kernel: rewritten whole). RoPE's inv_freq lives
+    nowhere: []. `start` spares an offset array per tensor: an expert's slab is a view of the stack."""
     kind = mlx_model_name(architecture)
     if name.endswith("rotary_emb.inv_freq"):
         return []
@@ -83,17 +84,17 @@ def mlx_targets(architecture: str, name: str, shape: tuple[int, ...], idx: np.nd
         return None
     if kind == "lfm2_moe":
         if m := _EXPERT.fullmatch(name):  # expert e is slab e of the stacked tensor
-            return [(f"{m[1]}switch_mlp.{_PROJ[m[3]]}.{m[4]}", idx + int(m[2]) * int(np.prod(shape)), idx)]
+            return [(f"{m[1]}switch_mlp.{_PROJ[m[3]]}.{m[4]}", int(m[2]) * int(np.prod(shape)), idx, idx)]
         if m := _FUSED.fullmatch(name):
             if m[2] == "down_proj":
-                return [(f"{m[1]}switch_mlp.down_proj.weight", idx, idx)]
+                return [(f"{m[1]}switch_mlp.down_proj.weight", 0, idx, idx)]
             experts, rows, width = shape  # gate_up [E, 2I, h]: rows < I are gate's, the rest up's
             half = rows // 2
             e, r, c = idx // (rows * width), (idx // width) % rows, idx % width
             up = r >= half
             at = e * half * width + (r - half * up) * width + c
-            return [(f"{m[1]}switch_mlp.gate_proj.weight", at[~up], idx[~up]),
-                    (f"{m[1]}switch_mlp.up_proj.weight", at[up], idx[up])]
+            return [(f"{m[1]}switch_mlp.gate_proj.weight", 0, at[~up], idx[~up]),
+                    (f"{m[1]}switch_mlp.up_proj.weight", 0, at[up], idx[up])]
         if m := _DENSE_FF.fullmatch(name):
-            return [(f"{m[1]}{_PROJ[m[2]]}.{m[3]}", idx, idx)]
-    return [(name, idx, idx)]
+            return [(f"{m[1]}{_PROJ[m[2]]}.{m[3]}", 0, idx, idx)]
+    return [(name, 0, idx, idx)]

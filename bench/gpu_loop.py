@@ -138,17 +138,13 @@ def launch(cfg) -> tuple[int, float]:
 
 def start_workers(procs, cfg, model_dir: str, n: int, *, cpu: bool, threads: int, cap: int, first: int = 1,
                   log_dir: Path, batch_groups: int = 1, module: str = "worker_contract.worker") -> list:
-    """`n` reference workers (`python -m <module>`: the reference worker, or bench.coin_task's for its task)."""
-    from worker_contract.manifest import load_manifest
-    from worker_contract.signing import fingerprint
+    """`n` reference workers (`python -m <module>`: the reference worker, or bench.coin_task's for its task),
+    joined with the run's join card, as an operator's workers are."""
+    from worker_contract.joincard import build_card
     from worker_contract.store import open_store
 
-    manifest = load_manifest(open_store(cfg.store), cfg.run)
-    env = {**os.environ, "DRL_N_SAMPLES": str(cfg.contract.n_samples), "DRL_PULSE_PLANE": cfg.contract.plane,
-           "DRL_TRAINER_KEY_FINGERPRINT": fingerprint(manifest.trainer_public_key), "PYTHONUNBUFFERED": "1",
-           "DRL_PROGRESS": "0", "OMP_NUM_THREADS": str(threads)}
-    if manifest.kv_mode:  # the worker checks its declared mode against run.json's
-        env["DRL_KV_MODE"] = manifest.kv_mode
+    card = build_card(open_store(cfg.store), cfg.run, os.environ)
+    env = {**os.environ, **card.env(), "PYTHONUNBUFFERED": "1", "DRL_PROGRESS": "0", "OMP_NUM_THREADS": str(threads)}
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     out = []

@@ -119,7 +119,7 @@ def cold_join(store, run: str, plane: str) -> dict:
     patch_bytes = sum(o.size for o in store.list(layout.versions_prefix(run))
                       if (v := layout.patch_version_of(o.key)) is not None and anchor < v <= rec.version)
     total = anchor_bytes + patch_bytes
-    return {"version": rec.version, "anchor": anchor, "patches": rec.version - anchor, "seconds": round(seconds, 2),
+    return {"version": rec.version, "anchor": anchor, "patches": rec.version - anchor, "seconds": round(seconds, 4),
             "anchor_bytes": anchor_bytes, "patch_bytes": patch_bytes, "cores": os.cpu_count(),
             **{f"download_s_{k}": round(8 * total / bps, 3) for k, bps in LINKS_BPS.items()}}
 

@@ -95,6 +95,13 @@ class JoinCard(BaseModel):
         return out
 
 
+    def env(self, reveal: bool = True) -> dict[str, str]:
+        """The card as a worker's environment: with `reveal`, secrets included (a worker this process starts
+        itself); without, redacted (a card shown to people)."""
+        return {name: (value.get_secret_value() if reveal else envmod.REDACTED) if isinstance(value, SecretStr)
+                else value for name, value, _ in self.entries()}
+
+
 def _check_env_agrees(contract: envmod.EnvContract, env: Mapping[str, str], card: JoinCard) -> None:
     """Fail closed when the operator's own DRL_* values contradict the run they are handing out."""
     diff = []
@@ -147,12 +154,7 @@ def render(card: JoinCard, fmt: str = "text", reveal: bool = False) -> str:
     if fmt not in FORMATS:
         raise JoinCardError(f"--format={fmt!r} is not a card format; use one of: {', '.join(FORMATS)}")
 
-    def show(value: str | SecretStr) -> str:
-        if isinstance(value, SecretStr):
-            return value.get_secret_value() if reveal else envmod.REDACTED
-        return value
-
-    rows = [(name, show(value)) for name, value, _ in card.entries()]
+    rows = list(card.env(reveal).items())
     hidden = not reveal and any(secret for _, _, secret in card.entries())
     if fmt == "json":
         return json.dumps(dict(rows), indent=2)

@@ -2,13 +2,13 @@
 the worker samples a group on the version it holds, so that between groups a new version costs only the
 model's rewrite of what changed.
 
-While the thread runs, `take()` (between groups) does not wait for the store or for a follow in flight: it hands
-over what the thread has reached, and a patch still being applied lands at the next group. Only a worker
-with nothing left to sample on its version (its per-version cap reached) follows the pointer at once. A group may thus
-start one version behind the pointer, for at most a poll interval and one apply; the learner's staleness
-bound and gate already cover that, and the worker never stops sampling to follow. Without the thread (before
-the loop starts, or a worker driven by hand) `take()` follows up to the pointer itself. It hands over the
-union of the positions every patch on the way changed, or None (rewrite everything) past an anchor.
+While the thread runs, `take()` (between groups) does not wait for the store or for a follow in flight: it
+hands over what the thread has reached, and a patch still being applied lands at the next group. A group may
+thus start behind the pointer by what the thread has not applied yet; the learner's staleness bound and gate
+cover that. Only a worker with nothing left to sample on its version (its per-version cap reached) follows
+the pointer at once (`take(wait=True)`), as does `take()` without the thread (before the loop starts, or a
+worker driven by hand). It hands over the union of the positions every patch on the way changed, or None
+(rewrite everything) past an anchor.
 """
 
 from __future__ import annotations

@@ -31,6 +31,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_on_a_free_port(fn, args, nprocs: int, attempts: int = 3) -> None:
+    """`torch.multiprocessing.spawn(fn, args=(port, *args))` on a free loopback port, picked again when another
+    test's process took it between the pick and rank 0's bind (the pick cannot hold it)."""
+    for attempt in range(attempts):
+        try:
+            torch.multiprocessing.spawn(fn, args=(free_port(), *args), nprocs=nprocs)
+            return
+        except torch.multiprocessing.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == attempts - 1:
+                raise
+
+
 def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None, tp: int = 1) -> None:
     """gloo process group on loopback + megatron model-parallel state + the no-op RNG tracker."""
     install()

@@ -442,7 +442,7 @@ def test_after_train_gather_at_tensor_parallel_2(tmp_path):
     hf_dir.mkdir()
     _tiny_hf(hf_dir)
     out = tmp_path / "got.pt"
-    torch.multiprocessing.spawn(_gather_rank, args=(megatron_cpu.free_port(), str(hf_dir), str(out)), nprocs=2)
+    megatron_cpu.spawn_on_a_free_port(_gather_rank, (str(hf_dir), str(out)), nprocs=2)
     got = torch.load(out, weights_only=False)
     want = load_file(hf_dir / "model.safetensors")
     assert set(got["ours"]) == set(want)

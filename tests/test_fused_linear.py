@@ -100,7 +100,7 @@ def _tp_rank(rank: int, port: int, out: str) -> None:
 def test_tensor_parallel_2_all_reduces_the_input_gradient(tmp_path, mcore):
     want_x, (w1, w2), want_b = _run(*_pair(torch.float32, ours=True), torch.float32, main_grad=True)
     out = str(tmp_path / "tp")
-    torch.multiprocessing.spawn(_tp_rank, args=(megatron_cpu.free_port(), out), nprocs=2)
+    megatron_cpu.spawn_on_a_free_port(_tp_rank, (out,), nprocs=2)
     for rank in range(2):
         x, (g1, g2), b = torch.load(f"{out}.{rank}", weights_only=False)
         assert (x - want_x).abs().max() < 1e-5  # every rank has the whole input gradient

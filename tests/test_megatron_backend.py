@@ -188,7 +188,7 @@ def test_tensor_parallel_2_equals_1(tmp_path, mcore, bf16):
 
     megatron_cpu.make_tiny_qwen2(tmp_path, tied=False, vocab=VOCAB, hidden=32, ffn=64)
     out = tmp_path / "tp2.pt"
-    torch.multiprocessing.spawn(_tp2_rank, args=(megatron_cpu.free_port(), str(tmp_path), str(out), bf16), nprocs=2)
+    megatron_cpu.spawn_on_a_free_port(_tp2_rank, (str(tmp_path), str(out), bf16), nprocs=2)
     kw = {"compute_dtype": torch.bfloat16, "fused_wgrad": True} if bf16 else {}
     tp1 = run_steps(MegatronBackend.load(tmp_path, recipe("megatron"), device="cpu", attention="sdpa", **kw))
     got = torch.load(out, weights_only=False)

@@ -34,7 +34,7 @@ def _hf_dirs(root: Path) -> dict[str, Path]:
     return dirs
 
 
-def _rank(rank: int, world: int, port: int, dirs: dict[str, str], out: str) -> None:
+def _rank(rank: int, port: int, world: int, dirs: dict[str, str], out: str) -> None:
     torch.set_num_threads(1)
     megatron_cpu.init_distributed(rank, world, port, tp=world)
     from safetensors.torch import load_file
@@ -63,8 +63,7 @@ def test_publish_gather_gives_back_every_hf_tensor(tmp_path, tp):
 
     dirs = _hf_dirs(tmp_path)
     out = tmp_path / "got.pt"
-    torch.multiprocessing.spawn(_rank, args=(tp, megatron_cpu.free_port(), {k: str(v) for k, v in dirs.items()},
-                                             str(out)), nprocs=tp)
+    megatron_cpu.spawn_on_a_free_port(_rank, (tp, {k: str(v) for k, v in dirs.items()}, str(out)), nprocs=tp)
     got = torch.load(out, weights_only=False)
     for name, hf_dir in dirs.items():
         want = load_file(hf_dir / "model.safetensors")

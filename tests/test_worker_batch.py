@@ -38,9 +38,10 @@ class PublishOnFirstUpload(FileStore):
 
 
 def test_batched_groups_come_from_one_version_and_match_a_fresh_forward(tmp_path, tiny_model_dir):  # noqa: F811
-    """--batch-groups 3 with --groups 5: a batch of 3 groups sampled in one forward at v1 (v2 is published
-    while its records upload), then a batch of 2 at v2; records as a one-group worker writes them, each
-    sample's log-probs those of a fresh forward of the version it names."""
+    """--batch-groups 3 with --groups 5 and 3 groups a version: a batch of 3 groups sampled in one forward at
+    v1 (v2 is published while its records upload), then, the worker at its cap following the pointer at once,
+    a batch of 2 at v2; records as a one-group worker writes them, each sample's log-probs those of a fresh
+    forward of the version it names."""
     from worker_contract.reconstruct import Reconstructor
 
     store = PublishOnFirstUpload(tmp_path / "bucket")
@@ -54,7 +55,7 @@ def test_batched_groups_come_from_one_version_and_match_a_fresh_forward(tmp_path
         assert pub.publish(model.state_dict()).version == 2
 
     store.publish = publish_v2
-    w = _worker(store, tiny_model_dir, max_groups=5, batch_groups=3)
+    w = _worker(store, tiny_model_dir, max_groups=5, batch_groups=3, max_groups_per_version=3)
     w.store = store  # the worker opened its own client of this bucket from the URL; it uploads through this one
     stats = w.run(threading.Event())
     assert stats.groups == 5 and stats.versions_seen == [1, 2]

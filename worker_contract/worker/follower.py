@@ -1,14 +1,10 @@
 """Following the pointer beside sampling: a background thread reads, checks and applies each new patch while
 the worker samples a group on the version it holds, so that between groups a new version costs only the
-model's rewrite of what changed.
-
-While the thread runs, `take()` (between groups) does not wait for the store or for a follow in flight: it
-hands over what the thread has reached, and a patch still being applied lands at the next group. A group may
-thus start behind the pointer by what the thread has not applied yet; the learner's staleness bound and gate
-cover that. Only a worker with nothing left to sample on its version (its per-version cap reached) follows
-the pointer at once (`take(wait=True)`), as does `take()` without the thread (before the loop starts, or a
-worker driven by hand). It hands over the union of the positions every patch on the way changed, or None
-(rewrite everything) past an anchor.
+model's rewrite of what changed. While the thread runs, `take()` does not wait for the store or a follow in
+flight: a patch still being applied lands at the next group (a group may start behind the pointer by what
+the thread has not applied; the learner's staleness bound covers that). A worker with nothing left to sample
+on its version (its per-version cap: `take(wait=True)`), or one without the thread, follows at once. It gets
+the union of the positions every patch on the way changed, or None (rewrite everything) past an anchor.
 """
 
 from __future__ import annotations

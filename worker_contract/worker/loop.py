@@ -80,6 +80,10 @@ class WorkerSettings(BaseModel):
     worker sharing a machine with the learner should not burn CPU on groups that would only go stale."""
     poll_interval_s: float = 2.0
     """How often to look for run.json / the first version while waiting, and the log cadence floor."""
+    follow_interval_s: float = Field(0.5, gt=0)
+    """How often the background follower reads the pointer while the worker samples (worker/follower.py): a
+    version is applied beside sampling within about this long of its publish, so groups start less stale; on
+    R2 it is one small GET each time."""
     wait_timeout_s: float = Field(600.0, gt=0)
     """Give up if the run publishes no weights within this long."""
     log_every_s: float = Field(10.0, gt=0)
@@ -278,7 +282,7 @@ class Worker:
         self._swap(*joined)
         from .follower import Follower
 
-        self.follower = Follower(self.rec, behind=self.s.lag_versions, interval_s=self.s.poll_interval_s)
+        self.follower = Follower(self.rec, behind=self.s.lag_versions, interval_s=self.s.follow_interval_s)
         log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d, "
                  "backend %s%s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
                  self.plane, manifest.temperature, manifest.max_new_tokens, self._backend_name(),

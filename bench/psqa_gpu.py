@@ -229,7 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     from embedded.run import EmbeddedPaths
 
     root = Path(args.root)
-    root.mkdir(parents=True, exist_ok=True)
     run = args.run or f"psqa-gpu-{int(time.time())}"
     over = {"run": run, "embedded.time_budget_s": args.rl_seconds, "embedded.max_steps": args.max_steps,
             "embedded.eval_every": args.eval_every, "embedded.eval_problems": args.eval_problems,
@@ -237,6 +236,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         over.update({"embedded.psqa.entities": 300, "embedded.psqa.heldout_entities": 30, "algo.groups_per_step": 2,
                      "algo.max_new_tokens": 48, "checkpoint.interval": 2})
+    if args.base_only and args.model:
+        print("error: --base-only builds the base; --model names one already", file=sys.stderr)
+        return 2
+    if args.lr is not None:
+        over["optim.lr"] = args.lr
+    if args.groups_per_step is not None:
+        over["algo.groups_per_step"] = args.groups_per_step
+    over.update(dict(args.set))
+    try:  # a bad --set is said now, not after the base is built
+        cfg = resolve_embedded("psqa", {}, over)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if args.model:
         import hashlib
@@ -245,16 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         digest = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
         base = {"path": str(model_dir), "given": True, "weights_sha256": digest}
     else:
-        model_dir, base = build_base(resolve_embedded("psqa", {}, over), EmbeddedPaths(root, run), args, root)
+        model_dir, base = build_base(cfg, EmbeddedPaths(root, run), args, root)
         if args.base_only:
             print(model_dir)
             return 0
     over["model.path"] = str(model_dir)
-    if args.lr is not None:
-        over["optim.lr"] = args.lr
-    if args.groups_per_step is not None:
-        over["algo.groups_per_step"] = args.groups_per_step
-    over.update(dict(args.set))
     base_s = time.monotonic() - t0
     runs, recipes = {}, {}
     for backend in backends:

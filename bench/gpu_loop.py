@@ -144,7 +144,7 @@ def start_workers(procs, cfg, model_dir: str, n: int, *, cpu: bool, threads: int
     from worker_contract.store import open_store
 
     card = build_card(open_store(cfg.store), cfg.run, os.environ)
-    env = {**os.environ, **card.env(), "PYTHONUNBUFFERED": "1", "DRL_PROGRESS": "0", "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, **card.env(reveal=True), "PYTHONUNBUFFERED": "1", "DRL_PROGRESS": "0", "OMP_NUM_THREADS": str(threads)}
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     out = []

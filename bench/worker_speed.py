@@ -206,6 +206,7 @@ def swap(worker: str) -> dict:
     parts = {"other": lambda k: ".layers." not in k, "dense_layer": lambda k: ".layers.0." in k,
              "moe_layer_rest": lambda k: ".layers.1." in k and ".experts." not in k,
              "moe_layer_experts": lambda k: ".layers.1.feed_forward.experts." in k}
+
     def timed(sub: dict) -> tuple[float, dict]:  # the median of SWAP_REPS rewrites (each writes the same values)
         runs = []
         for _ in range(SWAP_REPS):

@@ -355,7 +355,8 @@ def test_the_reference_worker_keeps_producing_on_its_last_good_version(tmp_path,
         store.put(layout.pointer_key(WRUN), make_pointer(WRUN, 2, 1, pointer.result_digest, evil).to_bytes())
         forged_at, before = time.monotonic(), len(records())
         wait_records(before + 3, p)  # still producing, after the forgery
-        time.sleep(max(0.0, forged_at + 2 * WorkerSettings.model_fields["poll_interval_s"].default - time.monotonic()))  # the follower polled
+        follow_s = WorkerSettings.model_fields["follow_interval_s"].default
+        time.sleep(max(0.0, forged_at + 8 * follow_s - time.monotonic()))  # the background follower met the forgery
         p.send_signal(__import__("signal").SIGTERM)
         _, err = p.communicate(timeout=60)
     finally:

@@ -94,8 +94,7 @@ class JoinCard(BaseModel):
             out.append(("DRL_RETRIEVER_URL", self.retriever_url, False))
         return out
 
-
-    def env(self, reveal: bool = True) -> dict[str, str]:
+    def env(self, *, reveal: bool) -> dict[str, str]:
         """The card as a worker's environment: with `reveal`, secrets included (a worker this process starts
         itself); without, redacted (a card shown to people)."""
         return {name: (value.get_secret_value() if reveal else envmod.REDACTED) if isinstance(value, SecretStr)
@@ -154,7 +153,7 @@ def render(card: JoinCard, fmt: str = "text", reveal: bool = False) -> str:
     if fmt not in FORMATS:
         raise JoinCardError(f"--format={fmt!r} is not a card format; use one of: {', '.join(FORMATS)}")
 
-    rows = list(card.env(reveal).items())
+    rows = list(card.env(reveal=reveal).items())
     hidden = not reveal and any(secret for _, _, secret in card.entries())
     if fmt == "json":
         return json.dumps(dict(rows), indent=2)

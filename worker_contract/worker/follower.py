@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class Follower:
-    def __init__(self, rec: Reconstructor, *, behind: int = 0, interval_s: float = 2.0):
+    def __init__(self, rec: Reconstructor, *, interval_s: float, behind: int = 0):
         self.rec, self.behind, self.interval_s = rec, behind, interval_s
         self._following = threading.Lock()  # one follow at a time: the thread's or take()'s
         self._handing = threading.Lock()  # what is ready: held only to merge or to hand over, never to follow
@@ -80,6 +80,6 @@ class Follower:
                 if str(e) != self._said:  # once a cause, not every poll
                     log.warning("not following the pointer, staying on v%d: %s", self.rec.version, e)
                 self._said = str(e)
-            except Exception:  # a bug here must not end the thread silently; take() follows on its own
+            except Exception:  # a bug here must not end the thread silently; the next poll tries again
                 log.exception("following the pointer in the background failed")
                 self._said = None

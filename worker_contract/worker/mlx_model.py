@@ -164,7 +164,7 @@ def patch_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], 
         for mname, start, at, take in targets:
             if mname not in views:
                 views[mname] = _writable(held[mname])
-            dst = views[mname][start:] if start else views[mname]
+            dst = views[mname][start:]
             vals = flat[take]
             if dst.dtype == np.float32 and vals.dtype == np.uint16:
                 vals = vals.view(state[name].dtype).astype(np.float32)  # exact, as a full load's upcast

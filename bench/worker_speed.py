@@ -24,7 +24,7 @@ HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, LAYERS, DENSE_LAYERS = 2048, 65536, 32, 
 #: experts built per MoE layer (each of the 32 has the same shapes: a part's cost is scaled by EXPERTS / BUILT)
 BUILT = 4
 #: swap: each part's rewrite is timed this many times (the median; a rewrite of the same values is idempotent)
-SWAP_REPS = 5
+SWAP_REPS = 9
 #: embedding rows built (the "other" part, the embedding alone but for a norm, is scaled by VOCAB / VOCAB_BUILT)
 VOCAB_BUILT = 8192
 
@@ -207,25 +207,33 @@ def swap(worker: str) -> dict:
              "moe_layer_rest": lambda k: ".layers.1." in k and ".experts." not in k,
              "moe_layer_experts": lambda k: ".layers.1.feed_forward.experts." in k}
 
-    def timed(sub: dict) -> tuple[float, dict]:  # the median of SWAP_REPS rewrites (each writes the same values)
-        runs = []
+    def timed(sub: dict) -> tuple[float, float, dict]:
+        """The medians of SWAP_REPS preparations (the follower's thread) and writes (the pause) of `sub`;
+        each write writes the same values."""
+        prep, runs = [], []
         for _ in range(SWAP_REPS):
             t0 = time.perf_counter()
-            wrote = pol.load_plane("int8g64", new, sub)
+            writes = pol.prepare_patch("int8g64", new, sub)
+            prep.append(time.perf_counter() - t0)
+        for _ in range(SWAP_REPS):
+            t0 = time.perf_counter()
+            wrote = pol.write_patch(writes)
             runs.append(time.perf_counter() - t0)
-        return statistics.median(runs), wrote
+        return statistics.median(runs), statistics.median(prep), wrote
 
-    # a rewrite's fixed cost (the model's parameter list, a sync) is paid once a version, not once a part:
+    # a write's fixed cost (the model's parameter list, a sync) is paid once a version, not once a part:
     # timed alone with nothing to write, taken out of each part and added back once, scaled by the layers
-    fixed_s, _ = timed({})
+    fixed_s, _, _ = timed({})
     per = {}
     for part, pick in parts.items():
-        seconds, wrote = timed({k: v for k, v in changes.items() if pick(k)})
-        per[part] = {"seconds": round(seconds, 5), "net_seconds": round(max(seconds - fixed_s, 0.0), 5), **wrote,
+        seconds, prep_s, wrote = timed({k: v for k, v in changes.items() if pick(k)})
+        per[part] = {"seconds": round(seconds, 5), "net_seconds": round(max(seconds - fixed_s, 0.0), 5),
+                     "prepare_seconds": round(prep_s, 5), **wrote,
                      "plane_bytes": int(sum(v.nbytes for k, v in new.items() if pick(k)))}
     moe = LAYERS - DENSE_LAYERS
     scale = {"other": VOCAB / VOCAB_BUILT, "dense_layer": DENSE_LAYERS, "moe_layer_rest": moe, "moe_layer_experts": moe * EXPERTS / BUILT}
-    est = {k: round(sum(per[p][k] * m for p, m in scale.items()), 3) for k in ("net_seconds", "bytes", "plane_bytes")}
+    est = {k: round(sum(per[p][k] * m for p, m in scale.items()), 3)
+           for k in ("net_seconds", "prepare_seconds", "bytes", "plane_bytes")}
     est["fixed_seconds"] = round(fixed_s * LAYERS / 2, 4)  # the built model has 2 of the 24 layers
     est["seconds"] = round(est.pop("net_seconds") + est["fixed_seconds"], 3)
     est["seconds_with_fixed_cost_per_part"] = round(sum(per[p]["seconds"] * m for p, m in scale.items()), 3)
@@ -239,8 +247,11 @@ def swap(worker: str) -> dict:
            "plane_elements": int(sum(v.size for v in new.values())), "parts": per,
            "scaled_to_8b_a1b": {**est, "layers": f"embedding of {VOCAB} rows ({VOCAB_BUILT} built) + {DENSE_LAYERS} dense + {moe} MoE layers of {EXPERTS} experts ({BUILT} built)",
                                 "full_load_seconds_before": full_est, "apply_patch_seconds": apply_est,
-                                "pause_seconds": round(est["seconds"] + apply_est, 2),
-                                # the background follower (worker/follower.py) applies the patch beside sampling
+                                # without the follower's thread the worker applies, prepares and writes in line
+                                "pause_seconds": round(est["seconds"] + est["prepare_seconds"] + apply_est, 2),
+                                # the thread (worker/follower.py) applies the patch and prepares the writes
+                                # beside sampling: the pause is the writes
+                                "background_seconds": round(apply_est + est["prepare_seconds"], 2),
                                 "pause_seconds_with_background_follower": est["seconds"]},
            "measured_full_load_seconds": round(full_s, 2),
            "publisher_plane_s": round(plane_s, 2), "publisher_encode_s": round(encode_s, 2),

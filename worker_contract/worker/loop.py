@@ -282,7 +282,8 @@ class Worker:
         self._swap(*joined)
         from .follower import Follower
 
-        self.follower = Follower(self.rec, behind=self.s.lag_versions, interval_s=self.s.follow_interval_s)
+        self.follower = Follower(self.rec, behind=self.s.lag_versions, interval_s=self.s.follow_interval_s,
+                                 prepare=lambda state, changes: self.policy.prepare_patch(self.plane, state, changes))
         log.info("worker %s joined run %r at v%d (task %s, n_samples %d, plane %s, T=%g, max_new_tokens %d, "
                  "backend %s%s)", self.s.worker_id, self.s.run, self.version, manifest.task, self.n_samples,
                  self.plane, manifest.temperature, manifest.max_new_tokens, self._backend_name(),
@@ -369,11 +370,15 @@ class Worker:
     def _backend_name(self) -> str:
         return f"mlx {self.policy.dtype}" if self.s.backend == "mlx" else "torch"
 
-    def _swap(self, version: int, state, changes=None) -> None:
+    def _swap(self, version: int, state, changes=None, prepared=None) -> None:
         """Load a version between groups (sync() runs before a group starts): after a patch only the elements
-        it changed (`changes`, from the reconstructor); after a join or an anchor every tensor."""
+        it changed (`changes`, from the reconstructor; `prepared`: their values, read out by the follower's
+        thread); after a join or an anchor every tensor."""
         t0 = time.monotonic()
-        wrote = self.policy.load_plane(self.plane, state, changes)
+        if prepared is not None:
+            wrote = self.policy.write_patch(prepared)
+        else:
+            wrote = self.policy.load_plane(self.plane, state, changes)
         self.stats.swaps.append({"version": version, "seconds": round(time.monotonic() - t0, 4), **(wrote or {})})
         self.version = version
         self.stats.versions_seen.append(version)
@@ -427,8 +432,7 @@ class Worker:
         t0 = time.monotonic()
         update = self.follower.take(wait)
         if update is not None:
-            version, state, changes = update
-            self._swap(version, state, changes=changes)
+            self._swap(*update)
         self.stats.follow_s += time.monotonic() - t0
         return self.version
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -130,12 +131,42 @@ def _writable(x) -> np.ndarray:
     return np.array(x, copy=False).reshape(-1)
 
 
-def patch_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], changes: Mapping[str, np.ndarray],
-                     *, dtype: str, views: dict[str, np.ndarray] | None = None) -> dict[str, int]:
-    """Rewrite only the changed elements of the plane tensors `changes` names (flat indices, from the
-    reconstructor) in the loaded model, in place: for int8g64 the changed code words and their groups'
-    scales and biases, each a tensor of its own in the plane. Bit for bit what `load_plane_into` of the
-    whole state gives. `views` keeps each tensor's writable view from one version to the next (the caller
+@dataclass
+class PatchWrites:
+    """What a patch writes into a loaded model, worked out from the plane alone, so that the follower's thread
+    can do it while the model samples (worker/follower.py): the pause is then only the writes."""
+    parts: list[tuple[str, int, np.ndarray, np.ndarray]]  # (mlx-lm name, start, positions from start, values)
+    whole: dict[str, np.ndarray]  # mlx-lm name -> mapped tensor: the mapping reorders it (rewritten whole)
+
+
+def plan_patch(architecture: str, state: Mapping[str, np.ndarray], changes: Mapping[str, np.ndarray],
+               kinds: Mapping[str, np.dtype]) -> PatchWrites:
+    """The changed elements of the plane tensors `changes` names (flat indices, from the reconstructor), read
+    out of `state` and put in the bits of the model array each lands in (`kinds`: each mlx-lm name's dtype as
+    its writable view sees it, bf16 as uint16). For int8g64: the changed code words and their groups' scales
+    and biases, each a tensor of its own in the plane. Reads numpy only, never the model."""
+    parts: list[tuple[str, int, np.ndarray, np.ndarray]] = []
+    whole: dict[str, np.ndarray] = {}
+    for name, idx in changes.items():
+        src = np.asarray(state[name])
+        targets = mlx_targets(architecture, name, src.shape, idx)
+        if targets is None:  # reordered by the mapping: the whole tensor, mapped as a load maps it
+            whole.update(to_mlx(architecture, {name: src}))
+            continue
+        flat = src.reshape(-1)
+        if flat.dtype.name == "bfloat16":
+            flat = flat.view(np.uint16)  # bits are what is copied: an integer gather is faster than bf16's
+        for mname, start, at, take in targets:
+            vals = flat[take]
+            if kinds[mname] == np.float32 and vals.dtype == np.uint16:
+                vals = vals.view(src.dtype).astype(np.float32)  # exact, as a full load's upcast
+            parts.append((mname, start, at, vals.view(kinds[mname])))
+    return PatchWrites(parts, whole)
+
+
+def write_patch(model, writes: PatchWrites, views: dict[str, np.ndarray]) -> dict[str, int]:
+    """Write a planned patch into the loaded model, in place: bit for bit what `load_plane_into` of the whole
+    new state gives. `views` holds each array's writable view from one version to the next (the caller
     empties it when a full load replaces the arrays). Returns {"elements": rewritten, "bytes": written,
     "whole": tensors rewritten whole}."""
     import mlx.core as mx
@@ -145,32 +176,19 @@ def patch_plane_into(model, architecture: str, state: Mapping[str, np.ndarray], 
     if hasattr(mx, "synchronize"):
         mx.synchronize()  # nothing in flight reads a buffer while it is written
     out = {"elements": 0, "bytes": 0, "whole": 0}
-    views = {} if views is None else views  # one view a target: the stacked experts take 32 patch tensors each
-    for name, idx in changes.items():
-        src = np.asarray(state[name])
-        targets = mlx_targets(architecture, name, src.shape, idx)
-        if targets is None:  # reordered by the mapping: the whole tensor, mapped as a load maps it
-            for mname, a in to_mlx(architecture, {name: src}).items():
-                x = mx.array(a).astype(held[mname].dtype)
-                mx.eval(x)
-                model.load_weights([(mname, x)], strict=False)
-                views.pop(mname, None)  # a new array: a view of the old one would write nowhere
-                out["whole"] += 1
-                out["bytes"] += x.nbytes
-            continue
-        flat = src.reshape(-1)
-        if flat.dtype.name == "bfloat16":
-            flat = flat.view(np.uint16)  # bits are what is copied: an integer gather is faster than bf16's
-        for mname, start, at, take in targets:
-            if mname not in views:
-                views[mname] = _writable(held[mname])
-            dst = views[mname][start:]
-            vals = flat[take]
-            if dst.dtype == np.float32 and vals.dtype == np.uint16:
-                vals = vals.view(state[name].dtype).astype(np.float32)  # exact, as a full load's upcast
-            dst[at] = vals.view(dst.dtype)
-            out["elements"] += len(at)
-            out["bytes"] += vals.nbytes
+    for mname, a in writes.whole.items():
+        x = mx.array(a).astype(held[mname].dtype)
+        mx.eval(x)
+        model.load_weights([(mname, x)], strict=False)
+        views.pop(mname, None)  # a new array: a view of the old one would write nowhere
+        out["whole"] += 1
+        out["bytes"] += x.nbytes
+    for mname, start, at, vals in writes.parts:  # one view a target: the stacked experts take 32 patch tensors each
+        if mname not in views:
+            views[mname] = _writable(held[mname])
+        views[mname][start:][at] = vals
+        out["elements"] += len(at)
+        out["bytes"] += vals.nbytes
     return out
 
 
@@ -184,7 +202,8 @@ class MlxPolicy(ChatPolicy):
         self.dtype = resolve_dtype(dtype)
         self.key = mx.random.key(seed % (2**63))
         self._quantized: set[str] | None = None
-        self._views: dict[str, np.ndarray] = {}  # writable views of the model's arrays (patch_plane_into)
+        self._views: dict[str, np.ndarray] = {}  # writable views of the model's arrays (write_patch)
+        self._kinds: dict[str, np.dtype] = {}  # each array's dtype as its view sees it (plan_patch), once loaded
         from ..routes import route_shape
         from .route_recorder import MlxRouteRecorder
 
@@ -196,17 +215,32 @@ class MlxPolicy(ChatPolicy):
         """Replace the parameters with the published ones (between groups only: the loop calls this after a
         group is uploaded): all of them (`changes` None: a join or an anchor; a missing, unknown or misshapen
         tensor is an error found before any is replaced, so the model keeps its previous weights), or only
-        the elements a patch changed. Returns what was written (see `patch_plane_into`)."""
-        if plane != self.plane:
-            raise ValueError(f"this policy was built for plane {self.plane!r}, not {plane!r}")
-        if changes is not None and self._quantized is not None:
-            return patch_plane_into(self.model, self.architecture, state, changes, dtype=self.dtype,
-                                    views=self._views)
+        the elements a patch changed. Returns what was written (see `write_patch`)."""
+        if changes is not None and self._kinds:
+            return self.write_patch(self.prepare_patch(plane, state, changes))
+        self._check_plane(plane)
         self._views.clear()  # the arrays are replaced: their views would write into the old ones
         self._quantized = load_plane_into(self.model, self.architecture, state, dtype=self.dtype,
                                           quantized=self._quantized)
+        if not self._kinds:  # the same model every version: its arrays' dtypes never change
+            self._kinds = {n: _writable(x).dtype for n, x in flat_parameters(self.model).items()}
         return {"elements": sum(int(np.asarray(a).size) for a in state.values()),
                 "bytes": sum(int(np.asarray(a).nbytes) for a in state.values()), "whole": len(state)}
+
+    def prepare_patch(self, plane: str, state: Mapping[str, np.ndarray],
+                      changes: Mapping[str, np.ndarray]) -> PatchWrites | None:
+        """What `write_patch` writes for a patch, from the plane alone: safe beside sampling, so the follower's
+        thread does it. None before the first full load (nothing to patch yet)."""
+        self._check_plane(plane)
+        return plan_patch(self.architecture, state, changes, self._kinds) if self._kinds else None
+
+    def write_patch(self, writes: PatchWrites) -> dict[str, int]:
+        """The pause of a patch: its planned writes into the model's arrays (between groups only)."""
+        return write_patch(self.model, writes, self._views)
+
+    def _check_plane(self, plane: str) -> None:
+        if plane != self.plane:
+            raise ValueError(f"this policy was built for plane {self.plane!r}, not {plane!r}")
 
     def sample(self, prompt: list[int], n: int, *, temperature: float, top_p: float,
                max_new_tokens: int) -> list[Completion]:

@@ -44,34 +44,36 @@ class PolicyModel(ChatPolicy):
 
         shape = route_shape(config.to_dict())  # MoE: every forward's routes are recorded (worker_contract/routes.py)
         self.recorder = None if shape is None else TorchRouteRecorder(self.model, shape)
-        self._loaded = False
+        self._dtypes: dict[str, torch.dtype] = {}  # each parameter's and buffer's, once loaded (prepare_patch)
 
     def load_plane(self, plane: str, state: Mapping[str, np.ndarray],
                    changes: Mapping[str, np.ndarray] | None = None) -> dict[str, int]:
         """A state in the run's plane: all of it (`changes` None: a join or an anchor; dequantized to HF-named
-        dense tensors first for int8g64), or only the elements a patch changed (see `patch`)."""
+        dense tensors first for int8g64), or only the elements a patch changed (see `prepare_patch`)."""
         from ..planes import get_plane
 
-        if changes is not None and self._loaded:
-            return self.patch(plane, state, changes)
+        if changes is not None and self._dtypes:
+            return self.write_patch(self.prepare_patch(plane, state, changes))
         self.load(get_plane(plane).to_dense(state))
-        self._loaded = True
+        self._dtypes = {n: t.dtype for n, t in self.model.state_dict().items()}  # the same every version
         return {"elements": sum(p.numel() for p in self.model.parameters()),
                 "bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()), "whole": -1}
 
     @torch.no_grad()
-    def patch(self, plane: str, state: Mapping[str, np.ndarray], changes: Mapping[str, np.ndarray]) -> dict[str, int]:
-        """Rewrite only what a patch changed, in place: a dense tensor's changed elements; for an int8g64
-        module, each group of 64 whose codes, scale or bias changed, dequantized alone (the dequantization is
-        per group, so this is bit for bit the whole tensor's). Returns {"elements", "bytes", "whole": 0}."""
+    def prepare_patch(self, plane: str, state: Mapping[str, np.ndarray],
+                      changes: Mapping[str, np.ndarray]) -> list[tuple[str, torch.Tensor, torch.Tensor]] | None:
+        """What `write_patch` writes for a patch, from the plane alone (safe beside sampling, so the follower's
+        thread does it): a dense tensor's changed elements; for an int8g64 module, each group of 64 whose
+        codes, scale or bias changed, dequantized alone (the dequantization is per group, so this is bit for
+        bit the whole tensor's). A list of (parameter, rows, values): rows of 1 element or of a group, on the
+        host, in the parameter's dtype. None before the first full load."""
         from ..planes import int8g64
 
-        params = dict(self.model.named_parameters())
-        persistent = set(self.model.state_dict())
-        params.update({n: b for n, b in self.model.named_buffers() if n in persistent})
+        if not self._dtypes:
+            return None
         mods = set(int8g64.quantized_modules(state)) if plane == int8g64.NAME else set()
         groups: dict[str, np.ndarray] = {}
-        out = {"elements": 0, "bytes": 0, "whole": 0}
+        writes = []
         for name, idx in changes.items():
             mod, _, leaf = name.rpartition(".")
             if mod in mods:  # codes: 16 uint32 words (64 codes) a group; scales and biases: one a group
@@ -79,22 +81,29 @@ class PolicyModel(ChatPolicy):
                 groups[mod] = sorted_positions(*([groups[mod]] if mod in groups else []), g,
                                                size=np.asarray(state[f"{mod}.scales"]).size)
                 continue
-            if name not in params:
+            if name not in self._dtypes:
                 continue  # a tied lm_head, RoPE's inv_freq: as `load` skips them
             vals = to_torch(np.ascontiguousarray(np.asarray(state[name]).reshape(-1)[idx]))
-            flat = params[name].view(-1)
-            flat[torch.from_numpy(idx).to(flat.device)] = vals.to(device=flat.device, dtype=flat.dtype)
-            out["elements"] += len(idx)
-            out["bytes"] += len(idx) * flat.element_size()
+            writes.append((name, torch.from_numpy(idx), vals.to(self._dtypes[name]).reshape(-1, 1)))
         for mod, g in groups.items():
             codes = np.asarray(state[f"{mod}.weight"]).reshape(-1, int8g64.GROUP_SIZE // 4)[g]
             scales = np.asarray(state[f"{mod}.scales"]).reshape(-1, 1)[g]
             biases = np.asarray(state[f"{mod}.biases"]).reshape(-1, 1)[g]
             dense = to_torch(np.ascontiguousarray(int8g64.dequantize_np(codes, scales, biases)))
-            w = params[f"{mod}.weight"].view(-1, int8g64.GROUP_SIZE)
-            w[torch.from_numpy(g).to(w.device)] = dense.to(device=w.device, dtype=w.dtype)
-            out["elements"] += dense.numel()
-            out["bytes"] += dense.numel() * w.element_size()
+            writes.append((f"{mod}.weight", torch.from_numpy(g), dense.to(self._dtypes[f"{mod}.weight"])))
+        return writes
+
+    @torch.no_grad()
+    def write_patch(self, writes: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, int]:
+        """The pause of a patch: its planned rows written into the model in place (between groups only).
+        Returns {"elements", "bytes", "whole": 0}."""
+        held = self.model.state_dict(keep_vars=True)
+        out = {"elements": 0, "bytes": 0, "whole": 0}
+        for name, rows, vals in writes:
+            dst = held[name].data.view(-1, vals.shape[1])
+            dst[rows.to(dst.device)] = vals.to(dst.device)
+            out["elements"] += vals.numel()
+            out["bytes"] += vals.numel() * vals.element_size()
         return out
 
     @torch.no_grad()

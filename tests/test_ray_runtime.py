@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from trainer.ray_runtime import _START_ATTEMPTS
+
 REPO = Path(__file__).resolve().parent.parent
 
 #: a trainer-like process: one Ray session, one task in a Ray worker, what each side saw
@@ -93,5 +95,5 @@ def test_a_ray_start_that_times_out_is_ended_and_made_again(tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
-    assert "did not come up in time (attempt 1 of 3" in err
+    assert f"did not come up in time (attempt 1 of {_START_ATTEMPTS}" in err
     assert json.loads(out.split("SEEN ", 1)[1])["worker"][0] is None  # a Ray task ran in the new start

@@ -79,7 +79,8 @@ def decode(groups: int, n: int, budget: int, device: str = "cpu", workers: tuple
             toks = sum(sum(e.loss_mask) for eps in g for e in eps)
             res[mode] = {"forwards": fwd[0] - f0, "sampled_tokens": toks, "seconds": round(secs, 2),
                          "forwards_per_token": round((fwd[0] - f0) / toks, 3), "tokens_per_s": round(toks / secs, 1),
-                         "searches": sum(len(e.searches) for eps in g for e in eps), "turns": count.turns}
+                         "searches": sum(len(e.searches) for eps in g for e in eps), "turns": count.turns,
+                         "extension_forwards": count.extensions}
         f0, t0 = fwd[0], time.perf_counter()
         outs = pol.sample_many(prompts, n, temperature=1.0, top_p=1.0, max_new_tokens=budget)
         secs, toks = time.perf_counter() - t0, sum(len(o.token_ids) for grp in outs for o in grp)

@@ -3,7 +3,9 @@
 Each group's prompt is prefilled once and its cache cloned into the n samples (`paged_prefix`); a turn's
 samples decode together, their caches merged into one batch, one batched forward (`Engine.forward`) a step
 for the samples still going; a sample that stops (`</search>`, `</answer>`, EOS, budget) leaves with its
-cache, which its tool turn extends before it rejoins at the next turn (never re-prefilled). Each sample
+cache, which its tool turn extends before it rejoins at the next turn (never re-prefilled): the next turn's
+rows are fed their tool turns together, in one ragged pass where the engine's caches take rows of different
+lengths (`Engine.extend`), else a prefill a row. Each sample
 draws from its own random stream, so `batched=False` (one at a time) draws the same tokens; log-probs are
 those of the distribution drawn from. MoE models: every forward's routes go to the rows it fed (the prompt's
 once per group). `PrefillCount` counts prefill tokens both ways and forwards. More in docs/performance.md
@@ -36,6 +38,12 @@ class Engine(Protocol):
     def merge(self, states: list[Any], logits: list[Any]) -> tuple[Any, Any]:
         """Batch-1 caches and their last logits -> (one batched cache, logits [rows, vocab])."""
 
+    def extend(self, states: list[Any], feeds: list[list[int]]) -> tuple[Any, Any] | None:
+        """Batch-1 caches merged, row r then fed feeds[r] (the lengths differ) in as few forwards as memory
+        allows: (batched cache, logits [rows, vocab] after each row's last id). None, having run nothing, where
+        the caches cannot take rows of different lengths. A route recorder's take then gives [rows, longest,
+        ...], row r's first len(feeds[r]) its own."""
+
     def forward(self, batch: Any, tokens: list[int]) -> Any:
         """Feed one token per row of `batch`; logits [rows, vocab]. The one place the model runs on a batch."""
 
@@ -67,18 +75,22 @@ class PrefillCount:
     """Assistant turns sampled (all samples)."""
     forwards: int = 0
     """Model forward passes (prefills, extensions and batched decoding steps)."""
+    extensions: int = 0
+    """Of those, the forwards that fed the samples' tool turns (one a turn when fed together)."""
 
 
 class _Row:
     """One sample's cache: the tokens it holds, the logits after them, its random stream; `routes` (MoE)
-    cover `covered` token for token; `pending` is its last turn's last token, drawn but not fed."""
+    cover `covered` token for token; `pending` is its last turn's last token, drawn but not fed; `feed` what
+    the row must be fed before it decodes again (that token and its tool turn)."""
 
-    __slots__ = ("sample", "covered", "state", "logits", "stream", "routes", "pending")
+    __slots__ = ("sample", "covered", "state", "logits", "stream", "routes", "pending", "feed")
 
     def __init__(self, sample: int, covered: list[int], state: Any, logits: Any, stream: Any, routes: list):
         self.sample, self.covered, self.state, self.logits, self.stream = sample, covered, state, logits, stream
         self.routes = routes  # MoE: uint8 arrays [tokens, layers, top_k], concatenated they cover `covered`
         self.pending: int | None = None
+        self.feed: list[int] = []
 
 
 def _feed(engine: Engine, row: _Row, ids: list[int]) -> None:
@@ -136,9 +148,9 @@ class PrefixGenerator:
             else:
                 raise AssertionError("a context that extends no sample's turn")
         self.ended.extend(last)
-        for row, ctx in zip(rows, contexts, strict=True):  # its last token and its tool turn, fed as one prefill
-            self.count.extend += len(ctx) - len(row.covered)
-            _feed(self.engine, row, ctx[len(row.covered):])
+        for row, ctx in zip(rows, contexts, strict=True):  # its last token and its tool turn: fed by `_start`
+            row.feed = ctx[len(row.covered):]
+            self.count.extend += len(row.feed)
         return rows
 
     def __call__(self, contexts: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
@@ -171,7 +183,7 @@ class PrefixGenerator:
         lps: list[list[float]] = [[] for _ in rows]
         eos = [False] * len(rows)
         live = list(range(len(rows)))
-        batch, logits = eng.merge([r.state for r in rows], [r.logits for r in rows])
+        batch, logits = self._start(rows)
         while live:
             drawn, probs = eng.pick(logits, [rows[i].stream for i in live])
             going = []
@@ -198,6 +210,28 @@ class PrefixGenerator:
                 for j, i in enumerate(live):
                     rows[i].routes.append(got[j])
         return [TurnOutput(toks[i], lps[i], eng.decode(toks[i]), eos[i]) for i in range(len(rows))]
+
+    def _start(self, rows: list[_Row]) -> tuple[Any, Any]:
+        """The turn's batch and logits: the rows' caches merged, each first fed what its tool turn added, all
+        in one ragged pass where the engine can (a lone row, or caches that cannot: a prefill a row)."""
+        eng, before = self.engine, self.engine.forwards
+        got = eng.extend([r.state for r in rows], [r.feed for r in rows]) if rows[0].feed and len(rows) > 1 \
+            else None
+        if got is not None:
+            routes = eng.take_routes()
+            for j, row in enumerate(rows):
+                row.covered += row.feed
+                if routes is not None:
+                    row.routes.append(routes[j, :len(row.feed)])
+        else:
+            for row in rows:
+                if row.feed:
+                    _feed(eng, row, row.feed)
+            got = eng.merge([r.state for r in rows], [r.logits for r in rows])
+        self.count.extensions += eng.forwards - before
+        for row in rows:
+            row.feed = []
+        return got
 
     def attach_routes(self, prompts: list[list[int]], eps: list[Episode]) -> None:
         """MoE models: each episode's `routes`, as the record carries them (worker_contract/routes.py: the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .completion import Completion
 
-#: prompt tokens per prefill call (bounds the prefill's activation memory on long prompts)
+#: positions per prefill call, all rows together (bounds its logits' and activations' memory on long prompts)
 PREFILL_CHUNK = 512
 
 
@@ -118,6 +118,11 @@ def _shared_prefill(model, prompt: list[int], n: int):
     return cache, mx.repeat(logits, n, axis=0)
 
 
+def _merge_caches(states: list) -> list:
+    """Batch-1 prompt caches -> mlx-lm's batch caches, layer by layer (each cache type's own `merge`)."""
+    return [type(layers[0]).merge(list(layers)) for layers in zip(*states, strict=True)]
+
+
 def _attach_routes(out: list[Completion], prompt_routes, routes: list[list]) -> None:
     """Each completion's routes: the shared prompt's, and one row per sampled token that was fed back (the
     last token is never fed, so it has none)."""
@@ -181,8 +186,37 @@ class MlxEngine:
     def merge(self, states: list, logits: list):
         import mlx.core as mx
 
-        batch = [type(layers[0]).merge(list(layers)) for layers in zip(*states, strict=True)]
-        return batch, mx.concatenate(logits, axis=0)
+        return _merge_caches(states), mx.concatenate(logits, axis=0)
+
+    def extend(self, states: list, feeds: list[list[int]]):
+        """mlx-lm's own ragged extension of a batch (its batch caches' `prepare`/`finalize`, as its batched
+        generator feeds prompts of different lengths): rows right-padded, each conv state taken at its row's
+        end (`lengths`), the attention's padding rolled to the left afterwards. In chunks of PREFILL_CHUNK
+        positions over all rows, as a prefill is; None where this mlx-lm's caches have no `prepare`."""
+        import mlx.core as mx
+
+        batch = _merge_caches(states)
+        if not all(callable(getattr(c, "prepare", None)) and callable(getattr(c, "finalize", None)) for c in batch):
+            return None
+        lengths = [len(f) for f in feeds]
+        width, pad = max(lengths), [max(lengths) - n for n in lengths]
+        x = mx.array([f + [0] * p for f, p in zip(feeds, pad, strict=True)], dtype=mx.int32)
+        step = max(1, PREFILL_CHUNK // len(feeds))
+        last: list = [None] * len(feeds)
+        for start in range(0, width, step):
+            for c in batch:  # each row's real positions within this chunk
+                c.prepare(lengths=[min(max(n - start, 0), step) for n in lengths], right_padding=pad)
+            out = self.model(x[:, start:start + step], cache=batch)
+            self.forwards += 1
+            for r, n in enumerate(lengths):
+                if start < n <= start + step:
+                    last[r] = out[r, n - 1 - start]
+            mx.eval([a for a in last if a is not None], [c.state for c in batch])
+        for c in batch:
+            c.finalize()
+        logits = mx.stack(last)
+        mx.eval(logits, [c.state for c in batch])
+        return batch, logits
 
     def forward(self, batch, tokens: list[int]):
         """The model on a batch, one new token per row (a route recorder's take gives its rows in batch order)."""

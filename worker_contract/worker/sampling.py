@@ -207,6 +207,15 @@ def _rows_of(cache, rows: torch.Tensor, trim: int = 0):
     return _with_layers(cache, layers)
 
 
+def _roll_rows(x: torch.Tensor, shifts: torch.Tensor, dim: int) -> torch.Tensor:
+    """Each row (dim 0) of x rolled right along `dim` by its own shift: a right-padded row becomes left-padded."""
+    size = x.shape[dim]
+    idx = (torch.arange(size, device=x.device)[None] - shifts[:, None]) % size  # [rows, size]
+    shape = [x.shape[0]] + [1] * (x.dim() - 1)
+    shape[dim] = size
+    return x.gather(dim, idx.reshape(shape).expand(x.shape))
+
+
 class TorchEngine:
     """The episode generator's backend (worker/episodes.py): one batch-1 HF cache per sample, extended in
     place (`DynamicCache`; LFM2's conv state lives in the same cache object), cloned by deep copy, merged
@@ -252,6 +261,45 @@ class TorchEngine:
     def take_routes(self):
         """MoE: uint8 [rows, tokens, layers, top_k] of the forwards since the last take; None for a dense model."""
         return None if self.recorder is None else self.recorder.take()
+
+    @torch.inference_mode()
+    def extend(self, states: list, feeds: list[list[int]]):
+        """One forward of the rows right-padded to the longest feed, written here because transformers has no
+        ragged extension of a batch: attention masked and rolled afterwards so the padding is on the left, as
+        `merge` leaves it; each LFM2 conv state cut at its row's end out of the full states transformers keeps
+        while recording the past (`activate_past_recording`). None where a conv cache cannot record it."""
+        cache, lens = merge_caches(states)
+        conv = [layer for layer in cache.layers if _layer_kind(layer) == "conv"]
+        if not all(hasattr(layer, "activate_past_recording") for layer in conv):
+            return None
+        for layer in conv:
+            layer.activate_past_recording()
+        dev, width = self.device, max(lens)
+        n = torch.tensor([len(f) for f in feeds], dtype=torch.long, device=dev)
+        longest = int(n.max())
+        ids = torch.tensor([f + [0] * (longest - len(f)) for f in feeds], dtype=torch.long, device=dev)
+        real = (torch.arange(longest, device=dev)[None] < n[:, None]).long()
+        hist = torch.tensor([[0] * (width - m) + [1] * m for m in lens], dtype=torch.long, device=dev)
+        start = torch.tensor(lens, dtype=torch.long, device=dev)
+        keep = longest - int(n.min()) + 1  # the logits of every row's last position, and no more
+        out = self.model(input_ids=ids, attention_mask=torch.cat([hist, real], dim=1),
+                         position_ids=start[:, None] + torch.arange(longest, device=dev)[None], use_cache=True,
+                         logits_to_keep=keep, **{self.cache_kw: cache})
+        self.forwards += 1
+        cache, pad = getattr(out, self.cache_kw), longest - n
+        logits = out.logits[torch.arange(len(feeds), device=dev), n - 1 - (longest - keep)]
+        for layer in cache.layers:
+            if _layer_kind(layer) == "attn":
+                layer.keys, layer.values = _roll_rows(layer.keys, pad, 2), _roll_rows(layer.values, pad, 2)
+                continue
+            for k, full in layer.conv_states.items():  # [rows, channels, kernel + longest] -> the kernel's last
+                if full is not None:
+                    size = layer.conv_kernel_size[k]
+                    idx = (n[:, None] + torch.arange(size, device=dev)[None])[:, None].expand(-1, full.shape[1], -1)
+                    layer.conv_states[k] = full.gather(2, idx)
+            layer.record_past = False
+        mask = _roll_rows(torch.cat([hist, real], dim=1), pad, 1)
+        return _Batch(_with_layers(cache, cache.layers), mask, start + n), logits
 
     @torch.inference_mode()
     def forward(self, batch: _Batch, tokens: list[int]):

@@ -1,15 +1,13 @@
 """Multi-turn search episodes (PaperSearchQA) on either backend, through the task's one episode code.
 
 Each group's prompt is prefilled once and its cache cloned into the n samples (`paged_prefix`); a turn's
-samples decode together, their caches merged into one batch, one batched forward (`Engine.forward`) a step
-for the samples still going; a sample that stops (`</search>`, `</answer>`, EOS, budget) leaves with its
-cache, which its tool turn extends before it rejoins at the next turn (never re-prefilled): the next turn's
-rows are fed their tool turns together, in one ragged pass where the engine's caches take rows of different
-lengths (`Engine.extend`), else a prefill a row. Each sample
-draws from its own random stream, so `batched=False` (one at a time) draws the same tokens; log-probs are
-those of the distribution drawn from. MoE models: every forward's routes go to the rows it fed (the prompt's
-once per group). `PrefillCount` counts prefill tokens both ways and forwards. More in docs/performance.md
-(Workers at full speed) and docs/contract.md (the route recorder).
+samples decode together, one batched forward (`Engine.forward`) a step for those still going; a sample that
+stops (`</search>`, `</answer>`, EOS, budget) leaves with its cache, and the next turn feeds every row its
+tool turn in one ragged forward (`Engine.extend`; a prefill a row where the caches cannot): never re-prefilled.
+Each sample draws from its own random stream, so `batched=False` (one at a time) draws the same tokens;
+log-probs are those of the distribution drawn from. MoE models: every forward's routes go to the rows it fed.
+`PrefillCount` counts prefill tokens both ways and forwards. More in docs/performance.md (Workers at full
+speed) and docs/contract.md (the route recorder).
 """
 
 from __future__ import annotations

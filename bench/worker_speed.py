@@ -267,10 +267,12 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def memory(n: int, budget: int) -> dict:
+def memory(n: int, budget: int, dtype: str = "bfloat16") -> dict:
     """The MLX worker's peak RSS at 8B-A1B shapes, layer-scaled (1 dense + 1 MoE layer), through a join, a
     patch followed (the reconstructor's old and new plane both alive) and one psqa group, against the
-    estimate worker/memory.py refuses by; then the estimate at the full 24 layers."""
+    estimate worker/memory.py refuses by for the same compute dtype; then the estimate at the full 24 layers.
+    `dtype` float32 on an x86 CPU, whose MLX multiplies bf16 by int8 codes ten times slower: its scales,
+    biases and activations are then twice a Mac's, so the figure is an upper bound of the bf16 one."""
     import mlx.core as mx
 
     from worker_contract.planes import get_plane
@@ -286,7 +288,7 @@ def memory(n: int, budget: int) -> dict:
     base = _rss()  # the bench's own copies up to here (the publisher's side): not the worker's
     d = Path(tempfile.mkdtemp(prefix="worker-speed-mem-"))
     _config(d, False)
-    pol = MlxPolicy(d, plane="int8g64", seed=0, dtype="bfloat16")
+    pol = MlxPolicy(d, plane="int8g64", seed=0, dtype=dtype)
     pol.load_plane("int8g64", old)
     joined = _rss()
     changes: dict = {}
@@ -297,7 +299,7 @@ def memory(n: int, budget: int) -> dict:
     pol.sample_episode_groups([prompt], n, temperature=1.0, top_p=1.0, max_new_tokens=budget,
                               search=lambda q: "Doc 1 the dmd gene")
     sampled = _rss()
-    est = worker_memory(pol.model, pol.config, plane="int8g64", dtype="bfloat16", n_samples=n,
+    est = worker_memory(pol.model, pol.config, plane="int8g64", dtype=dtype, n_samples=n,
                         max_new_tokens=budget)
     plane_bytes = sum(a.nbytes for a in old.values())
     full_cfg = dict(pol.config, num_hidden_layers=LAYERS,
@@ -341,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode: which workers to measure (a CUDA box: torch)")
     p.add_argument("--experts-built", type=number(int, at_least=1, at_most=EXPERTS), default=4,
                    help=f"swap/memory: experts built per MoE layer (of the {EXPERTS})")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="memory: the MLX worker's compute dtype (float32 on an x86 CPU: an upper bound, far faster)")
     p.add_argument("--tiny", action="store_true", help="swap/memory: hidden 128, vocab 256, 4 experts (a CI run)")
     p.add_argument("--out", default=None, help="result file (default bench/results/worker_speed_<part>.json)")
     a = p.parse_args(argv)
@@ -355,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget, "device": a.device,
                                 "workers": a.workers}, **decode(a.groups, a.n, a.budget, a.device, tuple(a.workers))}
     elif a.part == "memory":
-        result = {"settings": {"n": a.n, "max_new_tokens": a.budget}, **memory(a.n, a.budget)}
+        result = {"settings": {"n": a.n, "max_new_tokens": a.budget, "dtype": a.dtype},
+                  **memory(a.n, a.budget, a.dtype)}
     else:
         result = swap(a.worker)
     name = f"worker_speed_{a.part}" + (f"_{a.worker}" if a.part == "swap" else "")

@@ -262,67 +262,102 @@ def swap(worker: str) -> dict:
 
 
 def _rss() -> int:
+    """This process's peak RSS so far. Linux: VmHWM, the peak of this process image alone (ru_maxrss there
+    starts an exec'd child at its parent's peak); elsewhere ru_maxrss (bytes on macOS)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
-def memory(n: int, budget: int, dtype: str = "bfloat16") -> dict:
-    """The MLX worker's peak RSS at 8B-A1B shapes, layer-scaled (1 dense + 1 MoE layer), through a join, a
-    patch followed (the reconstructor's old and new plane both alive) and one psqa group, against the
-    estimate worker/memory.py refuses by for the same compute dtype; then the estimate at the full 24 layers.
-    `dtype` float32 on an x86 CPU, whose MLX multiplies bf16 by int8 codes ten times slower: its scales,
-    biases and activations are then twice a Mac's, so the figure is an upper bound of the bf16 one."""
+def memory_worker(d: str, n: int, budget: int, dtype: str) -> dict:
+    """The worker's side in a process of its own (its peak RSS is then the worker's alone): the anchor plane read
+    from `d` (as a joining worker downloads it), the MLX model built and loaded, the patch applied (the
+    reconstructor's old and new plane both alive) and loaded, then one psqa group of n."""
+    import pickle
+
     import mlx.core as mx
 
-    from worker_contract.planes import get_plane
-    from worker_contract.pulse import apply_patch, encode_patch
+    from worker_contract.pulse import apply_patch
     from worker_contract.worker.memory import worker_memory
     from worker_contract.worker.mlx_model import MlxPolicy
 
-    plane = get_plane("int8g64")
-    old_hf, new_hf = _two_versions(_hf_shapes(False, 1, 1))
-    old, new = plane.from_hf(old_hf), plane.from_hf(new_hf)
-    patch = encode_patch(old, new)
-    del old_hf, new_hf, new
-    base = _rss()  # the bench's own copies up to here (the publisher's side): not the worker's
-    d = Path(tempfile.mkdtemp(prefix="worker-speed-mem-"))
-    _config(d, False)
+    started = _rss()  # Python, numpy, MLX and our modules imported
+    with open(Path(d) / "plane.pkl", "rb") as f:  # pickle keeps ml_dtypes' bfloat16, which .npz does not
+        old = pickle.load(f)
+    patch = (Path(d) / "patch.bin").read_bytes()
     pol = MlxPolicy(d, plane="int8g64", seed=0, dtype=dtype)
+    est = worker_memory(pol.model, pol.config, plane="int8g64", dtype=dtype, n_samples=n, max_new_tokens=budget)
     pol.load_plane("int8g64", old)
     joined = _rss()
     changes: dict = {}
     new = apply_patch(old, patch, changes_out=changes)
     pol.load_plane("int8g64", new, changes)
+    del old
     followed = _rss()
     prompt = pol.chat.encode("Question: the dmd gene is " * 40)
     pol.sample_episode_groups([prompt], n, temperature=1.0, top_p=1.0, max_new_tokens=budget,
                               search=lambda q: "Doc 1 the dmd gene")
-    sampled = _rss()
-    est = worker_memory(pol.model, pol.config, plane="int8g64", dtype=dtype, n_samples=n,
-                        max_new_tokens=budget)
+    return {"rss_peak_after_imports": started, "rss_peak_after_join": joined, "rss_peak_after_follow": followed,
+            "rss_peak_after_psqa_group": _rss(),
+            "mlx_peak_memory": int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
+            "estimate": est}
+
+
+def memory(n: int, budget: int, dtype: str = "bfloat16") -> dict:
+    """The MLX worker's peak RSS at 8B-A1B shapes, layer-scaled (1 dense + 1 MoE layer), through a join, a
+    patch followed and one psqa group (`memory_worker`, in a process of its own), against the estimate
+    worker/memory.py refuses by for the same compute dtype; then the estimate at the full 24 layers.
+    `dtype` float32 on an x86 CPU, whose MLX multiplies bf16 by int8 codes ten times slower: its scales,
+    biases and activations are then twice a Mac's, so the figure is an upper bound of the bf16 one."""
+    import json
+    import pickle
+    import subprocess
+
+    from worker_contract.planes import get_plane
+    from worker_contract.pulse import encode_patch
+    from worker_contract.worker.memory import OVERHEAD_BYTES, PROMPT_TOKENS, kv_bytes
+
+    plane = get_plane("int8g64")
+    old_hf, new_hf = _two_versions(_hf_shapes(False, 1, 1))
+    old = plane.from_hf(old_hf)
+    d = Path(tempfile.mkdtemp(prefix="worker-speed-mem-"))
+    _config(d, False)
+    with open(d / "plane.pkl", "wb") as f:
+        pickle.dump(old, f, protocol=5)
+    (d / "patch.bin").write_bytes(encode_patch(old, plane.from_hf(new_hf)))
+    del old_hf, new_hf
+    code = ("import json, sys; from bench.worker_speed import memory_worker; "
+            "print(json.dumps(memory_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))")
+    out = subprocess.run([sys.executable, "-c", code, str(d), str(n), str(budget), dtype], check=True,
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    worker = json.loads(out.strip().splitlines()[-1])
     plane_bytes = sum(a.nbytes for a in old.values())
-    full_cfg = dict(pol.config, num_hidden_layers=LAYERS,
+    cfg = json.loads((d / "config.json").read_text())
+    full_cfg = dict(cfg, num_hidden_layers=LAYERS,
                     layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(LAYERS)])
     per_moe = sum(a.nbytes * (EXPERTS / BUILT if ".experts." in k else 1) for k, a in old.items() if ".layers.1." in k)
     per_dense = sum(a.nbytes for k, a in old.items() if ".layers.0." in k)
     full_plane = int(sum(a.nbytes for k, a in old.items() if ".layers." not in k) * VOCAB / VOCAB_BUILT
                      + DENSE_LAYERS * per_dense
                      + (LAYERS - DENSE_LAYERS) * per_moe)
-    from worker_contract.worker.memory import OVERHEAD_BYTES, PROMPT_TOKENS, kv_bytes
-
     full = {"weights": full_plane, "plane_copy": full_plane, "patch_result": full_plane,
             "kv_cache_recipe": kv_bytes(full_cfg, 8, 4096 + PROMPT_TOKENS, "bfloat16"), "overhead": OVERHEAD_BYTES}
     full["total"] = sum(full.values())
-    res = {"layer_scaled": {"rss_bench_before_worker": base, "rss_after_join": joined, "rss_after_follow": followed,
-                            "rss_after_psqa_group": sampled, "worker_rss_peak": sampled - base,
-                            "mlx_peak_memory": int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
-                            "plane_bytes": plane_bytes, "estimate": est},
+    res = {"layer_scaled": {**worker, "plane_bytes": plane_bytes,
+                            "measured_over_estimate": round(worker["rss_peak_after_psqa_group"]
+                                                            / worker["estimate"]["total"], 3)},
            "full_24_layers_estimate": {k: round(v / 1e9, 2) for k, v in full.items()},
-           "how": "RSS high-water marks (ru_maxrss) of one process: the publisher side's arrays are made first and "
-                  "counted in rss_bench_before_worker; the worker's share is the rise after it. The 24-layer figure "
-                  "is the plane's bytes from the shapes (exact) with the psqa recipe's KV cache (8 rows of "
-                  "4096 + 512 tokens, bf16) and the overhead the layer-scaled run measured under."}
+           "how": "The worker's side runs in a process of its own (bench.worker_speed.memory_worker); its RSS "
+                  "high-water mark (VmHWM on Linux) after each stage is the worker's whole process: Python, MLX and "
+                  "the imports included. The estimate is worker/memory.py's for the same shapes and dtype. The "
+                  "24-layer figure is the plane's bytes from the shapes (exact) with the psqa recipe's KV cache "
+                  "(8 rows of 4096 + 512 tokens, bf16) and the estimate's overhead."}
     print(res, flush=True)
     return res
 

@@ -251,12 +251,15 @@ class TorchEngine:
         base = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device))
         return [torch.Generator(device=self.device).manual_seed(base + i) for i in range(n)]
 
-    def merge(self, states: list, logits: list):
+    def _merged(self, states: list) -> _Batch:
+        """The rows' caches merged left-padded, with the mask hiding the padding and each row's next position."""
         cache, lens = merge_caches(states)
         width = max(lens)
         mask = torch.tensor([[0] * (width - n) + [1] * n for n in lens], dtype=torch.long, device=self.device)
-        pos = torch.tensor(lens, dtype=torch.long, device=self.device)
-        return _Batch(cache, mask, pos), torch.cat(logits)
+        return _Batch(cache, mask, torch.tensor(lens, dtype=torch.long, device=self.device))
+
+    def merge(self, states: list, logits: list):
+        return self._merged(states), torch.cat(logits)
 
     def take_routes(self):
         """MoE: uint8 [rows, tokens, layers, top_k] of the forwards since the last take; None for a dense model."""
@@ -268,23 +271,21 @@ class TorchEngine:
         ragged extension of a batch: attention masked and rolled afterwards so the padding is on the left, as
         `merge` leaves it; each LFM2 conv state cut at its row's end out of the full states transformers keeps
         while recording the past (`activate_past_recording`). None where a conv cache cannot record it."""
-        cache, lens = merge_caches(states)
-        conv = [layer for layer in cache.layers if _layer_kind(layer) == "conv"]
+        batch = self._merged(states)
+        conv = [layer for layer in batch.cache.layers if _layer_kind(layer) == "conv"]
         if not all(hasattr(layer, "activate_past_recording") for layer in conv):
             return None
         for layer in conv:
             layer.activate_past_recording()
-        dev, width = self.device, max(lens)
+        dev = self.device
         n = torch.tensor([len(f) for f in feeds], dtype=torch.long, device=dev)
         longest = int(n.max())
         ids = torch.tensor([f + [0] * (longest - len(f)) for f in feeds], dtype=torch.long, device=dev)
-        real = (torch.arange(longest, device=dev)[None] < n[:, None]).long()
-        hist = torch.tensor([[0] * (width - m) + [1] * m for m in lens], dtype=torch.long, device=dev)
-        start = torch.tensor(lens, dtype=torch.long, device=dev)
+        mask = torch.cat([batch.mask, (torch.arange(longest, device=dev)[None] < n[:, None]).long()], dim=1)
         keep = longest - int(n.min()) + 1  # the logits of every row's last position, and no more
-        out = self.model(input_ids=ids, attention_mask=torch.cat([hist, real], dim=1),
-                         position_ids=start[:, None] + torch.arange(longest, device=dev)[None], use_cache=True,
-                         logits_to_keep=keep, **{self.cache_kw: cache})
+        out = self.model(input_ids=ids, attention_mask=mask,
+                         position_ids=batch.pos[:, None] + torch.arange(longest, device=dev)[None], use_cache=True,
+                         logits_to_keep=keep, **{self.cache_kw: batch.cache})
         self.forwards += 1
         cache, pad = getattr(out, self.cache_kw), longest - n
         logits = out.logits[torch.arange(len(feeds), device=dev), n - 1 - (longest - keep)]
@@ -298,8 +299,7 @@ class TorchEngine:
                     idx = (n[:, None] + torch.arange(size, device=dev)[None])[:, None].expand(-1, full.shape[1], -1)
                     layer.conv_states[k] = full.gather(2, idx)
             layer.record_past = False
-        mask = _roll_rows(torch.cat([hist, real], dim=1), pad, 1)
-        return _Batch(_with_layers(cache, cache.layers), mask, start + n), logits
+        return _Batch(_with_layers(cache, cache.layers), _roll_rows(mask, pad, 1), batch.pos + n), logits
 
     @torch.inference_mode()
     def forward(self, batch: _Batch, tokens: list[int]):

@@ -326,19 +326,20 @@ def memory(n: int, budget: int, dtype: str = "bfloat16") -> dict:
     plane = get_plane("int8g64")
     old_hf, new_hf = _two_versions(_hf_shapes(False, 1, 1))
     old = plane.from_hf(old_hf)
-    d = Path(tempfile.mkdtemp(prefix="worker-speed-mem-"))
-    _config(d, False)
-    with open(d / "plane.pkl", "wb") as f:
-        pickle.dump(old, f, protocol=5)
-    (d / "patch.bin").write_bytes(encode_patch(old, plane.from_hf(new_hf)))
-    del old_hf, new_hf
     code = ("import json, sys; from bench.worker_speed import memory_worker; "
             "print(json.dumps(memory_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))")
-    out = subprocess.run([sys.executable, "-c", code, str(d), str(n), str(budget), dtype], check=True,
-                         capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    with tempfile.TemporaryDirectory(prefix="worker-speed-mem-") as tmp:  # the plane's pickle: not left behind
+        d = Path(tmp)
+        _config(d, False)
+        with open(d / "plane.pkl", "wb") as f:
+            pickle.dump(old, f, protocol=5)
+        (d / "patch.bin").write_bytes(encode_patch(old, plane.from_hf(new_hf)))
+        del old_hf, new_hf
+        out = subprocess.run([sys.executable, "-c", code, str(d), str(n), str(budget), dtype], check=True,
+                             capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent).stdout
+        cfg = json.loads((d / "config.json").read_text())
     worker = json.loads(out.strip().splitlines()[-1])
     plane_bytes = sum(a.nbytes for a in old.values())
-    cfg = json.loads((d / "config.json").read_text())
     full_cfg = dict(cfg, num_hidden_layers=LAYERS,
                     layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(LAYERS)])
     per_moe = sum(a.nbytes * (EXPERTS / BUILT if ".experts." in k else 1) for k, a in old.items() if ".layers.1." in k)

@@ -233,25 +233,27 @@ def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path):
     from embedded.run import run_embedded
 
     run = "e2e-rises"
-    # the recipe's 600 s budget is for a user's machine; a loaded CI box may take longer for the 60 steps,
+    # the recipe's 600 s budget is for a user's machine; a loaded CI box may take longer for the 30 steps,
     # and this test is about learning, not speed
-    cfg = resolve_embedded("gsm8k", env={}, overrides={"run": run, "embedded.max_steps": 60, "embedded.eval_every": 10,
+    cfg = resolve_embedded("gsm8k", env={}, overrides={"run": run, "embedded.max_steps": 30, "embedded.eval_every": 10,
                                               "embedded.time_budget_s": 3600})
     buf = io.StringIO()
     assert run_embedded(cfg, console=Console(file=buf, width=160), root=tmp_path) == 0, buf.getvalue()
     rows = _rows(tmp_path, run)
     rewards = [r["rollout/raw_reward"] for r in rows if "rollout/raw_reward" in r]
     evals = sorted((r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r)
-    assert len(rewards) == 60
-    assert "shipped with the repository" in buf.getvalue()
-    # Held-out accuracy (the task's reward, greedy, on 400 held-out problems, +-2.4 points of noise) is the
+    assert len(rewards) == 30
+    # the console wraps its lines where the run's path length puts the break: read it as one line
+    assert "shipped with the repository" in " ".join(buf.getvalue().split())
+    # Held-out accuracy (the task's reward, greedy, on 400 held-out problems, +-2.5 points of noise) is the
     # signal. The recipe's base (built on one thread: the same weights whatever the core count) goes
-    # 24.75% -> 50.75% by step 20 and 54% by step 60 (docs/embedded.md). A loop that does not
-    # learn stays within the noise and fails both bars. Sampled train reward (64 samples a step, at T = 1)
-    # is flat over the first 60 steps (0.342 then 0.338 in a 300-step run, 0.29-0.30 in another; 0.40-0.46
-    # by its last 60), and a 20-step mean moves +-0.013 by chance: it must not fall by more than noise
-    # allows (a collapsing policy loses far more).
+    # 24.75% -> 50.75% by step 20 and 54% by step 60 (docs/embedded.md); in the long runs there every
+    # evaluation from step 20 on was 17 to 30 points over the base. A loop that does not learn stays within
+    # the noise and fails both bars. Sampled train reward (64 samples a step, at T = 1) may stay flat this
+    # early (0.342 then 0.338 in a 300-step run) or rise (0.25 -> 0.33 by step 30 in another); a 15-step
+    # mean moves +-0.015 by chance, the difference of two +-0.021: it must not fall by more than three of
+    # those (a collapsing policy loses far more).
     assert evals[0][0] == 0 and max(acc for _, acc in evals) >= evals[0][1] + 0.15, evals
     assert min(acc for step, acc in evals if step >= 20) >= evals[0][1] + 0.10, evals
-    assert sum(rewards[20:]) / len(rewards[20:]) >= sum(rewards[:20]) / 20 - 0.05, rewards
+    assert sum(rewards[15:]) / 15 >= sum(rewards[:15]) / 15 - 0.065, rewards
     assert _verify(tmp_path, run).returncode == 0

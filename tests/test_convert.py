@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.convert import plan
+from infra.convert.convert import plan
 from tests import megatron_cpu
 from trainer.models import (
     ConvertError,
@@ -217,7 +217,7 @@ def _run_convert(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_convert_to_torch_dist_and_back(tmp_path, mcore):
-    from infra.convert import export_hf
+    from infra.convert.convert import export_hf
     from trainer.models import torch_dist
     from trainer.models.model import build_model, full_state
 
@@ -252,6 +252,17 @@ def test_convert_to_torch_dist_and_back(tmp_path, mcore):
     a, b = hf_state(hf_dir), hf_state(back)
     assert set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     assert (back / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+
+
+def test_a_wrong_hf_dir_is_told_before_torch_loads(tmp_path):
+    """The package imports neither torch nor megatron-core, and a directory that is no HF checkpoint is refused
+    before they load (about 3 s of imports on a small machine)."""
+    code = ("import sys; import infra.convert; from infra.convert.__main__ import main; "
+            f"rc = main(['{tmp_path}/nonexistent', '--out', '{tmp_path}/out']); "
+            "print(rc, 'torch' in sys.modules, 'megatron' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["2", "False", "False"], out.stdout + out.stderr
+    assert "nonexistent does not exist" in out.stderr
 
 
 def test_invoke_convert_dry_run(tmp_path):

@@ -9,7 +9,3 @@ The models, the HF name mappings, the checkpoint layout and the identity gate ar
 (trainer/models/); this package only writes and reads checkpoint files with them.
 Importing this package does not import torch or megatron-core.
 """
-
-from .convert import convert, export_hf, plan
-
-__all__ = ["convert", "export_hf", "plan"]

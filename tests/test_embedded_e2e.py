@@ -249,11 +249,13 @@ def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path):
     # signal. The recipe's base (built on one thread: the same weights whatever the core count) goes
     # 24.75% -> 50.75% by step 20 and 54% by step 60 (docs/embedded.md); in the long runs there every
     # evaluation from step 20 on was 17 to 30 points over the base. A loop that does not learn stays within
-    # the noise and fails both bars. Sampled train reward (64 samples a step, at T = 1) may stay flat this
-    # early (0.342 then 0.338 in a 300-step run) or rise (0.25 -> 0.33 by step 30 in another); a 15-step
-    # mean moves +-0.015 by chance, the difference of two +-0.021: it must not fall by more than three of
-    # those (a collapsing policy loses far more).
+    # the noise and fails both bars. Sampled train reward (64 samples in 8 groups a step, at T = 1) is no such
+    # signal this early: a step's reward spreads about +-0.08 (a 15-step mean about +-0.02), and it may dip while
+    # held-out accuracy climbs (0.338 -> 0.298 and 0.305 -> 0.280 over the halves of two 30-step runs). It guards
+    # against collapse: the shipped base samples about 0.3, and a policy that collapsed in its first steps (a
+    # learning rate 100 times the recipe's: 4.75% held-out) kept 0.07 over the last 15 steps, where a first-half
+    # against second-half comparison cannot see it.
     assert evals[0][0] == 0 and max(acc for _, acc in evals) >= evals[0][1] + 0.15, evals
     assert min(acc for step, acc in evals if step >= 20) >= evals[0][1] + 0.10, evals
-    assert sum(rewards[15:]) / 15 >= sum(rewards[:15]) / 15 - 0.065, rewards
+    assert sum(rewards[15:]) / 15 >= 0.18, rewards
     assert _verify(tmp_path, run).returncode == 0

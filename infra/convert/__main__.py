@@ -43,21 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import warnings
 
-    from trainer.models import (
-        ConvertError,
-        IdentityMismatch,
-        check_model_identity,
-        identity_from_hf,
-        load_hf_config,
-    )
+    # megatron-core warns at import about every optional fusion it lacks (Apex, Transformer Engine): not ours
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    from infra.convert.convert import convert, export_hf, plan
+    from trainer.models import ConvertError, IdentityMismatch, check_model_identity, identity_from_hf
 
     try:
         output_dir(args.out)  # the dry run too: it promises the conversion would write there
-        load_hf_config(args.hf_dir)  # a wrong directory is told before torch and megatron-core load (seconds)
-        # megatron-core warns at import about every optional fusion it lacks (Apex, Transformer Engine): not ours
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-        from infra.convert.convert import convert, export_hf, plan
-
         rb = recipe_rotary_base(args.recipe)
         if rb is not None:
             check_model_identity(identity_from_hf(args.hf_dir), rotary_base=rb,

@@ -70,14 +70,14 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, rotary_base: float | Non
             padded_vocab_size: int | None = None, dtype: str | None = None, overwrite: bool = False,
             verify: bool = True, progress: bool = True) -> ModelIdentity:
     """Convert and return the recorded identity. Run under `if __name__ == "__main__"`: the writer spawns."""
-    import torch
-
     info = plan(hf_dir, out_dir, rotary_base=rotary_base, padded_vocab_size=padded_vocab_size, dtype=dtype)
     identity = ModelIdentity.model_validate(info["identity"])
     cfg = load_hf_config(hf_dir)
     arch = get_architecture(cfg)
     out = Path(out_dir)
     _prepare_out(out, overwrite)
+    import torch  # after the checks above: a wrong directory or flag is told before seconds of imports
+
     with progress_bar("reading safetensors", total=info["bytes"], unit="bytes", show=progress) as advance:
         hf = dict(iter_tensors(safetensors_files(hf_dir), advance))
     stored = {t.dtype for t in hf.values()}
@@ -114,12 +114,12 @@ def export_hf(ckpt_root: str | Path, out_dir: str | Path, *, hf_source: str | Pa
 
     The identity recorded beside the checkpoint must match `hf_source` (the model the workers run).
     """
-    import torch
-
     cfg = load_hf_config(hf_source)
     recorded = read_identity(ckpt_root)
     check_model_identity(identity_from_hf(hf_source, padded_vocab_size=recorded.padded_vocab_size), checkpoint=recorded)
     arch = get_architecture(cfg)
+    import torch  # after the checks above, as in convert
+
     from trainer.models.model import build_model, full_state
 
     with torch_dist.single_process_group():

@@ -253,7 +253,7 @@ def test_reward_rises_with_the_recipes_embedded_configuration(tmp_path):
     # signal this early: a step's reward spreads about +-0.08 (a 15-step mean about +-0.02), and it may dip while
     # held-out accuracy climbs (0.338 -> 0.298 and 0.305 -> 0.280 over the halves of two 30-step runs). It guards
     # against collapse: the shipped base samples about 0.3, and a policy that collapsed in its first steps (a
-    # learning rate 100 times the recipe's: 4.75% held-out) kept 0.07 over the last 15 steps, where a first-half
+    # learning rate 100 times the recipe's: 4.75% held-out) kept 0.03-0.07 over the last 15 steps, where a first-half
     # against second-half comparison cannot see it.
     assert evals[0][0] == 0 and max(acc for _, acc in evals) >= evals[0][1] + 0.15, evals
     assert min(acc for step, acc in evals if step >= 20) >= evals[0][1] + 0.10, evals

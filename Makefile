@@ -49,10 +49,12 @@ help:  ## list the targets, the variables they read and the environment
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install --upgrade pip >/dev/null
+	@# --no-compile: pip would byte-compile every installed module (about a third of the set-up's time);
+	@# Python compiles what a process imports on first use and keeps it, which is a small part of the whole.
 	@# Without an NVIDIA GPU, pin the CPU torch build first so the resolver never pulls the multi-GB CUDA one.
 	@if ! $(PY) -c 'import torch' 2>/dev/null && ! command -v nvidia-smi >/dev/null; then \
-	  echo "no NVIDIA GPU: installing $(CPU_TORCH)"; $(PY) -m pip install '$(CPU_TORCH)'; fi
-	$(PY) -m pip install -e '.[dev]'
+	  echo "no NVIDIA GPU: installing $(CPU_TORCH)"; $(PY) -m pip install --no-compile '$(CPU_TORCH)'; fi
+	$(PY) -m pip install --no-compile -e '.[dev]'
 	@touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install the project with its dev extras

@@ -478,6 +478,18 @@ class Clone:
         (p / ".r2env").chmod(0o600)
 
 
+#: (path, inode, size, mtime, ctime) -> sha1 of the content: a file whose stat is unchanged is not read again
+#: (any write moves ctime), so the two snapshots of a row read only what the row wrote
+_DIGESTS: dict[tuple, str] = {}
+
+
+def _digest(path: Path, st: os.stat_result) -> str:
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = hashlib.sha1(path.read_bytes()).hexdigest()
+    return _DIGESTS[key]
+
+
 def snapshot(root: Path) -> dict[str, str]:
     """Every path under the clone (caches aside) -> its type, mode and content digest."""
     out: dict[str, str] = {}
@@ -494,7 +506,7 @@ def snapshot(root: Path) -> dict[str, str]:
                 out[rel] = f"link {os.readlink(path)}"
             elif path.is_file():
                 st = path.stat()
-                out[rel] = f"{stat.S_IMODE(st.st_mode):o} {hashlib.sha1(path.read_bytes()).hexdigest()}"
+                out[rel] = f"{stat.S_IMODE(st.st_mode):o} {_digest(path, st)}"
     return out
 
 
@@ -509,7 +521,7 @@ def _env(clone_path: Path, home: Path, extra: dict[str, str]) -> dict[str, str]:
     keep = ("LANG", "LC_ALL", "TMPDIR", "PIP_CONFIG_FILE")
     env = {k: v for k, v in os.environ.items() if k in keep}
     env.update(PATH=f"{clone_path / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin", HOME=str(home),
-               DRL_NO_GPU="1", PYTHONDONTWRITEBYTECODE="1", NO_COLOR="1", COLUMNS="200", TERM="dumb")
+               DRL_NO_GPU="1", NO_COLOR="1", COLUMNS="200", TERM="dumb")
     env.update(extra)
     return env
 

@@ -104,10 +104,17 @@ def check_slime(slime_dir: str) -> dict:
     return {"ok": True, "commit": sha, "date": date}
 
 
-def check_imports(megatron_dir: str, python: str = sys.executable, modules=IMAGE_IMPORTS) -> dict:
-    code = ("import importlib,json\nbad={}\nfor m in " + repr(tuple(modules)) + ":\n"
+def check_imports(megatron_dir: str, python: str = sys.executable, modules=IMAGE_IMPORTS, present=()) -> dict:
+    """`modules` must import with `python`; `present` need only be installed (found, not imported: what the
+    launch would pip-install when missing, where importing megatron-core alone costs seconds of CPU and pip
+    would not reinstall a present package that fails to import either)."""
+    code = ("import importlib,importlib.util,json\nbad={}\nfor m in " + repr(tuple(modules)) + ":\n"
             "    try: importlib.import_module(m)\n"
-            "    except Exception as e: bad[m]=type(e).__name__+': '+str(e)[:200]\nprint(json.dumps(bad))")
+            "    except Exception as e: bad[m]=type(e).__name__+': '+str(e)[:200]\n"
+            "for m in " + repr(tuple(present)) + ":\n"
+            "    try: found=importlib.util.find_spec(m) is not None\n"
+            "    except Exception: found=False\n"
+            "    if not found: bad[m]='not installed'\nprint(json.dumps(bad))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (megatron_dir, os.environ.get("PYTHONPATH")) if p)}
     res = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, check=False)
     if res.returncode != 0:
@@ -121,7 +128,7 @@ def check_imports(megatron_dir: str, python: str = sys.executable, modules=IMAGE
 
 def check_native_imports(python: str = sys.executable) -> dict:
     """The native engine's packages: the image's must import; megatron-core and ray are listed for install."""
-    report = check_imports("", python, NATIVE_IMPORTS + tuple(NATIVE_INSTALLABLE))
+    report = check_imports("", python, NATIVE_IMPORTS, present=tuple(NATIVE_INSTALLABLE))
     if not report["ok"] and "missing" not in report:  # the Python itself did not run
         return report
     missing = report.pop("missing", [])
@@ -155,16 +162,18 @@ def run_checks(remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: 
 
 
 def ensure_deps(requirements: list[str], python: str = sys.executable) -> list[str]:
-    """pip-install each requirement whose module does not import; returns what was installed."""
-    todo = []
+    """pip-install each requirement whose module is not installed; returns what was installed."""
+    modules = {}
     for req in requirements:
         name = req.split(";")[0]
         for sep in "<>=!~[ ":
             name = name.split(sep)[0]
-        module = {"pyyaml": "yaml", "huggingface-hub": "huggingface_hub",
-                  "megatron-core": "megatron.core"}.get(name.lower(), name.replace("-", "_"))
-        if subprocess.run([python, "-c", f"import {module}"], capture_output=True, check=False).returncode != 0:
-            todo.append(req)
+        modules[req] = {"pyyaml": "yaml", "huggingface-hub": "huggingface_hub",
+                        "megatron-core": "megatron.core"}.get(name.lower(), name.replace("-", "_"))
+    report = check_imports("", python, (), present=tuple(modules.values()))
+    if not report["ok"] and "missing" not in report:  # the Python itself did not run
+        raise RuntimeError(report["error"])
+    todo = [req for req, module in modules.items() if module in report.get("missing", ())]
     if todo:
         subprocess.run([python, "-m", "pip", "install", "--quiet", *todo], check=True)
     return todo

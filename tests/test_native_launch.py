@@ -37,17 +37,27 @@ def fake_smi_dir(root: Path) -> Path:
     return bin_dir
 
 
-def python_hiding(root: Path, modules: list[str]) -> str:
-    """A Python for which `modules` do not import (a box whose image lacks them), as a wrapper script."""
-    hide = root / "hide"
-    for m in modules:
-        pkg = hide / m.split(".")[0]
-        pkg.mkdir(parents=True, exist_ok=True)
-        (pkg / "__init__.py").write_text(f"raise ImportError('{m} is not installed on this box')\n")
+def _python_with(root: Path, files: dict[str, str]) -> str:
+    """A Python with `files` first on its path (a box's image, as it differs from this venv), as a wrapper."""
+    for rel, text in files.items():
+        (root / "path" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "path" / rel).write_text(text)
     wrapper = root / "python-box"
-    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={hide}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} \"$@\"\n")
+    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={root / 'path'}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} \"$@\"\n")
     wrapper.chmod(0o755)
     return str(wrapper)
+
+
+def python_hiding(root: Path, modules: list[str]) -> str:
+    """A Python on which `modules` are not installed (a box whose image lacks them): its import system
+    finds none of them."""
+    hidden = tuple(m.split(".")[0] for m in modules)
+    return _python_with(root, {"sitecustomize.py": (
+        f"import sys\nHIDDEN = {hidden!r}\n\n\nclass Hide:\n    @staticmethod\n"
+        "    def find_spec(name, path=None, target=None):\n"
+        "        if name.split('.')[0] in HIDDEN:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n\n\n"
+        "sys.meta_path.insert(0, Hide)\n")})
 
 
 def test_engine_per_recipe_and_from_the_command_line():
@@ -97,6 +107,11 @@ def test_native_box_check_follows_what_the_box_reports(tmp_path, monkeypatch):
     # an image without transformers (or torch) is refused, naming it
     bad = box_check.check_native_imports(python_hiding(tmp_path / "b", ["transformers", "ray"]))
     assert bad["ok"] is False and "cannot import transformers" in bad["error"] and "ray" not in bad["error"]
+    # megatron-core and ray are looked for, not imported (an import of megatron-core alone takes seconds, and
+    # pip would not reinstall one that is installed and fails): one that raises on import counts as present
+    broken = _python_with(tmp_path / "c", {"megatron/core/__init__.py": "raise RuntimeError('imported')\n"})
+    assert box_check.check_native_imports(broken) == {"ok": True, "installable": []}
+    assert box_check.ensure_deps(["megatron-core>=0.16.1"], python=broken) == []
 
 
 def test_the_join_hint_of_a_search_run_names_the_retriever_url():

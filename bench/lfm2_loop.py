@@ -174,9 +174,10 @@ def kill_and_resume(procs, cfg, paths, model_dir: str, learner, extra_env: dict)
     from worker_contract.store import open_store
 
     store = open_store(cfg.store)
-    rows = [r for r in read_rows(paths.metrics) if "train/grad_norm" in r]
     procs.signal(learner, signal.SIGKILL)
     learner.proc.wait()
+    # read after the kill: a row written between a read before it and the kill would pass for the resumed one
+    rows = [r for r in read_rows(paths.metrics) if "train/grad_norm" in r]
     killed_at = rows[-1]["step"] if rows else 0
     from worker_contract.manifest import load_manifest
 

@@ -165,6 +165,29 @@ def _wait_rows(metrics: Path, n: int, timeout_s: float, learner) -> list[dict]:
     return [r for r in read_rows(metrics) if "train/grad_norm" in r]
 
 
+def _wait_ray_gone(run_dir: Path, timeout_s: float = 120.0) -> None:
+    """Until no process of the run's Ray is left. Ray's actors are each in a process group of their own, so a
+    SIGKILL to the learner's group leaves the learner actor to notice its raylet is gone, and one saving a
+    checkpoint can finish it first."""
+    import psutil
+
+    from trainer.ray_runtime import ray_tmpdir
+
+    rec = run_dir / "ray.path"
+    tmp = rec.read_text().strip() if rec.exists() else str(ray_tmpdir(run_dir)[0])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = False
+        for p in psutil.process_iter():
+            try:
+                left = left or (p.pid != os.getpid() and p.environ().get("RAY_TMPDIR") == tmp)
+            except psutil.Error:
+                continue
+        if not left:
+            return
+        time.sleep(0.5)
+
+
 def kill_and_resume(procs, cfg, paths, model_dir: str, learner, extra_env: dict) -> tuple[dict, object]:
     """SIGKILL the learner's process group mid-run, relaunch it: it must resume from its newest checkpoint and
     go on at the next version with nothing lost. Returns (the figures, the new learner)."""
@@ -176,7 +199,9 @@ def kill_and_resume(procs, cfg, paths, model_dir: str, learner, extra_env: dict)
     store = open_store(cfg.store)
     procs.signal(learner, signal.SIGKILL)
     learner.proc.wait()
-    # read after the kill: a row written between a read before it and the kill would pass for the resumed one
+    _wait_ray_gone(paths.run_dir)
+    # read once every process of the killed learner is gone: a row or a checkpoint it wrote after an earlier
+    # read would pass for the resumed learner's
     rows = [r for r in read_rows(paths.metrics) if "train/grad_norm" in r]
     killed_at = rows[-1]["step"] if rows else 0
     from worker_contract.manifest import load_manifest

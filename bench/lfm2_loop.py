@@ -173,18 +173,16 @@ def _wait_ray_gone(run_dir: Path, timeout_s: float = 120.0) -> None:
 
     from trainer.ray_runtime import ray_tmpdir
 
-    rec = run_dir / "ray.path"
-    tmp = rec.read_text().strip() if rec.exists() else str(ray_tmpdir(run_dir)[0])
+    tmp = str(ray_tmpdir(run_dir)[0])  # what ray_session set as RAY_TMPDIR, inherited by every Ray process
+
+    def ours(p: psutil.Process) -> bool:
+        try:
+            return p.pid != os.getpid() and p.environ().get("RAY_TMPDIR") == tmp
+        except psutil.Error:
+            return False
+
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        left = False
-        for p in psutil.process_iter():
-            try:
-                left = left or (p.pid != os.getpid() and p.environ().get("RAY_TMPDIR") == tmp)
-            except psutil.Error:
-                continue
-        if not left:
-            return
+    while time.monotonic() < deadline and any(ours(p) for p in psutil.process_iter()):
         time.sleep(0.5)
 
 

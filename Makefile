@@ -48,15 +48,8 @@ help:  ## list the targets, the variables they read and the environment
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(PY) -m pip install --upgrade pip >/dev/null
-	@# Without an NVIDIA GPU, pin the CPU torch build first so the resolver never pulls the multi-GB CUDA one.
-	@if ! $(PY) -c 'import torch' 2>/dev/null && ! command -v nvidia-smi >/dev/null; then \
-	  echo "no NVIDIA GPU: installing $(CPU_TORCH)"; $(PY) -m pip install --no-compile '$(CPU_TORCH)'; fi
-	$(PY) -m pip install --no-compile -e '.[dev]'
-	@# pip byte-compiles what it installs on one core (about 90 CPU-s here); this does it on every core. The
-	@# bytecode must be there: where PYTHONDONTWRITEBYTECODE is set, no process would ever write it.
-	$(PY) -c 'import compileall, sysconfig; p = sysconfig.get_paths(); \
-	  [compileall.compile_dir(d, quiet=2, workers=0) for d in {p["purelib"], p["platlib"]}]'
+	@# uv where it can, pip where not; without an NVIDIA GPU the CPU torch build is pinned (infra/bootstrap.py)
+	$(PY) infra/bootstrap.py --cpu-torch '$(CPU_TORCH)'
 	@touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install the project with its dev extras

@@ -46,7 +46,8 @@ def pip_settings(python: str) -> dict[str, list[str]]:
     settings: dict[str, list[str]] = {}
     for line in out.splitlines():  # e.g. global.find-links='/opt/wheels', :env:.constraint='/x.txt'
         name, _, value = line.partition("=")
-        settings.setdefault(name.rsplit(".", 1)[-1], []).extend(value.strip("'\"").split())
+        values = settings.setdefault(name.rsplit(".", 1)[-1], [])
+        values += [v for v in value.strip("'\"").split() if v not in values]  # a file and a variable may agree
     return settings
 
 
@@ -115,6 +116,7 @@ def compile_bytecode() -> None:
     """pip compiles what it installs on one core and uv not at all; where PYTHONDONTWRITEBYTECODE is set, no
     process would ever write the bytecode, and every start would compile what it imports again."""
     paths = sysconfig.get_paths()
+    say(f"compiling the venv's bytecode on {os.cpu_count() or 1} cores (about a minute on two)")
     for d in {paths["purelib"], paths["platlib"]}:
         compileall.compile_dir(d, quiet=2, workers=0)
 

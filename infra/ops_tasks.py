@@ -53,8 +53,6 @@ def _published(st, run: str) -> None:
 })
 def status(c, run=None, store=None, watch=False, json_=False, host=None, ssh_key=None, remote_dir=None):
     """Read-only view of a run from the bucket: pointer, anchors, workers, staleness, drops, bytes, cost."""
-    from infra.ops.status_view import show_status
-
     run = _need_run(run)
     if host:
         from infra.remote import parse_host
@@ -62,6 +60,8 @@ def status(c, run=None, store=None, watch=False, json_=False, host=None, ssh_key
         parse_host(host)
     st = open_existing_store(store, run)
     _published(st, run)
+    from infra.ops.status_view import show_status  # Rich and the tables: only once the input is known good
+
     show_status(st, run, watch=watch, as_json=json_, host=host, ssh_key=ssh_key, remote_dir=remote_dir)
 
 

@@ -67,6 +67,9 @@ class BaseReport(BaseModel):
     built_on: dict[str, str] | None = None
     """torch version, torch's CPU vector capability and the machine's architecture at build time: the same
     config builds other weights under another capability (AVX2 against AVX512) or another BLAS."""
+    sft_threads: int | None = None
+    """torch's CPU threads while it was supervised: 1 wherever it was built (a float sum's order follows the
+    thread count; see _one_thread)."""
     shipped: bool = False
     """True when this copy came from the repository (SHIPPED_BASE) instead of a build here."""
 
@@ -296,6 +299,7 @@ def _build(cfg: EmbeddedBaseConfig, task: Task, out: Path, digest: str, *, max_n
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars would tear the launcher's display
     with _one_thread():
+        threads = torch.get_num_threads()
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         t0 = time.time()
@@ -321,7 +325,8 @@ def _build(cfg: EmbeddedBaseConfig, task: Task, out: Path, digest: str, *, max_n
         tokenizer.save_pretrained(tmp)
         report = BaseReport(path=str(out), params=params, vocab_size=len(tokenizer), sft_steps=cfg.sft_steps,
                             sft_seconds=round(time.time() - t0, 1), heldout_accuracy=acc,
-                            heldout_problems=eval_problems, config_digest=digest, built_on=build_environment())
+                            heldout_problems=eval_problems, config_digest=digest, built_on=build_environment(),
+                            sft_threads=threads)
         (tmp / "base.json").write_text(report.model_dump_json(indent=2))
         try:
             tmp.rename(out)

@@ -144,18 +144,23 @@ class FileStore(Store):
 
     def _keys(self, prefix: str, start_after: str | None) -> list[str]:
         """The keys under `prefix` after `start_after`, sorted: a walk of only the directory the prefix names
-        (its last complete segment), filtered by the rest."""
-        base_key = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
-        base = self.root / base_key if base_key else self.root
-        if not base.is_dir():
+        (its last complete segment), filtered by the rest. Keys are made with string operations: pathlib's
+        per-file objects were most of a listing's time, and the learner and every worker list on each poll."""
+        base_key = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        root = os.fspath(self.root)
+        base = os.path.join(root, base_key) if base_key else root
+        if not os.path.isdir(base):
             return []
+        cut = len(os.path.join(root, ""))  # a directory's key is its path after the root and one separator
         keys = []
         for dirpath, dirnames, filenames in os.walk(base):
             dirnames.sort()
+            rel = dirpath[cut:].replace(os.sep, "/")
+            head = rel + "/" if rel else ""
             for name in filenames:
                 if name.startswith(_TMP_PREFIX) or name.endswith(_LOCK_SUFFIX):
                     continue
-                key = Path(dirpath, name).relative_to(self.root).as_posix()
+                key = head + name
                 if key.startswith(prefix) and (start_after is None or key > start_after):
                     keys.append(key)
         return sorted(keys)
@@ -168,7 +173,8 @@ class FileStore(Store):
 
     def list_keys(self, prefix: str = "", start_after: str | None = None) -> list[str]:
         # list's ObjectInfo carries each file's ETag, the MD5 of all its bytes: the keys alone need a stat
-        return [key for key in self._keys(prefix, start_after) if (self.root / key).is_file()]
+        root = os.fspath(self.root)
+        return [key for key in self._keys(prefix, start_after) if os.path.isfile(os.path.join(root, key))]
 
     def delete(self, key: str) -> None:
         path = self._path(key)

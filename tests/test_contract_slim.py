@@ -37,6 +37,19 @@ print(json.dumps({"file": worker_contract.__file__, "modules": mods, "errors": e
 """
 
 
+def _installer(py: str) -> tuple[list[str], dict[str, str] | None]:
+    """Installs into `py`'s venv as `make setup` does: uv with this machine's pip settings where the project's
+    venv has it (seconds), else pip. Either way nothing is byte-compiled: the check imports each module once."""
+    from infra import bootstrap
+
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    settings = bootstrap.pip_settings(sys.executable)
+    if uv and bootstrap.why_not_uv(settings) is None:
+        argv, env = bootstrap.uv_install(uv, py, settings)
+        return [*argv, "--quiet"], env
+    return [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"], None
+
+
 def test_contract_core_installs_and_imports_alone(tmp_path):
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     src = tmp_path / "src"
@@ -48,10 +61,9 @@ def test_contract_core_installs_and_imports_alone(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
-    # --no-compile: the check imports each module once, so byte-compiling botocore and numpy up front is waste
-    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
-    subprocess.run(pip + deps, check=True, timeout=300, capture_output=True)
-    subprocess.run(pip + ["--no-deps", str(src)], check=True, timeout=300, capture_output=True)
+    install, env = _installer(py)
+    subprocess.run(install + deps, check=True, timeout=300, capture_output=True, env=env)
+    subprocess.run(install + ["--no-deps", str(src)], check=True, timeout=300, capture_output=True, env=env)
 
     r = subprocess.run([py, "-I", "-c", CHECK], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

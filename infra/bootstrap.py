@@ -7,13 +7,15 @@ find-links, constraints, a CA bundle, from pip.conf or PIP_* variables) are hand
 instead, as it always did, in a venv that sees the system's packages (the slime image's CUDA torch, which
 uv would install over), when pip has a setting uv is not given, and when uv cannot be had or fails.
 Either way the bytecode is compiled after, on every core. Standard library only: nothing of the project is
-installed yet when it runs.
+installed yet when it runs; pip is asked for its options through its own parser (pip's internal module,
+there since pip 19.3), and any answer it cannot give sends the install to pip.
 """
 
 from __future__ import annotations
 
 import argparse
 import compileall
+import json
 import os
 import shlex
 import shutil
@@ -23,12 +25,15 @@ import sysconfig
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: pip settings and the uv flag that does the same (each may hold several values, space-separated)
-UV_FLAGS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
-            "constraint": "--constraint"}
-#: pip settings that change nothing about which packages are installed
-INERT = {"default-timeout", "timeout", "disable-pip-version-check", "no-compile", "progress-bar", "quiet",
-         "verbose", "root-user-action", "no-input", "cache-dir", "no-cache-dir", "retries", "config-file"}
+#: `pip install`'s options as pip itself reads them: its config files' sections in pip's order, PIP_* variables
+_PIP_OPTIONS = ("import json; from pip._internal.commands import create_command; "
+                "print(json.dumps(vars(create_command('install').parse_args([])[0]), default=str))")
+#: pip options that change nothing about which packages are installed, or how they are fetched
+INERT = {"timeout", "disable_pip_version_check", "quiet", "verbose", "no_color", "progress_bar", "cache_dir",
+         "retries", "resume_retries", "log", "no_input", "root_user_action", "compile", "require_venv",
+         "warn_script_location", "warn_about_conflicts", "no_python_version_warning", "debug_mode"}
+#: pip options uv is given (uv_install says how)
+GIVEN = {"index_url", "extra_index_urls", "find_links", "constraints", "cert"}
 
 
 def say(line: str) -> None:
@@ -40,15 +45,22 @@ def run(argv: list[str], **kw) -> int:
     return subprocess.run(argv, **kw).returncode
 
 
-def pip_settings(python: str) -> dict[str, list[str]]:
-    """The pip settings in force here (`pip config list`: its files and PIP_* variables), by name."""
-    out = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True).stdout
-    settings: dict[str, list[str]] = {}
-    for line in out.splitlines():  # e.g. global.find-links='/opt/wheels', :env:.constraint='/x.txt'
-        name, _, value = line.partition("=")
-        values = settings.setdefault(name.rsplit(".", 1)[-1], [])
-        values += [v for v in value.strip("'\"").split() if v not in values]  # a file and a variable may agree
-    return settings
+def pip_settings(python: str) -> dict[str, object] | None:
+    """The `pip install` options this machine's pip configuration sets (those that differ from pip's own
+    defaults), as pip reads them; None when this pip cannot say."""
+
+    def options(env: dict[str, str]) -> dict | None:
+        out = subprocess.run([python, "-c", _PIP_OPTIONS], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+        try:
+            return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+        except (IndexError, ValueError):
+            return None
+
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
+    here, default = options(dict(os.environ)), options(bare)
+    if here is None or default is None:
+        return None
+    return {k: v for k, v in here.items() if v != default.get(k)}
 
 
 def sees_system_packages() -> bool:
@@ -56,24 +68,33 @@ def sees_system_packages() -> bool:
     return any(line.replace(" ", "").lower() == "include-system-site-packages=true" for line in cfg)
 
 
-def why_not_uv(settings: dict[str, list[str]]) -> str | None:
+def why_not_uv(settings: dict[str, object] | None) -> str | None:
     """Why pip must install here, or None where uv can."""
     if sees_system_packages():
         return "the venv sees the system's packages, which uv would install over"
-    unknown = sorted(set(settings) - set(UV_FLAGS) - INERT - {"cert"})
+    if settings is None:
+        return "this pip could not list its settings"
+    unknown = sorted(set(settings) - GIVEN - INERT)
     return f"pip has settings uv is not given ({', '.join(unknown)})" if unknown else None
 
 
-def uv_install(uv: str, python: str, settings: dict[str, list[str]]) -> tuple[list[str], dict[str, str]]:
-    """`uv pip install` into `python`'s venv with pip's settings, and the environment it runs in."""
+def uv_install(uv: str, python: str, settings: dict[str, object]) -> tuple[list[str], dict[str, str]]:
+    """`uv pip install` into `python`'s venv with pip's settings, and the environment it runs in: uv's own
+    configuration files and UV_* variables are left out (pip's settings are the whole of it), and the
+    indexes go in the environment, not the command line, which is printed (an index URL may hold a token)."""
     # pip takes the newest version any index offers; uv would stop at the first index that has the package
-    argv = [uv, "pip", "install", "--python", python, "--index-strategy", "unsafe-best-match"]
-    for name, flag in UV_FLAGS.items():
-        for value in settings.get(name, []):
-            argv += [flag, value]
-    env = dict(os.environ)
+    argv = [uv, "pip", "install", "--no-config", "--python", python, "--index-strategy", "unsafe-best-match"]
+    for value in settings.get("find_links") or []:
+        argv += ["--find-links", value]
+    for value in settings.get("constraints") or []:
+        argv += ["--constraint", value]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UV_")}
+    if settings.get("index_url"):
+        env["UV_DEFAULT_INDEX"] = str(settings["index_url"])
+    if settings.get("extra_index_urls"):
+        env["UV_INDEX"] = " ".join(settings["extra_index_urls"])
     if settings.get("cert"):
-        env["SSL_CERT_FILE"] = settings["cert"][-1]
+        env["SSL_CERT_FILE"] = str(settings["cert"])
     return argv, env
 
 

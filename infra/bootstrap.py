@@ -122,7 +122,8 @@ def install(cpu_torch: str, spec: str) -> None:
     uv = None if why else get_uv(python)
     if uv:
         argv, env = uv_install(uv, python, settings)
-        if run([*argv, *torch, "-e", spec], cwd=REPO_ROOT, env=env) == 0:
+        # the venv's pip brought up to date too, as the pip path does first
+        if run([*argv, "--upgrade-package", "pip", "pip", *torch, "-e", spec], cwd=REPO_ROOT, env=env) == 0:
             return
         why = "uv failed (above)"
     say(f"installing with pip: {why or 'uv could not be installed'}")

@@ -1,14 +1,12 @@
 """Install the project with its dev extras into the venv that runs this file: uv where it can, pip where not.
 
-`make setup` runs it (`.venv/bin/python infra/bootstrap.py`). uv resolves and installs the same requirements
-in seconds; pip takes about two minutes on a 2-core box, resolving, downloading and unpacking one package
-at a time. uv reads no pip configuration, so the pip settings that say where packages come from (indexes,
-find-links, constraints, a CA bundle, from pip.conf or PIP_* variables) are handed to it. pip installs
-instead, as it always did, in a venv that sees the system's packages (the slime image's CUDA torch, which
-uv would install over), when pip has a setting uv is not given, and when uv cannot be had or fails.
-Either way the bytecode is compiled after, on every core. Standard library only: nothing of the project is
-installed yet when it runs; pip is asked for its options through its own parser (pip's internal module,
-there since pip 19.3), and any answer it cannot give sends the install to pip.
+`make setup` runs it. uv installs the same requirements in seconds; pip takes about two minutes on a 2-core
+box, one package at a time. uv reads no pip configuration, so pip's own parser is asked which `pip install`
+options this machine sets (indexes, find-links, constraints, a CA bundle), and uv is handed them. pip
+installs instead, as it always did, in a venv that sees the system's packages (the slime image's CUDA torch,
+which uv would install over), when pip sets something uv is not given, and when uv cannot be had or fails.
+Either way the bytecode is compiled after, on every core. Standard library and pip only: nothing of the
+project is installed yet when it runs.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: `pip install`'s options as pip itself reads them: its config files' sections in pip's order, PIP_* variables
+#: (pip._internal: no public API says this; a pip without it makes pip_settings None, and pip installs)
 _PIP_OPTIONS = ("import json; from pip._internal.commands import create_command; "
                 "print(json.dumps(vars(create_command('install').parse_args([])[0]), default=str))")
 #: pip options that change nothing about which packages are installed, or how they are fetched

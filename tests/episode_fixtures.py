@@ -34,8 +34,11 @@ def save_tokenizer(out: Path, words: list[str] = WORDS):
     return fast
 
 
-def tiny_search_model(arch: str, seed: int = 0, scale: float = 2.0, words: list[str] = WORDS):
-    """A random HF causal LM over `words`: 'lfm2' or 'lfm2_moe' (conv, attention, conv; 4 experts)."""
+def tiny_search_model(arch: str, seed: int = 0, scale: float = 2.0, words: list[str] = WORDS,
+                      search_bias: float = 0.0):
+    """A random HF causal LM over `words`: 'lfm2' or 'lfm2_moe' (conv, attention, conv; 4 experts).
+    `search_bias` > 0 makes `<search>` likelier everywhere (and `</search>` half as much): at 3, half or more of the
+    episodes on psqa prompts search where the plain model's one in four to six do, for a test that must see one."""
     from transformers import Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForCausalLM
 
     torch.manual_seed(seed)
@@ -50,14 +53,21 @@ def tiny_search_model(arch: str, seed: int = 0, scale: float = 2.0, words: list[
     else:
         raise ValueError(arch)
     with torch.no_grad():  # logits that are not all ~0 (log-probs spread over a few nats, not log 1/16)
-        model.get_input_embeddings().weight.mul_(scale)
+        emb = model.get_input_embeddings().weight
+        emb.mul_(scale)
+        if search_bias:  # every token shares a large first coordinate, so the last hidden state always points
+            # along it and the (tied) output row of a token longer along it gains logit in every context
+            shared = 8 * emb[:, 1:].std()
+            emb[:, 0] = shared
+            emb[words.index("<search>"), 0] += search_bias * shared
+            emb[words.index("</search>"), 0] += search_bias / 2 * shared  # closes, but rarely before a query
     model.config.architectures = [type(model).__name__]
     return model.eval()
 
 
-def save_search_model(out: Path, arch: str, seed: int = 0, words: list[str] = WORDS) -> Path:
+def save_search_model(out: Path, arch: str, seed: int = 0, words: list[str] = WORDS, search_bias: float = 0.0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    model = tiny_search_model(arch, seed, words=words)
+    model = tiny_search_model(arch, seed, words=words, search_bias=search_bias)
     model.save_pretrained(out)
     save_tokenizer(out, words)
     cfg = json.loads((out / "config.json").read_text())

@@ -34,10 +34,11 @@ def test_megatron_and_hf_run_the_psqa_loop_on_the_same_base(tmp_path, monkeypatc
 
     monkeypatch.setenv("DRL_MEGATRON_CPU_SETUP", "tests.megatron_cpu:setup_rank")
     root, out = tmp_path / "root", tmp_path / "psqa.json"
-    # a random LFM2-MoE whose vocabulary holds the search tags: multi-turn episodes from the first step; the base
-    # build's own tests are test_psqa_base's. Seed 2: 9 of 48 episodes searched on a test prompt, where seed 0's
-    # 4 of 48 once let a backend's 3 steps (48 episodes) pass without a search
-    model = save_search_model(tmp_path / "model", "lfm2_moe", seed=2)
+    # a random LFM2-MoE whose vocabulary holds the search tags, biased to search: multi-turn episodes from the
+    # first step; the base build's own tests are test_psqa_base's. Unbiased (seed 2: 12 of 48 episodes of 48
+    # tokens searched on psqa prompts here), CI once saw a backend's 3 steps train on no search; biased, 31 of 48,
+    # and 5 to 11 of each step's 16 in this loop
+    model = save_search_model(tmp_path / "model", "lfm2_moe", seed=2, search_bias=3.0)
     rc = psqa_gpu.main(["--tiny", "--device", "cpu", "--backends", "megatron,hf", "--max-steps", "3",
                         "--rl-seconds", "900", "--model", str(model), "--root", str(root), "--run", "pair",
                         "--out", str(out)])

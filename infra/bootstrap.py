@@ -105,6 +105,18 @@ def get_uv(python: str) -> str | None:
     return shutil.which("uv", path=here)
 
 
+def uv_plan(target: str, fetch: bool = True) -> tuple[list[str], dict[str, str]] | str:
+    """`uv pip install` into `target`'s venv with this machine's pip settings, as (argv, env); or why pip
+    must install instead. `fetch`: pip installs uv into this venv when it is not there."""
+    settings = pip_settings(sys.executable)
+    why = why_not_uv(settings)
+    if why:
+        return why
+    here = str(Path(sys.executable).parent)
+    uv = get_uv(sys.executable) if fetch else shutil.which("uv", path=here)
+    return uv_install(uv, target, settings) if uv else "uv could not be had"
+
+
 def wants_cpu_torch(python: str) -> bool:
     """No torch yet and no NVIDIA GPU: the CPU build is pinned first, so no resolver pulls the CUDA one."""
     has_torch = subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
@@ -116,16 +128,14 @@ def install(cpu_torch: str, spec: str) -> None:
     torch = [cpu_torch] if wants_cpu_torch(python) else []
     if torch:
         say(f"no NVIDIA GPU: installing {cpu_torch}")
-    settings = pip_settings(python)
-    why = why_not_uv(settings)
-    uv = None if why else get_uv(python)
-    if uv:
-        argv, env = uv_install(uv, python, settings)
+    plan = uv_plan(python)
+    if not isinstance(plan, str):
+        argv, env = plan
         # the venv's pip brought up to date too, as the pip path does first
         if run([*argv, "--upgrade-package", "pip", "pip", *torch, "-e", spec], cwd=REPO_ROOT, env=env) == 0:
             return
-        why = "uv failed (above)"
-    say(f"installing with pip: {why or 'uv could not be installed'}")
+        plan = "uv failed (above)"
+    say(f"installing with pip: {plan}")
     pip = [python, "-m", "pip", "install", "--no-compile"]
     steps = [[*pip, "--quiet", "--upgrade", "pip"], *([[*pip, *torch]] if torch else []), [*pip, "-e", spec]]
     for argv in steps:

@@ -40,14 +40,13 @@ print(json.dumps({"file": worker_contract.__file__, "modules": mods, "errors": e
 def _installer(py: str) -> tuple[list[str], dict[str, str] | None]:
     """Installs into `py`'s venv as `make setup` does: uv with this machine's pip settings where the project's
     venv has it (seconds), else pip. Either way nothing is byte-compiled: the check imports each module once."""
-    from infra import bootstrap
+    from infra.bootstrap import uv_plan
 
-    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
-    settings = bootstrap.pip_settings(sys.executable)
-    if uv and bootstrap.why_not_uv(settings) is None:
-        argv, env = bootstrap.uv_install(uv, py, settings)
-        return [*argv, "--quiet"], env
-    return [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"], None
+    plan = uv_plan(py, fetch=False)
+    if isinstance(plan, str):
+        return [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"], None
+    argv, env = plan
+    return [*argv, "--quiet"], env
 
 
 def test_contract_core_installs_and_imports_alone(tmp_path):

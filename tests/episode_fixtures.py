@@ -37,8 +37,9 @@ def save_tokenizer(out: Path, words: list[str] = WORDS):
 def tiny_search_model(arch: str, seed: int = 0, scale: float = 2.0, words: list[str] = WORDS,
                       search_bias: float = 0.0):
     """A random HF causal LM over `words`: 'lfm2' or 'lfm2_moe' (conv, attention, conv; 4 experts).
-    `search_bias` > 0 makes `<search>` likelier everywhere (and `</search>` half as much): at 3, half or more of the
-    episodes on psqa prompts search where the plain model's one in four to six do, for a test that must see one."""
+    `search_bias` > 0 makes `<search>` likelier everywhere (and `</search>` half as much): at 3 and temperature 1, half
+    or more of the episodes on psqa prompts search where the plain model's one in four to six do, for a test that
+    must see one. Not for lower temperatures: at 0.7 it repeats `<search>` and never closes one."""
     from transformers import Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForCausalLM
 
     torch.manual_seed(seed)

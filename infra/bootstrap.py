@@ -97,10 +97,10 @@ def uv_install(uv: str, python: str, settings: dict[str, object]) -> tuple[list[
     return argv, env
 
 
-def get_uv(python: str) -> str | None:
-    """uv in the venv, installed there by pip when it is not (a wheel of about 20 MB)."""
+def get_uv(python: str, fetch: bool = True) -> str | None:
+    """uv in the venv; with `fetch`, installed there by pip when it is not (a wheel of about 20 MB)."""
     here = str(Path(python).parent)
-    if shutil.which("uv", path=here) is None:
+    if fetch and shutil.which("uv", path=here) is None:
         run([python, "-m", "pip", "install", "--quiet", "--no-compile", "uv"])
     return shutil.which("uv", path=here)
 
@@ -112,8 +112,7 @@ def uv_plan(target: str, fetch: bool = True) -> tuple[list[str], dict[str, str]]
     why = why_not_uv(settings)
     if why:
         return why
-    here = str(Path(sys.executable).parent)
-    uv = get_uv(sys.executable) if fetch else shutil.which("uv", path=here)
+    uv = get_uv(sys.executable, fetch)
     return uv_install(uv, target, settings) if uv else "uv could not be had"
 
 

@@ -152,6 +152,8 @@ def resolve_cfg(args, run: str, store: str, model_dir: str, plane: str):
     if args.tiny:
         over.update({"algo.groups_per_step": 2, "checkpoint.interval": 2, "train.anchor_interval": 4,
                      "compute.micro_batch_size": 8})
+    if args.checkpoint_interval is not None:
+        over["checkpoint.interval"] = args.checkpoint_interval
     return resolve("psqa", {}, over)
 
 
@@ -346,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=number(int, at_least=1), default=16, help="short episodes (the recipe's is 4096)")
     ap.add_argument("--join-timeout-s", type=number(float, above=0), default=900.0)
     ap.add_argument("--stop-timeout-s", type=number(float, above=0), default=600.0, help="the learner's last checkpoint at the end")
+    ap.add_argument("--checkpoint-interval", type=number(int, at_least=1), default=None,
+                    help="checkpoint.interval (default: the recipe's). One past the window's steps writes none in it: "
+                    "for a disk that cannot hold one (about 67 GB at 8B; the one-GPU H200's disk is 64 GiB), with "
+                    "--no-kill, and a short --stop-timeout-s so the learner's last checkpoint is cut short")
     ap.add_argument("--no-kill", action="store_true", help="skip the kill-and-resume (the first plane's, by default)")
     ap.add_argument("--reuse-model", action="store_true", help="keep --root and its model from an earlier call "
                     "(a device call's time limit splits the planes and the kill over several calls)")

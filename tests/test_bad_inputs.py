@@ -491,22 +491,27 @@ def _digest(path: Path, st: os.stat_result) -> str:
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    """Every path under the clone (caches aside) -> its type, mode and content digest."""
+    """Every path under the clone (caches and git's object store aside) -> its type, mode and content digest.
+    A row takes two, so this walks with scandir (whose entries carry their type) and skips .git/objects whole."""
     out: dict[str, str] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in IGNORED_DIRS and not (Path(dirpath) / d).is_symlink()]
-        rel_dir = Path(dirpath).relative_to(root)
-        if rel_dir.parts[:1] == (".git",) and len(rel_dir.parts) > 1 and rel_dir.parts[1] == "objects":
-            continue
-        out[str(rel_dir) + "/"] = "dir"
-        for name in filenames + [d for d in os.listdir(dirpath) if (Path(dirpath) / d).is_symlink()]:
-            path = Path(dirpath) / name
-            rel = str(rel_dir / name)
-            if path.is_symlink():
-                out[rel] = f"link {os.readlink(path)}"
-            elif path.is_file():
-                st = path.stat()
-                out[rel] = f"{stat.S_IMODE(st.st_mode):o} {_digest(path, st)}"
+
+    def walk(path: str, rel: Path) -> None:
+        if rel.parts[:2] == (".git", "objects"):
+            return
+        out[f"{rel}/"] = "dir"
+        with os.scandir(path) as entries:
+            for e in entries:
+                name = rel / e.name
+                if e.is_symlink():
+                    out[str(name)] = f"link {os.readlink(e.path)}"
+                elif e.is_dir():
+                    if e.name not in IGNORED_DIRS:
+                        walk(e.path, name)
+                elif e.is_file():
+                    st = e.stat()
+                    out[str(name)] = f"{stat.S_IMODE(st.st_mode):o} {_digest(Path(e.path), st)}"
+
+    walk(str(root), Path("."))
     return out
 
 

@@ -328,9 +328,11 @@ class Follower(threading.Thread):
             self.error = f"{type(e).__name__}: {e}"
 
 
-def _joined_at(log: Path, started: float, timeout_s: float) -> float | None:
+def _joined_at(log: Path, started: float, timeout_s: float, alive=lambda: True) -> float | None:
+    """Seconds from `started` to the worker's join in `log`; None at the timeout, or as soon as `alive()` (the
+    learner the worker waits for) is false."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and alive():
         if log.exists() and " joined run " in log.read_text(errors="replace"):
             return time.monotonic() - started
         time.sleep(0.2)

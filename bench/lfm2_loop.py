@@ -124,21 +124,32 @@ def cold_join(store, run: str, plane: str) -> dict:
             **{f"download_s_{k}": round(8 * total / bps, 3) for k, bps in LINKS_BPS.items()}}
 
 
-class GpuMemory(threading.Thread):
-    """The GPU's used memory (nvidia-smi, every second): the learner's peak, the publisher's snapshot in it."""
+class Memory(threading.Thread):
+    """Peaks, every second: the GPU's used memory (nvidia-smi; the learner's, the publisher's snapshot in it,
+    a GPU worker's) and the host's (total less available: at 8 B the learner's offloaded optimizer state, a CPU
+    worker's copy, the follower and the cold join share a 128 GiB machine)."""
 
     def __init__(self):
         super().__init__(daemon=True)
         self.peak_mib: int | None = None
+        self.peak_host_gib: float | None = None
         self.stop_evt = threading.Event()
 
     def run(self) -> None:
+        import psutil
+
+        gpu = True
         while not self.stop_evt.wait(1.0):
+            vm = psutil.virtual_memory()
+            self.peak_host_gib = max(self.peak_host_gib or 0.0, round((vm.total - vm.available) / 2**30, 1))
+            if not gpu:
+                continue
             try:
                 out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                                      capture_output=True, text=True, timeout=10).stdout.split()
             except (OSError, subprocess.SubprocessError):
-                return
+                gpu = False
+                continue
             if out:
                 self.peak_mib = max(self.peak_mib or 0, int(out[0]))
 
@@ -267,21 +278,24 @@ def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: Non
     cfg = resolve_cfg(args, run, paths.store_url, model["path"], plane)
     store, _, _ = publish_contract(cfg, paths, Path(model["path"]))
     env = {"DRL_TORCH_THREADS": str(args.learner_threads)} if args.learner_threads else {}
-    procs, follower, gpu = Processes(record=paths.run_dir), Follower(store, run, plane), GpuMemory()
+    procs, follower, mem = Processes(record=paths.run_dir), Follower(store, run, plane), Memory()
     out: dict = {"plane": plane, "run": run, "recipe": cfg.model_dump(mode="json")}
     t_start = time.monotonic()
     try:
         learner = start_learner(procs, cfg, paths, Path(model["path"]), env)
-        gpu.start()
+        mem.start()
         bg = args.batch_groups
         start_workers(procs, cfg, model["path"], args.workers, cpu=args.worker_device == "cpu", threads=args.worker_threads,
                       cap=bg, log_dir=paths.run_dir, batch_groups=bg, module="bench.coin_task")
-        out["first_worker_join_s"] = _joined_at(paths.run_dir / "worker-1.log", t_start, args.join_timeout_s)
+        out["first_worker_join_s"] = _joined_at(paths.run_dir / "worker-1.log", t_start, args.join_timeout_s,
+                                                learner.alive)
+        _learner_alive(learner, "before the first worker joined")
         follower.start()
         t0, t0_at = time.monotonic(), time.time()
         while _window_open(args, t0, learner, paths.metrics):
             time.sleep(1)
         wall, t1_at = time.monotonic() - t0, time.time()
+        _learner_alive(learner, "during the window")
         rows = [r for r in read_rows(paths.metrics) if "train/grad_norm" in r]
         out.update(summary_throughput(rows, wall, args.workers, out["first_worker_join_s"], {}, _lags(follower),
                                       (t0_at, t1_at)))
@@ -293,16 +307,22 @@ def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: Non
             record(out)
     finally:
         follower.stop_evt.set()
-        gpu.stop_evt.set()
+        mem.stop_evt.set()
         procs.stop(timeout_s=args.stop_timeout_s)
     rows = [r for r in read_rows(paths.metrics) if "train/grad_norm" in r]
     out["checkpoints"] = checkpoint_figures(rows, cfg, model)
     out["follower"] = {"joined_at": follower.joined, "follows": follower.follows, "error": follower.error,
                        "versions_reconstructed_bit_exact": sum(f["to"] - f["from"] for f in follower.follows),
                        "apply_s_per_version_median": _median([f["per_version_s"] for f in follower.follows])}
-    out["peak_gpu_mib"] = gpu.peak_mib
+    out["peak_gpu_mib"], out["peak_host_gib"] = mem.peak_mib, mem.peak_host_gib
     out["learner_log_tail"] = (paths.run_dir / "learner.log").read_text(errors="replace")[-3000:]
     return out
+
+
+def _learner_alive(learner, when: str) -> None:
+    """A learner that died (out of memory, say) ends the plane with its own last lines, not a reader's error."""
+    if not learner.alive():
+        raise RuntimeError(f"the learner exited {when}; the last lines of its log:\n{learner.tail(25)}")
 
 
 def _window_open(args, t0: float, learner, metrics: Path) -> bool:
@@ -341,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="where the random model is made (the learner takes the GPU)")
     ap.add_argument("--workers", type=number(int, at_least=1), default=1)
     ap.add_argument("--worker-device", choices=["cuda", "cpu"], default="cpu",
-                    help="cpu: a bf16 worker (16.7 GB) does not fit beside the learner's ~123 GiB on a 141 GB card")
+                    help="cpu: a float32 copy in host memory (33 GB at 8 B: beside the learner's 83 GB it ran a 128 GiB "
+                         "host out of memory); cuda: a bf16 copy (16.7 GB) on the GPU beside the learner")
     ap.add_argument("--worker-threads", type=number(int, at_least=1), default=8)
     ap.add_argument("--learner-threads", type=number(int, at_least=0), default=0, help="DRL_TORCH_THREADS of the learner (0: 1)")
     ap.add_argument("--batch-groups", type=number(int, at_least=1), default=8, help="groups a worker samples at once (and per version)")

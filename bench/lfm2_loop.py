@@ -360,9 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="bench.lfm2_step's tiny shape (a smoke run on the CPU)")
     ap.add_argument("--device", default="cuda", help="where the random model is made (the learner takes the GPU)")
     ap.add_argument("--workers", type=number(int, at_least=1), default=1)
-    ap.add_argument("--worker-device", choices=["cuda", "cpu"], default="cpu",
-                    help="cpu: a float32 copy in host memory (33 GB at 8 B: beside the learner's 83 GB it ran a 128 GiB "
-                         "host out of memory); cuda: a bf16 copy (16.7 GB) on the GPU beside the learner")
+    ap.add_argument("--worker-device", choices=["cuda", "cpu"], default="cuda",
+                    help="cuda: a bf16 copy on the GPU beside the learner (16.7 GB at 8 B; the CPU where there is no "
+                         "GPU); cpu: a float32 copy in host memory (33 GB at 8 B: beside the learner's 83 GB it ran the "
+                         "one-GPU H200's 128 GiB host out of memory)")
     ap.add_argument("--worker-threads", type=number(int, at_least=1), default=8)
     ap.add_argument("--learner-threads", type=number(int, at_least=0), default=0, help="DRL_TORCH_THREADS of the learner (0: 1)")
     ap.add_argument("--batch-groups", type=number(int, at_least=1), default=8, help="groups a worker samples at once (and per version)")

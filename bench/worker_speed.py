@@ -1,4 +1,4 @@
-"""`python -m bench.worker_speed decode|swap|memory`: the workers at full speed (issue 38), on this CPU.
+"""`python -m bench.worker_speed decode|swap|memory|start`: the workers at full speed (issue 38), on this CPU.
 
 decode: forwards per sampled token and tokens/s of psqa groups one sample at a time vs together, and of
   gsm8k-style groups, both workers, with mlx-lm's `batch_generate` on the same prompts (tiny LFM2-MoE).
@@ -6,6 +6,8 @@ swap: pause and bytes per version at LFM2.5-8B-A1B shapes on int8g64, layer-scal
   embedding rows, 1 dense layer, 1 MoE layer with 4 of its 32 experts; each part timed alone and scaled),
   an Adam-sized step through the publisher's CPU path (plane.from_hf, encode_patch).
 memory: the MLX worker's RSS through a join, a follow and a psqa group at those shapes, and the estimate.
+start: a fresh process building the torch worker's model (LFM2.5-8B-A1B's shapes, --layers of them), against
+  one building it with transformers' random init as the worker did before, in turn.
 Results in bench/results/worker_speed_<part>.json; docs/performance.md (Workers at full speed).
 """
 
@@ -363,12 +365,45 @@ def memory(n: int, budget: int, dtype: str = "bfloat16") -> dict:
     return res
 
 
+# -- start ----------------------------------------------------------------------------------------------
+#: what a fresh process times (imports included): the torch worker's model as the worker builds it, and the same
+#: model with transformers' random init, which the worker skips (load() overwrites every weight before a sample)
+_START = {
+    "worker": "from worker_contract.worker.model import PolicyModel; PolicyModel(d, threads=2, device='cpu')",
+    "random_init": "import torch; from transformers import AutoConfig, AutoModelForCausalLM; torch.set_num_threads(2); "
+                   "AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=torch.float32)",
+}
+
+
+def start(layers: int, runs: int, tiny: bool = False) -> dict:
+    import subprocess
+
+    from bench.lfm2_loop import build_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp) / "model", layers, tiny, "cpu")
+        walls: dict[str, list[float]] = {k: [] for k in _START}
+        for _ in range(runs):  # in turn, so that the machine's drift falls on both
+            for name, code in _START.items():
+                t0 = time.perf_counter()
+                subprocess.run([sys.executable, "-c", f"import sys; d = sys.argv[1]; {code}", model["path"]],
+                               check=True, capture_output=True)
+                walls[name].append(round(time.perf_counter() - t0, 3))
+    res = {"model": {"layers": layers, "params": model["params"], "tiny": tiny, "shapes_of": "LiquidAI/LFM2.5-8B-A1B"},
+           "runs": runs, "wall_s": walls, "wall_s_median": {k: statistics.median(v) for k, v in walls.items()},
+           "note": "each a fresh process, its imports included (python -c pass is about 0.05 s; torch and "
+                   "transformers about 6 s here); float32 on the CPU, 2 threads"}
+    res["worker_over_random_init"] = round(res["wall_s_median"]["worker"] / res["wall_s_median"]["random_init"], 3)
+    print(res, flush=True)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     global HIDDEN, VOCAB, EXPERTS, MOE_I, DENSE_I, BUILT, VOCAB_BUILT
     from worker_contract.cli import number
 
     p = argparse.ArgumentParser(prog="python -m bench.worker_speed", description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["decode", "swap", "memory"], help="what to measure")
+    p.add_argument("part", choices=["decode", "swap", "memory", "start"], help="what to measure")
     p.add_argument("--groups", type=number(int, at_least=1), default=2, help="decode: prompts (groups) in one batch")
     p.add_argument("--n", type=number(int, at_least=1), default=8, help="decode: samples a group")
     p.add_argument("--budget", type=number(int, at_least=1), default=160,
@@ -381,7 +416,11 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"swap/memory: experts built per MoE layer (of the {EXPERTS})")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="memory: the MLX worker's compute dtype (float32 on an x86 CPU: an upper bound, far faster)")
-    p.add_argument("--tiny", action="store_true", help="swap/memory: hidden 128, vocab 256, 4 experts (a CI run)")
+    p.add_argument("--layers", type=number(int, at_least=1, at_most=LAYERS), default=2,
+                   help="start: layers of the 8B model's shapes (2: 0.56 B parameters)")
+    p.add_argument("--runs", type=number(int, at_least=1), default=3, help="start: processes of each kind, in turn")
+    p.add_argument("--tiny", action="store_true", help="swap/memory: hidden 128, vocab 256, 4 experts; start: "
+                   "bench.lfm2_step's tiny shape (a CI run)")
     p.add_argument("--out", default=None, help="result file (default bench/results/worker_speed_<part>.json)")
     a = p.parse_args(argv)
     if a.tiny and a.experts_built > 4:
@@ -394,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.part == "decode":
         result = {"settings": {"groups": a.groups, "n": a.n, "max_new_tokens": a.budget, "device": a.device,
                                 "workers": a.workers}, **decode(a.groups, a.n, a.budget, a.device, tuple(a.workers))}
+    elif a.part == "start":
+        result = start(a.layers, a.runs, a.tiny)
     elif a.part == "memory":
         result = {"settings": {"n": a.n, "max_new_tokens": a.budget, "dtype": a.dtype},
                   **memory(a.n, a.budget, a.dtype)}

@@ -34,6 +34,10 @@ def test_the_bench_runs_tiny(tmp_path):
         assert p.returncode == 0, p.stderr[-2000:]
         s = json.loads((tmp_path / f"s_{worker}.json").read_text())
         assert 0 < s["scaled_to_8b_a1b"]["bytes"] < s["scaled_to_8b_a1b"]["plane_bytes"]
+    p = _bench("start", "--tiny", "--runs", "1", out=tmp_path / "st.json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    st = json.loads((tmp_path / "st.json").read_text())
+    assert st["model"]["params"] > 0 and all(len(v) == 1 and v[0] > 0 for v in st["wall_s"].values()), st
     p = _bench("memory", "--tiny", "--n", "2", "--budget", "6", out=tmp_path / "m.json")
     assert p.returncode == 0, p.stderr[-2000:]
     m = json.loads((tmp_path / "m.json").read_text())["layer_scaled"]

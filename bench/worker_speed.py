@@ -6,9 +6,8 @@ swap: pause and bytes per version at LFM2.5-8B-A1B shapes on int8g64, layer-scal
   embedding rows, 1 dense layer, 1 MoE layer with 4 of its 32 experts; each part timed alone and scaled),
   an Adam-sized step through the publisher's CPU path (plane.from_hf, encode_patch).
 memory: the MLX worker's RSS through a join, a follow and a psqa group at those shapes, and the estimate.
-start: a fresh process building the torch worker's model (LFM2.5-8B-A1B's shapes, --layers of them), against
-  one building it with transformers' random init as the worker did before, in turn.
-Results in bench/results/worker_speed_<part>.json; docs/performance.md (Workers at full speed).
+start: a process building the torch worker's model at those shapes (--layers), in turn with a random init.
+Results in bench/results/worker_speed_<part>.json; docs/performance.md (Workers at full speed, Process start-up).
 """
 
 from __future__ import annotations

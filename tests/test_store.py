@@ -257,9 +257,11 @@ def test_lost_answer_of_a_conditional_write_is_recognised(proxied):
 
 def test_slow_answer_times_out_and_is_retried(proxied, moto_server, s3_bucket):
     _, proxy = proxied
+    # a read timeout a loaded 2-core box answers within (0.5 s once timed the retry out too), and an answer
+    # held three times longer
     store = S3Store.from_url(f"s3://{s3_bucket}", moto_server.env(endpoint=proxy.url),
-                             read_timeout=0.5, connect_timeout=1.0)
-    proxy.slow_s = 2.0  # the store's read timeout is 0.5 s
+                             read_timeout=2.0, connect_timeout=1.0)
+    proxy.slow_s = 6.0
     proxy.inject(["slow"], match=lambda r: r.method == "GET")
     store.put("s/a", b"x")
     assert store.get("s/a") == b"x"

@@ -258,6 +258,6 @@ def test_stores_reach_actors_by_pickle_or_by_url(s3_store, moto_server, tmp_path
     s3_store.put("r/x", b"hello")
     assert open_store_spec((kind, (url, sent))).get("r/x") == b"hello"
     # Ray's sockets need a short temp dir: the run dir's own when it fits, else a short one in /tmp
-    assert ray_tmpdir("/tmp/run") == (Path("/tmp/run/ray"), False)
+    assert ray_tmpdir("/tmp/run") == (Path("/tmp/run/ray/r"), False)
     long_dir, fallback = ray_tmpdir("/tmp/" + "d" * 80)
     assert fallback and len(str(long_dir)) < 40 and ray_tmpdir("/tmp/" + "d" * 80)[0] == long_dir

@@ -30,7 +30,7 @@ def worker_token():
 with ray_session(sys.argv[1], num_cpus=1):
     seen = {"mode": os.environ.get("RAY_AUTH_MODE"), "token": os.environ.get("RAY_AUTH_TOKEN"),
             "worker": ray.get(ray.remote(worker_token).remote()),
-            "ray_dir_mode": os.stat(ray_tmpdir(sys.argv[1])[0]).st_mode & 0o777}
+            "ray_dir_mode": os.stat(ray_tmpdir(sys.argv[1])[0].parent).st_mode & 0o777}
 seen["token_after"] = os.environ.get("RAY_AUTH_TOKEN")
 print("SEEN " + json.dumps(seen), flush=True)
 """
@@ -45,7 +45,9 @@ def test_inherited_token_mode_keeps_the_token_in_memory_not_in_home(tmp_path):
     home.mkdir()
     run_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "DRL_RAY_"))}
-    env.update(HOME=str(home), RAY_AUTH_MODE="token", DRL_RAY_DASHBOARD="0", PYTHONPATH=str(REPO))
+    # no worker started with the node: the task's starts after the session's set-up, as an actor's may
+    env.update(HOME=str(home), RAY_AUTH_MODE="token", DRL_RAY_DASHBOARD="0", PYTHONPATH=str(REPO),
+               RAY_prestart_worker_first_driver="0")
     proc = subprocess.run([sys.executable, "-c", SESSION, str(run_dir)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,7 +57,9 @@ def test_inherited_token_mode_keeps_the_token_in_memory_not_in_home(tmp_path):
     assert seen["worker"][0] == seen["token"]  # the Ray processes got it by inheritance, not a file
     assert seen["worker"][1] == os.nice(0)  # the learner at the trainer's priority, not Ray's nice 15
     assert seen["token_after"] is None  # and it left the process's environment with the session
-    assert seen["ray_dir_mode"] == 0o700  # Ray made it 0777 (world-writable, its sockets reachable by anyone)
+    # the folder holding Ray's, which Ray makes 0777 (world-writable, its sockets reachable by anyone) when a
+    # worker of it starts: the task's did so after the session's set-up
+    assert seen["ray_dir_mode"] == 0o700
 
 
 def _agent(root: psutil.Process) -> psutil.Process | None:

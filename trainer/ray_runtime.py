@@ -34,12 +34,14 @@ _STORE_ENV_PREFIXES = ("DRL_S3_", "R2_", "AWS_")
 
 
 def ray_tmpdir(run_dir: str | Path) -> tuple[Path, bool]:
-    """Ray's temp dir for this run and whether it is the short fallback outside the run dir."""
-    preferred = Path(run_dir).resolve() / "ray"
+    """Ray's temp dir for this run (RAY_TMPDIR) and whether it is the short fallback outside the run dir. Ray
+    makes that folder world-writable each time one of its processes starts, so it sits inside a folder only
+    the run's owner can enter (`.parent`, kept 0700 by `ray_session`)."""
+    preferred = Path(run_dir).resolve() / "ray" / "r"
     if len(str(preferred)) + _SOCKET_SUFFIX <= _UNIX_PATH_MAX:
         return preferred, False
     digest = hashlib.sha256(str(preferred).encode()).hexdigest()[:12]
-    return Path(f"/tmp/stoa-ray-{digest}"), True
+    return Path(f"/tmp/stoa-ray-{digest}") / "r", True
 
 
 def _private_dir(path: Path) -> None:
@@ -77,10 +79,10 @@ def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: in
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
         if address is None:
             tmp, is_fallback = ray_tmpdir(run_dir)
-            _private_dir(tmp)
+            _private_dir(tmp.parent)
             if is_fallback:
-                fallback_dir = tmp
-                (Path(run_dir) / "ray.path").write_text(str(tmp) + "\n")
+                fallback_dir = tmp.parent
+                (Path(run_dir) / "ray.path").write_text(f"{tmp.parent}\n")
                 log.info("Ray temp dir %s (the run dir path is too long for Ray's sockets)", tmp)
             os.environ["RAY_TMPDIR"] = str(tmp)
             # Ray's worker processes inherit this environment: make our packages importable there too
@@ -100,8 +102,6 @@ def ray_session(run_dir: str | Path, *, address: str | None = None, num_cpus: in
         import ray
 
         ctx = _init(address is None, **kwargs, log_to_driver=True, configure_logging=False)
-        if address is None:
-            os.chmod(tmp, 0o700)  # Ray makes its temp dir 0777; its sockets and logs stay the run owner's
         if address is None and ctx.address_info.get("node_ip_address") != "127.0.0.1":
             log.warning("Ray's node address is %s, not loopback", ctx.address_info.get("node_ip_address"))
         try:

@@ -1,0 +1,44 @@
+"""bench.suite_cpu: a real command under real process accounting, its processes' CPU named and grouped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from bench import suite_cpu
+
+#: a process named like a learner that burns about 0.6 s of CPU and starts a short child (ended before any
+#: poll can see it: it is named by its parent)
+BURN = ("import subprocess, sys, time\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.6: pass\n"
+        "subprocess.run([sys.executable, '-c', 'pass'], check=True)\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or (shutil.which("accton") is None and shutil.which("apt-get") is None),
+                    reason="process accounting needs root and the acct package")
+@pytest.mark.skipif(bool(os.environ.get("STOA_SUITE_CPU")), reason="this suite runs under bench.suite_cpu itself")
+def test_a_commands_processes_are_accounted_and_grouped(tmp_path):
+    out, log = tmp_path / "cpu.json", tmp_path / "log.txt"
+    cmd = [sys.executable, "-m", "bench.suite_cpu", "--out", str(out), "--log", str(log), "--",
+           sys.executable, "-c", BURN, "-m", "entrypoints.learner"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    groups = {g["name"]: g for g in result["groups"]}
+    assert result["rc"] == 0 and result["wall_s"] >= 0.6
+    assert groups["learners"]["cpu_s"] >= 0.5 and groups["learners"]["processes"] == 2  # the child is its own
+    assert result["cpu_s"] >= groups["learners"]["cpu_s"]
+    assert "time.process_time()" in result["top_commands"][0]["name"] and result["top_commands"][0]["processes"] == 2
+    assert result["command"].startswith("python -m bench.suite_cpu --out")
+
+
+def test_a_missing_command_is_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        suite_cpu.main([])
+    assert e.value.code == 2 and "after --" in capsys.readouterr().err

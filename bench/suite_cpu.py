@@ -28,8 +28,8 @@ from .common import write_result
 
 #: (group, pattern over the command line), first match wins
 GROUPS = (
-    ("ray: its own processes", r"gcs_server|/raylet |dashboard|log_monitor|/monitor\.py|runtime_env/agent"),
     ("ray: workers (the learner's actors)", r"default_worker\.py|ray::"),
+    ("ray: its own processes", r"gcs_server|/raylet|dashboard|log_monitor|/monitor\.py|runtime_env|ray/_private"),
     ("the recipe's base, built from scratch", r"from embedded\.basemodel import ensure_base"),
     ("pytest's workers (tests in-process)", r"import sys;exec\(eval\(sys\.stdin\.readline"),
     ("rollout workers", r"-m worker_contract\.worker|-m bench\.coin_task"),
@@ -38,7 +38,8 @@ GROUPS = (
     ("benches the tests run", r"-m bench\."),
     ("make, nox, invoke, fab", r"^make|/nox |/invoke |/fab "),
     ("our other CLIs", r"-m (entrypoints|infra|worker_contract)\b"),
-    ("pytest (controller)", r"pytest"),
+    ("ssh, sshd, git, apt-get", r"sshd|^ssh |/ssh |^git |/git |apt-get|dpkg"),
+    ("pytest (controller)", r"-m pytest\b"),
 )
 POLL_S = 0.25
 
@@ -103,13 +104,16 @@ def breakdown(root: int, procs: dict[int, tuple[int, float]], seen: dict[int, tu
 
     groups: dict[str, list] = defaultdict(lambda: [0.0, 0])
     lines: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    others: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for pid, (_, cpu) in procs.items():
         if pid != root and not descends(pid):
             continue
         cmdline = line(pid) or "(unnamed)"
-        for table, key in ((groups, _name(cmdline)), (lines, _short(cmdline))):
-            table[key][0] += cpu
-            table[key][1] += 1
+        group = _name(cmdline)
+        for table, key in ((groups, group), (lines, _short(cmdline)), (others, _short(cmdline))):
+            if table is not others or group == "other":
+                table[key][0] += cpu
+                table[key][1] += 1
     total = sum(cpu for cpu, _ in groups.values())
 
     def rows(table: dict, n: int | None = None) -> list[dict]:
@@ -117,7 +121,8 @@ def breakdown(root: int, procs: dict[int, tuple[int, float]], seen: dict[int, tu
         return [{"name": k, "cpu_s": round(cpu, 1), "share": round(cpu / total, 3) if total else 0.0,
                  "processes": count} for k, (cpu, count) in ranked]
 
-    return {"cpu_s": round(total, 1), "groups": rows(groups), "top_commands": rows(lines, 30)}
+    return {"cpu_s": round(total, 1), "groups": rows(groups), "top_commands": rows(lines, 30),
+            "top_other_commands": rows(others, 15)}
 
 
 def _accounting_tools() -> str | None:

@@ -46,7 +46,8 @@ def _ml_dtypes_version(env: dict[str, str]) -> str:
                           capture_output=True, text=True, cwd=REPO).stdout.strip()
 
 
-def _time(argv: list[str], env: dict[str, str]) -> float:
+def time_process(argv: list[str], env: dict[str, str] | None = None) -> float:
+    """Wall seconds of one fresh process running `argv` to a zero exit (its output discarded)."""
     t = time.perf_counter()
     subprocess.run(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
     return time.perf_counter() - t
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(args.runs):
         for name, (cmd, env) in cases.items():
-            times[name].append(_time(cmd, env))
+            times[name].append(time_process(cmd, env))
         print(f"run {i + 1}/{args.runs}", flush=True)
     rows = {name: {"min_s": round(min(t), 4), "median_s": round(statistics.median(t), 4),
                    "max_s": round(max(t), 4)} for name, t in times.items()}

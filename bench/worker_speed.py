@@ -375,19 +375,16 @@ _START = {
 
 
 def start(layers: int, runs: int, tiny: bool = False) -> dict:
-    import subprocess
-
     from bench.lfm2_loop import build_model
+    from bench.startup import time_process
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model", layers, tiny, "cpu")
         walls: dict[str, list[float]] = {k: [] for k in _START}
         for _ in range(runs):  # in turn, so that the machine's drift falls on both
             for name, code in _START.items():
-                t0 = time.perf_counter()
-                subprocess.run([sys.executable, "-c", f"import sys; d = sys.argv[1]; {code}", model["path"]],
-                               check=True, capture_output=True)
-                walls[name].append(round(time.perf_counter() - t0, 3))
+                argv = [sys.executable, "-c", f"import sys; d = sys.argv[1]; {code}", model["path"]]
+                walls[name].append(round(time_process(argv), 3))
     res = {"model": {"layers": layers, "params": model["params"], "tiny": tiny, "shapes_of": "LiquidAI/LFM2.5-8B-A1B"},
            "runs": runs, "wall_s": walls, "wall_s_median": {k: statistics.median(v) for k, v in walls.items()},
            "note": "each a fresh process, its imports included (python -c pass is about 0.05 s; torch and "

@@ -109,11 +109,10 @@ def breakdown(root: int, procs: dict[int, tuple[int, float]], seen: dict[int, tu
         if pid != root and not descends(pid):
             continue
         cmdline = line(pid) or "(unnamed)"
-        group = _name(cmdline)
-        for table, key in ((groups, group), (lines, _short(cmdline)), (others, _short(cmdline))):
-            if table is not others or group == "other":
-                table[key][0] += cpu
-                table[key][1] += 1
+        group, short = _name(cmdline), _short(cmdline)
+        for table, key in ((groups, group), (lines, short), *([(others, short)] if group == "other" else [])):
+            table[key][0] += cpu
+            table[key][1] += 1
     total = sum(cpu for cpu, _ in groups.values())
 
     def rows(table: dict, n: int | None = None) -> list[dict]:

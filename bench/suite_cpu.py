@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         ap.error("give the command to measure after --, e.g. python -m bench.suite_cpu -- make test")
+    if shutil.which(cmd[0]) is None:
+        ap.error(f"{cmd[0]!r} is not a command here (give a program on PATH or a path to one)")
+    if args.log and not Path(args.log).resolve().parent.is_dir():
+        ap.error(f"--log {args.log}: its folder does not exist")
     why = _accounting_tools()
     if why:
         print(f"bench.suite_cpu: {why}", file=sys.stderr)

@@ -40,7 +40,10 @@ def test_a_commands_processes_are_accounted_and_grouped(tmp_path):
     assert result["command"].startswith("python -m bench.suite_cpu --out")
 
 
-def test_a_missing_command_is_one_line_and_exit_2(capsys):
+@pytest.mark.parametrize("argv, says", [([], "after --"), (["--", "no-such-command-here"], "is not a command"),
+                                        (["--log", "/no/such/folder/log.txt", "--", "true"], "does not exist")])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, says):
     with pytest.raises(SystemExit) as e:
-        suite_cpu.main([])
-    assert e.value.code == 2 and "after --" in capsys.readouterr().err
+        suite_cpu.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and "Traceback" not in err

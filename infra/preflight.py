@@ -153,22 +153,25 @@ SLIME_ONLY = frozenset({"check_contract_agrees", "check_save_interval", "check_d
 
 
 def _native_row(ctx):
-    """The native engine's recipe values against the profile (what the slime-flag rows check for slime)."""
-    from infra.preflight_checks import Row
+    """The recipe's values the profile pins (objective, batch, save interval) against the launch's: what the
+    slime-flag rows check for slime, read from the recipe the native learner runs."""
+    from infra.preflight_checks import FLAG_KEYS, Row, recipe_value
 
     a, p = ctx.cfg.algo, ctx.profile
-    want = dict(p.algo)
+    want: dict[str, object] = {f"algo.{k}": v for k, v in p.algo.items()}
     if p.batch_groups is not None:
-        want["groups_per_step"] = p.batch_groups
-    seen = {k: getattr(a, k) for k in want}
+        want["algo.groups_per_step"] = p.batch_groups
+    want.update({key: p.fixed_flags[flag] for key, flag in FLAG_KEYS.items() if flag in p.fixed_flags})
+    seen = {k: recipe_value(ctx.cfg, k) for k in want}
     bad = [k for k, v in want.items() if float(seen[k]) != float(v)]
     if a.eps_clip_c <= 1:
-        bad.append("eps_clip_c")
+        bad.append("algo.eps_clip_c")
     return Row(check="engine", status="FAIL" if bad else "PASS",
-               seen="native: " + " ".join(f"{k}={v}" for k, v in seen.items()) + f" eps_clip_c={a.eps_clip_c}",
+               seen="native: " + " ".join(f"{k}={v}" for k, v in {**seen, "algo.eps_clip_c": a.eps_clip_c}.items()),
                required=" ".join(f"{k}={v}" for k, v in want.items()) + " eps_clip_c>1 (trainer/algo.py: DPPO "
                "gate, dual clip, Dr.GRPO reducer, k3 KL)",
-               fix="" if not bad else f"set algo.{', algo.'.join(bad)} as required (the {p.recipe} recipe's values)")
+               fix="" if not bad else f"set {', '.join(dict.fromkeys(bad))} as required (the {p.recipe} recipe's "
+               "values)")
 
 
 def run_checks(ctx) -> list:

@@ -67,10 +67,18 @@ class Profile(BaseModel):
     """Free disk the box needs when the model's size is not known (preflight.min_free_disk_gb)."""
 
 
-#: pinned recipe key -> the slime flag that carries it
-_FLAGS = {"checkpoint.interval": "--save-interval", "algo.eps_clip": "--eps-clip",
+#: pinned recipe key -> the slime flag that carries it (the native engine's row reads the recipe key itself)
+FLAG_KEYS = {"checkpoint.interval": "--save-interval", "algo.eps_clip": "--eps-clip",
           "algo.eps_clip_high": "--eps-clip-high", "algo.eps_clip_c": "--eps-clip-c"}
 _ALGO = ("algo.staleness", "algo.reuse_cap", "algo.kl_coef")
+
+
+def recipe_value(cfg: RecipeConfig, dotted: str):
+    """A resolved recipe's value at a dotted key (`algo.eps_clip`)."""
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def profile_of(recipe: str) -> Profile:
@@ -82,16 +90,13 @@ def profile_of(recipe: str) -> Profile:
     sec, pinned = cfg.preflight, set(cfg.preflight.pinned)
 
     def val(dotted: str):
-        node = cfg
-        for part in dotted.split("."):
-            node = getattr(node, part)
-        return node
+        return recipe_value(cfg, dotted)
 
     return Profile(name=sec.profile, recipe=recipe,
                    n_samples=cfg.contract.n_samples if "contract.n_samples" in pinned else None,
                    plane=cfg.contract.plane if "contract.plane" in pinned else None,
                    kv_mode=cfg.contract.kv_mode if "contract.kv_mode" in pinned else None,
-                   fixed_flags={flag: _fmt(val(k)) for k, flag in _FLAGS.items() if k in pinned},
+                   fixed_flags={flag: _fmt(val(k)) for k, flag in FLAG_KEYS.items() if k in pinned},
                    algo={k.split(".")[1]: val(k) for k in _ALGO if k in pinned},
                    batch_groups=cfg.algo.groups_per_step if "algo.groups_per_step" in pinned else None,
                    remote_store=sec.remote_store, min_free_disk_gb=sec.min_free_disk_gb)

@@ -264,3 +264,25 @@ def test_preflight_of_a_native_plan_checks_the_recipe_not_slime_flags(tmp_path):
         assert by["engine"].status == status, by["engine"]
         assert [r.check for r in rows if r.status == "FAIL"] == ([] if status == "PASS" else ["engine"])
         assert "recipe.dppo_gate" not in by and "contract.agree" not in by
+
+
+@pytest.mark.parametrize("overrides, bad", [({}, None), ({"checkpoint.interval": 5}, "checkpoint.interval"),
+                                            ({"algo.eps_clip_high": 5}, "algo.eps_clip_high")])
+def test_the_fleet_preflight_holds_a_native_launch_to_every_pinned_value(tmp_path, overrides, bad):
+    """The fleet recipe pins its save interval and dual clip (slime flags on slime): on the native engine the
+    `engine` row compares the same recipe keys, so a launch that moves one is refused there too."""
+    from infra.launch_gpu import build_plan
+    from infra.launch_plan import parse_plan, render_plan
+    from infra.preflight import build_context, run_checks
+
+    url = f"file://{tmp_path / 'bucket'}"
+    contract = {"DRL_RUN": "pf-fleet-1", "DRL_N_SAMPLES": "8", "DRL_STORE": url, "DRL_PULSE_PLANE": "int8g64",
+                "DRL_KV_MODE": "paged_prefix"}
+    cfg = resolve("psqa", contract, overrides)
+    plan = parse_plan(render_plan(build_plan(cfg, host=None, remote_dir="/root/dRL", env=contract, store=url)))
+    row = {r.check: r for r in run_checks(build_context(plan, profile="fleet", env={"PATH": os.environ["PATH"]}))}
+    row = row["engine"]
+    assert row.status == ("PASS" if bad is None else "FAIL"), row
+    assert "checkpoint.interval=4" in row.required and "algo.eps_clip_high=19" in row.required
+    if bad:
+        assert f"set {bad} as required" in row.fix, row

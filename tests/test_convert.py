@@ -208,9 +208,9 @@ def test_clear_errors_for_missing_files_and_bad_config(tmp_path):
 
 
 # -- the torch_dist checkpoint, written by the entry point in a subprocess ------------------------------------
-def _run_convert(args: list[str]) -> subprocess.CompletedProcess:
-    code = ("import sys; from tests import megatron_cpu; megatron_cpu.install(); "
-            "from infra.convert.__main__ import main; sys.exit(main(sys.argv[1:]))")
+def _run_convert(args: list[str], *, shims: bool = True) -> subprocess.CompletedProcess:
+    code = ("import sys; from tests import megatron_cpu; megatron_cpu.install(); " if shims else "import sys; ") + \
+        "from infra.convert.__main__ import main; sys.exit(main(sys.argv[1:]))"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -226,6 +226,10 @@ def test_convert_to_torch_dist_and_back(tmp_path, mcore):
     refused = _run_convert([str(hf_dir), "--out", str(out), "--rotary-base", "10000", "--quiet"])
     assert refused.returncode == 2 and "10000" in refused.stderr and "1000000" in refused.stderr
     assert not out.exists()  # refused before anything was written
+    if not torch.cuda.is_available():  # megatron's writer refuses a CPU torch part-way: nothing is left behind
+        no_cuda = _run_convert([str(hf_dir), "--out", str(out), "--quiet"], shims=False)
+        assert no_cuda.returncode == 2 and "needs a CUDA build of torch" in no_cuda.stderr, no_cuda.stderr[-2000:]
+        assert not out.exists(), sorted(p.name for p in out.rglob("*"))
 
     done = _run_convert([str(hf_dir), "--out", str(out), "--quiet"])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -275,3 +279,24 @@ def test_invoke_convert_dry_run(tmp_path):
                          timeout=120)
     assert bad.returncode != 0 and "rotary base 10000" in bad.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_overwrite_takes_what_a_killed_conversion_left_and_nothing_else(tmp_path):
+    """A conversion killed part-way (SIGKILL: no clean-up ran) leaves its iteration directory alone; --overwrite
+    replaces that, and still refuses a directory holding anything else."""
+    from infra.convert.convert import _prepare_out
+    from trainer.models import torch_dist
+
+    killed = tmp_path / "killed"
+    torch_dist.iteration_dir(killed).mkdir(parents=True)
+    (torch_dist.iteration_dir(killed) / "common.pt").write_bytes(b"partial")
+    with pytest.raises(ConvertError, match="not empty"):
+        _prepare_out(killed, overwrite=False)
+    _prepare_out(killed, overwrite=True)
+    assert killed.is_dir() and not any(killed.iterdir())
+    other = tmp_path / "other"
+    torch_dist.iteration_dir(other).mkdir(parents=True)
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ConvertError, match="does not look like a converted checkpoint"):
+        _prepare_out(other, overwrite=True)
+    assert (other / "notes.txt").exists()

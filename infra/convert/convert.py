@@ -58,7 +58,9 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise ConvertError(f"{out} is not empty; choose a fresh --out, or pass --overwrite to replace a checkpoint")
-        if not (out / IDENTITY_FILE).exists() and not (out / torch_dist.TRACKER).exists():
+        # a converted checkpoint, or what a conversion killed part-way left: its iteration directory alone
+        left_by_a_kill = [p.name for p in out.iterdir()] == [torch_dist.iteration_dir(out).name]
+        if not (out / IDENTITY_FILE).exists() and not (out / torch_dist.TRACKER).exists() and not left_by_a_kill:
             raise ConvertError(f"{out} does not look like a converted checkpoint; refusing to overwrite it")
         for name in (torch_dist.TRACKER, IDENTITY_FILE):
             (out / name).unlink(missing_ok=True)
@@ -75,7 +77,22 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, rotary_base: float | Non
     cfg = load_hf_config(hf_dir)
     arch = get_architecture(cfg)
     out = Path(out_dir)
+    fresh_out = not out.exists()
     _prepare_out(out, overwrite)
+    try:
+        _write(hf_dir, out, cfg, arch, identity, info, dtype=dtype, verify=verify, progress=progress)
+    except BaseException:  # a failed or interrupted conversion leaves no partial checkpoint: a retry just runs
+        shutil.rmtree(torch_dist.iteration_dir(out), ignore_errors=True)
+        (out / IDENTITY_FILE).unlink(missing_ok=True)  # written just before the tracker: only this call's
+        if fresh_out and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    return identity
+
+
+def _write(hf_dir, out: Path, cfg, arch, identity: ModelIdentity, info: dict, *, dtype: str | None, verify: bool,
+           progress: bool) -> None:
+    """Read the HF shards, save them as torch_dist under `out`, verify the reload; the identity and tracker last."""
     import torch  # after the checks above: a wrong directory or flag is told before seconds of imports
 
     with progress_bar("reading safetensors", total=info["bytes"], unit="bytes", show=progress) as advance:
@@ -105,7 +122,6 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, rotary_base: float | Non
                     raise ConvertError(f"verification failed: {len(bad)} tensor(s) differ after reload, e.g. {bad[:4]}")
     identity.write(out)
     torch_dist.write_tracker(out)  # last: marks the checkpoint complete
-    return identity
 
 
 def export_hf(ckpt_root: str | Path, out_dir: str | Path, *, hf_source: str | Path,

@@ -293,7 +293,7 @@ def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=Non
 
 def _refusal(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console) -> int | None:
     """The exit status when there is nothing to run (0: the run took its steps) or the recipe cannot resume
-    this run (2), found before a base is built or a retriever started; None to go on."""
+    this run (2), found before a base is built or a retriever started; None to go on (a resume says so)."""
     from worker_contract.manifest import ContractMismatch
 
     done = _steps_done(paths, lambda line: console.print(line, style="yellow", markup=False, highlight=False))
@@ -309,6 +309,8 @@ def _refusal(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console) -> int | None:
     except ContractMismatch as e:
         console.print(f"[red]{e}[/]\nchoose a new RUN id to start fresh", markup=True, highlight=False)
         return 2
+    if done:
+        console.print(f"resuming run {cfg.run!r} from its checkpoint at step {done} of {cfg.train.num_steps}")
     return None
 
 
@@ -336,7 +338,7 @@ def _run_state(cfg: EmbeddedRecipe, paths: EmbeddedPaths):
                      heldout_label=get_task(cfg.task).heldout_label, recipe=cfg.name)
     for row in MetricsTail(paths.metrics).read():
         state.update(row)
-    state.session_first_step = None
+    state.new_session()
     tail = MetricsTail(paths.metrics)
     tail.offset = paths.metrics.stat().st_size if paths.metrics.exists() else 0
     return state, tail

@@ -87,6 +87,11 @@ class RunState:
         self.phase = "training"
         return True
 
+    def new_session(self) -> None:
+        """From here on rows come from a new learner process, whose counts of groups and drops start at 0 (a
+        resume reads the bucket again): the panel shows this session's, never an earlier session's beside them."""
+        self.session_first_step, self.accepted, self.drops, self.workers = None, 0.0, {}, {}
+
     def recent_reward(self, n: int = 5) -> float | None:
         tail = [r for _, r in self.rewards[-n:]]
         return sum(tail) / len(tail) if tail else None
@@ -152,9 +157,9 @@ def panel(state: RunState):
     for label, value in _search_rows(state):
         t.add_row(label, value)
     t.add_row("version", f"v{state.version}" if state.version else "-")
-    t.add_row("groups received", f"{int(state.accepted)}   by worker: " +
+    t.add_row("groups received", f"{int(state.accepted)} this session   by worker: " +
               (", ".join(f"{w} {int(g)}" for w, g in sorted(state.workers.items())) or "-"))
-    t.add_row("drops", _drops(state))
+    t.add_row("drops", f"{_drops(state)} (this session)")
     if state.alert:
         t.add_row("[red]learner[/]", f"[red]{escape(state.alert)}[/] (more in learner.log)")
     return Panel(t, title=f"stoa embedded run [bold]{state.run}[/]", border_style="cyan")
@@ -189,8 +194,8 @@ def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: 
     t.add_row(_acc_label(state), f"{_pct(base)} -> {_pct(last)}{delta}")
     for label, value in _search_rows(state):
         t.add_row(label, value)
-    t.add_row("groups received", f"{int(state.accepted)} (accepted into the learner's pool)")
-    t.add_row("drops", _drops(state))
+    t.add_row("groups received", f"{int(state.accepted)} this session (accepted into the learner's pool)")
+    t.add_row("drops", f"{_drops(state)} (this session)")
     t.add_row("wall time", f"{time.monotonic() - state.started:.0f} s")
     t.add_row("metrics", str(paths.metrics))
     for p in plots:

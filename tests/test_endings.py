@@ -4,6 +4,7 @@ from this session only. Real child processes stand in for the learner (their exi
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from pathlib import Path
@@ -115,3 +116,24 @@ def test_the_summary_off_a_terminal_keeps_whole_lines(tmp_path, capsys):
             store_url=f"file://{tmp_path}/bucket")
     out = capsys.readouterr().out
     assert str(paths.metrics) in out and f"--store file://{tmp_path}/bucket --run x" in out, out
+
+
+def test_a_resumed_run_shows_this_sessions_counts_not_a_mix(tmp_path):
+    """A resumed learner counts groups and drops from 0 (it reads the bucket again). The panel once showed the
+    last session's 1006 groups, then this session's 58, and the summary's total was this session's alone."""
+    from embedded.run import EmbeddedPaths, _run_state
+    from embedded.view import status_line
+
+    cfg, _ = _at(0)
+    paths = EmbeddedPaths(tmp_path, "x")
+    paths.run_dir.mkdir(parents=True)
+    old = {"step": 142, "version": 141, "rollout/raw_reward": 0.5, "rollout/accepted": 1006.0,
+           "rollout/drops/stale": 58.0, "worker/local-0/groups": 600.0}
+    paths.metrics.write_text(json.dumps(old) + "\n")
+    state, _tail = _run_state(cfg, paths)
+    assert state.step == 142 and "groups 0 " in status_line(state) and "drops none" in status_line(state)
+    state.update({"step": 143, "version": 143, "rollout/raw_reward": 0.5, "rollout/accepted": 30.0,
+                  "rollout/drops/stale": 15.0, "worker/local-0/groups": 20.0})
+    line = status_line(state)
+    assert "groups 30 " in line and "stale 15" in line and state.workers == {"local-0": 20.0}, line
+    assert state.session_first_step == 143

@@ -199,3 +199,59 @@ def test_cli_refuses_what_would_fail_late_or_quietly(tmp_path):
     finally:
         garbage.shutdown()
         garbage.server_close()
+
+
+@pytest.mark.integration
+def test_cli_follows_a_runs_published_versions_in_the_bucket(tmp_path, monkeypatch):
+    """The learner's checkpoints are not HF models on either engine, so --watch had nothing to watch on a fleet
+    run: --run follows the bucket as a worker does and scores the newest version the signed pointer names."""
+    import torch
+    from opsbucket import manifest_for
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    from infra.retriever.corpus import synthetic_corpus
+    from infra.retriever.index import BM25Index
+    from infra.retriever.server import make_server
+    from trainer.publish.publisher import Publisher, drop_aliases
+    from worker_contract import signing
+    from worker_contract.manifest import create_or_resume
+    from worker_contract.store.file import FileStore
+
+    torch.manual_seed(0)
+    tok = _tokenizer()
+    cfg = Lfm2MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_dense_layers=1,
+                        num_experts=4, num_experts_per_tok=2, layer_types=["conv", "full_attention"],
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    base, model = tmp_path / "base", Lfm2MoeForCausalLM(cfg)
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    store, key = FileStore(tmp_path / "bucket"), signing.generate_private_key()
+    manifest = manifest_for("eval-run", key=key)
+    create_or_resume(store, manifest, resume=False)
+    pub = Publisher(store, manifest, key, anchor_interval=4, progress=False)
+    state = drop_aliases(model.state_dict())  # the tied head, as the learner publishes
+    pub.publish_anchor({k: v.detach().clone() for k, v in state.items()})
+    pub.publish({k: v.detach() + 0.01 for k, v in state.items()})  # v2: a patch
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"question": f"Which gene {i}?", "answer": "dystrophin", "golden_answers": ["dystrophin"]} for i in range(3)]
+    (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    srv = make_server(BM25Index.build(synthetic_corpus(40)), "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        argv = ["--run", "eval-run", "--base", str(base), "--store", store.url, "--out", str(tmp_path / "out"),
+                "--retriever", srv.url, "--data-dir", str(data), "--questions", "2", "--k", "2",
+                "--max-new-tokens", "8", "--device", "cpu", "--poll-s", "0"]
+        monkeypatch.setattr(psqa_eval.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            psqa_eval.main(argv)  # one poll: the newest version, then stop at the sleep
+        points = psqa_eval.read_curve(tmp_path / "out")
+        assert [p.version for p in points] == [2] and "run eval-run v2" in points[0].model
+        with pytest.raises(ValueError, match="no run.json"):
+            psqa_eval.main([*argv[:1], "no-such-run", *argv[2:]])
+        with pytest.raises(ValueError, match="--run needs --base"):
+            psqa_eval.main([a for a in argv if a not in ("--base", str(base))])
+    finally:
+        srv.shutdown()
+        srv.server_close()

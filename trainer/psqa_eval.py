@@ -1,12 +1,11 @@
 """Held-out PaperSearchQA evaluation: cover-EM pass@1, pass@k and search rate per policy version.
 
-Runs apart from the learner (its own GPU, `--device cuda:1`, or its own process/box) so the primary
-signal, the held-out curve, never slows training. It evaluates one HF checkpoint (`--model DIR`), or
-watches a directory where checkpoints appear (`--watch DIR`: subdirectories `v<N>`/`step_<N>`/`iter_<N>`
-holding an HF model) and evaluates each new one in order. Every point is appended to
-`<out>/psqa_eval.jsonl` and the curve is redrawn to `<out>/psqa_eval.png`.
-The embedded psqa run (embedded/psqa.py) draws its curve with the same functions.
-More in docs/embedded.md (module notes).
+Runs apart from the learner (its own GPU, `--device cuda:1`, or its own box) so the primary signal, the
+held-out curve, never slows training. It follows a run's published versions in the bucket as a worker reads
+them (`--run ID --base DIR`; the base gives architecture and tokenizer), evaluates one HF checkpoint
+(`--model DIR`), or each new HF checkpoint under `--watch DIR` (`v<N>`/`step_<N>`/`iter_<N>`). Points go
+to `<out>/psqa_eval.jsonl`, the curve to `<out>/psqa_eval.png`; the embedded psqa run draws its curve with
+the same functions. More in docs/embedded.md (module notes).
 """
 
 from __future__ import annotations
@@ -203,6 +202,48 @@ def version_dirs(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+class PublishedRun:
+    """`--run`: the run's newest published version, as its workers see it: a verified join at the newest anchor,
+    then each signed patch (worker_contract.reconstruct), loaded into the workers' own model of `--base`.
+    The learner's checkpoints are not HF models (torch state on the native engine, torch_dist on slime): the
+    bucket is where every engine's versions are."""
+
+    def __init__(self, store, run: str, base_dir: str | Path, device: str):
+        from worker_contract.manifest import load_manifest
+        from worker_contract.reconstruct import Reconstructor
+
+        self.store, self.run, self.base_dir, self.device = store, run, Path(base_dir), device
+        self.plane = load_manifest(store, run).plane
+        self.rec = Reconstructor(store, run, plane=self.plane)
+        self._policy = None
+
+    def newest(self) -> int | None:
+        """Catch up with the signed pointer; the version now held (None before the first publish)."""
+        from worker_contract.pointer import read_pointer
+
+        if self.rec.version is None and read_pointer(self.store, self.run, None)[0] is None:
+            return None
+        self.rec.follow()  # the first call joins
+        return self.rec.version
+
+    def evaluate(self, problems: Sequence, task, search, args) -> EvalPoint:
+        """Load the version held into the model (made on first use) and evaluate it."""
+        import torch
+
+        from worker_contract.worker.model import PolicyModel
+
+        if self._policy is None:
+            self._policy = PolicyModel(self.base_dir, device=self.device)
+        p, version = self._policy, self.rec.version
+        p.load_plane(self.plane, self.rec.state)
+        gen = torch.Generator(device=p.device).manual_seed(args.seed + version)
+        with torch.no_grad():
+            return evaluate(problems, task, p.prompt_ids, hf_generate_batch(p.model, p.tokenizer,
+                            temperature=args.temperature, generator=gen), p.encode, search, k=args.k,
+                            max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, version=version,
+                            model=f"{self.store.url} run {self.run} v{version}")
+
+
 def evaluate_checkpoint(path: str | Path, version: int, problems: Sequence, task, search, args) -> EvalPoint:
     """Load one HF checkpoint on `args.device` and evaluate it."""
     import torch
@@ -231,8 +272,14 @@ def evaluate_checkpoint(path: str | Path, version: int, problems: Sequence, task
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="a run id: follow its published versions in the bucket (needs --base); the "
+                     "learner's own checkpoints are not HF models on either engine")
     src.add_argument("--model", help="one HF checkpoint directory to evaluate")
     src.add_argument("--watch", help="directory where v<N>/step_<N>/iter_<N> HF checkpoints appear")
+    p.add_argument("--base", help="with --run: the run's base HF directory (config and tokenizer; its weights "
+                   "are not read)")
+    p.add_argument("--store", help="with --run: the store URL (default: DRL_STORE, else R2 from the environment "
+                   "or .r2env)")
     p.add_argument("--version", type=number(int, at_least=1), default=1, help="version label of --model")
     p.add_argument("--out", required=True, help="directory for psqa_eval.jsonl and psqa_eval.png")
     p.add_argument("--retriever", required=True, help="retriever URL (DRL_RETRIEVER_URL)")
@@ -243,20 +290,27 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=number(int, at_least=1), default=1024)
     p.add_argument("--max-turns", type=number(int, at_least=1), default=4, help="tool calls per episode")
     p.add_argument("--temperature", type=number(float, above=0), default=1.0)
-    p.add_argument("--every", type=number(int, at_least=1), default=1, help="evaluate versions divisible by this")
-    p.add_argument("--poll-s", type=number(float, at_least=0), default=60.0, help="--watch polling interval")
+    p.add_argument("--every", type=number(int, at_least=1), default=1,
+                   help="--watch: evaluate versions divisible by this; --run: at least this many versions apart")
+    p.add_argument("--poll-s", type=number(float, at_least=0), default=60.0, help="--watch/--run polling interval")
     p.add_argument("--device", default="cuda:1", help="a GPU the learner does not use, or cpu")
     p.add_argument("--seed", type=number(int, at_least=0), default=0)
     return p
 
 
-def _check_args(args, client) -> None:
+def _check_args(args, client) -> PublishedRun | None:
     """What would otherwise fail late or quietly, refused before any model loads (ValueError, one sentence):
-    a --watch or --model that is not a directory, an --out that cannot be written, a --device this machine
-    lacks, a retriever that does not answer."""
+    a --watch, --model or --base that is not a directory, a --run the store does not hold, an --out that cannot
+    be written, a --device this machine lacks, a retriever that does not answer. Returns --run's follower."""
     from worker_contract.cli import output_dir
     from worker_contract.tasks.psqa_retrieval import RetrieverError
 
+    if (args.base is not None or args.store is not None) and args.run is None:
+        raise ValueError("--base and --store go with --run (a run's published versions in the bucket)")
+    if args.run is not None and args.base is None:
+        raise ValueError("--run needs --base DIR: the run's base HF directory (config.json and tokenizer)")
+    if args.base is not None and not (Path(args.base) / "config.json").is_file():
+        raise ValueError(f"--base {args.base} has no config.json: name the run's base HF directory")
     for flag, path in (("--watch", args.watch), ("--model", args.model)):
         if path is not None and not Path(path).is_dir():
             raise ValueError(f"{flag} {path} is not a directory: name the {'checkpoints' if flag == '--watch' else 'HF'}"
@@ -277,27 +331,52 @@ def _check_args(args, client) -> None:
     except RetrieverError as e:
         raise ValueError(f"--retriever {args.retriever} does not answer as a retriever ({e}): start it "
                          "(python -m infra.retriever serve) or fix the URL") from None
+    return _published_run(args) if args.run is not None else None
+
+
+def _published_run(args) -> PublishedRun:
+    """--run's follower, on --store or the environment's store; a run the store lacks is refused."""
+    import os
+
+    from trainer.config import REPO_ROOT
+    from worker_contract.env import default_store_url, load_env, redact
+    from worker_contract.layout import check_run_id
+    from worker_contract.store import NotFound, open_store
+
+    check_run_id(args.run)
+    env = load_env(os.environ, repo_root=REPO_ROOT)
+    url = args.store or default_store_url(env, REPO_ROOT)
+    try:
+        return PublishedRun(open_store(url, env), args.run, args.base, args.device)
+    except NotFound:
+        raise ValueError(f"run {args.run!r} has no run.json in {redact(url)}: check --run and --store") from None
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m entrypoints.psqa_eval") -> int:
-    """The evaluation process (entrypoints/psqa_eval.py): one checkpoint, or every new one under --watch."""
+    """The evaluation process (entrypoints/psqa_eval.py): a run's newest published version at each poll (--run),
+    one checkpoint (--model), or every new one under --watch."""
     args = _parser(prog).parse_args(argv)
     from worker_contract.tasks.psqa import PsqaTask
     from worker_contract.tasks.psqa_retrieval import RetrieverClient, RetrieverError, search_tool
 
     client = RetrieverClient(args.retriever)
-    _check_args(args, client)
+    follower = _check_args(args, client)
     task = PsqaTask(args.data_dir)
     problems = heldout_subset(task.dataset("test"), args.questions, args.seed)
     search = search_tool(client, k=args.top_k, strict=True)  # a failed search fails the point, never scores 0
     done = {p.version for p in read_curve(args.out)}
     while True:
-        found = version_dirs(args.watch) if args.watch else [(args.version, Path(args.model))]
+        if follower is not None:  # the newest version, once it is --every past the last point
+            newest = follower.newest()
+            due = newest is not None and newest not in done and (not done or newest >= max(done) + args.every)
+            found = [(newest, None)] if due else []
+        else:
+            found = [(v, d) for v, d in (version_dirs(args.watch) if args.watch else [(args.version, Path(args.model))])
+                     if v not in done and not v % args.every]
         for version, path in found:
-            if version in done or version % args.every:
-                continue
             try:
-                point = evaluate_checkpoint(path, version, problems, task, search, args)
+                point = (follower.evaluate(problems, task, search, args) if path is None
+                         else evaluate_checkpoint(path, version, problems, task, search, args))
             except RetrieverError as e:
                 print(f"{prog}: the retriever failed while evaluating v{version} ({e}); no point written: its "
                       "score would measure the retriever, not the policy", file=sys.stderr)
@@ -306,6 +385,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m entrypoints.psqa_
             plot_curve(args.out)
             done.add(version)
             print(json.dumps(point.model_dump()), flush=True)
-        if not args.watch:
+        if args.model:
             return 0
         time.sleep(args.poll_s)

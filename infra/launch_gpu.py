@@ -124,15 +124,17 @@ def _native_plan(cfg: RecipeConfig, paths: BoxPaths, *, host: str | None, env: M
 
 def box_steps(cfg: RecipeConfig) -> list[Step]:
     """The on-box launch of this recipe's engine, in order: what the plan lists and what runs."""
+    from . import psqa_setup
+
     if cfg.train.engine == "native":
         from .native_launch import NATIVE_BOX_STEPS
 
-        return NATIVE_BOX_STEPS
-    from . import psqa_setup
-
-    if psqa_setup.applies(cfg):  # the fleet reference pulls its converted base from the bucket
-        return psqa_setup.psqa_box_steps(SLIME_BOX_STEPS)
-    return SLIME_BOX_STEPS
+        steps = NATIVE_BOX_STEPS
+    else:
+        steps = SLIME_BOX_STEPS
+    if psqa_setup.applies(cfg):  # the fleet reference pulls its pinned base from the bucket, on either engine
+        return psqa_setup.psqa_box_steps(steps, cfg.train.engine)
+    return steps
 
 
 def launch_steps(cfg: RecipeConfig, host: str | None) -> list[LaunchStep]:

@@ -2,10 +2,11 @@
 
     install_lfm2_plugin  check that slime's Python imports our LFM2 modules (trainer.models.lfm2_*; the tree is
                          on the job's PYTHONPATH) and that the --spec hook builds the model's layer spec
-    base_model           pull the LFM2.5-8B-A1B HF directory and its converted torch_dist from `bases/lfm25/`
-                         in the bucket (digests checked); when the base is absent: download from the Hub,
-                         convert, and publish both there, manifest last (create-only), for the next box
-    (then the common steps: apply_patches, publish_anchor, start_ray, launch_trainer; infra/launch_gpu.py)
+    base_model           pull the LFM2.5-8B-A1B HF directory (and, for slime, its converted torch_dist) from
+                         `bases/lfm25/` in the bucket (digests checked); when the base is absent: download from
+                         the Hub, convert, and publish both there, manifest last (create-only), for the next box
+    (both engines take their base this way; slime's other steps: apply_patches, publish_anchor, start_ray,
+    launch_trainer, infra/launch_gpu.py; the native engine's: infra/native_launch.py)
 More in docs/quickstart-gpu.md (module notes).
 """
 
@@ -80,12 +81,15 @@ def read_manifest(store, name: str = BASE_NAME) -> BaseManifest | None:
         return None
 
 
-def pull_base(store, manifest: BaseManifest, hf_dir: Path, td_dir: Path, name: str = BASE_NAME) -> int:
-    """Download every file of the base (skipping ones already present with the right digest); returns
+def pull_base(store, manifest: BaseManifest, hf_dir: Path, td_dir: Path, name: str = BASE_NAME,
+              parts: tuple[str, ...] = ("hf", "torch_dist")) -> int:
+    """Download every file of the base's `parts` (skipping ones already present with the right digest); returns
     how many were fetched. A digest mismatch after download raises ValueError naming the file."""
     fetched = 0
     for rel, info in manifest.files.items():
         part, _, sub = rel.partition("/")
+        if part not in parts:
+            continue
         dest = (hf_dir if part == "hf" else td_dir) / sub
         if dest.is_file() and dest.stat().st_size == info.bytes and _sha256(dest) == info.sha256:
             continue
@@ -124,15 +128,18 @@ def publish_base(store, hf_dir: Path, td_dir: Path, *, hf_id: str, hf_revision: 
 
 def ensure_base(store, hf_dir: Path, td_dir: Path, *, hf_id: str, fetch: Callable[[Path], str | None],
                 convert: Callable[[Path, Path], None], provenance: dict[str, str] | None = None,
-                name: str = BASE_NAME) -> str:
-    """Pull the shared base, or build it (fetch -> convert) and publish it. Returns what happened."""
+                name: str = BASE_NAME, parts: tuple[str, ...] = ("hf", "torch_dist")) -> str:
+    """Pull the shared base's `parts` (the native engine reads the HF directory alone), or build the whole base
+    (fetch -> convert) and publish it, so that a box of either engine finds it complete. Returns what happened."""
     manifest = read_manifest(store, name)
     if manifest is not None:
         if manifest.hf_id != hf_id:
             raise ValueError(f"bases/{name}/ holds {manifest.hf_id}, the recipe wants {hf_id}: use another base "
                              "name or delete the old base")
-        n = pull_base(store, manifest, hf_dir, td_dir, name)
-        return f"pulled bases/{name}/ ({n} of {len(manifest.files)} files fetched, revision {manifest.hf_revision})"
+        n = pull_base(store, manifest, hf_dir, td_dir, name, parts)
+        wanted = sum(rel.partition("/")[0] in parts for rel in manifest.files)
+        return (f"pulled bases/{name}/{'' if len(parts) > 1 else parts[0] + '/'} ({n} of {wanted} files fetched, "
+                f"revision {manifest.hf_revision})")
     revision = fetch(hf_dir)
     if not (td_dir / "latest_checkpointed_iteration.txt").is_file():
         convert(hf_dir, td_dir)
@@ -190,27 +197,32 @@ def step_base_model(cfg, paths, store) -> str:
 
     import transformers
 
-    provenance = {"slime": _git_head(cfg.launch.slime_dir), "megatron_lm": _git_head(cfg.launch.megatron_dir),
-                  "transformers": transformers.__version__}
+    provenance = {"transformers": transformers.__version__, "engine": cfg.train.engine}
+    if cfg.train.engine == "slime":
+        provenance.update(slime=_git_head(cfg.launch.slime_dir), megatron_lm=_git_head(cfg.launch.megatron_dir))
+    parts = ("hf",) if cfg.train.engine == "native" else ("hf", "torch_dist")
     return ensure_base(store, Path(paths.hf_dir(cfg.model.hf_id)), Path(paths.torch_dist_dir(cfg.model.hf_id)),
-                       hf_id=cfg.model.hf_id, fetch=fetch, convert=convert, provenance=provenance)
+                       hf_id=cfg.model.hf_id, fetch=fetch, convert=convert, provenance=provenance, parts=parts)
 
 
-def psqa_box_steps(steps: list) -> list:
-    """The slime engine's on-box steps (infra/steps.py `Step`s) for the psqa recipe: download_model replaced
-    by base_model and install_lfm2_plugin, convert_model dropped (the base step does both)."""
+def psqa_box_steps(steps: list, engine: str) -> list:
+    """An engine's on-box steps (infra/steps.py `Step`s) for the shared base's model: download_model replaced by
+    base_model (the Hub revision pinned in the bucket, on either engine) and, on slime, install_lfm2_plugin;
+    convert_model dropped (the base step does both)."""
     from worker_contract.store import open_store
 
     from .launch_plan import LaunchStep
     from .steps import Step
 
+    what = "HF dir" if engine == "native" else "HF dir + torch_dist"
     mine = [Step(LaunchStep(name="base_model", where="box", gpu_only=True,
-                            summary="pull bases/lfm25/ (HF dir + torch_dist, sha256 checked); when absent download, "
-                                    "convert and publish it there, manifest last"),
-                 lambda b: step_base_model(b.cfg, b.paths, open_store(b.cfg.store))),
-            Step(LaunchStep(name="install_lfm2_plugin", where="box", gpu_only=True,
-                            summary="slime's Python imports our LFM2 modules and builds the --spec layer spec"),
-                 lambda b: step_install_lfm2_plugin(b.cfg, b.paths))]
+                            summary=f"pull bases/lfm25/ ({what}, sha256 checked); when absent download, convert and "
+                                    "publish the whole base there, manifest last"),
+                 lambda b: step_base_model(b.cfg, b.paths, open_store(b.cfg.store)))]
+    if engine == "slime":
+        mine.append(Step(LaunchStep(name="install_lfm2_plugin", where="box", gpu_only=True,
+                                    summary="slime's Python imports our LFM2 modules and builds the --spec layer spec"),
+                         lambda b: step_install_lfm2_plugin(b.cfg, b.paths)))
     out: list = []
     for step in steps:
         if step.info.name == "download_model":

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from infra import psqa_setup
+from trainer.config import resolve
 from worker_contract import layout
 from worker_contract.store import open_store
 
@@ -67,6 +68,13 @@ def test_base_is_built_once_then_pulled(tmp_path):
         part, _, sub = rel.partition("/")
         a = (box1 / ("hf" if part == "hf" else "td") / sub).read_bytes()
         assert a == (box2 / ("hf" if part == "hf" else "td") / sub).read_bytes(), rel
+    # the native engine reads the HF directory alone: it pulls that part and no torch_dist
+    box4 = tmp_path / "box4"
+    msg = psqa_setup.ensure_base(store, box4 / "hf", box4 / "td", hf_id="LiquidAI/LFM2.5-8B-A1B",
+                                 fetch=fetch, convert=convert, parts=("hf",))
+    hf_files = [rel for rel in manifest.files if rel.startswith("hf/")]
+    assert msg.startswith(f"pulled bases/lfm25/hf/ ({len(hf_files)} of {len(hf_files)}") and not (box4 / "td").exists()
+    assert calls == {"fetch": 1, "convert": 1}
     # running it again fetches nothing (idempotent)
     assert "(0 of" in psqa_setup.ensure_base(store, box2 / "hf", box2 / "td", hf_id="LiquidAI/LFM2.5-8B-A1B",
                                              fetch=fetch, convert=convert)
@@ -114,3 +122,19 @@ def test_fleet_dry_run_plan_passes_the_fleet_profile(tmp_path):
     plan_checks = [c for c in rows if c.split(".")[0] in ("contract", "recipe", "model")]
     assert len(plan_checks) >= 10
     assert all(rows[c].status == "PASS" for c in plan_checks), {c: rows[c].seen for c in plan_checks if rows[c].status != "PASS"}
+
+
+def test_a_native_fleet_launch_takes_the_pinned_base_from_the_bucket_too():
+    """REPRODUCE.md pins the fleet's model in bases/lfm25/; the native engine (the recipe's default) once
+    downloaded the Hub's newest revision instead, and only ENGINE=slime used the pin."""
+    from infra.launch_gpu import build_plan
+
+    env = {"DRL_RUN": "psqa-dry-2"}
+    cfg = resolve("psqa", env=env)
+    assert cfg.train.engine == "native"
+    plan = build_plan(cfg, host="root@gpu-box", remote_dir="/root/dRL", env=env, store="file:///tmp/none")
+    steps = {s.name: s for s in plan.steps}
+    assert "base_model" in steps and "download_model" not in steps and "install_lfm2_plugin" not in steps
+    assert "HF dir," in steps["base_model"].summary and "torch_dist" not in steps["base_model"].summary.split(";")[0]
+    names = list(steps)
+    assert names.index("install_packages") < names.index("base_model") < names.index("launch_learner")

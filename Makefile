@@ -12,7 +12,7 @@ CPU_TORCH ?= torch==2.13.0
 
 # The variables a user sets (`make help` lists every `NAME ?=## meaning` line). They reach the recipes only
 # as exported environment variables, quoted ("$$RUN"): a value is one argument to Python, never shell text.
-RUN ?=## run id, the bucket prefix (required by gsm8k and psqa), e.g. RUN=gsm8k-2026-12-01a
+RUN ?= $(DRL_RUN)## run id, the bucket prefix (required by gsm8k and psqa; default: the environment's DRL_RUN), e.g. RUN=gsm8k-2026-12-01a
 HOST ?=## the GPU box, user@host[:port]: launch the real trainer there over SSH
 MODEL ?=## a local HF model directory to train instead of the recipe's model
 SSH_KEY ?=## SSH private key for HOST (default: your agent and ~/.ssh keys)
@@ -27,7 +27,7 @@ LAUNCH = $(PY) -m entrypoints.launch --run "$$RUN" --host "$$HOST" --model "$$MO
          --remote-dir "$$REMOTE_DIR" --engine "$$ENGINE" --worker "$$WORKER"
 # Say the usage before anything is installed; then bring the venv up to date (quietly when it is).
 define need_run
-@test -n "$$RUN" || { echo "usage: make $(1)" >&2; exit 2; }
+@test -n "$$RUN" || { echo "usage: make $(1)   (or export DRL_RUN=<run-id>)" >&2; exit 2; }
 @$(MAKE) --no-print-directory -q setup 2>/dev/null || $(MAKE) --no-print-directory setup
 endef
 

@@ -134,6 +134,8 @@ ROWS = [
     Row("make-run-injection", ["make", "gsm8k", "RUN=a;touch pwned"], env=DRY, says=("run id",)),
     Row("make-run-quote-injection", ["make", "gsm8k", 'RUN=a"; touch pwned; echo "'], env=DRY, says=("run id",)),
     Row("make-run-space", ["make", "gsm8k", "RUN=my run"], env=DRY, says=("DRL_RUN='my run'", "run id")),
+    # DRL_RUN stands for RUN= (the environment the fleet's env file sets): it reaches the launcher, which checks it
+    Row("make-drl-run-space", ["make", "gsm8k"], env={**DRY, "DRL_RUN": "my run"}, says=("DRL_RUN='my run'", "run id")),
     Row("make-host-injection", ["make", "gsm8k", "RUN=x", "HOST=h;touch pwned"], env=DRY, says=("HOST=",)),
     Row("make-model-injection", ["make", "gsm8k", "RUN=x", "MODEL=`touch pwned`"], env=DRY, says=("MODEL=",)),
     Row("make-dry-run-y", ["make", "gsm8k", "RUN=x"], env={"DRL_DRY_RUN": "y"}, says=("DRL_DRY_RUN='y'",)),

@@ -19,13 +19,14 @@ import shutil
 import subprocess
 import sys
 
-#: free disk the run needs (DRL_MIN_FREE_GB overrides it, for a box that is small on purpose)
+#: free disk a run needs when its launch names no figure (the launch passes its recipe's: infra.slime_launch.
+#: disk_floor_gb); DRL_MIN_FREE_GB overrides either, for a box that is small on purpose
 MIN_FREE_GB = 100.0
 
 
-def required_free_gb() -> float:
-    """MIN_FREE_GB, or DRL_MIN_FREE_GB as it is set when the check runs."""
-    return float(os.environ.get("DRL_MIN_FREE_GB", "") or MIN_FREE_GB)
+def required_free_gb(launch_gb: float | None = None) -> float:
+    """DRL_MIN_FREE_GB as it is set when the check runs, else the launch's figure, else MIN_FREE_GB."""
+    return float(os.environ.get("DRL_MIN_FREE_GB", "") or (MIN_FREE_GB if launch_gb is None else launch_gb))
 #: modules the trainer needs from the slime image (importable with Megatron-LM on PYTHONPATH)
 IMAGE_IMPORTS = ("torch", "ray", "slime", "megatron.core", "sglang", "transformers", "huggingface_hub",
                  "safetensors")
@@ -74,7 +75,7 @@ def check_disk(path: str, min_free_gb: float | None = None, already_used_gb: flo
     """Free space where the run writes; space the run already holds there counts as available."""
     where = _existing_ancestor(path)
     free_gb = shutil.disk_usage(where).free / 1e9
-    min_free_gb = required_free_gb() if min_free_gb is None else min_free_gb
+    min_free_gb = required_free_gb(min_free_gb)
     ok = free_gb + already_used_gb >= min_free_gb
     out = {"ok": ok, "path": where, "free_gb": round(free_gb, 1)}
     if not ok:
@@ -184,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--remote-dir", default="/root/dRL")
     ap.add_argument("--slime-dir", default="/root/slime")
     ap.add_argument("--megatron-dir", default="/root/Megatron-LM")
-    ap.add_argument("--min-free-gb", type=float, default=None, help="default: DRL_MIN_FREE_GB, else 100")
+    ap.add_argument("--min-free-gb", type=float, default=None,
+                    help="free disk the run needs (the launch passes its recipe's; DRL_MIN_FREE_GB overrides it; "
+                         "default 100)")
     ap.add_argument("--engine", choices=("slime", "native"), default="slime")
     ap.add_argument("--ensure-deps", nargs="+", metavar="REQ", help="install these requirements if missing")
     args = ap.parse_args(argv)

@@ -16,17 +16,17 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 from trainer.config import REPO_ROOT, RecipeConfig
 
 from .box_steps import DOWNLOAD_MODEL, WRITE_RECIPE, BoxLaunch, box_report, start_once
 from .launch_plan import LaunchPlan, LaunchStep, render_plan
 from .slime_launch import (
-    KNOWN_HF_CONFIGS,
     BoxPaths,
     TrainerOnly,
     detect_trainer_only,
+    disk_floor_gb,
+    hf_config_for,
     launch_command,
     rotary_base,
 )
@@ -46,19 +46,6 @@ def contract_env(cfg: RecipeConfig, env: Mapping[str, str], store: str) -> dict[
         if env.get(var):
             out[var] = REDACTED if var in SECRET_VARS else env[var]
     return out
-
-
-def hf_config_for(cfg: RecipeConfig, paths: BoxPaths) -> tuple[dict[str, Any] | None, str]:
-    """The model's config.json if it is on this machine, else the built-in facts; and where it came from."""
-    candidate = Path(paths.hf_dir(cfg.model.hf_id)) / "config.json"
-    if candidate.is_file():
-        from trainer.models.hf_io import load_hf_config
-
-        return load_hf_config(candidate.parent), str(candidate)  # not JSON, not an object: one sentence naming it
-    if cfg.model.hf_id in KNOWN_HF_CONFIGS:
-        return dict(KNOWN_HF_CONFIGS[cfg.model.hf_id]), (
-            f"built-in architecture facts of {cfg.model.hf_id} (on the box: the downloaded config.json)")
-    return None, f"{candidate} (not on this machine)"
 
 
 def build_plan(cfg: RecipeConfig, *, host: str | None, remote_dir: str, env: Mapping[str, str], store: str,
@@ -161,7 +148,8 @@ def resolve_store(cfg: RecipeConfig, env: Mapping[str, str]) -> str:
 def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
     from . import box_check
 
-    report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir)
+    report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir,
+                                  disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]))
     answer, slime = box_report(report), report.get("slime")
     return answer + (f"; slime {slime['commit']} {slime.get('date', '')}".rstrip() if slime else "")
 

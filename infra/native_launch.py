@@ -18,7 +18,7 @@ from trainer.config import RecipeConfig
 
 from .box_steps import DOWNLOAD_MODEL, WRITE_RECIPE, box_report, start_once
 from .launch_plan import LaunchStep
-from .slime_launch import BoxPaths
+from .slime_launch import BoxPaths, disk_floor_gb, hf_config_for
 from .steps import Step, StepFailed
 
 #: seconds `wait_learner` waits for the learner's first anchor (model load and anchor upload of a 1.5B model)
@@ -58,7 +58,8 @@ def plan_notes(cfg: RecipeConfig) -> list[str]:
 def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
     from . import box_check
 
-    report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir, engine="native")
+    report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir,
+                                  disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]), engine="native")
     answer = box_report(report)
     missing = report["imports"].get("installable", [])
     if len(report["gpu"]["gpus"]) < cfg.compute.tensor_parallel:

@@ -63,8 +63,6 @@ class Profile(BaseModel):
     """Prompt groups per step the profile fixes (each of n_samples samples)."""
     remote_store: bool = False
     """Workers run elsewhere: the store must be r2:// or s3://."""
-    min_free_disk_gb: float = 100.0
-    """Free disk the box needs when the model's size is not known (preflight.min_free_disk_gb)."""
 
 
 #: pinned recipe key -> the slime flag that carries it (the native engine's row reads the recipe key itself)
@@ -99,7 +97,7 @@ def profile_of(recipe: str) -> Profile:
                    fixed_flags={flag: _fmt(val(k)) for k, flag in FLAG_KEYS.items() if k in pinned},
                    algo={k.split(".")[1]: val(k) for k in _ALGO if k in pinned},
                    batch_groups=cfg.algo.groups_per_step if "algo.groups_per_step" in pinned else None,
-                   remote_store=sec.remote_store, min_free_disk_gb=sec.min_free_disk_gb)
+                   remote_store=sec.remote_store)
 
 
 def profiles() -> dict[str, Profile]:

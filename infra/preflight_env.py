@@ -237,9 +237,7 @@ def check_disk(ctx: Context) -> Row:
         free_gb = int(out.split()[3]) * 1024 / 1e9
     except (IndexError, ValueError):
         return _row("box.disk", False, f"df failed (rc {rc})", "", "check the box: df -h must work", warn=True)
-    hf, _ = hf_config(ctx)
-    estimate = slime_launch.disk_need_gb(ctx.cfg, hf) if hf is not None else None
-    need = estimate if estimate is not None else ctx.profile.min_free_disk_gb
+    need = slime_launch.disk_floor_gb(ctx.cfg, hf_config(ctx)[0])
     ckpts = ctx.cfg.checkpoint.keep
     return _row("box.disk", free_gb >= need, f"{free_gb:.0f} GB free under {ctx.plan.remote_dir}",
                 f">= {need:.0f} GB", f"free disk on the box or rent a larger disk (need {need:.0f} GB for the "

@@ -180,6 +180,26 @@ def model_params(c: Mapping[str, Any]) -> int | None:
     return vocab * h * (1 if c.get("tie_word_embeddings", True) else 2) + mixers + ffns + (2 * n + 1) * h
 
 
+def hf_config_for(cfg: RecipeConfig, paths: BoxPaths) -> tuple[dict[str, Any] | None, str]:
+    """The model's config.json if it is on this machine, else the built-in facts; and where it came from."""
+    candidate = Path(paths.hf_dir(cfg.model.hf_id)) / "config.json"
+    if candidate.is_file():
+        from trainer.models.hf_io import load_hf_config
+
+        return load_hf_config(candidate.parent), str(candidate)  # not JSON, not an object: one sentence naming it
+    if cfg.model.hf_id in KNOWN_HF_CONFIGS:
+        return dict(KNOWN_HF_CONFIGS[cfg.model.hf_id]), (
+            f"built-in architecture facts of {cfg.model.hf_id} (on the box: the downloaded config.json)")
+    return None, f"{candidate} (not on this machine)"
+
+
+def disk_floor_gb(cfg: RecipeConfig, hf_config: Mapping[str, Any] | None) -> float:
+    """Free disk a launch of `cfg` needs on the box: `disk_need_gb` where the model's size is known, else the
+    recipe's `preflight.min_free_disk_gb`. The launch's box check and the preflight's box.disk hold the box to it."""
+    need = disk_need_gb(cfg, hf_config) if hf_config is not None else None
+    return need if need is not None else cfg.preflight.min_free_disk_gb
+
+
 def disk_need_gb(cfg: RecipeConfig, hf_config: Mapping[str, Any]) -> float | None:
     """Disk the run needs under the remote dir: the model twice, and `checkpoint.keep` + 1 checkpoints
     (K complete ones and the one being written) of the engine's size (`checkpoint_bytes`)."""

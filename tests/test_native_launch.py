@@ -114,6 +114,25 @@ def test_native_box_check_follows_what_the_box_reports(tmp_path, monkeypatch):
     assert box_check.ensure_deps(["megatron-core>=0.16.1"], python=broken) == []
 
 
+def test_the_box_check_holds_the_box_to_the_recipes_disk_figure(tmp_path, monkeypatch):
+    """The launch's box check asked for 100 GB whatever the recipe (the psqa recipe needs 172 on the native
+    engine, 272 on slime): it now asks for the figure the preflight's box.disk computes, over SSH too."""
+    from infra.native_launch import step_check_box
+    from infra.remote import deploy
+    from infra.slime_launch import BoxPaths
+    from infra.steps import StepFailed
+
+    for recipe, engine, gb in (("gsm8k", "native", 67), ("psqa", "native", 172), ("psqa", "slime", 272)):
+        assert deploy._disk_floor(resolve(recipe, env={}, overrides={"train.engine": engine})) == gb
+    monkeypatch.delenv("DRL_MIN_FREE_GB", raising=False)
+    monkeypatch.setenv("PATH", f"{fake_smi_dir(tmp_path)}:/usr/bin:/bin")
+    huge = resolve("psqa", env={"DRL_RUN": "disk-1"}, overrides={"checkpoint.keep": 100_000})
+    with pytest.raises(StepFailed, match=r"need about \d{7,} GB"):
+        step_check_box(huge, BoxPaths(remote_dir=str(tmp_path), run="disk-1"))
+    monkeypatch.setenv("DRL_MIN_FREE_GB", "0")  # the override still wins, for a box small on purpose
+    assert "GB free" in step_check_box(huge, BoxPaths(remote_dir=str(tmp_path), run="disk-1"))
+
+
 def test_the_join_hint_of_a_search_run_names_the_retriever_url():
     """A psqa card without DRL_RETRIEVER_URL cannot seat a light-tier Mac: the launcher's last line says how
     to print the card with the shared retriever in it; a gsm8k run's does not ask for one."""

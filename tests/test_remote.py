@@ -235,7 +235,7 @@ def test_gpu_box_check_passes_over_ssh(sshd_server, tmp_path):  # noqa: F811
                     "(download, convert, patch, publish, Ray, train.py) run there via `make gsm8k HOST=...`")
     with connect(sshd_server.host, str(sshd_server.client_key)) as conn:
         assert "driver" in deploy.check_box(conn, remote_dir=str(tmp_path), slime_dir="/root/slime",
-                                            megatron_dir="/root/Megatron-LM", python=sys.executable)
+                                            megatron_dir="/root/Megatron-LM", min_free_gb=0, python=sys.executable)
 
 
 def test_task_flags_are_frozen():

@@ -123,11 +123,11 @@ def _box_check_source() -> str:
     return (Path(__file__).resolve().parent.parent / "box_check.py").read_text()
 
 
-def check_box(conn, *, remote_dir: str, slime_dir: str, megatron_dir: str, python: str = "python3",
-              engine: str = "slime") -> str:
+def check_box(conn, *, remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: float,
+              python: str = "python3", engine: str = "slime") -> str:
     """Run infra/box_check.py on the box (its source as `python3 -c`, nothing shipped yet)."""
     cmd = (f"{q(python)} -c {q(_box_check_source())} --remote-dir {q(remote_dir)} --slime-dir {q(slime_dir)} "
-           f"--megatron-dir {q(megatron_dir)} --engine {q(engine)}")
+           f"--megatron-dir {q(megatron_dir)} --engine {q(engine)} --min-free-gb {min_free_gb:g}")
     res = run(conn, "check_box", cmd)
     report = json.loads(res.stdout.strip().splitlines()[-1])
     gpus = ", ".join(f"{g['name']} (driver {g['driver']})" for g in report["gpu"]["gpus"])
@@ -232,6 +232,14 @@ class RemoteLaunch:
                 f"--recipe-json {q(str(PurePosixPath(self.recipe_file)))}")
 
 
+def _disk_floor(cfg) -> float:
+    """The free disk the recipe needs (infra.slime_launch.disk_floor_gb; the model's size from the built-in facts:
+    nothing is downloaded yet)."""
+    from ..slime_launch import KNOWN_HF_CONFIGS, disk_floor_gb
+
+    return disk_floor_gb(cfg, KNOWN_HF_CONFIGS.get(cfg.model.hf_id or ""))
+
+
 def _native_extra(r: RemoteLaunch) -> list[str]:
     from ..box_check import NATIVE_INSTALLABLE
 
@@ -250,11 +258,12 @@ def remote_steps(engine: str) -> list[Step]:
     return [
         step("connect", "open the SSH connection (Fabric; key-only if SSH_KEY)",
              lambda r: (run(r.conn, "connect", "true"), f"connected to {r.host}")[1]),
-        step("check_box", "nvidia-smi, ~100 GB free, torch and transformers import (infra/box_check.py --engine "
-             "native)" if native else "nvidia-smi, ~100 GB free, slime/Megatron-LM dirs, Python imports "
-             "(infra/box_check.py)",
+        step("check_box", "nvidia-smi, the recipe's free disk, torch and transformers import (infra/box_check.py "
+             "--engine native)" if native else "nvidia-smi, the recipe's free disk, slime/Megatron-LM dirs, Python "
+             "imports (infra/box_check.py)",
              lambda r: check_box(r.conn, remote_dir=r.remote_dir, slime_dir=r.cfg.launch.slime_dir,
-                                 megatron_dir=r.cfg.launch.megatron_dir, python=r.python, engine=engine),
+                                 megatron_dir=r.cfg.launch.megatron_dir, python=r.python, engine=engine,
+                                 min_free_gb=_disk_floor(r.cfg)),
              gpu_only=True),
         step("ship_tree", "tar of the tree (no .venv/.stoa/.git/.r2env) over SFTP; skipped when its digest matches",
              lambda r: ship_tree(r.conn, r.repo_root, r.remote_dir)),

@@ -108,9 +108,10 @@ def preflight(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def fleet(session: nox.Session) -> None:
-    """The fleet simulator at 16, 64 and 256 workers, a 64-worker cold-join storm, and the rollout source's
-    reads one at a time against 16 at once at 256 (`-- --scale 16,64` etc. to narrow); figures go to
-    bench/results/fleet.json."""
+    """The fleet simulator at 16, 64 and 256 workers, a cold-join storm and the source's read threads.
+
+    64 workers join at once in the storm; the rollout source reads one record at a time against 16 at once at
+    256 workers (`-- --scale 16,64` etc. to narrow); figures go to bench/results/fleet.json."""
     args = session.posargs or ["--scale", "16,64,256", "--storm", "64", "--compare", "read_threads=1,16"]
     _run_cli(session, "-m", "bench.fleet", *args)
 
@@ -123,8 +124,9 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu_loop(session: nox.Session) -> None:
-    """The whole loop on this GPU box through the native launch (`python -m bench.gpu_loop`): learning and
-    throughput, results in bench/results/gpu_loop.json (needs a CUDA GPU; `-- --parts learning` for one)."""
+    """The whole loop on this GPU box through the native launch: learning and throughput (needs a CUDA GPU).
+
+    `python -m bench.gpu_loop`; results in bench/results/gpu_loop.json (`-- --parts learning` for one part)."""
     _run_cli(session, "-m", "bench.gpu_loop", *session.posargs)
 
 

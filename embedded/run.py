@@ -150,7 +150,9 @@ def prepare_model(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console) -> tuple[E
     origin = ("shipped with the repository" if report.shipped else
               f"built here in {report.sft_seconds:.0f} s, once; cached under .stoa/cache/")
     console.print(f"base model {report.path}: {report.params / 1e6:.2f} M parameters, held-out accuracy "
-                  f"{100 * report.heldout_accuracy:.2f}% after {report.sft_steps} supervised steps ({origin})")
+                  f"{100 * report.heldout_accuracy:.2f}% after {report.sft_steps} supervised steps ({origin}; the "
+                  f"run's own base figure scores v1, these weights in the {cfg.contract.plane} plane, as workers "
+                  "sample them)")
     lo, hi = cfg.embedded.base.sft_target_accuracy
     if not lo <= report.heldout_accuracy <= hi:
         console.print(f"[yellow]the base is outside the intended {100 * lo:.0f}-{100 * hi:.0f}% band: RL has "

@@ -111,7 +111,7 @@ def dry_run(cfg, mode: Mode, why: str, env: Mapping[str, str], out: Callable[[st
     out(f"# DRL_DRY_RUN=1: nothing is changed\n# mode: {mode} ({why})\n# resolved configuration:")
     out(_dump(cfg))
     out("# environment:")
-    shown = [(v, env[v]) for v in ("DRL_RUN", "DRL_STORE", "DRL_N_SAMPLES", "DRL_PULSE_PLANE", *R2_VARS)
+    shown = [(v, env[v]) for v in ("DRL_RUN", "DRL_STORE", "DRL_N_SAMPLES", "DRL_PULSE_PLANE", "DRL_KV_MODE", *R2_VARS)
              if env.get(v, "")]
     for var, value in shown:
         out(f"{var}={REDACTED if var in SECRET_VARS else value}")

@@ -95,9 +95,10 @@ def test_psqa_without_host_dry_runs_the_embedded_miniature():
     """`make psqa RUN=x` with no HOST, GPU or R2: the fleet recipe's contract and objective, sizes scaled down,
     the retriever on loopback, one torch and one MLX worker with the psqa environment, the native learner."""
     run = "launch-dry-psqa"
-    p = _launch("--recipe", "psqa", "--run", run, env={"DRL_DRY_RUN": "1"})
+    p = _launch("--recipe", "psqa", "--run", run, env={"DRL_DRY_RUN": "1", "DRL_KV_MODE": "paged_prefix"})
     assert p.returncode == 0, p.stderr
     out = p.stdout
+    assert "# environment:\nDRL_KV_MODE=paged_prefix\n" in out  # the contract variables set, the KV mode among them
     assert "# mode: embedded" in out and "the PaperSearchQA miniature" in out
     cfg = _config_of(out)
     assert cfg["task"] == "psqa" and cfg["contract"] == {"n_samples": 8, "plane": "int8g64", "kv_mode": "paged_prefix"}

@@ -284,17 +284,20 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for psqa_eval.jsonl and psqa_eval.png")
     p.add_argument("--retriever", required=True, help="retriever URL (DRL_RETRIEVER_URL)")
     p.add_argument("--data-dir", default=None, help="DRL_PSQA_DIR with test.jsonl (default: download)")
-    p.add_argument("--questions", type=number(int, at_least=1), default=500, help="held-out questions per point")
-    p.add_argument("--k", type=number(int, at_least=1), default=8, help="samples per question (pass@k)")
-    p.add_argument("--top-k", type=number(int, at_least=1), default=3, help="documents per search")
-    p.add_argument("--max-new-tokens", type=number(int, at_least=1), default=1024)
-    p.add_argument("--max-turns", type=number(int, at_least=1), default=4, help="tool calls per episode")
-    p.add_argument("--temperature", type=number(float, above=0), default=1.0)
+    p.add_argument("--questions", type=number(int, at_least=1), default=500, help="held-out questions per point (default 500)")
+    p.add_argument("--k", type=number(int, at_least=1), default=8, help="samples per question, the k of pass@k (default 8)")
+    p.add_argument("--top-k", type=number(int, at_least=1), default=3, help="documents per search (default 3)")
+    p.add_argument("--max-new-tokens", type=number(int, at_least=1), default=1024,
+                   help="an episode's token budget, sampled and tool tokens (default 1024)")
+    p.add_argument("--max-turns", type=number(int, at_least=1), default=4, help="tool calls per episode (default 4)")
+    p.add_argument("--temperature", type=number(float, above=0), default=1.0,
+                   help="sampling temperature (default 1.0: pass@1 as the fleet curve measures it)")
     p.add_argument("--every", type=number(int, at_least=1), default=1,
-                   help="--watch: evaluate versions divisible by this; --run: at least this many versions apart")
-    p.add_argument("--poll-s", type=number(float, at_least=0), default=60.0, help="--watch/--run polling interval")
-    p.add_argument("--device", default="cuda:1", help="a GPU the learner does not use, or cpu")
-    p.add_argument("--seed", type=number(int, at_least=0), default=0)
+                   help="--watch: evaluate versions divisible by this; --run: at least this many versions apart (default 1)")
+    p.add_argument("--poll-s", type=number(float, at_least=0), default=60.0, help="--watch/--run polling interval in seconds (default 60)")
+    p.add_argument("--device", default="cuda:1", help="a GPU the learner does not use, or cpu (default cuda:1)")
+    p.add_argument("--seed", type=number(int, at_least=0), default=0,
+                   help="seed of the question subset and the sampling (default 0)")
     return p
 
 

@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker_contract", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("verify", help="walk every published version from the anchors; exit 1 on any failure")
+    what = "walk every published version from the anchors; exit 1 on any failure"
+    v = sub.add_parser("verify", help=what, description=f"Check a run's published weights: {what}.")
     v.add_argument("--store", help="store URL: file:///abs/path, s3://bucket, r2://bucket (default: DRL_STORE, "
                                    "else r2://$R2_BUCKET with the four R2 values, else ./.stoa/bucket)")
     v.add_argument("--run", help="run id (default: DRL_RUN)")

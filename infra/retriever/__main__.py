@@ -22,12 +22,13 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a built index (or build one from --corpus in memory)")
     s.add_argument("--index", help="index directory written by `build`")
     s.add_argument("--corpus", help="JSONL corpus to index in memory instead (small corpora)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to serve the fleet)")
-    s.add_argument("--port", type=number(int, at_least=0, at_most=65535, hint="0: any free port"), default=8000, help="TCP port (0 = any free port)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 to serve the fleet)")
+    s.add_argument("--port", type=number(int, at_least=0, at_most=65535, hint="0: any free port"), default=8000,
+                   help="TCP port (default 8000; 0 = any free port)")
     g = sub.add_parser("generate", help="write a small generated corpus (JSONL)")
-    g.add_argument("--out", required=True)
-    g.add_argument("--docs", type=number(int, at_least=1), default=200)
-    g.add_argument("--seed", type=number(int, at_least=0), default=0)
+    g.add_argument("--out", required=True, help="the JSONL file to write (it overwrites only a corpus it wrote)")
+    g.add_argument("--docs", type=number(int, at_least=1), default=200, help="abstracts to write (default 200)")
+    g.add_argument("--seed", type=number(int, at_least=0), default=0, help="seed of the generated text (default 0)")
     return p
 
 

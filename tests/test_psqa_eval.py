@@ -30,6 +30,46 @@ def _tokenizer():
                                    chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}A:")
 
 
+def _tiny_lfm2_moe(path: Path, layer_types: list[str]):
+    """A random LFM2-MoE of the test tokenizer, saved with it under `path` (an HF directory); returns the model."""
+    import torch
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    torch.manual_seed(0)
+    tok = _tokenizer()
+    cfg = Lfm2MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2,
+                        num_dense_layers=1, num_experts=4, num_experts_per_tok=2, layer_types=layer_types,
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    model = Lfm2MoeForCausalLM(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model
+
+
+def _test_split(tmp_path: Path) -> Path:
+    """A data directory holding three held-out questions (test.jsonl)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"question": f"Which gene {i}?", "answer": "dystrophin", "golden_answers": ["dystrophin"]} for i in range(3)]
+    (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return data
+
+
+@pytest.fixture
+def retriever():
+    """A real BM25 retriever on 127.0.0.1 over a small generated corpus."""
+    from infra.retriever.corpus import synthetic_corpus
+    from infra.retriever.index import BM25Index
+    from infra.retriever.server import make_server
+
+    srv = make_server(BM25Index.build(synthetic_corpus(40)), "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
 def test_metrics_on_a_scripted_policy():
     tok = _tokenizer()
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -107,46 +147,21 @@ def test_heldout_subset_is_stable():
 
 
 @pytest.mark.integration
-def test_cli_on_a_tiny_lfm2_moe_checkpoint(tmp_path, monkeypatch):
-    import torch
-    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
-
-    from infra.retriever.corpus import synthetic_corpus
-    from infra.retriever.index import BM25Index
-    from infra.retriever.server import make_server
-
-    torch.manual_seed(0)
-    tok = _tokenizer()
-    cfg = Lfm2MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_dense_layers=1,
-                        num_experts=4, num_experts_per_tok=2, layer_types=["conv", "full_attention", "conv"],
-                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    ckpt = tmp_path / "ckpts" / "v3"
-    Lfm2MoeForCausalLM(cfg).save_pretrained(ckpt)
-    tok.save_pretrained(ckpt)
-    data = tmp_path / "data"
-    data.mkdir()
-    rows = [{"question": f"Which gene {i}?", "answer": "dystrophin", "golden_answers": ["dystrophin"]} for i in range(3)]
-    (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    srv = make_server(BM25Index.build(synthetic_corpus(40)), "127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        argv = ["--watch", str(tmp_path / "ckpts"), "--out", str(tmp_path / "out"), "--retriever", srv.url,
-                "--data-dir", str(data), "--questions", "2", "--k", "2", "--max-new-tokens", "12",
-                "--device", "cpu", "--poll-s", "0"]
-        monkeypatch.setattr(psqa_eval.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
-        with pytest.raises(KeyboardInterrupt):
-            psqa_eval.main(argv)  # one pass over the watched directory, then stop at the poll sleep
-        points = psqa_eval.read_curve(tmp_path / "out")
-        assert [p.version for p in points] == [3] and points[0].questions == 2 and points[0].k == 2
-        assert 0 < points[0].response_tokens <= 12 and 0.0 <= points[0].pass1 <= 1.0
-        assert (tmp_path / "out" / "psqa_eval.png").stat().st_size > 1000
-        with pytest.raises(KeyboardInterrupt):
-            psqa_eval.main(argv)  # resumes: version 3 is not evaluated twice
-        assert len(psqa_eval.read_curve(tmp_path / "out")) == 1
-    finally:
-        srv.shutdown()
-        srv.server_close()
+def test_cli_on_a_tiny_lfm2_moe_checkpoint(tmp_path, monkeypatch, retriever):
+    _tiny_lfm2_moe(tmp_path / "ckpts" / "v3", ["conv", "full_attention", "conv"])
+    argv = ["--watch", str(tmp_path / "ckpts"), "--out", str(tmp_path / "out"), "--retriever", retriever.url,
+            "--data-dir", str(_test_split(tmp_path)), "--questions", "2", "--k", "2", "--max-new-tokens", "12",
+            "--device", "cpu", "--poll-s", "0"]
+    monkeypatch.setattr(psqa_eval.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        psqa_eval.main(argv)  # one pass over the watched directory, then stop at the poll sleep
+    points = psqa_eval.read_curve(tmp_path / "out")
+    assert [p.version for p in points] == [3] and points[0].questions == 2 and points[0].k == 2
+    assert 0 < points[0].response_tokens <= 12 and 0.0 <= points[0].pass1 <= 1.0
+    assert (tmp_path / "out" / "psqa_eval.png").stat().st_size > 1000
+    with pytest.raises(KeyboardInterrupt):
+        psqa_eval.main(argv)  # resumes: version 3 is not evaluated twice
+    assert len(psqa_eval.read_curve(tmp_path / "out")) == 1
 
 
 def _cli(*argv: str, cwd: Path):
@@ -202,30 +217,18 @@ def test_cli_refuses_what_would_fail_late_or_quietly(tmp_path):
 
 
 @pytest.mark.integration
-def test_cli_follows_a_runs_published_versions_in_the_bucket(tmp_path, monkeypatch):
+def test_cli_follows_a_runs_published_versions_in_the_bucket(tmp_path, monkeypatch, retriever):
     """The learner's checkpoints are not HF models on either engine, so --watch had nothing to watch on a fleet
     run: --run follows the bucket as a worker does and scores the newest version the signed pointer names."""
-    import torch
     from opsbucket import manifest_for
-    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
 
-    from infra.retriever.corpus import synthetic_corpus
-    from infra.retriever.index import BM25Index
-    from infra.retriever.server import make_server
     from trainer.publish.publisher import Publisher, drop_aliases
     from worker_contract import signing
     from worker_contract.manifest import create_or_resume
     from worker_contract.store.file import FileStore
 
-    torch.manual_seed(0)
-    tok = _tokenizer()
-    cfg = Lfm2MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_dense_layers=1,
-                        num_experts=4, num_experts_per_tok=2, layer_types=["conv", "full_attention"],
-                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    base, model = tmp_path / "base", Lfm2MoeForCausalLM(cfg)
-    model.save_pretrained(base)
-    tok.save_pretrained(base)
+    base = tmp_path / "base"
+    model = _tiny_lfm2_moe(base, ["conv", "full_attention"])
     store, key = FileStore(tmp_path / "bucket"), signing.generate_private_key()
     manifest = manifest_for("eval-run", key=key)
     create_or_resume(store, manifest, resume=False)
@@ -233,25 +236,15 @@ def test_cli_follows_a_runs_published_versions_in_the_bucket(tmp_path, monkeypat
     state = drop_aliases(model.state_dict())  # the tied head, as the learner publishes
     pub.publish_anchor({k: v.detach().clone() for k, v in state.items()})
     pub.publish({k: v.detach() + 0.01 for k, v in state.items()})  # v2: a patch
-    data = tmp_path / "data"
-    data.mkdir()
-    rows = [{"question": f"Which gene {i}?", "answer": "dystrophin", "golden_answers": ["dystrophin"]} for i in range(3)]
-    (data / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    srv = make_server(BM25Index.build(synthetic_corpus(40)), "127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        argv = ["--run", "eval-run", "--base", str(base), "--store", store.url, "--out", str(tmp_path / "out"),
-                "--retriever", srv.url, "--data-dir", str(data), "--questions", "2", "--k", "2",
-                "--max-new-tokens", "8", "--device", "cpu", "--poll-s", "0"]
-        monkeypatch.setattr(psqa_eval.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
-        with pytest.raises(KeyboardInterrupt):
-            psqa_eval.main(argv)  # one poll: the newest version, then stop at the sleep
-        points = psqa_eval.read_curve(tmp_path / "out")
-        assert [p.version for p in points] == [2] and "run eval-run v2" in points[0].model
-        with pytest.raises(ValueError, match="no run.json"):
-            psqa_eval.main([*argv[:1], "no-such-run", *argv[2:]])
-        with pytest.raises(ValueError, match="--run needs --base"):
-            psqa_eval.main([a for a in argv if a not in ("--base", str(base))])
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    argv = ["--run", "eval-run", "--base", str(base), "--store", store.url, "--out", str(tmp_path / "out"),
+            "--retriever", retriever.url, "--data-dir", str(_test_split(tmp_path)), "--questions", "2", "--k", "2",
+            "--max-new-tokens", "8", "--device", "cpu", "--poll-s", "0"]
+    monkeypatch.setattr(psqa_eval.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        psqa_eval.main(argv)  # one poll: the newest version, then stop at the sleep
+    points = psqa_eval.read_curve(tmp_path / "out")
+    assert [p.version for p in points] == [2] and "run eval-run v2" in points[0].model
+    with pytest.raises(ValueError, match="no run.json"):
+        psqa_eval.main([*argv[:1], "no-such-run", *argv[2:]])
+    with pytest.raises(ValueError, match="--run needs --base"):
+        psqa_eval.main([a for a in argv if a not in ("--base", str(base))])

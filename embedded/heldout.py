@@ -113,7 +113,8 @@ class HeldoutEvaluator:
                 return None, None  # nothing published yet: try again on the next request
             self._rec = rec
             if self._policy is None:
-                self._policy = PolicyModel(self.model_dir, threads=self.threads, device="cpu")  # float32, as the workers
+                self._policy = PolicyModel(self.model_dir, threads=self.threads, device="cpu",  # float32, as workers
+                                           record_routes=False)
         else:
             self._rec.follow()
         return self._rec.version, self._rec.state

@@ -244,6 +244,18 @@ def test_cli_follows_a_runs_published_versions_in_the_bucket(tmp_path, monkeypat
         psqa_eval.main(argv)  # one poll: the newest version, then stop at the sleep
     points = psqa_eval.read_curve(tmp_path / "out")
     assert [p.version for p in points] == [2] and "run eval-run v2" in points[0].model
+    # the evaluation's model keeps no MoE routes: a sampler takes a worker's, nothing would take these (about
+    # 3 GB of router ids an evaluation at the fleet's size, on the GPU, growing every poll)
+    from worker_contract.tasks.psqa import PsqaTask
+    from worker_contract.tasks.psqa_retrieval import RetrieverClient, search_tool
+
+    args = psqa_eval._parser("psqa_eval").parse_args(argv)
+    published = psqa_eval.PublishedRun(store, "eval-run", base, "cpu")
+    assert published.newest() == 2
+    task = PsqaTask(args.data_dir)
+    published.evaluate(task.dataset("test")[:1], task, search_tool(RetrieverClient(retriever.url), k=1), args)
+    recorder = published._policy.recorder
+    assert recorder is None or not recorder._rows, f"{len(recorder._rows)} forwards' routes kept"
     with pytest.raises(ValueError, match="no run.json"):
         psqa_eval.main([*argv[:1], "no-such-run", *argv[2:]])
     with pytest.raises(ValueError, match="--run needs --base"):

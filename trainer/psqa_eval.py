@@ -233,7 +233,7 @@ class PublishedRun:
         from worker_contract.worker.model import PolicyModel
 
         if self._policy is None:
-            self._policy = PolicyModel(self.base_dir, device=self.device)
+            self._policy = PolicyModel(self.base_dir, device=self.device, record_routes=False)
         p, version = self._policy, self.rec.version
         p.load_plane(self.plane, self.rec.state)
         gen = torch.Generator(device=p.device).manual_seed(args.seed + version)

@@ -29,7 +29,7 @@ def _no_init_weights():
 
 class PolicyModel(ChatPolicy):
     def __init__(self, model_dir: str | Path, *, threads: int | None = None, seed: int = 0,
-                 device: str | None = None):
+                 device: str | None = None, record_routes: bool = True):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if threads:
@@ -57,7 +57,9 @@ class PolicyModel(ChatPolicy):
         from ..routes import route_shape
         from .route_recorder import TorchRouteRecorder
 
-        shape = route_shape(config.to_dict())  # MoE: every forward's routes are recorded (worker_contract/routes.py)
+        # MoE: every forward's routes are recorded (worker_contract/routes.py) and taken by the sampler; a model
+        # that only scores (a held-out evaluation, `record_routes=False`) has no one to take them: none are kept
+        shape = route_shape(config.to_dict()) if record_routes else None
         self.recorder = None if shape is None else TorchRouteRecorder(self.model, shape)
         self._dtypes: dict[str, torch.dtype] = {}  # each parameter's and buffer's, once loaded (prepare_patch)
 

@@ -29,8 +29,9 @@ BASE_HF_ID = "LiquidAI/LFM2.5-8B-A1B"
 
 def applies(cfg) -> bool:
     """Whether a launch takes its base through these steps: the recipe trains the shared base's model (the
-    psqa recipe's LFM2.5); keyed on the model, never on the task's name."""
-    return cfg.model.hf_id == BASE_HF_ID
+    psqa recipe's LFM2.5) and MODEL= names no directory of the user's own (that one is used as it is, never
+    written into); keyed on the model, never on the task's name."""
+    return cfg.model.hf_id == BASE_HF_ID and not cfg.model.path
 MANIFEST_FORMAT = 1
 
 

@@ -138,3 +138,8 @@ def test_a_native_fleet_launch_takes_the_pinned_base_from_the_bucket_too():
     assert "HF dir," in steps["base_model"].summary and "torch_dist" not in steps["base_model"].summary.split(";")[0]
     names = list(steps)
     assert names.index("install_packages") < names.index("base_model") < names.index("launch_learner")
+    # MODEL= names the user's own directory: it is used as it is (download_model's check), never pulled into
+    own = resolve("psqa", env=env, overrides={"model.path": "/data/my-lfm2"})
+    own_steps = [s.name for s in build_plan(own, host="root@gpu-box", remote_dir="/root/dRL", env=env,
+                                            store="file:///tmp/none").steps]
+    assert "download_model" in own_steps and "base_model" not in own_steps

@@ -237,11 +237,25 @@ def weights_digest(path: str | Path) -> str:
 
 
 def build_environment() -> dict[str, str]:
-    """What, besides the config, decides a build's last bits (BaseReport.built_on)."""
+    """What, besides the config, decides a build's last bits (BaseReport.built_on): torch, its CPU vector
+    capability, the architecture and the CPU's vendor (an AMD EPYC reporting AVX512 built other bits than the
+    Intel Xeon the shipped base was built on)."""
     import torch
 
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine()}
+            "machine": platform.machine(), "cpu_vendor": cpu_vendor()}
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id (GenuineIntel, AuthenticAMD) from /proc/cpuinfo, else what `platform` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def _install(src: Path, out: Path, report: BaseReport) -> BaseReport:

@@ -211,19 +211,39 @@ class PublishedRun:
     def __init__(self, store, run: str, base_dir: str | Path, device: str):
         from worker_contract.manifest import load_manifest
         from worker_contract.reconstruct import Reconstructor
+        from worker_contract.worker.identity import check_identity
 
         self.store, self.run, self.base_dir, self.device = store, run, Path(base_dir), device
-        self.plane = load_manifest(store, run).plane
+        manifest = load_manifest(store, run)
+        if manifest.task != "psqa":
+            raise ValueError(f"run {run!r} is a {manifest.task} run: psqa_eval scores PaperSearchQA runs")
+        check_identity(self.base_dir, manifest)  # the run's model, tokenizer and chat template, as a worker checks
+        self.plane = manifest.plane
         self.rec = Reconstructor(store, run, plane=self.plane)
-        self._policy = None
+        self._policy, self._said = None, None
+
+    @property
+    def label(self) -> str:
+        """What a point of this run names as its model (`EvalPoint.model`), before its version."""
+        return f"{self.store.url} run {self.run}"
 
     def newest(self) -> int | None:
-        """Catch up with the signed pointer; the version now held (None before the first publish)."""
-        from worker_contract.pointer import read_pointer
+        """Catch up with the signed pointer; the version now held (None before the first publish). What the
+        bucket refuses or cannot answer now (nothing published yet, a forged pointer, a squatted patch, a store
+        outage) is said once and waited out, as a worker does: the version held stays."""
+        from worker_contract.pointer import PointerError
+        from worker_contract.reconstruct import SyncError
+        from worker_contract.store import StoreError
 
-        if self.rec.version is None and read_pointer(self.store, self.run, None)[0] is None:
-            return None
-        self.rec.follow()  # the first call joins
+        try:
+            self.rec.follow()  # the first call joins
+            self._said = None
+        except (SyncError, PointerError, StoreError) as e:
+            said = f"{type(e).__name__}: {e}"
+            if said != self._said:
+                print(f"psqa_eval: run {self.run}: {said}; trying again at the next poll", file=sys.stderr,
+                      flush=True)
+            self._said = said
         return self.rec.version
 
     def evaluate(self, problems: Sequence, task, search, args) -> EvalPoint:
@@ -241,7 +261,7 @@ class PublishedRun:
             return evaluate(problems, task, p.prompt_ids, hf_generate_batch(p.model, p.tokenizer,
                             temperature=args.temperature, generator=gen), p.encode, search, k=args.k,
                             max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, version=version,
-                            model=f"{self.store.url} run {self.run} v{version}")
+                            model=f"{self.label} v{version}")
 
 
 def evaluate_checkpoint(path: str | Path, version: int, problems: Sequence, task, search, args) -> EvalPoint:
@@ -342,13 +362,16 @@ def _published_run(args) -> PublishedRun:
     import os
 
     from trainer.config import REPO_ROOT
-    from worker_contract.env import default_store_url, load_env, redact
+    from worker_contract.env import load_env, r2_configured, redact, store_url
     from worker_contract.layout import check_run_id
     from worker_contract.store import NotFound, open_store
 
     check_run_id(args.run)
     env = load_env(os.environ, repo_root=REPO_ROOT)
-    url = args.store or default_store_url(env, REPO_ROOT)
+    if not (args.store or env.get("DRL_STORE", "").strip() or r2_configured(env)):
+        raise ValueError("--run: no store named: pass --store URL, or set DRL_STORE or the four R2 values "
+                         "(.r2env, as on the trainer's box)")
+    url = store_url(args.store, env, REPO_ROOT)
     try:
         return PublishedRun(open_store(url, env), args.run, args.base, args.device)
     except NotFound:
@@ -367,7 +390,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m entrypoints.psqa_
     task = PsqaTask(args.data_dir)
     problems = heldout_subset(task.dataset("test"), args.questions, args.seed)
     search = search_tool(client, k=args.top_k, strict=True)  # a failed search fails the point, never scores 0
-    done = {p.version for p in read_curve(args.out)}
+    curve = read_curve(args.out)  # --run: this run's points only (an --out may hold another run's curve)
+    done = {p.version for p in curve if follower is None or p.model.startswith(follower.label + " v")}
     while True:
         if follower is not None:  # the newest version, once it is --every past the last point
             newest = follower.newest()

@@ -120,7 +120,7 @@ def box_steps(cfg: RecipeConfig) -> list[Step]:
     else:
         steps = SLIME_BOX_STEPS
     if psqa_setup.applies(cfg):  # the fleet reference pulls its pinned base from the bucket, on either engine
-        return psqa_setup.psqa_box_steps(steps, cfg.train.engine)
+        return psqa_setup.psqa_box_steps(steps, cfg)
     return steps
 
 

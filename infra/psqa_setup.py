@@ -28,10 +28,9 @@ BASE_HF_ID = "LiquidAI/LFM2.5-8B-A1B"
 
 
 def applies(cfg) -> bool:
-    """Whether a launch takes its base through these steps: the recipe trains the shared base's model (the
-    psqa recipe's LFM2.5) and MODEL= names no directory of the user's own (that one is used as it is, never
-    written into); keyed on the model, never on the task's name."""
-    return cfg.model.hf_id == BASE_HF_ID and not cfg.model.path
+    """Whether a launch takes these steps: the recipe trains the shared base's model (the psqa recipe's LFM2.5);
+    keyed on the model, never on the task's name."""
+    return cfg.model.hf_id == BASE_HF_ID
 MANIFEST_FORMAT = 1
 
 
@@ -201,34 +200,41 @@ def step_base_model(cfg, paths, store) -> str:
     provenance = {"transformers": transformers.__version__, "engine": cfg.train.engine}
     if cfg.train.engine == "slime":
         provenance.update(slime=_git_head(cfg.launch.slime_dir), megatron_lm=_git_head(cfg.launch.megatron_dir))
+    else:  # the conversion's writer: megatron-core as installed (install_packages runs before this step)
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            provenance["megatron_core"] = version("megatron-core")
+        except PackageNotFoundError:
+            provenance["megatron_core"] = "not installed"
     parts = ("hf",) if cfg.train.engine == "native" else ("hf", "torch_dist")
     return ensure_base(store, Path(paths.hf_dir(cfg.model.hf_id)), Path(paths.torch_dist_dir(cfg.model.hf_id)),
                        hf_id=cfg.model.hf_id, fetch=fetch, convert=convert, provenance=provenance, parts=parts)
 
 
-def psqa_box_steps(steps: list, engine: str) -> list:
+def psqa_box_steps(steps: list, cfg) -> list:
     """An engine's on-box steps (infra/steps.py `Step`s) for the shared base's model: download_model replaced by
-    base_model (the Hub revision pinned in the bucket, on either engine) and, on slime, install_lfm2_plugin;
-    convert_model dropped (the base step does both)."""
+    base_model (the Hub revision pinned in the bucket, on either engine; convert_model dropped, the base step
+    does both) unless MODEL= names a directory of the user's own, which is used as it is and never written
+    into; on slime, install_lfm2_plugin either way."""
     from worker_contract.store import open_store
 
     from .launch_plan import LaunchStep
     from .steps import Step
 
+    engine, own_model = cfg.train.engine, bool(cfg.model.path)
     what = "HF dir" if engine == "native" else "HF dir + torch_dist"
-    mine = [Step(LaunchStep(name="base_model", where="box", gpu_only=True,
-                            summary=f"pull bases/lfm25/ ({what}, sha256 checked); when absent download, convert and "
-                                    "publish the whole base there, manifest last"),
-                 lambda b: step_base_model(b.cfg, b.paths, open_store(b.cfg.store)))]
-    if engine == "slime":
-        mine.append(Step(LaunchStep(name="install_lfm2_plugin", where="box", gpu_only=True,
-                                    summary="slime's Python imports our LFM2 modules and builds the --spec layer spec"),
-                         lambda b: step_install_lfm2_plugin(b.cfg, b.paths)))
+    base = Step(LaunchStep(name="base_model", where="box", gpu_only=True,
+                           summary=f"pull bases/lfm25/ ({what}, sha256 checked); when absent download, convert and "
+                                   "publish the whole base there, manifest last"),
+                lambda b: step_base_model(b.cfg, b.paths, open_store(b.cfg.store)))
+    plugin = Step(LaunchStep(name="install_lfm2_plugin", where="box", gpu_only=True,
+                             summary="slime's Python imports our LFM2 modules and builds the --spec layer spec"),
+                  lambda b: step_install_lfm2_plugin(b.cfg, b.paths))
     out: list = []
     for step in steps:
         if step.info.name == "download_model":
-            out += mine
-        elif step.info.name != "convert_model":
+            out += ([step] if own_model else [base]) + ([plugin] if engine == "slime" else [])
+        elif step.info.name != "convert_model" or own_model:
             out.append(step)
     return out
-

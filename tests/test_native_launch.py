@@ -131,6 +131,14 @@ def test_the_box_check_holds_the_box_to_the_recipes_disk_figure(tmp_path, monkey
         step_check_box(huge, BoxPaths(remote_dir=str(tmp_path), run="disk-1"))
     monkeypatch.setenv("DRL_MIN_FREE_GB", "0")  # the override still wins, for a box small on purpose
     assert "GB free" in step_check_box(huge, BoxPaths(remote_dir=str(tmp_path), run="disk-1"))
+    # set on the user's machine it holds over SSH too: the remote check and the on-box launch get it
+    monkeypatch.setenv("DRL_MIN_FREE_GB", "5")
+    launch = deploy.RemoteLaunch(conn=None, host="root@box", cfg=huge, recipe_file="/root/dRL/r.json",
+                                 repo_root=REPO_ROOT)
+    assert deploy._disk_floor(huge) == 5.0 and "DRL_MIN_FREE_GB=5 " in launch.box_command()
+    monkeypatch.setenv("DRL_MIN_FREE_GB", "lots")
+    with pytest.raises(ValueError, match="DRL_MIN_FREE_GB='lots' must be a number"):
+        deploy._disk_floor(huge)
 
 
 def test_the_join_hint_of_a_search_run_names_the_retriever_url():

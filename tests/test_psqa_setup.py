@@ -143,3 +143,8 @@ def test_a_native_fleet_launch_takes_the_pinned_base_from_the_bucket_too():
     own_steps = [s.name for s in build_plan(own, host="root@gpu-box", remote_dir="/root/dRL", env=env,
                                             store="file:///tmp/none").steps]
     assert "download_model" in own_steps and "base_model" not in own_steps
+    # on slime MODEL= keeps the plugin check and converts the user's directory (no base step does it)
+    own_slime = resolve("psqa", env=env, overrides={"model.path": "/data/my-lfm2", "train.engine": "slime"})
+    names = [s.name for s in build_plan(own_slime, host="root@gpu-box", remote_dir="/root/dRL", env=env,
+                                        store="file:///tmp/none").steps]
+    assert {"download_model", "convert_model", "install_lfm2_plugin"} <= set(names) and "base_model" not in names

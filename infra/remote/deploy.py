@@ -228,15 +228,34 @@ class RemoteLaunch:
         return json.dumps(self.cfg.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
 
     def box_command(self) -> str:
-        return (f"cd {q(self.remote_dir)} && {q(self.python)} -m infra.launch_gpu "
+        # DRL_MIN_FREE_GB set here (a box small on purpose) holds on the box too: its check_box reads it there
+        floor = f"DRL_MIN_FREE_GB={q(_min_free_override())} " if _min_free_override() else ""
+        return (f"cd {q(self.remote_dir)} && {floor}{q(self.python)} -m infra.launch_gpu "
                 f"--recipe-json {q(str(PurePosixPath(self.recipe_file)))}")
+
+
+def _min_free_override() -> str:
+    """DRL_MIN_FREE_GB as set on this machine ('' when unset): it overrides the recipe's disk figure."""
+    import os
+
+    value = os.environ.get("DRL_MIN_FREE_GB", "").strip()
+    try:
+        if value and float(value) >= 0:
+            return value
+    except ValueError:
+        pass
+    if value:
+        raise ValueError(f"DRL_MIN_FREE_GB={value!r} must be a number of GB at least 0 (e.g. DRL_MIN_FREE_GB=50)")
+    return ""
 
 
 def _disk_floor(cfg) -> float:
     """The free disk the recipe needs (infra.slime_launch.disk_floor_gb; the model's size from the built-in facts:
-    nothing is downloaded yet)."""
+    nothing is downloaded yet), or DRL_MIN_FREE_GB as set on this machine."""
     from ..slime_launch import KNOWN_HF_CONFIGS, disk_floor_gb
 
+    if _min_free_override():
+        return float(_min_free_override())
     return disk_floor_gb(cfg, KNOWN_HF_CONFIGS.get(cfg.model.hf_id or ""))
 
 

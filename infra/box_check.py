@@ -140,18 +140,25 @@ def check_native_imports(python: str = sys.executable) -> dict:
     return {"ok": True, "installable": [NATIVE_INSTALLABLE[m] for m in missing]}
 
 
+def reused_gb(remote_dir: str, run: str | None) -> float:
+    """What the disk figure already has on the box: the models (a redeploy downloads none again) and this run's
+    own directory (its checkpoints, which a resume replaces in turn); other runs' files are not this run's room."""
+    stoa = os.path.join(remote_dir, ".stoa")
+    return _dir_gb(os.path.join(stoa, "models")) + (_dir_gb(os.path.join(stoa, "runs", run)) if run else 0.0)
+
+
 def run_checks(remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: float | None = None,
-               engine: str = "slime") -> dict:
+               engine: str = "slime", run: str | None = None) -> dict:
     """Every check of `engine` (slime: the slime image; native: any CUDA box with torch); `ok` only if all pass."""
     if engine == "native":
         report = {"gpu": check_gpu("a CUDA PyTorch image"),
-                  "disk": check_disk(remote_dir, min_free_gb, _dir_gb(os.path.join(remote_dir, ".stoa"))),
+                  "disk": check_disk(remote_dir, min_free_gb, reused_gb(remote_dir, run)),
                   "imports": check_native_imports()}
         report["ok"] = all(v["ok"] for v in report.values())
         return report
     report = {
         "gpu": check_gpu(),
-        "disk": check_disk(remote_dir, min_free_gb, _dir_gb(os.path.join(remote_dir, ".stoa"))),
+        "disk": check_disk(remote_dir, min_free_gb, reused_gb(remote_dir, run)),
         "image": check_dirs(slime_dir, megatron_dir),
     }
     report["imports"] = check_imports(megatron_dir) if report["image"]["ok"] else {
@@ -189,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="free disk the run needs (the launch passes its recipe's; DRL_MIN_FREE_GB overrides it; "
                          "default 100)")
     ap.add_argument("--engine", choices=("slime", "native"), default="slime")
+    ap.add_argument("--run", help="the run id: its own directory's files count toward the free disk (a resume)")
     ap.add_argument("--ensure-deps", nargs="+", metavar="REQ", help="install these requirements if missing")
     args = ap.parse_args(argv)
     if args.min_free_gb is not None and not args.min_free_gb >= 0:  # stdlib only: no worker_contract.cli.number
@@ -197,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         installed = ensure_deps(args.ensure_deps)
         print(json.dumps({"ok": True, "installed": installed}))
         return 0
-    report = run_checks(args.remote_dir, args.slime_dir, args.megatron_dir, args.min_free_gb, engine=args.engine)
+    report = run_checks(args.remote_dir, args.slime_dir, args.megatron_dir, args.min_free_gb, engine=args.engine,
+                        run=args.run)
     print(json.dumps(report))
     for name, check in report.items():
         if isinstance(check, dict) and not check["ok"]:

@@ -149,7 +149,7 @@ def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
     from . import box_check
 
     report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir,
-                                  disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]))
+                                  disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]), run=cfg.run)
     answer, slime = box_report(report), report.get("slime")
     return answer + (f"; slime {slime['commit']} {slime.get('date', '')}".rstrip() if slime else "")
 

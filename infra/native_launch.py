@@ -59,7 +59,7 @@ def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
     from . import box_check
 
     report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir,
-                                  disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]), engine="native")
+                                  disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]), engine="native", run=cfg.run)
     answer = box_report(report)
     missing = report["imports"].get("installable", [])
     if len(report["gpu"]["gpus"]) < cfg.compute.tensor_parallel:

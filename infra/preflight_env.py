@@ -230,16 +230,24 @@ def _moe_gpu_memory(ctx: Context, cfg: dict, gpu: float) -> Row:
 
 
 def check_disk(ctx: Context) -> Row:
+    """Free disk plus what the launch reuses there (the models, this run's own directory: infra/box_check.py's
+    `reused_gb`) against the recipe's figure."""
     assert ctx.run_box is not None
+    paths = slime_launch.BoxPaths(remote_dir=ctx.plan.remote_dir, run=ctx.plan.run)
     d = shlex.quote(ctx.plan.remote_dir)
-    rc, out = ctx.run_box(f'd={d}; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; df -Pk "$d" | tail -1')
+    reused = " ".join(shlex.quote(p) for p in (paths.models_dir, paths.state_dir))
+    rc, out = ctx.run_box(f'd={d}; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; df -Pk "$d" | tail -1; '
+                          f"du -sk --apparent-size {reused} 2>/dev/null | awk '{{s += $1}} END {{print s + 0}}'")
     try:
-        free_gb = int(out.split()[3]) * 1024 / 1e9
+        lines = out.strip().splitlines()
+        free_gb = int(lines[0].split()[3]) * 1024 / 1e9
+        reused_gb = int(lines[1]) * 1024 / 1e9 if len(lines) > 1 else 0.0
     except (IndexError, ValueError):
         return _row("box.disk", False, f"df failed (rc {rc})", "", "check the box: df -h must work", warn=True)
     need = slime_launch.disk_floor_gb(ctx.cfg, hf_config(ctx)[0])
     ckpts = ctx.cfg.checkpoint.keep
-    return _row("box.disk", free_gb >= need, f"{free_gb:.0f} GB free under {ctx.plan.remote_dir}",
+    reuse = f" and {reused_gb:.0f} GB of models and this run's files it reuses" if reused_gb >= 0.5 else ""
+    return _row("box.disk", free_gb + reused_gb >= need, f"{free_gb:.0f} GB free under {ctx.plan.remote_dir}{reuse}",
                 f">= {need:.0f} GB", f"free disk on the box or rent a larger disk (need {need:.0f} GB for the "
                 f"model, its Megatron copy, {ckpts} + 1 {ctx.cfg.train.engine}-engine checkpoints "
                 f"(checkpoint.keep: {ckpts}) and logs)")

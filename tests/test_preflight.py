@@ -295,6 +295,19 @@ def test_box_disk_too_small(file_store, tmp_path):
                         run_box=local_box(make_gpu_shim(tmp_path, free_gb=75)))
     assert fails(rows) == ["box.disk"], text
     assert "75 GB free" in text and ">= 76 GB" in text
+    # another run's files are not this launch's room; this run's own (a resume's checkpoint) are, as the launch's
+    # box check counts them (sparse files: their size, no disk)
+    for run, gb in (("some-other-run", 40), (RUN, 2)):
+        (tmp_path / ".stoa" / "runs" / run / "ckpt").mkdir(parents=True)
+        with open(tmp_path / ".stoa" / "runs" / run / "ckpt" / "state.pt", "wb") as f:
+            f.truncate(gb * 10**9)
+    rows, text = report(make_plan("quickstart", file_store.url, remote_dir=str(tmp_path)), "quickstart",
+                        run_box=local_box(make_gpu_shim(tmp_path, free_gb=75)))
+    assert fails(rows) == [], text
+    assert "75 GB free" in text and "2 GB of models and this run's files it reuses" in text
+    from infra import box_check
+
+    assert round(box_check.reused_gb(str(tmp_path), RUN)) == 2 and box_check.reused_gb(str(tmp_path), None) == 0
 
 
 def test_box_gpu_memory_warns_before_an_out_of_memory_step(file_store, tmp_path):

@@ -124,10 +124,11 @@ def _box_check_source() -> str:
 
 
 def check_box(conn, *, remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: float,
-              python: str = "python3", engine: str = "slime") -> str:
+              python: str = "python3", engine: str = "slime", run_id: str | None = None) -> str:
     """Run infra/box_check.py on the box (its source as `python3 -c`, nothing shipped yet)."""
     cmd = (f"{q(python)} -c {q(_box_check_source())} --remote-dir {q(remote_dir)} --slime-dir {q(slime_dir)} "
-           f"--megatron-dir {q(megatron_dir)} --engine {q(engine)} --min-free-gb {min_free_gb:g}")
+           f"--megatron-dir {q(megatron_dir)} --engine {q(engine)} --min-free-gb {min_free_gb:g}"
+           + (f" --run {q(run_id)}" if run_id else ""))
     res = run(conn, "check_box", cmd)
     report = json.loads(res.stdout.strip().splitlines()[-1])
     gpus = ", ".join(f"{g['name']} (driver {g['driver']})" for g in report["gpu"]["gpus"])
@@ -282,7 +283,7 @@ def remote_steps(engine: str) -> list[Step]:
              "imports (infra/box_check.py)",
              lambda r: check_box(r.conn, remote_dir=r.remote_dir, slime_dir=r.cfg.launch.slime_dir,
                                  megatron_dir=r.cfg.launch.megatron_dir, python=r.python, engine=engine,
-                                 min_free_gb=_disk_floor(r.cfg)),
+                                 min_free_gb=_disk_floor(r.cfg), run_id=r.cfg.run),
              gpu_only=True),
         step("ship_tree", "tar of the tree (no .venv/.stoa/.git/.r2env) over SFTP; skipped when its digest matches",
              lambda r: ship_tree(r.conn, r.repo_root, r.remote_dir)),

@@ -266,3 +266,22 @@ def test_piped_watch_ends_quietly_when_the_reader_goes_away(file_store, tmp_path
     assert RUN in first, "the watch printed nothing to the pipe within 60 s"
     assert rc == 141, (rc, err)
     assert "Traceback" not in err and "Error" not in err, err
+
+
+def test_a_partial_read_estimates_the_rate_and_leaves_unread_workers_unknown():
+    """With 3 workers uploading about 365 groups a minute, status read the newest 64 records and showed 12.8
+    groups/min (64 in a 5-minute window) and a worker none of whose records it read as idle (0 recent)."""
+    from infra.ops.status import summarize_workers
+    from worker_contract.store.base import ObjectInfo
+
+    now, items, times = 10_000.0, [], {}
+    for i in range(300):  # mac-a and mac-b upload one group each every 0.2 s; mac-c's are older versions
+        worker = ("mac-a", "mac-b", "mac-c")[i % 3]
+        key = layout.rollout_key(RUN, 100 - i // 30, worker, f"g{i}")
+        items.append((layout.parse_rollout_key(key), ObjectInfo(key, 1, "e")))
+        if worker != "mac-c" and len(times) < 64:  # the newest records read, none of mac-c's
+            times[key] = now - 0.2 * len(times)
+    rows, rate = summarize_workers(items, times, 100, now, 300.0, partial=True)
+    assert rate == pytest.approx(64 / (0.2 * 63) * 60, rel=0.01)  # about 305 a minute, not 64 / 5
+    by = {r.worker_id: r for r in rows}
+    assert by["mac-c"].groups_recent is None and by["mac-a"].groups_recent == 32

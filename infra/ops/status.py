@@ -197,8 +197,10 @@ def _upload_times(store: Store, items: list[tuple[layout.RolloutKey, ObjectInfo]
 
 
 def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
-                      window_s: float) -> tuple[list[WorkerSeen], float | None]:
-    """Per-worker rows and the upload rate over the window."""
+                      window_s: float, partial: bool = False) -> tuple[list[WorkerSeen], float | None]:
+    """Per-worker rows and the upload rate over the window. With `partial` times (the newest records' only) the
+    rate is the newest uploads' own, over the time they span, and a worker none of whose records were read
+    has no recent count (unknown, not 0)."""
     by_worker: dict[str, list[tuple[layout.RolloutKey, ObjectInfo]]] = {}
     for k, o in items:
         by_worker.setdefault(k.worker_id, []).append((k, o))
@@ -209,13 +211,16 @@ def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
         rows.append(WorkerSeen(
             worker_id=wid, versions=versions, newest_version=versions[-1], lag=pointer - versions[-1],
             groups=len(kos),
-            groups_recent=sum(now - t <= window_s for t in wt) if times else None,
+            groups_recent=sum(now - t <= window_s for t in wt) if wt else None,
             last_seen_s=(now - max(wt)) if wt else None,
         ))
     rows.sort(key=lambda r: (r.last_seen_s if r.last_seen_s is not None else float("inf"), r.lag, r.worker_id))
     rate = None
     if times:
         rate = sum(now - t <= window_s for t in times.values()) / (window_s / 60)
+        span = now - min(times.values())
+        if partial and 0 < span < window_s:  # the read records all fall inside the window: count per their span
+            rate = len(times) / (span / 60)
     return rows, rate
 
 
@@ -376,8 +381,9 @@ def _activity(store: Store, run: str, pointer: int, staleness_bound: int, now: f
     items = recent_rollouts(store, run, pointer - staleness_bound - EXTRA_VERSIONS_BACK, pointer + 1)
     times, partial = _upload_times(store, items, record_times)
     if partial:
-        notes.append(f"upload times read from the newest {MAX_RECORD_READS} records only (more each refresh)")
-    workers, rate = summarize_workers(items, times, pointer, now, window_s)
+        notes.append(f"upload times read from the newest {MAX_RECORD_READS} records only (more each refresh): "
+                     "groups/min is their rate, and a worker none of whose records were read shows no recent count")
+    workers, rate = summarize_workers(items, times, pointer, now, window_s, partial)
     stats = read_stats(store, run, pointer)
     drops, recent = sum_drops(stats)
     consumed = consumed_staleness(stats)

@@ -218,7 +218,7 @@ ROWS = [
     Row("plot-missing-run", ["invoke", "plot", "--run", "nope"], says=("nope",)),
     Row("plot-metrics-garbage", ["invoke", "plot", "--run", "seed-run"],
         files={".stoa/runs/seed-run/metrics.jsonl": ("not json\n[1, 2]\n", 0o644)}, says=("metrics.jsonl", "nothing")),
-    Row("joincard-no-run", ["invoke", "joincard"], says=("DRL_RUN",)),
+    Row("joincard-no-run", ["invoke", "joincard"], says=("DRL_RUN", "the run to join"), never=("fresh",)),
     Row("joincard-half-r2env", ["invoke", "joincard", "--run", "seed-run"], files=_r2env(HALF_R2ENV),
         says=("R2_BUCKET",)),
     Row("joincard-v-is-not-reveal", ["invoke", "joincard", "--run", "seed-run", "-v"], rc=1, files=_r2env(FULL_R2ENV),

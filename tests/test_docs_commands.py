@@ -48,7 +48,7 @@ def test_a_run_whose_model_is_a_local_directory_says_to_copy_it(file_store):
     create_or_resume(file_store, m, resume=False)
     card = build_card(file_store, "local-base", {})
     for fmt in ("text", "env"):
-        assert "copy its config.json and tokenizer files" in render(card, fmt)
+        assert "copy its config.json, tokenizer files and chat_template.jinja" in render(card, fmt)
     assert "copy" not in render(build_card(file_store, "local-base", {}), "json")
     with pytest.raises(ContractMismatch, match="directory on the trainer's machine.*--model DIR"):
         resolve_model_dir(WorkerSettings(store=file_store.url, run="local-base"), m)

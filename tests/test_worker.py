@@ -190,6 +190,21 @@ def test_worker_process_exits_3_with_the_differing_value(run_store, tiny_model_d
     assert "worker refuses to join: DRL_N_SAMPLES=16 but run 'wk-run' requires n_samples=4" in err
 
 
+def test_a_worker_without_torch_says_to_run_the_mlx_backend(run_store, tiny_model_dir, tmp_path):
+    """A Mac installed with the mlx extra alone, started without --backend mlx: a traceback and 'a bug' (exit 70)."""
+    hide = tmp_path / "no-torch"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n\n\nclass Hide:\n    @staticmethod\n    def find_spec(name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n\n\n"
+        "sys.meta_path.insert(0, Hide)\n")
+    p = _spawn(run_store[0], tiny_model_dir, env={"PYTHONPATH": f"{hide}:{REPO}"})
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 3 and "Traceback" not in err, err
+    assert "the torch worker needs torch and transformers" in err and "pass --backend mlx" in err, err
+
+
 def test_sigterm_finishes_the_group_in_hand_and_leaves_only_whole_records(run_store, tiny_model_dir):
     store = run_store[0]
     p = _spawn(store, tiny_model_dir)

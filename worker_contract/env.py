@@ -204,8 +204,11 @@ class EnvContract(BaseModel):
     r2_bucket: str | None = None
     """R2_BUCKET: the bucket both sides use."""
 
-    def require_run(self) -> str:
+    def require_run(self, action: str = "start") -> str:
+        """The run id; `action` says what it is for: "start" a run (a fresh id) or "join" one (its own id)."""
         if self.run is None:
+            if action == "join":
+                raise EnvError("DRL_RUN is not set: name the run to join, --run <its id> or DRL_RUN=<its id>")
             raise EnvError("DRL_RUN is not set: choose a fresh run id, e.g. DRL_RUN=gsm8k-2026-11-30a")
         return self.run
 

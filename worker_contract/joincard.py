@@ -158,7 +158,8 @@ def render(card: JoinCard, fmt: str = "text", reveal: bool = False) -> str:
     if fmt == "json":
         return json.dumps(dict(rows), indent=2)
     copy = (f"the model is {card.model_id}, a directory on the trainer's machine (no hub holds it): copy its "
-            "config.json and tokenizer files to the worker and start it with --model DIR"
+            "config.json, tokenizer files and chat_template.jinja (if it has one) to the worker and start it "
+            "with --model DIR"
             if model_id_is_a_path(card.model_id) else "")
     if fmt == "env":
         head = [f"# join card of run {card.run}: source it, then start a worker"]
@@ -262,7 +263,7 @@ def joincard(repo_root: str | Path, *, run: str | None = None, store: str | None
     if fmt not in FORMATS:
         raise JoinCardError(f"--format={fmt!r} is not a card format; use one of: {', '.join(FORMATS)}")
     env = envmod.load_env(environ, env_file=env_file, repo_root=repo_root)
-    run = run or envmod.parse_env(env).require_run()
+    run = run or envmod.parse_env(env).require_run("join")
     url = envmod.check_store_url(store) if store else envmod.default_store_url(env, repo_root)
     card = build_card(open_store(url, env), run, env, retriever_url=retriever_url)
     text = render(card, fmt, reveal)

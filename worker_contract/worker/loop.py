@@ -363,8 +363,11 @@ class Worker:
                 raise ContractMismatch(f"the MLX model built from {model_dir} uses RoPE {sorted(rope_types(policy.model))}, "
                                        f"run.json has rope_scaling={manifest.rope_scaling}")
             return policy
-        from .model import PolicyModel
-
+        try:
+            from .model import PolicyModel
+        except ImportError as e:  # a Mac installed with the mlx extra alone, and no --backend mlx
+            raise ContractMismatch(f"the torch worker needs torch and transformers ({e}): on a Mac pass --backend "
+                                   "mlx, or pip install 'stoa-trainer[worker]'") from None
         return PolicyModel(model_dir, threads=self.s.threads, seed=seed)
 
     def _backend_name(self) -> str:

@@ -56,9 +56,10 @@ class WorkerSeen(_Model):
     last_seen_s: float | None
     """Seconds since its newest upload (None when unknown)."""
     used: int | None = None
-    """Its groups the learner trained on, whole run (trainer's newest stats object; None if absent)."""
+    """Its groups the learner trained on since the learner (last) started (its newest stats object; None if
+    absent): a resumed learner counts from 0."""
     dropped: int | None = None
-    """Its groups the learner dropped, whole run (trainer's stats)."""
+    """Its groups the learner dropped since the learner (last) started (its stats)."""
     logprob_mismatch: float | None = None
     """Mean |learner - recorded| behaviour log-prob per token (nats), trainer's audit (None if not audited)."""
     flagged: bool | None = None
@@ -303,7 +304,8 @@ def add_learner_counts(workers: list[WorkerSeen], stats: dict[int, dict]) -> Non
 
 
 def sum_drops(stats: dict[int, dict]) -> tuple[dict[str, int], dict[str, int]]:
-    """(drops over the whole run from the newest stats object, drops within the stats window read)."""
+    """(drops since the learner (last) started, from the newest stats object; drops within the stats window
+    read)."""
     recent: Counter[str] = Counter()
     for s in stats.values():
         drops = s.get("drops") or {}

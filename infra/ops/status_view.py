@@ -97,7 +97,7 @@ def _histogram(st: RunStatus) -> Table:
 def _drops(st: RunStatus) -> Table:
     t = Table(title="drops by reason", title_justify="left")
     t.add_column("reason")
-    t.add_column("whole run", justify="right")
+    t.add_column("since the learner started", justify="right")  # a resumed learner counts from 0
     t.add_column("recent versions", justify="right")
     for reason in sorted(set(st.drops) | set(st.drops_recent), key=lambda r: -st.drops.get(r, 0)):
         t.add_row(reason, str(st.drops.get(reason, 0)), str(st.drops_recent.get(reason, 0)))

@@ -123,6 +123,12 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _points(base: float, last: float) -> float:
+    """The change between two shares as printed (`_pct`'s one decimal): 24.8% -> 54.0% is +29.2, never the
+    unrounded +29.25 printed as +29.3."""
+    return round(100 * last, 1) - round(100 * base, 1)
+
+
 def _drops(state: RunState) -> str:
     return ", ".join(f"{k} {int(v)}" for k, v in sorted(state.drops.items())) or "none"
 
@@ -152,7 +158,7 @@ def panel(state: RunState):
     t.add_row("phase", state.phase)
     t.add_row("step", f"{state.step} / {state.max_steps}   ({elapsed:.0f} s of {state.budget_s:.0f} s)")
     t.add_row("train reward", f"{_pct(state.recent_reward())} (mean of the last 5 steps)")
-    delta = f", {100 * (last - base):+.1f} points" if base is not None and last is not None else ""
+    delta = f", {_points(base, last):+.1f} points" if base is not None and last is not None else ""
     t.add_row(_acc_label(state), f"{_pct(last)}   (base {_pct(base)}{delta}; {len(state.evals)} evals)")
     for label, value in _search_rows(state):
         t.add_row(label, value)
@@ -190,7 +196,7 @@ def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: 
     r0 = [r for _, r in state.rewards[:5]]
     t.add_row("train reward", f"{_pct(sum(r0) / len(r0) if r0 else None)} -> {_pct(state.recent_reward())} "
               "(first 5 steps -> last 5)")
-    delta = f" ({100 * (last - base):+.1f} points)" if base is not None and last is not None else ""
+    delta = f" ({_points(base, last):+.1f} points)" if base is not None and last is not None else ""
     t.add_row(_acc_label(state), f"{_pct(base)} -> {_pct(last)}{delta}")
     for label, value in _search_rows(state):
         t.add_row(label, value)

@@ -137,3 +137,15 @@ def test_a_resumed_run_shows_this_sessions_counts_not_a_mix(tmp_path):
     line = status_line(state)
     assert "groups 30 " in line and "stale 15" in line and state.workers == {"local-0": 20.0}, line
     assert state.session_first_step == 143
+
+
+def test_the_printed_change_is_the_difference_of_the_printed_shares(tmp_path, capsys):
+    """The summary printed 24.8% -> 54.0% (+29.3 points): the change came from the unrounded 24.75%."""
+    from embedded.run import EmbeddedPaths, default_console
+    from embedded.view import summary
+
+    _cfg, state = _at(10)
+    state.evals = [(0, 1, 0.2475), (10, 11, 0.54)]
+    summary(default_console(), state, paths=EmbeddedPaths(tmp_path, "x"), plots=[], stop_reason="10 steps done",
+            store_url=f"file://{tmp_path}/bucket")
+    assert "24.8% -> 54.0% (+29.2 points)" in capsys.readouterr().out

@@ -107,7 +107,8 @@ class RunStatus(_Model):
     groups_per_minute: float | None
     """Uploads per minute over the last window_min minutes (None when times are unknown)."""
     staleness: dict[int, int]
-    """Groups waiting in the bucket by staleness (pointer version minus sampling version)."""
+    """Groups in the bucket's recent version prefixes by staleness (pointer version minus sampling version),
+    trained on or not (which ones the learner used, the bucket does not say)."""
     staleness_consumed: dict[int, int]
     """Groups the learner trained on in the recent versions, by staleness (trainer's stats)."""
     drops: dict[str, int]

@@ -81,7 +81,7 @@ def _workers(st: RunStatus) -> Table:
 def _histogram(st: RunStatus) -> Table:
     t = Table(title="staleness (versions behind the pointer)", title_justify="left")
     t.add_column("staleness", justify="right")
-    t.add_column("waiting", justify="right")
+    t.add_column("in the bucket", justify="right")  # trained on or not: the bucket does not say which
     t.add_column("")
     t.add_column("trained on (recent)", justify="right")
     top = max(st.staleness.values(), default=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +208,8 @@ def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: 
     for p in plots:
         t.add_row("plot", str(p))
     t.add_row("logs", str(paths.run_dir / "learner.log") + ", worker-*.log")
-    t.add_row("check", f"python -m worker_contract verify --store {shlex.quote(store_url)} --run {state.run}")
+    # the venv's Python by its path: a bare `python` outside the activated venv lacks the project's packages
+    t.add_row("check", f"{shlex.quote(sys.executable)} -m worker_contract verify --store {shlex.quote(store_url)} "
+              f"--run {state.run}")
     t.add_row("resume", f"make {state.recipe} RUN={state.run}")
     console.print(t)

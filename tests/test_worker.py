@@ -226,3 +226,11 @@ def test_sigterm_finishes_the_group_in_hand_and_leaves_only_whole_records(run_st
     assert recs and all(len(r.samples) == N for _, r in recs)
     leftovers = [q for q in Path(store.root).rglob("*") if q.name.startswith(".tmp-")]
     assert leftovers == []
+
+
+def test_waiting_on_an_empty_file_store_says_it_is_empty(tmp_path, tiny_model_dir):
+    """A typo in --store opened (and so made) an empty directory, and the worker waited without a word on it."""
+    store = FileStore(tmp_path / "buckt")
+    p = _spawn(store, tiny_model_dir, "--wait", "1")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "(it is empty: if the trainer already runs, check --store / DRL_STORE)" in err, err

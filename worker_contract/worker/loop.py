@@ -243,7 +243,8 @@ class Worker:
             except NotFound:
                 pass
             if not said:
-                log.info("waiting for the trainer to publish %s of run %r in %s", what, self.s.run, self.store.url)
+                log.info("waiting for the trainer to publish %s of run %r in %s%s", what, self.s.run, self.store.url,
+                         _missing_dir_hint(self.store.url))
                 said = True
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run {self.s.run!r} published no {what} within {self.s.wait_timeout_s:.0f} s")
@@ -557,3 +558,14 @@ class Worker:
                  "sampling and %.1f s following versions so far%s; last %s", self.s.worker_id, self.version, st.groups,
                  sum(recent) / max(1, len(recent)), len(recent), st.tokens / max(st.sampling_s, 1e-9), st.sampling_s,
                  st.follow_s, extra, key)
+
+
+def _missing_dir_hint(url: str) -> str:
+    """For a file store that holds nothing at all (opening one creates its directory: a typo in --store makes
+    an empty one), say so beside the wait."""
+    from urllib.parse import urlparse
+
+    root = Path(urlparse(url).path)
+    if url.startswith("file://") and root.is_dir() and not any(root.iterdir()):
+        return " (it is empty: if the trainer already runs, check --store / DRL_STORE)"
+    return ""

@@ -152,18 +152,12 @@ class PsqaHeldoutEvaluator(HeldoutEvaluator):
         self.search, self.k, self.max_turns, self.out_dir, self.seed = search, k, max_turns, Path(out_dir), seed
 
     def _score(self) -> dict:
-        import torch
+        from trainer.psqa_eval import append_point, evaluate_policy, plot_curve
 
-        from trainer.psqa_eval import append_point, evaluate, hf_generate_batch, plot_curve
-
-        p, version = self._policy, self._rec.version
-        tok = p.tokenizer
-        gen = torch.Generator().manual_seed(self.seed + version)
         temperature = self.temperature if self.temperature is not None else 1e-4  # None: (near) greedy
-        with torch.no_grad():
-            point = evaluate(self.problems, self.task, p.prompt_ids, hf_generate_batch(
-                p.model, tok, temperature=temperature, generator=gen), p.encode, self.search, k=self.k,
-                max_new_tokens=self.max_new_tokens, max_turns=self.max_turns, version=version)
+        point = evaluate_policy(self._policy, self._rec.version, self.problems, self.task, self.search, k=self.k,
+                                max_new_tokens=self.max_new_tokens, max_turns=self.max_turns,
+                                temperature=temperature, seed=self.seed)
         append_point(self.out_dir, point)
         plot_curve(self.out_dir)
         return {"eval/accuracy": point.pass1, "eval/search_rate": point.search_rate,

@@ -248,20 +248,28 @@ class PublishedRun:
 
     def evaluate(self, problems: Sequence, task, search, args) -> EvalPoint:
         """Load the version held into the model (made on first use) and evaluate it."""
-        import torch
-
         from worker_contract.worker.model import PolicyModel
 
         if self._policy is None:
             self._policy = PolicyModel(self.base_dir, device=self.device, record_routes=False)
-        p, version = self._policy, self.rec.version
-        p.load_plane(self.plane, self.rec.state)
-        gen = torch.Generator(device=p.device).manual_seed(args.seed + version)
-        with torch.no_grad():
-            return evaluate(problems, task, p.prompt_ids, hf_generate_batch(p.model, p.tokenizer,
-                            temperature=args.temperature, generator=gen), p.encode, search, k=args.k,
-                            max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, version=version,
-                            model=f"{self.label} v{version}")
+        version = self.rec.version
+        self._policy.load_plane(self.plane, self.rec.state)
+        return evaluate_policy(self._policy, version, problems, task, search, k=args.k,
+                               max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
+                               temperature=args.temperature, seed=args.seed, model=f"{self.label} v{version}")
+
+
+def evaluate_policy(policy, version: int, problems: Sequence, task, search, *, k: int, max_new_tokens: int,
+                    max_turns: int, temperature: float, seed: int, model: str = "") -> EvalPoint:
+    """Evaluate a worker's model (worker_contract.worker.model.PolicyModel) holding published `version`, its
+    sampling seeded by `seed` + version: --run's follower and the embedded psqa run's evaluator."""
+    import torch
+
+    gen = torch.Generator(device=policy.device).manual_seed(seed + version)
+    with torch.no_grad():
+        return evaluate(problems, task, policy.prompt_ids, hf_generate_batch(
+            policy.model, policy.tokenizer, temperature=temperature, generator=gen), policy.encode, search, k=k,
+            max_new_tokens=max_new_tokens, max_turns=max_turns, version=version, model=model)
 
 
 def evaluate_checkpoint(path: str | Path, version: int, problems: Sequence, task, search, args) -> EvalPoint:

@@ -30,6 +30,16 @@ class BoxLaunch:
     out: Callable[[str], None] = print
 
 
+def check_this_box(cfg: RecipeConfig, paths: BoxPaths, engine: str) -> dict[str, Any]:
+    """infra/box_check.py's report on this machine, holding its disk to the recipe's figure (the models' and this
+    run's files count toward it; DRL_MIN_FREE_GB overrides it)."""
+    from . import box_check
+    from .slime_launch import disk_floor_gb, hf_config_for
+
+    return box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir,
+                                disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]), engine=engine, run=cfg.run)
+
+
 def box_report(report: dict[str, Any]) -> str:
     """`check_box`'s answer from infra/box_check.py's report: StepFailed naming each failed check, else the
     GPUs and the free disk."""

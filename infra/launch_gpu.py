@@ -19,13 +19,12 @@ from pathlib import Path
 
 from trainer.config import REPO_ROOT, RecipeConfig
 
-from .box_steps import DOWNLOAD_MODEL, WRITE_RECIPE, BoxLaunch, box_report, start_once
+from .box_steps import DOWNLOAD_MODEL, WRITE_RECIPE, BoxLaunch, box_report, check_this_box, start_once
 from .launch_plan import LaunchPlan, LaunchStep, render_plan
 from .slime_launch import (
     BoxPaths,
     TrainerOnly,
     detect_trainer_only,
-    disk_floor_gb,
     hf_config_for,
     launch_command,
     rotary_base,
@@ -146,10 +145,7 @@ def resolve_store(cfg: RecipeConfig, env: Mapping[str, str]) -> str:
 
 # -- the steps ------------------------------------------------------------------------------------------
 def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
-    from . import box_check
-
-    report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir,
-                                  disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]), run=cfg.run)
+    report = check_this_box(cfg, paths, "slime")
     answer, slime = box_report(report), report.get("slime")
     return answer + (f"; slime {slime['commit']} {slime.get('date', '')}".rstrip() if slime else "")
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from trainer.config import RecipeConfig
 
-from .box_steps import DOWNLOAD_MODEL, WRITE_RECIPE, box_report, start_once
+from .box_steps import DOWNLOAD_MODEL, WRITE_RECIPE, box_report, check_this_box, start_once
 from .launch_plan import LaunchStep
-from .slime_launch import BoxPaths, disk_floor_gb, hf_config_for
+from .slime_launch import BoxPaths
 from .steps import Step, StepFailed
 
 #: seconds `wait_learner` waits for the learner's first anchor (model load and anchor upload of a 1.5B model)
@@ -56,10 +56,7 @@ def plan_notes(cfg: RecipeConfig) -> list[str]:
 
 # -- the steps ------------------------------------------------------------------------------------------
 def step_check_box(cfg: RecipeConfig, paths: BoxPaths) -> str:
-    from . import box_check
-
-    report = box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir,
-                                  disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]), engine="native", run=cfg.run)
+    report = check_this_box(cfg, paths, "native")
     answer = box_report(report)
     missing = report["imports"].get("installable", [])
     if len(report["gpu"]["gpus"]) < cfg.compute.tensor_parallel:

@@ -32,6 +32,8 @@ def applies(cfg) -> bool:
     keyed on the model, never on the task's name."""
     return cfg.model.hf_id == BASE_HF_ID
 MANIFEST_FORMAT = 1
+#: the parts of the shared base each engine reads: the native learner loads the HF directory, slime the torch_dist
+ENGINE_PARTS = {"native": ("hf",), "slime": ("hf", "torch_dist")}
 
 
 class BaseFile(BaseModel):
@@ -207,9 +209,9 @@ def step_base_model(cfg, paths, store) -> str:
             provenance["megatron_core"] = version("megatron-core")
         except PackageNotFoundError:
             provenance["megatron_core"] = "not installed"
-    parts = ("hf",) if cfg.train.engine == "native" else ("hf", "torch_dist")
     return ensure_base(store, Path(paths.hf_dir(cfg.model.hf_id)), Path(paths.torch_dist_dir(cfg.model.hf_id)),
-                       hf_id=cfg.model.hf_id, fetch=fetch, convert=convert, provenance=provenance, parts=parts)
+                       hf_id=cfg.model.hf_id, fetch=fetch, convert=convert, provenance=provenance,
+                       parts=ENGINE_PARTS[cfg.train.engine])
 
 
 def psqa_box_steps(steps: list, cfg) -> list:
@@ -223,7 +225,7 @@ def psqa_box_steps(steps: list, cfg) -> list:
     from .steps import Step
 
     engine, own_model = cfg.train.engine, bool(cfg.model.path)
-    what = "HF dir" if engine == "native" else "HF dir + torch_dist"
+    what = " + ".join({"hf": "HF dir", "torch_dist": "torch_dist"}[part] for part in ENGINE_PARTS[engine])
     base = Step(LaunchStep(name="base_model", where="box", gpu_only=True,
                            summary=f"pull bases/lfm25/ ({what}, sha256 checked); when absent download, convert and "
                                    "publish the whole base there, manifest last"),

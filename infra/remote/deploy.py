@@ -230,7 +230,8 @@ class RemoteLaunch:
 
     def box_command(self) -> str:
         # DRL_MIN_FREE_GB set here (a box small on purpose) holds on the box too: its check_box reads it there
-        floor = f"DRL_MIN_FREE_GB={q(_min_free_override())} " if _min_free_override() else ""
+        override = _min_free_override()
+        floor = f"DRL_MIN_FREE_GB={q(override)} " if override else ""
         return (f"cd {q(self.remote_dir)} && {floor}{q(self.python)} -m infra.launch_gpu "
                 f"--recipe-json {q(str(PurePosixPath(self.recipe_file)))}")
 
@@ -241,13 +242,11 @@ def _min_free_override() -> str:
 
     value = os.environ.get("DRL_MIN_FREE_GB", "").strip()
     try:
-        if value and float(value) >= 0:
+        if not value or float(value) >= 0:
             return value
     except ValueError:
         pass
-    if value:
-        raise ValueError(f"DRL_MIN_FREE_GB={value!r} must be a number of GB at least 0 (e.g. DRL_MIN_FREE_GB=50)")
-    return ""
+    raise ValueError(f"DRL_MIN_FREE_GB={value!r} must be a number of GB at least 0 (e.g. DRL_MIN_FREE_GB=50)")
 
 
 def _disk_floor(cfg) -> float:
@@ -255,9 +254,8 @@ def _disk_floor(cfg) -> float:
     nothing is downloaded yet), or DRL_MIN_FREE_GB as set on this machine."""
     from ..slime_launch import KNOWN_HF_CONFIGS, disk_floor_gb
 
-    if _min_free_override():
-        return float(_min_free_override())
-    return disk_floor_gb(cfg, KNOWN_HF_CONFIGS.get(cfg.model.hf_id or ""))
+    override = _min_free_override()
+    return float(override) if override else disk_floor_gb(cfg, KNOWN_HF_CONFIGS.get(cfg.model.hf_id or ""))
 
 
 def _native_extra(r: RemoteLaunch) -> list[str]:

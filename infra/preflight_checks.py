@@ -86,16 +86,12 @@ def profile_of(recipe: str) -> Profile:
 
     cfg = resolve(recipe, env={})
     sec, pinned = cfg.preflight, set(cfg.preflight.pinned)
-
-    def val(dotted: str):
-        return recipe_value(cfg, dotted)
-
     return Profile(name=sec.profile, recipe=recipe,
                    n_samples=cfg.contract.n_samples if "contract.n_samples" in pinned else None,
                    plane=cfg.contract.plane if "contract.plane" in pinned else None,
                    kv_mode=cfg.contract.kv_mode if "contract.kv_mode" in pinned else None,
-                   fixed_flags={flag: _fmt(val(k)) for k, flag in FLAG_KEYS.items() if k in pinned},
-                   algo={k.split(".")[1]: val(k) for k in _ALGO if k in pinned},
+                   fixed_flags={flag: _fmt(recipe_value(cfg, k)) for k, flag in FLAG_KEYS.items() if k in pinned},
+                   algo={k.split(".")[1]: recipe_value(cfg, k) for k in _ALGO if k in pinned},
                    batch_groups=cfg.algo.groups_per_step if "algo.groups_per_step" in pinned else None,
                    remote_store=sec.remote_store)
 

@@ -244,7 +244,7 @@ class Worker:
                 pass
             if not said:
                 log.info("waiting for the trainer to publish %s of run %r in %s%s", what, self.s.run, self.store.url,
-                         _missing_dir_hint(self.store.url))
+                         _empty_store_hint(self.store))
                 said = True
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run {self.s.run!r} published no {what} within {self.s.wait_timeout_s:.0f} s")
@@ -560,12 +560,11 @@ class Worker:
                  st.follow_s, extra, key)
 
 
-def _missing_dir_hint(url: str) -> str:
+def _empty_store_hint(store) -> str:
     """For a file store that holds nothing at all (opening one creates its directory: a typo in --store makes
     an empty one), say so beside the wait."""
-    from urllib.parse import urlparse
+    from ..store.file import FileStore
 
-    root = Path(urlparse(url).path)
-    if url.startswith("file://") and root.is_dir() and not any(root.iterdir()):
+    if isinstance(store, FileStore) and not any(store.root.iterdir()):
         return " (it is empty: if the trainer already runs, check --store / DRL_STORE)"
     return ""

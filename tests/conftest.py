@@ -25,6 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' helpers (invariants, ...) import by name
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/ (the fault proxy) from any working dir
 
+from leftovers import register as register_leftovers  # noqa: E402
 from recipe_base import FIXTURE as RECIPE_BASE  # noqa: E402
 from recipe_base import (  # noqa: E402,F401
     pytest_configure_node,
@@ -38,6 +39,7 @@ from sshd import hold_privsep_dir, release_privsep_dir  # noqa: E402
 
 def pytest_configure(config):
     hold_privsep_dir(config)  # one /run/sshd for every xdist worker's sshd (tests/sshd.py)
+    register_leftovers(config)  # processes the tests left running, named and ended (tests/leftovers.py)
 
 
 def pytest_unconfigure(config):

@@ -143,11 +143,22 @@ def _ray_jobs(run: str) -> tuple[list, str | None]:
 
 
 def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = False, log=print) -> dict:
-    """Stop the run's Ray jobs and its detached trainer process group (SIGTERM, then SIGKILL)."""
+    """Stop the run's Ray jobs and its detached trainer process group (SIGTERM, then SIGKILL); a run started in a
+    terminal here (`make gsm8k`, holding the run's lock) is interrupted as Ctrl-C does there."""
     from .slime_launch import BoxPaths
 
     paths = BoxPaths(remote_dir=remote_dir, run=run)
-    _refuse_live_run(Path(remote_dir).resolve(), run, "stop")
+    launcher = _live_launcher(Path(remote_dir).resolve(), run)
+    if launcher == -1:  # held by a process that did not write itself down: nothing known to signal
+        _refuse_live_run(Path(remote_dir).resolve(), run, "stop")
+    if launcher is not None:
+        out = {"run": run, "launcher": launcher, "ray_jobs": [], "pid": None, "leftovers": [], "stopped": False}
+        if dry_run:
+            log(f"would interrupt the launcher of run {run} (pid {launcher}) as Ctrl-C does [dry run]")
+            return out
+        out["stopped"] = interrupt_launcher(launcher, paths.state_dir, timeout_s=max(timeout_s, LAUNCHER_STOP_S),
+                                            log=log)
+        return out
     jobs, note = _ray_jobs(run)
     pid = alive_pid(paths.pid_file)
     leftovers = leftover_children(paths.state_dir)
@@ -196,6 +207,9 @@ SHIPPED_MARK = ".stoa-tree.sha256"
 
 #: the lock a running `make gsm8k RUN=<run>` holds on its run dir (embedded/run.py takes it with `lock_run_dir`)
 RUN_LOCK = ".lock"
+#: seconds `stop` waits for an interrupted launcher: its children's graceful stop (embedded/localprocs.py, 60 s)
+#: and its last evaluation and summary
+LAUNCHER_STOP_S = 120.0
 
 
 def lock_run_dir(state_dir: str | Path, *, create: bool = False):
@@ -213,7 +227,21 @@ def lock_run_dir(state_dir: str | Path, *, create: bool = False):
     except OSError:
         f.close()
         return None
+    f.truncate(0)  # the holder, for `stop` to interrupt (lock_holder); "a+" writes at the end, now 0
+    f.write(json.dumps({"pid": os.getpid(), "start": _proc_start(os.getpid())}))  # stdlib: make clean reads it
+    f.flush()
     return f
+
+
+def lock_holder(state_dir: str | Path) -> int | None:
+    """The PID of the process holding the run dir's lock, as it wrote itself down (lock_run_dir), if that
+    process still runs (its start time checked, so a recycled PID is never taken for it); else None."""
+    try:
+        held = json.loads((Path(state_dir) / RUN_LOCK).read_text())
+        pid, start = int(held["pid"]), held["start"]
+    except (OSError, ValueError, KeyError, TypeError):  # no lock file, or one written before holders were noted
+        return None
+    return pid if start is not None and _proc_start(pid) == start else None  # None where there is no /proc
 
 
 class _NoLock:
@@ -301,16 +329,41 @@ def live_runs(root: str | Path) -> list[str]:
     return _other_live_runs(Path(root), "")
 
 
-def _refuse_live_run(root: Path, run: str, what: str) -> None:
-    """A run whose lock is held by a process that is not the detached trainer `stop` can end (a `make gsm8k`
-    in a terminal): refuse, so its key, metrics and checkpoints are never deleted under it."""
+def _live_launcher(root: Path, run: str) -> int | None:
+    """The PID of a process other than the detached trainer holding the run's lock (a `make gsm8k` in a
+    terminal), or None when no such process holds it."""
     from .slime_launch import BoxPaths
 
     paths = BoxPaths(remote_dir=str(root), run=run)
-    if alive_pid(paths.pid_file) is None and run_is_live(paths.state_dir):
-        raise ValueError(f"run {run} is running on this machine (another process holds {paths.state_dir}/"
-                         f"{RUN_LOCK}, e.g. make gsm8k RUN={run}); {what} refused: stop it first (Ctrl-C where "
-                         "it runs) and try again")
+    if alive_pid(paths.pid_file) is not None or not run_is_live(paths.state_dir):
+        return None
+    return lock_holder(paths.state_dir) or -1
+
+
+def _refuse_live_run(root: Path, run: str, what: str) -> None:
+    """A run whose lock is held by a process that is not the detached trainer (a `make gsm8k` in a
+    terminal): refuse, so its key, metrics and checkpoints are never deleted under it."""
+    from .slime_launch import BoxPaths
+
+    if _live_launcher(root, run) is not None:
+        state = BoxPaths(remote_dir=str(root), run=run).state_dir
+        raise ValueError(f"run {run} is running on this machine (another process holds {state}/{RUN_LOCK}, e.g. "
+                         f"make gsm8k RUN={run}); {what} refused: stop it first (invoke stop --run {run} --local, "
+                         "or Ctrl-C where it runs) and try again")
+
+
+def interrupt_launcher(pid: int, state_dir: str | Path, *, timeout_s: float, log=print) -> bool:
+    """What Ctrl-C in its terminal does: SIGINT to the launcher holding the run's lock, which stops its learner
+    (a checkpoint first) and workers and prints its summary there; True once it let go of the lock."""
+    log(f"interrupting the launcher of the run (pid {pid}) as Ctrl-C does; it stops its learner and workers")
+    os.kill(pid, signal.SIGINT)
+    deadline = time.monotonic() + timeout_s
+    while run_is_live(state_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if run_is_live(state_dir):
+        log(f"the launcher (pid {pid}) is still stopping after {timeout_s:.0f} s; its terminal shows how far it got")
+        return False
+    return True
 
 
 def _run_paths(root: Path, run: str) -> list[Path]:

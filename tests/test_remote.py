@@ -7,6 +7,7 @@ the slime image; here they are skipped with a message, never faked.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -312,38 +313,63 @@ def test_box_launch_over_ssh_reaches_the_on_box_sequence(sshd_server, tmp_path):
     assert SECRET not in e.value.stdout + e.value.stderr
 
 
-def test_teardown_refuses_a_run_that_holds_its_lock(tmp_path):
+def test_teardown_refuses_a_run_that_holds_its_lock_and_stop_interrupts_it(tmp_path):
     """A `make gsm8k RUN=R` in a terminal holds .stoa/runs/R/.lock (the lock embedded/run.py takes through
     infra/boxops.lock_run_dir, taken here by a real child process): `invoke teardown --local --purge --yes`
-    and `invoke stop` refuse in one sentence (exit 2) and delete nothing; once that process is gone, teardown
-    purges the run."""
+    refuses in one sentence (exit 2), naming `invoke stop`, and deletes nothing; `invoke stop` interrupts the
+    holder as Ctrl-C would (it ends on the SIGINT here) and deletes nothing; then teardown purges the run. A
+    lock held by a process that did not write itself down is refused by stop too: there is no PID to signal."""
     import subprocess
 
     run_id = "live-lock-run"
     state = tmp_path / ".stoa" / "runs" / run_id
+    take = "lock = lock_run_dir(p.run_dir, create=True); assert lock"
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
          "from embedded.run import EmbeddedPaths; from infra.boxops import lock_run_dir; "
          f"p = EmbeddedPaths(Path({str(tmp_path / '.stoa')!r}), {run_id!r}); p.run_dir.mkdir(parents=True); "
-         "p.key_file.write_text('key'); p.metrics.write_text('{}'); "
-         "lock = lock_run_dir(p.run_dir, create=True); assert lock; "
+         f"p.key_file.write_text('key'); p.metrics.write_text('{{}}'); {take}; "
          "print('locked', flush=True); time.sleep(300)"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     invoke = str(Path(sys.executable).with_name("invoke"))
+
+    def inv(*argv):
+        return subprocess.run([invoke, *argv, "--run", run_id, "--local", "--remote-dir", str(tmp_path)],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+
     try:
         assert holder.stdout.readline().strip() == "locked"
-        for argv in (["teardown", "--purge", "--yes"], ["teardown", "--dry-run"], ["stop", "--yes"]):
-            res = subprocess.run([invoke, *argv, "--run", run_id, "--local", "--remote-dir", str(tmp_path)],
-                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        for argv in (["teardown", "--purge", "--yes"], ["teardown", "--dry-run"]):
+            res = inv(*argv)
             assert res.returncode == 2, (argv, res.stdout, res.stderr)
             assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
             assert f"run {run_id} is running on this machine" in res.stderr and "refused" in res.stderr
-            assert (state / "trainer.key").read_text() == "key" and (state / "metrics.jsonl").exists()
+            assert f"invoke stop --run {run_id} --local" in res.stderr
+        dry = inv("stop", "--dry-run")
+        assert dry.returncode == 0 and json.loads(dry.stdout)["launcher"] == holder.pid, dry.stdout + dry.stderr
+        assert holder.poll() is None
+        res = inv("stop", "--yes")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"interrupt the launcher of run {run_id} (pid {holder.pid}" in res.stdout
+        assert json.loads(res.stdout[res.stdout.index("{"):])["stopped"] is True
+        assert holder.wait(timeout=30) != 0  # its KeyboardInterrupt, as Ctrl-C in its terminal
+        assert (state / "trainer.key").read_text() == "key" and (state / "metrics.jsonl").exists()
     finally:
-        holder.terminate()  # the test started it; end it by PID
+        if holder.poll() is None:
+            holder.terminate()  # the test started it; end it by PID
         holder.wait(timeout=30)
-    res = subprocess.run([invoke, "teardown", "--purge", "--yes", "--run", run_id, "--local", "--remote-dir",
-                          str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    raw = subprocess.Popen(  # the lock taken without lock_run_dir: no holder written down
+        [sys.executable, "-c", f"import fcntl, time; f = open({str(state / '.lock')!r}, 'w'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(300)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert raw.stdout.readline().strip() == "locked"
+        res = inv("stop", "--yes")
+        assert res.returncode == 2 and "stop refused" in res.stderr and raw.poll() is None, res.stderr
+    finally:
+        raw.terminate()
+        raw.wait(timeout=30)
+    res = inv("teardown", "--purge", "--yes")
     assert res.returncode == 0, res.stderr
     assert not state.exists()
 

@@ -234,8 +234,9 @@ def test_record_reads_are_bounded_and_cached_between_refreshes(file_store, monke
     counted, cache = GetCounter(file_store.root), {}
     GetCounter.reads = 0
     st = collect_status(counted, RUN, now=b.now, include_bytes=False, record_times=cache)
-    assert GetCounter.reads == 3 and len(cache) == 3 and any("newest 3 records" in n for n in st.notes)
-    assert {w.worker_id for w in st.workers if w.last_seen_s is not None} == {"mac-a"}  # v10 and v9 first
+    assert GetCounter.reads == 3 and len(cache) == 3 and any("from 3 records only" in n for n in st.notes)
+    # each listed worker's newest first, in turn: mac-a's v10 and mac-b's v9, then mac-a's next
+    assert {w.worker_id for w in st.workers if w.last_seen_s is not None} == {"mac-a", "mac-b"}
     for _ in range(2):
         st = collect_status(counted, RUN, now=b.now, include_bytes=False, record_times=cache)
     assert GetCounter.reads == 8 and len(cache) == 8 and not st.notes  # every record read exactly once
@@ -285,3 +286,28 @@ def test_a_partial_read_estimates_the_rate_and_leaves_unread_workers_unknown():
     assert rate == pytest.approx(64 / (0.2 * 63) * 60, rel=0.01)  # about 305 a minute, not 64 / 5
     by = {r.worker_id: r for r in rows}
     assert by["mac-c"].groups_recent is None and by["mac-a"].groups_recent == 32
+
+
+def test_a_partial_read_sees_every_worker_and_sums_their_rates(file_store):
+    """3 workers each upload a group every 0.5 s (about 360 a minute in all), all at the pointer's version, with
+    the reference worker's time-ordered group ids. Status read 64 records picked by (version, key): all of the
+    alphabetically last worker's, none of the others', and showed that one worker's rate as the fleet's
+    (120 a minute) with the other two unknown. Read through the bounded reader, every worker is seen and the
+    rate is the sum of theirs."""
+    import infra.ops.status as status_mod
+    from opsbucket import record
+
+    now = 10_000.0
+    for i in range(120):
+        for worker in ("mac-a", "mac-b", "mac-c"):
+            t = now - 0.5 * i
+            gid = f"g{int(t * 1000):013d}-{i:08x}"
+            file_store.put_if_absent(layout.rollout_key(RUN, 100, worker, gid),
+                                     record(RUN, worker, gid, 100, created_at=t))
+    items = status_mod.recent_rollouts(file_store, RUN, 96, 101)
+    times, partial = status_mod._upload_times(file_store, items, {})
+    assert partial and len(times) == status_mod.MAX_RECORD_READS
+    rows, rate = status_mod.summarize_workers(items, times, 100, now, 300.0, partial=True)
+    assert rate == pytest.approx(360, rel=0.1)
+    by = {r.worker_id: r for r in rows}
+    assert all(by[w].last_seen_s == pytest.approx(0) and by[w].groups_recent >= 21 for w in ("mac-a", "mac-b", "mac-c"))

@@ -187,8 +187,7 @@ def _upload_times(store: Store, items: list[tuple[layout.RolloutKey, ObjectInfo]
     times = {o.key: t for _, o in items if (t := _mtime(o)) is not None}
     if times or not items:
         return times, False
-    todo = [o for _, o in sorted(items, key=lambda kv: (kv[0].version, kv[1].key), reverse=True)
-            if o.key not in cache]
+    todo = _newest_of_each_worker_in_turn([(k, o) for k, o in items if o.key not in cache])
     for o in todo[:MAX_RECORD_READS]:
         try:
             cache[o.key] = decode_record(store.get(o.key)).created_at
@@ -198,11 +197,30 @@ def _upload_times(store: Store, items: list[tuple[layout.RolloutKey, ObjectInfo]
     return times, len(todo) > MAX_RECORD_READS
 
 
+def _newest_of_each_worker_in_turn(items: list[tuple[layout.RolloutKey, ObjectInfo]]) -> list[ObjectInfo]:
+    """Each worker's uploads newest first (version, then key: the reference worker's group ids start with their
+    time), dealt out one worker at a time, so a bounded read sees every worker's newest, not one worker's."""
+    by_worker: dict[str, list[tuple[layout.RolloutKey, ObjectInfo]]] = {}
+    for k, o in sorted(items, key=lambda kv: (kv[0].version, kv[1].key), reverse=True):
+        by_worker.setdefault(k.worker_id, []).append((k, o))
+    queues = [kos for _, kos in sorted(by_worker.items())]
+    return [q[i][1] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
+def _rate_per_minute(wt: list[float], now: float, window_s: float, partial: bool) -> float:
+    """Uploads a minute from one worker's known upload times: those in the window over the window; with a
+    partial read whose records all fall inside the window (more may be unread there), over the time they span."""
+    span = now - min(wt)
+    if partial and 0 < span < window_s:
+        return len(wt) / (span / 60)
+    return sum(now - t <= window_s for t in wt) / (window_s / 60)
+
+
 def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
                       window_s: float, partial: bool = False) -> tuple[list[WorkerSeen], float | None]:
-    """Per-worker rows and the upload rate over the window. With `partial` times (the newest records' only) the
-    rate is the newest uploads' own, over the time they span, and a worker none of whose records were read
-    has no recent count (unknown, not 0)."""
+    """Per-worker rows and the upload rate over the window, summed over the workers. With `partial` times (each
+    worker's newest records only) a worker's rate is its read uploads' own, over the time they span, and a
+    worker none of whose records were read has no recent count (unknown, not 0) and adds nothing."""
     by_worker: dict[str, list[tuple[layout.RolloutKey, ObjectInfo]]] = {}
     for k, o in items:
         by_worker.setdefault(k.worker_id, []).append((k, o))
@@ -219,10 +237,8 @@ def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
     rows.sort(key=lambda r: (r.last_seen_s if r.last_seen_s is not None else float("inf"), r.lag, r.worker_id))
     rate = None
     if times:
-        rate = sum(now - t <= window_s for t in times.values()) / (window_s / 60)
-        span = now - min(times.values())
-        if partial and 0 < span < window_s:  # the read records all fall inside the window: count per their span
-            rate = len(times) / (span / 60)
+        known = [[times[o.key] for _, o in kos if o.key in times] for kos in by_worker.values()]
+        rate = sum(_rate_per_minute(wt, now, window_s, partial) for wt in known if wt)
     return rows, rate
 
 
@@ -384,8 +400,9 @@ def _activity(store: Store, run: str, pointer: int, staleness_bound: int, now: f
     items = recent_rollouts(store, run, pointer - staleness_bound - EXTRA_VERSIONS_BACK, pointer + 1)
     times, partial = _upload_times(store, items, record_times)
     if partial:
-        notes.append(f"upload times read from the newest {MAX_RECORD_READS} records only (more each refresh): "
-                     "groups/min is their rate, and a worker none of whose records were read shows no recent count")
+        notes.append(f"upload times read from {MAX_RECORD_READS} records only, each worker's newest in turn (more "
+                     "each refresh): groups/min sums each worker's rate over its read records, and a worker none of "
+                     "whose records were read shows no recent count")
     workers, rate = summarize_workers(items, times, pointer, now, window_s, partial)
     stats = read_stats(store, run, pointer)
     drops, recent = sum_drops(stats)

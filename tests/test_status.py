@@ -294,8 +294,9 @@ def test_a_partial_read_sees_every_worker_and_sums_their_rates(file_store):
     alphabetically last worker's, none of the others', and showed that one worker's rate as the fleet's
     (120 a minute) with the other two unknown. Read through the bounded reader, every worker is seen and the
     rate is the sum of theirs."""
-    import infra.ops.status as status_mod
     from opsbucket import record
+
+    import infra.ops.status as status_mod
 
     now = 10_000.0
     for i in range(120):

@@ -726,6 +726,20 @@ def test_run_main_sorts_how_a_command_ended(capsys) -> None:
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "this is a bug in stoa trainer" in err and "report" in err
     assert run_main(lambda: 1, "prog") == 1 and run_main(lambda: None, "prog") == 0
+    # a dependency this Python lacks (the command run outside the venv): one line, where to run it (it was our
+    # traceback, then a second one from the bug report importing what was missing); a module of ours is a bug
+
+    def outside_the_venv():
+        import blake3_not_installed_here  # noqa: F401
+
+    def ours_missing():
+        import trainer.no_such_module  # noqa: F401
+
+    assert run_main(outside_the_venv, "prog") == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "lacks 'blake3_not_installed_here'" in err and ".venv" in err and len(err.splitlines()) == 1, err
+    assert run_main(ours_missing, "prog") == EXIT_BUG
+    assert "this is a bug in stoa trainer" in capsys.readouterr().err
     # a closed pipe (141, quiet) is checked through a real pipe: the launch-broken-pipe row
 
 

@@ -69,6 +69,16 @@ def quiet_broken_pipe() -> int:
     return EXIT_BROKEN_PIPE
 
 
+#: the project's own top-level packages: a missing one of these is our bug (or the wrong directory), not a
+#: missing dependency
+OUR_PACKAGES = frozenset({"worker_contract", "trainer", "infra", "entrypoints", "embedded", "bench", "tasks"})
+
+
+def missing_dependency(e: ModuleNotFoundError) -> bool:
+    """Whether the module that could not be imported is a third-party one (run outside the venv)."""
+    return bool(e.name) and e.name.split(".")[0] not in OUR_PACKAGES
+
+
 def report_bug(prog: str) -> int:
     """Print the traceback of the exception being handled as what it is: our bug."""
     from .env import redact
@@ -93,6 +103,11 @@ def run_main(main: Callable[[], int | None], prog: str) -> int:
     except SystemExit:
         raise
     except Exception as e:
+        if isinstance(e, ModuleNotFoundError) and missing_dependency(e):  # before anything below imports one
+            print(f"{prog}: this Python ({sys.executable}) lacks {e.name!r}, which stoa trainer needs: run the "
+                  "command in the project's venv (`source .venv/bin/activate`, or `.venv/bin/python -m ...`; "
+                  "`make setup` makes it), or install the project into this Python", file=sys.stderr)
+            return EXIT_BAD_INPUT
         if isinstance(e, user_errors()):
             try:
                 print(f"{prog}: {one_sentence(e)}", file=sys.stderr)

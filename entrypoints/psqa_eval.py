@@ -1,4 +1,5 @@
-"""`python -m entrypoints.psqa_eval (--model DIR | --watch DIR) --out DIR --retriever URL [...]`: held-out psqa.
+"""`python -m entrypoints.psqa_eval (--run ID --base DIR | --model DIR | --watch DIR) --out DIR [--retriever URL]
+[...]`: held-out psqa.
 
 The held-out PaperSearchQA curve (cover-EM pass@1, pass@k, search rate per version), run apart from the
 learner on its own GPU or box; its work is trainer.psqa_eval.main.

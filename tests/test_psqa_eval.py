@@ -206,6 +206,10 @@ def test_cli_refuses_what_would_fail_late_or_quietly(tmp_path):
 
         if not torch.cuda.is_available():  # as REPRODUCE.md writes it, without --device
             cases.append((["--watch", str(tmp_path / "ckpts"), "--retriever", dead], "--device cuda:1"))
+        # the retriever: a typo named as typed; none at all names both ways to give it
+        cases += [(["--watch", str(tmp_path / "ckpts"), "--retriever", "notaurl", "--device", "cpu"],
+                   "--retriever 'notaurl' is not an http(s) URL"),
+                  (["--watch", str(tmp_path / "ckpts"), "--device", "cpu"], "pass --retriever URL or set DRL_RETRIEVER_URL")]
         for argv, says in cases:
             r = _cli(*argv, *base, cwd=tmp_path)
             assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
@@ -231,28 +235,36 @@ def test_cli_follows_a_runs_published_versions_in_the_bucket(tmp_path, monkeypat
     base = tmp_path / "base"
     model = _tiny_lfm2_moe(base, ["conv", "full_attention"])
     store, key = FileStore(tmp_path / "bucket"), signing.generate_private_key()
-    manifest = manifest_for("eval-run", key=key).model_copy(update={**local_identity(base), "task": "psqa"})
+    manifest = manifest_for("eval-run", key=key).model_copy(update={**local_identity(base), "task": "psqa",
+                                                                     "max_new_tokens": 6})
     create_or_resume(store, manifest, resume=False)
     pub = Publisher(store, manifest, key, anchor_interval=4, progress=False)
     state = drop_aliases(model.state_dict())  # the tied head, as the learner publishes
     pub.publish_anchor({k: v.detach().clone() for k, v in state.items()})
     pub.publish({k: v.detach() + 0.01 for k, v in state.items()})  # v2: a patch
     argv = ["--run", "eval-run", "--base", str(base), "--store", store.url, "--out", str(tmp_path / "out"),
-            "--retriever", retriever.url, "--data-dir", str(_test_split(tmp_path)), "--questions", "2", "--k", "2",
-            "--max-new-tokens", "8", "--device", "cpu", "--poll-s", "0"]
+            "--data-dir", str(_test_split(tmp_path)), "--questions", "2", "--k", "2", "--device", "cpu", "--poll-s", "0"]
+    monkeypatch.setenv("DRL_RETRIEVER_URL", retriever.url)  # the worker's variable names the retriever here too
     monkeypatch.setattr(psqa_eval.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         psqa_eval.main(argv)  # one poll: the newest version, then stop at the sleep
     points = psqa_eval.read_curve(tmp_path / "out")
     assert [p.version for p in points] == [2] and "run eval-run v2" in points[0].model
+    assert 0 < points[0].response_tokens <= 6  # the run's own episode budget (run.json), as its workers sample
     with pytest.raises(KeyboardInterrupt):
         psqa_eval.main(argv)  # the next poll: v2 is scored already
     pub.publish({k: v.detach() + 0.02 for k, v in state.items()})  # v3
     with pytest.raises(KeyboardInterrupt):
         psqa_eval.main([*argv, "--every", "2"])  # v3 is 1 past v2: not yet
+    assert [p.version for p in psqa_eval.read_curve(tmp_path / "out")] == [2]
     with pytest.raises(KeyboardInterrupt):
         psqa_eval.main(argv)
     assert [p.version for p in psqa_eval.read_curve(tmp_path / "out")] == [2, 3]
+    # an --out holding another run's curve is refused: the two would be drawn as one line
+    other_out = tmp_path / "other-out"
+    psqa_eval.append_point(other_out, points[0].model_copy(update={"model": "file:///elsewhere run other-run v2"}))
+    with pytest.raises(ValueError, match="holds the curve of file:///elsewhere run other-run: give each run"):
+        psqa_eval.main([*argv[:argv.index("--out") + 1], str(other_out), *argv[argv.index("--out") + 2:]])
     # a base that is not the run's model is refused, as a worker refuses it
     other = tmp_path / "other"
     _tiny_lfm2_moe(other, ["conv", "full_attention", "conv"])

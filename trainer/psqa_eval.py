@@ -216,9 +216,9 @@ class PublishedRun:
         self.store, self.run, self.base_dir, self.device = store, run, Path(base_dir), device
         manifest = load_manifest(store, run)
         if manifest.task != "psqa":
-            raise ValueError(f"run {run!r} is a {manifest.task} run: psqa_eval scores PaperSearchQA runs")
+            raise ValueError(f"run {run!r} trains task {manifest.task!r}: psqa_eval scores PaperSearchQA runs")
         check_identity(self.base_dir, manifest)  # the run's model, tokenizer and chat template, as a worker checks
-        self.plane = manifest.plane
+        self.plane, self.max_new_tokens = manifest.plane, manifest.max_new_tokens
         self.rec = Reconstructor(store, run, plane=self.plane)
         self._policy, self._said = None, None
 
@@ -255,7 +255,7 @@ class PublishedRun:
         version = self.rec.version
         self._policy.load_plane(self.plane, self.rec.state)
         return evaluate_policy(self._policy, version, problems, task, search, k=args.k,
-                               max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
+                               max_new_tokens=args.max_new_tokens or self.max_new_tokens, max_turns=args.max_turns,
                                temperature=args.temperature, seed=args.seed, model=f"{self.label} v{version}")
 
 
@@ -310,18 +310,20 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    "or .r2env)")
     p.add_argument("--version", type=number(int, at_least=1), default=1, help="version label of --model")
     p.add_argument("--out", required=True, help="directory for psqa_eval.jsonl and psqa_eval.png")
-    p.add_argument("--retriever", required=True, help="retriever URL (DRL_RETRIEVER_URL)")
+    p.add_argument("--retriever", default=None, help="retriever URL (default: DRL_RETRIEVER_URL)")
     p.add_argument("--data-dir", default=None, help="DRL_PSQA_DIR with test.jsonl (default: download)")
     p.add_argument("--questions", type=number(int, at_least=1), default=500, help="held-out questions per point (default 500)")
     p.add_argument("--k", type=number(int, at_least=1), default=8, help="samples per question, the k of pass@k (default 8)")
     p.add_argument("--top-k", type=number(int, at_least=1), default=3, help="documents per search (default 3)")
-    p.add_argument("--max-new-tokens", type=number(int, at_least=1), default=1024,
-                   help="an episode's token budget, sampled and tool tokens (default 1024)")
+    p.add_argument("--max-new-tokens", type=number(int, at_least=1), default=None,
+                   help="an episode's token budget, sampled and tool tokens (default: --run's run.json, the "
+                   "workers' budget; else the fleet recipe's algo.max_new_tokens)")
     p.add_argument("--max-turns", type=number(int, at_least=1), default=4, help="tool calls per episode (default 4)")
     p.add_argument("--temperature", type=number(float, above=0), default=1.0,
                    help="sampling temperature (default 1.0: pass@1 as the fleet curve measures it)")
     p.add_argument("--every", type=number(int, at_least=1), default=1,
-                   help="--watch: evaluate versions divisible by this; --run: at least this many versions apart (default 1)")
+                   help="--watch: evaluate versions divisible by this; --run: at least this many versions apart; "
+                   "not used with --model (default 1)")
     p.add_argument("--poll-s", type=number(float, at_least=0), default=60.0, help="--watch/--run polling interval in seconds (default 60)")
     p.add_argument("--device", default="cuda:1", help="a GPU the learner does not use, or cpu (default cuda:1)")
     p.add_argument("--seed", type=number(int, at_least=0), default=0,
@@ -365,6 +367,32 @@ def _check_args(args, client) -> PublishedRun | None:
     return _published_run(args) if args.run is not None else None
 
 
+def _retriever(args):
+    """The retriever client of --retriever, else DRL_RETRIEVER_URL; a malformed URL is named as it was given."""
+    import os
+
+    from worker_contract.tasks.psqa_retrieval import RetrieverClient
+
+    given = ("--retriever", args.retriever) if args.retriever else ("DRL_RETRIEVER_URL",
+                                                                   os.environ.get("DRL_RETRIEVER_URL", "").strip())
+    if not given[1]:
+        raise ValueError("no retriever named: pass --retriever URL or set DRL_RETRIEVER_URL (the run's retriever, "
+                         "python -m infra.retriever serve)")
+    args.retriever = given[1]
+    try:
+        return RetrieverClient(given[1])
+    except ValueError:
+        raise ValueError(f"{given[0]} {given[1]!r} is not an http(s) URL with a host; e.g. http://10.0.0.5:8000"
+                         ) from None
+
+
+def _recipe_budget() -> int:
+    """The fleet recipe's episode budget (algo.max_new_tokens), for checkpoints that carry no run.json."""
+    from trainer.config import load_recipe_file, recipe_path
+
+    return int(load_recipe_file(recipe_path("psqa"))["algo"]["max_new_tokens"])
+
+
 def _published_run(args) -> PublishedRun:
     """--run's follower, on --store or the environment's store; a run the store lacks is refused."""
     import os
@@ -391,23 +419,32 @@ def main(argv: list[str] | None = None, prog: str = "python -m entrypoints.psqa_
     one checkpoint (--model), or every new one under --watch."""
     args = _parser(prog).parse_args(argv)
     from worker_contract.tasks.psqa import PsqaTask
-    from worker_contract.tasks.psqa_retrieval import RetrieverClient, RetrieverError, search_tool
+    from worker_contract.tasks.psqa_retrieval import RetrieverError, search_tool
 
-    client = RetrieverClient(args.retriever)
+    client = _retriever(args)
     follower = _check_args(args, client)
+    if args.max_new_tokens is None and follower is None:  # --run's default is its run.json's (PublishedRun)
+        args.max_new_tokens = _recipe_budget()
     task = PsqaTask(args.data_dir)
     problems = heldout_subset(task.dataset("test"), args.questions, args.seed)
     search = search_tool(client, k=args.top_k, strict=True)  # a failed search fails the point, never scores 0
-    curve = read_curve(args.out)  # --run: this run's points only (an --out may hold another run's curve)
-    done = {p.version for p in curve if follower is None or p.model.startswith(follower.label + " v")}
+    curve = read_curve(args.out)
+    others = [p.model for p in curve if follower is not None and not p.model.startswith(follower.label + " v")]
+    if others:  # one file, one line in the plot: two runs' points would zigzag into one curve
+        raise ValueError(f"--out {args.out} holds the curve of {others[0].rsplit(' v', 1)[0]}: give each run its "
+                         "own --out")
+    done = {p.version for p in curve}
     while True:
         if follower is not None:  # the newest version, once it is --every past the last point
             newest = follower.newest()
             due = newest is not None and newest not in done and (not done or newest >= max(done) + args.every)
             found = [(newest, None)] if due else []
         else:
-            found = [(v, d) for v, d in (version_dirs(args.watch) if args.watch else [(args.version, Path(args.model))])
-                     if v not in done and not v % args.every]
+            found = ([(v, d) for v, d in version_dirs(args.watch) if v not in done and not v % args.every]
+                     if args.watch else [(args.version, Path(args.model))])
+            if args.model and args.version in done:
+                print(f"{prog}: v{args.version} is already in {args.out}/psqa_eval.jsonl; evaluating it again "
+                      "adds a second point", file=sys.stderr)
         for version, path in found:
             try:
                 point = (follower.evaluate(problems, task, search, args) if path is None

@@ -24,9 +24,25 @@ import sys
 MIN_FREE_GB = 100.0
 
 
+def min_free_override(env=None) -> float | None:
+    """DRL_MIN_FREE_GB (None when unset): the free disk a box small on purpose is held to instead of the recipe's
+    figure. A value that is not a number of GB at least 0 is refused in one sentence (ValueError)."""
+    value = (os.environ if env is None else env).get("DRL_MIN_FREE_GB", "").strip()
+    if not value:
+        return None
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = -1.0
+    if not gb >= 0:
+        raise ValueError(f"DRL_MIN_FREE_GB={value!r} must be a number of GB at least 0 (e.g. DRL_MIN_FREE_GB=50)")
+    return gb
+
+
 def required_free_gb(launch_gb: float | None = None) -> float:
     """DRL_MIN_FREE_GB as it is set when the check runs, else the launch's figure, else MIN_FREE_GB."""
-    return float(os.environ.get("DRL_MIN_FREE_GB", "") or (MIN_FREE_GB if launch_gb is None else launch_gb))
+    override = min_free_override()
+    return override if override is not None else MIN_FREE_GB if launch_gb is None else launch_gb
 #: modules the trainer needs from the slime image (importable with Megatron-LM on PYTHONPATH)
 IMAGE_IMPORTS = ("torch", "ray", "slime", "megatron.core", "sglang", "transformers", "huggingface_hub",
                  "safetensors")
@@ -140,25 +156,27 @@ def check_native_imports(python: str = sys.executable) -> dict:
     return {"ok": True, "installable": [NATIVE_INSTALLABLE[m] for m in missing]}
 
 
-def reused_gb(remote_dir: str, run: str | None) -> float:
-    """What the disk figure already has on the box: the models (a redeploy downloads none again) and this run's
-    own directory (its checkpoints, which a resume replaces in turn); other runs' files are not this run's room."""
-    stoa = os.path.join(remote_dir, ".stoa")
-    return _dir_gb(os.path.join(stoa, "models")) + (_dir_gb(os.path.join(stoa, "runs", run)) if run else 0.0)
+def reused_gb(remote_dir: str, run: str | None, model_dirs=()) -> float:
+    """What the disk figure already has on the box: the recipe's own model directories (a redeploy downloads
+    them again into the same place; `model_dirs`, infra.slime_launch.reused_model_dirs) and this run's own
+    directory (its checkpoints, which a resume replaces in turn). Other models and other runs' files are not
+    this launch's room."""
+    run_dir = [os.path.join(remote_dir, ".stoa", "runs", run)] if run else []
+    return sum(_dir_gb(d) for d in [*model_dirs, *run_dir])
 
 
 def run_checks(remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: float | None = None,
-               engine: str = "slime", run: str | None = None) -> dict:
+               engine: str = "slime", run: str | None = None, model_dirs=()) -> dict:
     """Every check of `engine` (slime: the slime image; native: any CUDA box with torch); `ok` only if all pass."""
     if engine == "native":
         report = {"gpu": check_gpu("a CUDA PyTorch image"),
-                  "disk": check_disk(remote_dir, min_free_gb, reused_gb(remote_dir, run)),
+                  "disk": check_disk(remote_dir, min_free_gb, reused_gb(remote_dir, run, model_dirs)),
                   "imports": check_native_imports()}
         report["ok"] = all(v["ok"] for v in report.values())
         return report
     report = {
         "gpu": check_gpu(),
-        "disk": check_disk(remote_dir, min_free_gb, reused_gb(remote_dir, run)),
+        "disk": check_disk(remote_dir, min_free_gb, reused_gb(remote_dir, run, model_dirs)),
         "image": check_dirs(slime_dir, megatron_dir),
     }
     report["imports"] = check_imports(megatron_dir) if report["image"]["ok"] else {
@@ -197,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                          "default 100)")
     ap.add_argument("--engine", choices=("slime", "native"), default="slime")
     ap.add_argument("--run", help="the run id: its own directory's files count toward the free disk (a resume)")
+    ap.add_argument("--model-dir", action="append", default=[],
+                    help="a directory of the recipe's model the launch reuses (counts toward the free disk; repeatable)")
     ap.add_argument("--ensure-deps", nargs="+", metavar="REQ", help="install these requirements if missing")
     args = ap.parse_args(argv)
     if args.min_free_gb is not None and not args.min_free_gb >= 0:  # stdlib only: no worker_contract.cli.number
@@ -205,8 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         installed = ensure_deps(args.ensure_deps)
         print(json.dumps({"ok": True, "installed": installed}))
         return 0
-    report = run_checks(args.remote_dir, args.slime_dir, args.megatron_dir, args.min_free_gb, engine=args.engine,
-                        run=args.run)
+    try:
+        report = run_checks(args.remote_dir, args.slime_dir, args.megatron_dir, args.min_free_gb, engine=args.engine,
+                            run=args.run, model_dirs=args.model_dir)
+    except ValueError as e:  # DRL_MIN_FREE_GB that is not a number: one sentence, as every entry point says it
+        print(f"box check: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(report))
     for name, check in report.items():
         if isinstance(check, dict) and not check["ok"]:

@@ -34,10 +34,11 @@ def check_this_box(cfg: RecipeConfig, paths: BoxPaths, engine: str) -> dict[str,
     """infra/box_check.py's report on this machine, holding its disk to the recipe's figure (the models' and this
     run's files count toward it; DRL_MIN_FREE_GB overrides it)."""
     from . import box_check
-    from .slime_launch import disk_floor_gb, hf_config_for
+    from .slime_launch import disk_floor_gb, hf_config_for, reused_model_dirs
 
     return box_check.run_checks(paths.remote_dir, cfg.launch.slime_dir, cfg.launch.megatron_dir,
-                                disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]), engine=engine, run=cfg.run)
+                                disk_floor_gb(cfg, hf_config_for(cfg, paths)[0]), engine=engine, run=cfg.run,
+                                model_dirs=reused_model_dirs(cfg, paths))
 
 
 def box_report(report: dict[str, Any]) -> str:

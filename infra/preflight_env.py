@@ -10,7 +10,7 @@ import shlex
 import stat
 import uuid
 
-from infra import slime_launch
+from infra import box_check, slime_launch
 from infra.preflight_checks import Context, Row, _row, hf_config
 from worker_contract import layout
 from worker_contract.env import R2_VARS, redact
@@ -235,7 +235,7 @@ def check_disk(ctx: Context) -> Row:
     assert ctx.run_box is not None
     paths = slime_launch.BoxPaths(remote_dir=ctx.plan.remote_dir, run=ctx.plan.run)
     d = shlex.quote(ctx.plan.remote_dir)
-    reused = " ".join(shlex.quote(p) for p in (paths.models_dir, paths.state_dir))
+    reused = " ".join(shlex.quote(p) for p in (*slime_launch.reused_model_dirs(ctx.cfg, paths), paths.state_dir))
     rc, out = ctx.run_box(f'd={d}; while [ ! -e "$d" ]; do d=$(dirname "$d"); done; df -Pk "$d" | tail -1; '
                           f"du -sk --apparent-size {reused} 2>/dev/null | awk '{{s += $1}} END {{print s + 0}}'")
     try:
@@ -244,13 +244,17 @@ def check_disk(ctx: Context) -> Row:
         reused_gb = int(lines[1]) * 1024 / 1e9 if len(lines) > 1 else 0.0
     except (IndexError, ValueError):
         return _row("box.disk", False, f"df failed (rc {rc})", "", "check the box: df -h must work", warn=True)
-    need = slime_launch.disk_floor_gb(ctx.cfg, hf_config(ctx)[0])
+    try:
+        override = box_check.min_free_override(ctx.env)  # as the launch forwards it to the box
+    except ValueError as e:
+        return _row("box.disk", False, str(e), "a number of GB", "fix or unset DRL_MIN_FREE_GB")
+    need = override if override is not None else slime_launch.disk_floor_gb(ctx.cfg, hf_config(ctx)[0])
     ckpts = ctx.cfg.checkpoint.keep
-    reuse = f" and {reused_gb:.0f} GB of models and this run's files it reuses" if reused_gb >= 0.5 else ""
+    reuse = f" and {reused_gb:.0f} GB of its model and this run's files it reuses" if reused_gb >= 0.5 else ""
+    why = ("DRL_MIN_FREE_GB" if override is not None else f"the model, its Megatron copy, {ckpts} + 1 "
+           f"{ctx.cfg.train.engine}-engine checkpoints (checkpoint.keep: {ckpts}) and logs")
     return _row("box.disk", free_gb + reused_gb >= need, f"{free_gb:.0f} GB free under {ctx.plan.remote_dir}{reuse}",
-                f">= {need:.0f} GB", f"free disk on the box or rent a larger disk (need {need:.0f} GB for the "
-                f"model, its Megatron copy, {ckpts} + 1 {ctx.cfg.train.engine}-engine checkpoints "
-                f"(checkpoint.keep: {ckpts}) and logs)")
+                f">= {need:.0f} GB", f"free disk on the box or rent a larger disk (need {need:.0f} GB: {why})")
 
 
 def check_ray_dashboard(ctx: Context) -> Row:

@@ -193,6 +193,15 @@ def hf_config_for(cfg: RecipeConfig, paths: BoxPaths) -> tuple[dict[str, Any] | 
     return None, f"{candidate} (not on this machine)"
 
 
+def reused_model_dirs(cfg: RecipeConfig, paths: BoxPaths) -> list[str]:
+    """The recipe's model directories on the box a launch reuses (the HF download; on slime, its torch_dist
+    conversion too): what the disk checks count as room already taken by this launch."""
+    if not cfg.model.hf_id:
+        return []
+    dirs = [paths.hf_dir(cfg.model.hf_id)]
+    return dirs + [paths.torch_dist_dir(cfg.model.hf_id)] if cfg.train.engine == "slime" else dirs
+
+
 def disk_floor_gb(cfg: RecipeConfig, hf_config: Mapping[str, Any] | None) -> float:
     """Free disk a launch of `cfg` needs on the box: `disk_need_gb` where the model's size is known, else the
     recipe's `preflight.min_free_disk_gb`. The launch's box check and the preflight's box.disk hold the box to it."""

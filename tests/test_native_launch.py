@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -139,6 +140,16 @@ def test_the_box_check_holds_the_box_to_the_recipes_disk_figure(tmp_path, monkey
     monkeypatch.setenv("DRL_MIN_FREE_GB", "lots")
     with pytest.raises(ValueError, match="DRL_MIN_FREE_GB='lots' must be a number"):
         deploy._disk_floor(huge)
+    # on the box, as the launch runs it or by hand: the same sentence, not float()'s traceback; a negative
+    # value is no way to turn the check off
+    with pytest.raises(ValueError, match="DRL_MIN_FREE_GB='lots' must be a number"):
+        step_check_box(huge, BoxPaths(remote_dir=str(tmp_path), run="disk-1"))
+    for value in ("lots", "-5"):
+        r = subprocess.run([sys.executable, str(REPO_ROOT / "infra" / "box_check.py"), "--remote-dir", str(tmp_path),
+                            "--engine", "native"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "DRL_MIN_FREE_GB": value})
+        assert r.returncode == 2 and r.stderr.strip() == (f"box check: DRL_MIN_FREE_GB={value!r} must be a number "
+                                                          "of GB at least 0 (e.g. DRL_MIN_FREE_GB=50)"), r.stderr
 
 
 def test_the_join_hint_of_a_search_run_names_the_retriever_url():

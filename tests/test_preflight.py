@@ -295,19 +295,31 @@ def test_box_disk_too_small(file_store, tmp_path):
                         run_box=local_box(make_gpu_shim(tmp_path, free_gb=75)))
     assert fails(rows) == ["box.disk"], text
     assert "75 GB free" in text and ">= 76 GB" in text
-    # another run's files are not this launch's room; this run's own (a resume's checkpoint) are, as the launch's
-    # box check counts them (sparse files: their size, no disk)
-    for run, gb in (("some-other-run", 40), (RUN, 2)):
-        (tmp_path / ".stoa" / "runs" / run / "ckpt").mkdir(parents=True)
-        with open(tmp_path / ".stoa" / "runs" / run / "ckpt" / "state.pt", "wb") as f:
-            f.truncate(gb * 10**9)
-    rows, text = report(make_plan("quickstart", file_store.url, remote_dir=str(tmp_path)), "quickstart",
-                        run_box=local_box(make_gpu_shim(tmp_path, free_gb=75)))
-    assert fails(rows) == [], text
-    assert "75 GB free" in text and "2 GB of models and this run's files it reuses" in text
-    from infra import box_check
+    # another run's files and another model are not this launch's room; this run's own (a resume's checkpoint)
+    # and the recipe's model are, as the launch's box check counts them (sparse files: their size, no disk)
+    from infra import box_check, slime_launch
 
-    assert round(box_check.reused_gb(str(tmp_path), RUN)) == 2 and box_check.reused_gb(str(tmp_path), None) == 0
+    plan = make_plan("quickstart", file_store.url, remote_dir=str(tmp_path))
+    cfg = resolve(RECIPE["quickstart"], {"DRL_RUN": RUN}, {"train.engine": "slime"})
+    paths = slime_launch.BoxPaths(remote_dir=str(tmp_path), run=RUN)
+    mine = slime_launch.reused_model_dirs(cfg, paths)
+    assert mine == [paths.hf_dir(cfg.model.hf_id), paths.torch_dist_dir(cfg.model.hf_id)]
+    for folder, gb in ((tmp_path / ".stoa" / "runs" / "some-other-run", 40), (tmp_path / ".stoa" / "runs" / RUN, 1),
+                       (tmp_path / ".stoa" / "models" / "Some--Other-Model", 40), (Path(mine[0]), 1)):
+        folder.mkdir(parents=True)
+        with open(folder / "state.pt", "wb") as f:
+            f.truncate(gb * 10**9)
+    rows, text = report(plan, "quickstart", run_box=local_box(make_gpu_shim(tmp_path, free_gb=75)))
+    assert fails(rows) == [], text
+    assert "75 GB free" in text and "2 GB of its model and this run's files it reuses" in text
+    assert round(box_check.reused_gb(str(tmp_path), RUN, mine)) == 2 and box_check.reused_gb(str(tmp_path), None) == 0
+    # DRL_MIN_FREE_GB, which the launch forwards to the box, holds here too
+    rows, text = report(plan, "quickstart", env={"DRL_MIN_FREE_GB": "90"},
+                        run_box=local_box(make_gpu_shim(tmp_path, free_gb=75)))
+    assert fails(rows) == ["box.disk"] and ">= 90 GB" in text and "need 90 GB: DRL_MIN_FREE_GB" in text, text
+    rows, text = report(plan, "quickstart", env={"DRL_MIN_FREE_GB": "lots"},
+                        run_box=local_box(make_gpu_shim(tmp_path, free_gb=75)))
+    assert fails(rows) == ["box.disk"] and "DRL_MIN_FREE_GB='lots' must be a number" in text, text
 
 
 def test_box_gpu_memory_warns_before_an_out_of_memory_step(file_store, tmp_path):

@@ -124,11 +124,11 @@ def _box_check_source() -> str:
 
 
 def check_box(conn, *, remote_dir: str, slime_dir: str, megatron_dir: str, min_free_gb: float,
-              python: str = "python3", engine: str = "slime", run_id: str | None = None) -> str:
+              python: str = "python3", engine: str = "slime", run_id: str | None = None, model_dirs=()) -> str:
     """Run infra/box_check.py on the box (its source as `python3 -c`, nothing shipped yet)."""
     cmd = (f"{q(python)} -c {q(_box_check_source())} --remote-dir {q(remote_dir)} --slime-dir {q(slime_dir)} "
            f"--megatron-dir {q(megatron_dir)} --engine {q(engine)} --min-free-gb {min_free_gb:g}"
-           + (f" --run {q(run_id)}" if run_id else ""))
+           + (f" --run {q(run_id)}" if run_id else "") + "".join(f" --model-dir {q(d)}" for d in model_dirs))
     res = run(conn, "check_box", cmd)
     report = json.loads(res.stdout.strip().splitlines()[-1])
     gpus = ", ".join(f"{g['name']} (driver {g['driver']})" for g in report["gpu"]["gpus"])
@@ -237,16 +237,12 @@ class RemoteLaunch:
 
 
 def _min_free_override() -> str:
-    """DRL_MIN_FREE_GB as set on this machine ('' when unset): it overrides the recipe's disk figure."""
-    import os
+    """DRL_MIN_FREE_GB as set on this machine ('' when unset; infra/box_check.py refuses one that is not a number
+    of GB): it overrides the recipe's disk figure, here and on the box."""
+    from ..box_check import min_free_override
 
-    value = os.environ.get("DRL_MIN_FREE_GB", "").strip()
-    try:
-        if not value or float(value) >= 0:
-            return value
-    except ValueError:
-        pass
-    raise ValueError(f"DRL_MIN_FREE_GB={value!r} must be a number of GB at least 0 (e.g. DRL_MIN_FREE_GB=50)")
+    gb = min_free_override()
+    return "" if gb is None else f"{gb:g}"
 
 
 def _disk_floor(cfg) -> float:
@@ -256,6 +252,13 @@ def _disk_floor(cfg) -> float:
 
     override = _min_free_override()
     return float(override) if override else disk_floor_gb(cfg, KNOWN_HF_CONFIGS.get(cfg.model.hf_id or ""))
+
+
+def _model_dirs(r: RemoteLaunch) -> list[str]:
+    """The recipe's model directories on the box, which its disk check counts as this launch's own room."""
+    from ..slime_launch import BoxPaths, reused_model_dirs
+
+    return reused_model_dirs(r.cfg, BoxPaths(remote_dir=r.remote_dir, run=r.cfg.run))
 
 
 def _native_extra(r: RemoteLaunch) -> list[str]:
@@ -281,7 +284,8 @@ def remote_steps(engine: str) -> list[Step]:
              "imports (infra/box_check.py)",
              lambda r: check_box(r.conn, remote_dir=r.remote_dir, slime_dir=r.cfg.launch.slime_dir,
                                  megatron_dir=r.cfg.launch.megatron_dir, python=r.python, engine=engine,
-                                 min_free_gb=_disk_floor(r.cfg), run_id=r.cfg.run),
+                                 min_free_gb=_disk_floor(r.cfg), run_id=r.cfg.run,
+                                 model_dirs=_model_dirs(r)),
              gpu_only=True),
         step("ship_tree", "tar of the tree (no .venv/.stoa/.git/.r2env) over SFTP; skipped when its digest matches",
              lambda r: ship_tree(r.conn, r.repo_root, r.remote_dir)),

@@ -172,7 +172,7 @@ def test_launch_remote_stops_at_check_box_with_remote_stderr(sshd_server, tmp_pa
     assert SECRET not in text and CREDS["R2_ACCESS_KEY_ID"] not in text
 
 
-def test_launch_remote_refuses_without_bucket_credentials(tmp_path, monkeypatch):
+def test_launch_remote_refuses_without_bucket_credentials(tmp_path, monkeypatch, capsys):
     for var in CREDS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("DRL_STORE", raising=False)
@@ -181,7 +181,13 @@ def test_launch_remote_refuses_without_bucket_credentials(tmp_path, monkeypatch)
     lines: list[str] = []
     cfg = resolve("gsm8k", env={"DRL_RUN": "remote-test-2"})
     assert launch_remote(cfg, host="root@127.0.0.1:1", out=lines.append, repo_root=repo) == 2
-    assert "R2_ACCOUNT_ID" in lines[0] and "docs/r2-setup.md" in lines[0]
+    err = capsys.readouterr().err
+    assert "R2_ACCOUNT_ID" in err and "docs/r2-setup.md" in err and lines == []
+    # the dry run prints its plan on stdout, which `| nox -s preflight` reads, and the refusal on stderr, where
+    # the terminal shows it (on stdout it went into the pipe, and the terminal showed only make's Error 2)
+    assert launch_remote(cfg, host="root@127.0.0.1:1", out=lines.append, repo_root=repo, dry_run=True) == 2
+    assert "R2_ACCOUNT_ID" in capsys.readouterr().err and not any("R2_ACCOUNT_ID" in line for line in lines)
+    assert "BEGIN" in lines[0]
 
 
 def test_detached_trainer_survives_the_session_and_stops_by_pid(sshd_server, tmp_path):  # noqa: F811

@@ -12,6 +12,7 @@ The launch ships the tree and the credentials, then runs `python3 -m infra.launc
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,8 +46,9 @@ def launch_remote(cfg: RecipeConfig, *, host: str, ssh_key: str | None = None, r
     if dry_run:
         out(render_plan(plan))
     if store.startswith("file://"):  # the dry run says it too: it shows what the launch would do, refusals included
-        out("a GPU box publishes to the shared bucket: put R2_ACCOUNT_ID, R2_ACCESS_KEY_ID, R2_SECRET_ACCESS_KEY "
-            "and R2_BUCKET in .r2env (mode 0600; docs/r2-setup.md) or set DRL_STORE=r2://<bucket>")
+        # on stderr: a dry run's stdout is the plan, piped to the preflight (`| nox -s preflight`)
+        print("a GPU box publishes to the shared bucket: put R2_ACCOUNT_ID, R2_ACCESS_KEY_ID, R2_SECRET_ACCESS_KEY "
+              "and R2_BUCKET in .r2env (mode 0600; docs/r2-setup.md) or set DRL_STORE=r2://<bucket>", file=sys.stderr)
         return 2
     if dry_run:
         return 0

@@ -82,6 +82,10 @@ def check_bucket(ctx: Context) -> Row:
             ctx.store.delete(key)
         gone = ctx.store.head(key) is None
     except Exception as e:  # any failure here is the finding itself; the message is shown redacted
+        if "HTTP " not in str(e) and "does not exist" not in str(e):  # no answer at all, not a refusal
+            fix = ("the store did not answer: check that this machine reaches it (network, proxy) and the endpoint "
+                   "(R2_ACCOUNT_ID names the account's https://<account>.r2.cloudflarestorage.com; for s3:// "
+                   "DRL_S3_ENDPOINT)")
         return _row("bucket", False, f"{ctx.store_url}: {type(e).__name__}: {redact(str(e))[:300]}",
                     "reachable and writable", fix)
     ok = back == body and gone

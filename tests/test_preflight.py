@@ -272,6 +272,13 @@ def test_bucket_unreachable_on_s3(moto_server, s3_env):
     rows, text = report(make_plan("fleet", "s3://no-such-bucket-x"), "fleet", env=s3_env)
     assert fails(rows) == ["bucket"], text
     assert "Object Read & Write" in text
+    # no server answers at all: the fix is the network or the endpoint, not the token's permissions
+    from conftest import free_port
+
+    dead = {**s3_env, "DRL_S3_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    rows, text = report(make_plan("fleet", f"s3://{moto_server.new_bucket()}"), "fleet", env=dead)
+    assert fails(rows) == ["bucket"], text
+    assert "the store did not answer" in text and "Object Read & Write" not in text, text
 
 
 def test_fleet_refuses_a_file_store(file_store):

@@ -4,6 +4,7 @@ the GPU box (over SSH, when a host is given). Each returns one `Row`; see `infra
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import shlex
@@ -89,10 +90,23 @@ def check_bucket(ctx: Context) -> Row:
         return _row("bucket", False, f"{ctx.store_url}: {type(e).__name__}: {redact(str(e))[:300]}",
                     "reachable and writable", fix)
     ok = back == body and gone
+    _remove_empty_probe_dirs(ctx)
     ctx.bucket_ok = ok
     return _row("bucket", ok, f"{ctx.store_url}: probe written, read back, removed" if ok else
                 f"{ctx.store_url}: probe {'did not read back' if back != body else 'was not removed'}",
                 "reachable and writable", fix)
+
+
+def _remove_empty_probe_dirs(ctx: Context) -> None:
+    """A file store keeps the folders a probe's key made (`<run>/probes/`, and `<run>/` of a fresh run): the
+    preflight removes them when they are empty, so it leaves the store as it found it."""
+    from worker_contract.store.file import FileStore
+
+    if isinstance(ctx.store, FileStore):
+        run_dir = ctx.store.root / ctx.plan.run
+        for d in (run_dir / "probes", run_dir):
+            with contextlib.suppress(OSError):  # not empty (a real run's), or already gone
+                d.rmdir()
 
 
 def _requested(ctx: Context) -> dict[str, object]:

@@ -241,10 +241,14 @@ def test_run_id_fails_on_a_different_published_contract_and_passes_an_identical_
 
 
 def test_run_id_resumable_with_identical_contract(file_store):
+    rows, text = report(make_plan("quickstart", file_store.url), "quickstart")
+    assert fails(rows) == [] and "probe written, read back, removed" in text, text
+    assert list(file_store.root.iterdir()) == []  # a fresh run's probe leaves no folder behind in a file store
     _publish(file_store)
     rows, text = report(make_plan("quickstart", file_store.url), "quickstart")
     assert fails(rows) == [], text
     assert "contract identical (resume)" in text
+    assert [p.name for p in (file_store.root / RUN).iterdir()] == ["run.json"]
 
 
 def test_credentials_file_not_private(file_store, tmp_path):

@@ -71,7 +71,7 @@ def test_env_file_option_and_the_environment_winning_over_the_file(s3_run):
     res = verify(cwd, "--env-file", str(creds), env={"DRL_RUN": RUN})
     assert res.returncode == 0, res.stdout + res.stderr
     wrong = verify(cwd, "--env-file", str(creds))  # the file's DRL_RUN names a run that does not exist
-    assert wrong.returncode == 1 and "has no run.json" in wrong.stdout
+    assert wrong.returncode == 2 and "has no run.json" in wrong.stderr and "check --run" in wrong.stderr  # bad input
     missing = verify(cwd, "--env-file", str(other / "nope.env"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 

@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from urllib.parse import urlparse
 
-    from .env import load_env, store_url
-    from .layout import check_run_id
+    from .env import load_env, redact, store_url
+    from .layout import check_run_id, manifest_key
     from .store import StoreError, open_store
     from .verify import verify_run
 
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"run {run!r} is not here: there is no store at {url}; pass --store or set "
                              "DRL_STORE to the run's bucket")
         store = open_store(url, env)
+        if store.head(manifest_key(run)) is None:  # a wrong run id or store is bad input, not a failed check
+            raise ValueError(f"run {run!r} has no run.json in {redact(url)}: check --run (or DRL_RUN) and --store")
         return 0 if verify_run(store, run) else 1
     except (ValueError, StoreError) as e:  # store errors pass through redaction: no secret in them
         from .cli import one_sentence

@@ -13,6 +13,8 @@ from ..cli import number
 
 #: more CPU threads than this is no machine's (torch crashed at 99999)
 MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))
+#: --retriever-tier / DRL_RETRIEVER_TIER (WorkerSettings.retriever_tier)
+TIERS = ("auto", "light", "medium", "heavy")
 
 
 def default_store(env) -> str | None:
@@ -67,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.store or not args.run:
         p.error("--store and --run are required (or set DRL_STORE and DRL_RUN)")
+    if args.retriever_tier is not None:  # the environment's value is no argparse choice: checked here, as typed
+        args.retriever_tier = args.retriever_tier.strip().lower()
+        if args.retriever_tier not in TIERS:
+            given = ("--retriever-tier" if any(a.startswith("--retriever-tier") for a in (argv or sys.argv[1:]))
+                     else "DRL_RETRIEVER_TIER")
+            p.error(f"{given}={args.retriever_tier!r} must be one of {', '.join(TIERS)}")
     return args
 
 

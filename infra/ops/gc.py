@@ -1,4 +1,4 @@
-"""`invoke gc --run <id> --keep-anchors K`: delete what no joiner can need any more.
+"""`invoke gc --run <id> [--keep-anchors K]`: delete what no joiner can need any more.
 
 A joiner starts from the anchor the pointer names (the newest at or below it) and applies patches up to
 the pointer (docs/contract.md). Keeping the newest K anchors at or below the pointer (always including the

@@ -144,7 +144,7 @@ def _ray_jobs(run: str) -> tuple[list, str | None]:
 
 def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = False, log=print) -> dict:
     """Stop the run's Ray jobs and its detached trainer process group (SIGTERM, then SIGKILL); a run started in a
-    terminal here (`make gsm8k`, holding the run's lock) is interrupted as Ctrl-C does there."""
+    terminal here (`make gsm8k`, holding the run's lock) is stopped as Ctrl-C would stop it there."""
     from .slime_launch import BoxPaths
 
     paths = BoxPaths(remote_dir=remote_dir, run=run)
@@ -154,7 +154,7 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
     if launcher is not None:
         out = {"run": run, "launcher": launcher, "ray_jobs": [], "pid": None, "leftovers": [], "stopped": False}
         if dry_run:
-            log(f"would interrupt the launcher of run {run} (pid {launcher}) as Ctrl-C does [dry run]")
+            log(f"would stop the launcher of run {run} (pid {launcher}) as Ctrl-C would [dry run]")
             return out
         out["stopped"] = interrupt_launcher(launcher, paths.state_dir, timeout_s=max(timeout_s, LAUNCHER_STOP_S),
                                             log=log)
@@ -353,10 +353,11 @@ def _refuse_live_run(root: Path, run: str, what: str) -> None:
 
 
 def interrupt_launcher(pid: int, state_dir: str | Path, *, timeout_s: float, log=print) -> bool:
-    """What Ctrl-C in its terminal does: SIGINT to the launcher holding the run's lock, which stops its learner
-    (a checkpoint first) and workers and prints its summary there; True once it let go of the lock."""
-    log(f"interrupting the launcher of the run (pid {pid}) as Ctrl-C does; it stops its learner and workers")
-    os.kill(pid, signal.SIGINT)
+    """What Ctrl-C in its terminal does: SIGTERM to the launcher holding the run's lock, which it takes as a clean
+    stop (its learner checkpoints, its workers finish their group) and says so in its summary there; True once it
+    let go of the lock. Not SIGINT: a launcher started in the background of a script ignores that one."""
+    log(f"stopping the launcher of the run (pid {pid}) as Ctrl-C would; it stops its learner and workers")
+    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while run_is_live(state_dir) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -67,8 +67,8 @@ def _plan(host, run, rd, ssh_key, step: str, purge: bool = False) -> list[str]:
 
             out = remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd, dry_run=True)
             if out.get("launcher"):
-                return [f"interrupt the launcher of run {run} (pid {out['launcher']}, e.g. make gsm8k RUN={run}) as "
-                        "Ctrl-C does: it stops its learner, which checkpoints, and its workers"]
+                return [f"stop the launcher of run {run} (pid {out['launcher']}, e.g. make gsm8k RUN={run}) as "
+                        "Ctrl-C would (SIGTERM): it stops its learner, which checkpoints, and its workers"]
             left = out.get("leftovers", [])
             return [f"stop Ray jobs {', '.join(out['ray_jobs']) or 'none'} and the trainer process group "
                     f"{out['pid'] or '(none running)'} of run {run}"] + ([leftovers_action(run, left)] if left else [])
@@ -79,7 +79,7 @@ def _plan(host, run, rd, ssh_key, step: str, purge: bool = False) -> list[str]:
                  "yes": "stop without asking (scripts)"})
 def stop(c, run=None, host=None, local=False, ssh_key=None, remote_dir=None, dry_run=False, yes=False):
     """Stop the run's trainer: its Ray jobs and its process group, by PID; a `make gsm8k` of the run here is
-    interrupted as Ctrl-C does in its terminal (asks first)."""
+    stopped as Ctrl-C would stop it in its terminal (asks first)."""
     from infra.remote import stop as remote_stop
 
     run, host, rd = _args(run, host, local, remote_dir)

@@ -189,7 +189,7 @@ def test_a_retriever_url_without_a_host_is_refused_in_one_sentence(run_store, mo
 
 
 @pytest.mark.parametrize("args, says", [(["--max-turns", "0"], "argument --max-turns: 0 is out of range: give a number at least 1"),
-                                         (["--retriever-tier", "big"], "retriever_tier: Input should be 'auto', 'light'")])
+                                         (["--retriever-tier", "big"], "--retriever-tier='big' must be one of auto, light, medium, heavy")])
 def test_a_bad_psqa_setting_reads_as_one_sentence(args, says):
     """pydantic's folded table ('1 validation error for WorkerSettings; ...; [type=..., input_value=...]') is
     not a sentence: the field, what is wrong, and what was given."""

@@ -224,7 +224,8 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
     paths = EmbeddedPaths(Path(root), cfg.run)
     cfg = embedded_cfg(cfg, paths)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
-    lock = lock_run_dir(paths.run_dir, create=True)  # the lock infra/boxops.py's stop and teardown look at
+    # the lock infra/boxops.py's stop and teardown look at; it names this process, for `invoke stop` to end
+    lock = lock_run_dir(paths.run_dir, create=True, launcher=True)
     if lock is None:
         console.print(f"[red]run {cfg.run!r} is already running on this machine[/] (lock {paths.run_dir}/.lock); "
                       "stop it first, or choose another RUN")

@@ -212,7 +212,7 @@ RUN_LOCK = ".lock"
 LAUNCHER_STOP_S = 120.0
 
 
-def lock_run_dir(state_dir: str | Path, *, create: bool = False):
+def lock_run_dir(state_dir: str | Path, *, create: bool = False, launcher: bool = False):
     """An exclusive flock on the run dir's lock file, held while the returned file stays open (the lock
     `make gsm8k` takes), or None when a live process holds it. Without the file (and `create`, or without
     the run dir) nothing can hold it: a stand-in with nothing to release."""
@@ -227,9 +227,11 @@ def lock_run_dir(state_dir: str | Path, *, create: bool = False):
     except OSError:
         f.close()
         return None
-    f.truncate(0)  # the holder, for `stop` to interrupt (lock_holder); "a+" writes at the end, now 0
-    f.write(json.dumps({"pid": os.getpid(), "start": _proc_start(os.getpid())}))  # stdlib: make clean reads it
-    f.flush()
+    if launcher:  # the launcher writes itself down, for `stop` to end (lock_holder); a probe, stop or teardown
+        # that takes the lock for a moment does not, so a record names a launcher or no live process
+        f.truncate(0)  # "a+" writes at the end, now 0
+        f.write(json.dumps({"pid": os.getpid(), "start": _proc_start(os.getpid())}))  # stdlib: make clean reads it
+        f.flush()
     return f
 
 

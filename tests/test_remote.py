@@ -331,7 +331,7 @@ def test_teardown_refuses_a_run_that_holds_its_lock_and_stop_interrupts_it(tmp_p
 
     run_id = "live-lock-run"
     state = tmp_path / ".stoa" / "runs" / run_id
-    take = "lock = lock_run_dir(p.run_dir, create=True); assert lock"
+    take = "lock = lock_run_dir(p.run_dir, create=True, launcher=True); assert lock"
     holder = subprocess.Popen(  # SIGINT ignored, as by a background job of a script: stop still works
         [sys.executable, "-c", "import signal, sys, time; from pathlib import Path; "
          "signal.signal(signal.SIGINT, signal.SIG_IGN); "
@@ -367,6 +367,11 @@ def test_teardown_refuses_a_run_that_holds_its_lock_and_stop_interrupts_it(tmp_p
         if holder.poll() is None:
             holder.terminate()  # the test started it; end it by PID
         holder.wait(timeout=30)
+    from infra.boxops import lock_holder, lock_run_dir
+
+    held = lock_run_dir(state, create=True)  # a moment's holder (a probe, stop's own, teardown's) writes nothing
+    assert held is not None and lock_holder(state) is None  # the launcher's record names a process now gone
+    held.close()
     raw = subprocess.Popen(  # the lock taken without lock_run_dir: no holder written down
         [sys.executable, "-c", f"import fcntl, time; f = open({str(state / '.lock')!r}, 'w'); "
          "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(300)"],

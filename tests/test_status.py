@@ -283,7 +283,7 @@ def test_a_partial_read_estimates_the_rate_and_leaves_unread_workers_unknown():
         if worker != "mac-c" and len(times) < 64:  # the newest records read, none of mac-c's
             times[key] = now - 0.2 * len(times)
     rows, rate = summarize_workers(items, times, 100, now, 300.0, partial=True)
-    assert rate == pytest.approx(64 / (0.2 * 63) * 60, rel=0.01)  # about 305 a minute, not 64 / 5
+    assert rate == pytest.approx(300, rel=0.01)  # each worker one upload every 0.4 s: 300 a minute, not 64 / 5
     by = {r.worker_id: r for r in rows}
     assert by["mac-c"].groups_recent is None and by["mac-a"].groups_recent == 32
 
@@ -309,6 +309,13 @@ def test_a_partial_read_sees_every_worker_and_sums_their_rates(file_store):
     times, partial = status_mod._upload_times(file_store, items, {})
     assert partial and len(times) == status_mod.MAX_RECORD_READS
     rows, rate = status_mod.summarize_workers(items, times, 100, now, 300.0, partial=True)
-    assert rate == pytest.approx(360, rel=0.1)
+    assert rate == pytest.approx(360, rel=0.02)
+    # a worker whose one group arrived just now adds its count over the window, not 1 / 0.5 s
+    gid = f"g{int((now - 0.5) * 1000):013d}-00000000"
+    file_store.put_if_absent(layout.rollout_key(RUN, 100, "mac-d", gid), record(RUN, "mac-d", gid, 100, now - 0.5))
+    items = status_mod.recent_rollouts(file_store, RUN, 96, 101)
+    times, partial = status_mod._upload_times(file_store, items, {})
+    rows, rate = status_mod.summarize_workers(items, times, 100, now, 300.0, partial=True)
+    assert rate == pytest.approx(360, rel=0.02)
     by = {r.worker_id: r for r in rows}
     assert all(by[w].last_seen_s == pytest.approx(0) and by[w].groups_recent >= 21 for w in ("mac-a", "mac-b", "mac-c"))

@@ -209,10 +209,10 @@ def _newest_of_each_worker_in_turn(items: list[tuple[layout.RolloutKey, ObjectIn
 
 def _rate_per_minute(wt: list[float], now: float, window_s: float, partial: bool) -> float:
     """Uploads a minute from one worker's known upload times: those in the window over the window; with a
-    partial read whose records all fall inside the window (more may be unread there), over the time they span."""
-    span = now - min(wt)
-    if partial and 0 < span < window_s:
-        return len(wt) / (span / 60)
+    partial read whose records all fall inside the window (more may be unread there), n uploads span n - 1
+    intervals between the first and the last (a single one says nothing of a rate: counted over the window)."""
+    if partial and now - min(wt) < window_s and len(wt) >= 2 and max(wt) > min(wt):
+        return (len(wt) - 1) / ((max(wt) - min(wt)) / 60)
     return sum(now - t <= window_s for t in wt) / (window_s / 60)
 
 

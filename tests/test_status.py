@@ -276,7 +276,7 @@ def test_a_partial_read_estimates_the_rate_and_leaves_unread_workers_unknown():
     from worker_contract.store.base import ObjectInfo
 
     now, items, times = 10_000.0, [], {}
-    for i in range(300):  # mac-a and mac-b upload one group each every 0.2 s; mac-c's are older versions
+    for i in range(300):  # mac-a and mac-b upload a group every 0.2 s between them; mac-c's are older versions
         worker = ("mac-a", "mac-b", "mac-c")[i % 3]
         key = layout.rollout_key(RUN, 100 - i // 30, worker, f"g{i}")
         items.append((layout.parse_rollout_key(key), ObjectInfo(key, 1, "e")))

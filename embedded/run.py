@@ -245,12 +245,20 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
     services = None
     if (kit := local_services(get_task(cfg.task))) is not None:  # e.g. the generated corpus and the retriever
         services = kit.PsqaServices(cfg, paths)
+    # until the children start (a base build, the retriever, run.json), SIGTERM (`invoke stop`) ends the set-up as
+    # Ctrl-C does, through the `finally` below, instead of killing the launcher where it stands
+    term = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
         return _run_locked(cfg, paths, console, services)
     finally:
+        signal.signal(signal.SIGTERM, term)
         if services is not None:
             services.stop()  # last: workers finishing a group and the final evaluation still search
         lock.close()
+
+
+def _terminate_as_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _run_locked(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console, services=None) -> int:

@@ -230,7 +230,7 @@ def lock_run_dir(state_dir: str | Path, *, create: bool = False, launcher: bool 
     if launcher:  # the launcher writes itself down, for `stop` to end (lock_holder); a probe, stop or teardown
         # that takes the lock for a moment does not, so a record names a launcher or no live process
         f.truncate(0)  # "a+" writes at the end, now 0
-        f.write(json.dumps({"pid": os.getpid(), "start": _proc_start(os.getpid())}))  # stdlib: make clean reads it
+        f.write(json.dumps({"pid": os.getpid(), "start": _proc_start(os.getpid()), "created": _created(os.getpid())}))
         f.flush()
     return f
 
@@ -240,10 +240,21 @@ def lock_holder(state_dir: str | Path) -> int | None:
     process still runs (its start time checked, so a recycled PID is never taken for it); else None."""
     try:
         held = json.loads((Path(state_dir) / RUN_LOCK).read_text())
-        pid, start = int(held["pid"]), held["start"]
-    except (OSError, ValueError, KeyError, TypeError):  # no lock file, or one written before holders were noted
+        pid, start, created = int(held["pid"]), held.get("start"), held.get("created")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or one written before holders were
         return None
-    return pid if start is not None and _proc_start(pid) == start else None  # None where there is no /proc
+    if start is not None:  # Linux: the start in clock ticks, exact
+        return pid if _proc_start(pid) == start else None
+    now = _created(pid)  # macOS (no /proc): psutil's creation time
+    return pid if created is not None and now is not None and abs(now - created) < 0.01 else None
+
+
+def _created(pid: int) -> float | None:
+    """psutil's creation time of `pid` where psutil is there (the launcher's venv; not make clean's Python)."""
+    try:
+        return process_start_time(pid)
+    except ImportError:
+        return None
 
 
 class _NoLock:
@@ -349,9 +360,9 @@ def _refuse_live_run(root: Path, run: str, what: str) -> None:
 
     if _live_launcher(root, run) is not None:
         state = BoxPaths(remote_dir=str(root), run=run).state_dir
+        how = "Ctrl-C where it runs" if what == "stop" else f"invoke stop --run {run} --local, or Ctrl-C where it runs"
         raise ValueError(f"run {run} is running on this machine (another process holds {state}/{RUN_LOCK}, e.g. "
-                         f"make gsm8k RUN={run}); {what} refused: stop it first (invoke stop --run {run} --local, "
-                         "or Ctrl-C where it runs) and try again")
+                         f"make gsm8k RUN={run}); {what} refused: stop it first ({how}) and try again")
 
 
 def interrupt_launcher(pid: int, state_dir: str | Path, *, timeout_s: float, log=print) -> bool:
@@ -359,7 +370,10 @@ def interrupt_launcher(pid: int, state_dir: str | Path, *, timeout_s: float, log
     stop (its learner checkpoints, its workers finish their group) and says so in its summary there; True once it
     let go of the lock. Not SIGINT: a launcher started in the background of a script ignores that one."""
     log(f"stopping the launcher of the run (pid {pid}) as Ctrl-C would; it stops its learner and workers")
-    os.kill(pid, signal.SIGTERM)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:  # it ended between the look and the signal
+        return True
     deadline = time.monotonic() + timeout_s
     while run_is_live(state_dir) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -149,3 +149,35 @@ def test_the_printed_change_is_the_difference_of_the_printed_shares(tmp_path, ca
     summary(default_console(), state, paths=EmbeddedPaths(tmp_path, "x"), plots=[], stop_reason="10 steps done",
             store_url=f"file://{tmp_path}/bucket")
     assert "24.8% -> 54.0% (+29.2 points)" in capsys.readouterr().out
+
+
+def test_sigterm_during_the_set_up_ends_it_as_ctrl_c_does(tmp_path):
+    """`invoke stop` sends a running launcher SIGTERM; during its set-up (here the base model's build) that once
+    killed it where it stood, before its handlers were there. It ends as after Ctrl-C: `interrupted`, 130, the
+    run's lock let go."""
+    import subprocess
+    import time
+
+    from infra.boxops import lock_holder, run_is_live
+
+    code = ("import sys\nfrom pathlib import Path\nfrom embedded.config import resolve_embedded\n"
+            "from embedded.run import run_embedded\nfrom worker_contract.cli import run_main\n"
+            "cfg = resolve_embedded('gsm8k', env={}, overrides={'run': 'term-1', 'embedded.base.sft_steps': 100000})\n"
+            "sys.exit(run_main(lambda: run_embedded(cfg, root=Path(sys.argv[1])), 'make gsm8k'))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "runs" / "term-1"
+    try:
+        deadline = time.monotonic() + 120
+        while lock_holder(run_dir) != proc.pid and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert lock_holder(run_dir) == proc.pid
+        time.sleep(1.0)  # inside the set-up
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "make gsm8k: interrupted", (proc.returncode, err)
+    assert not run_is_live(run_dir)

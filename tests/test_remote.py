@@ -388,6 +388,20 @@ def test_teardown_refuses_a_run_that_holds_its_lock_and_stop_interrupts_it(tmp_p
     assert not state.exists()
 
 
+def test_the_launchers_lock_record_names_it_without_proc_too(tmp_path, monkeypatch):
+    """macOS has no /proc: the record's start in clock ticks is None there, and stop found no holder, so it
+    refused and named itself as the fix. psutil's creation time names the launcher instead."""
+    monkeypatch.setattr(boxops, "_proc_start", lambda pid: None)
+    lock = boxops.lock_run_dir(tmp_path, create=True, launcher=True)
+    try:
+        assert boxops.lock_holder(tmp_path) == os.getpid()
+        record = json.loads((tmp_path / boxops.RUN_LOCK).read_text())
+    finally:
+        lock.close()
+    (tmp_path / boxops.RUN_LOCK).write_text(json.dumps({**record, "created": record["created"] - 5}))
+    assert boxops.lock_holder(tmp_path) is None  # a recycled PID: another process's creation time
+
+
 def test_logs_of_a_run_with_no_log_name_where_they_looked(sshd_server, tmp_path, capfd):  # noqa: F811
     # over SSH and here alike: no log yet is a sentence naming the file and how to start the run (it was
     # tail's own "cannot open"); here the embedded run's learner.log is shown when the box log is absent

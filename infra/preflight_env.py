@@ -83,7 +83,8 @@ def check_bucket(ctx: Context) -> Row:
             ctx.store.delete(key)
         gone = ctx.store.head(key) is None
     except Exception as e:  # any failure here is the finding itself; the message is shown redacted
-        if "HTTP " not in str(e) and "does not exist" not in str(e):  # no answer at all, not a refusal
+        if _scheme(ctx.store_url) in ("r2", "s3") and "HTTP " not in str(e) and "does not exist" not in str(e):
+            # no answer at all, not a refusal (a file store's failure is the folder's, which the message names)
             fix = ("the store did not answer: check that this machine reaches it (network, proxy) and the endpoint "
                    "(R2_ACCOUNT_ID names the account's https://<account>.r2.cloudflarestorage.com; for s3:// "
                    "DRL_S3_ENDPOINT)")

@@ -93,3 +93,15 @@ def test_default_store_is_the_embedded_file_store(tmp_path):
     assert res.returncode == 0 and "pointer v2" in res.stdout, res.stdout + res.stderr
     res = verify(tmp_path)
     assert res.returncode == 2 and "pass --run RUN or set DRL_RUN" in res.stderr, res.stderr
+
+
+def test_a_run_whose_run_json_is_gone_fails_the_check_and_a_wrong_id_is_bad_input(tmp_path):
+    """A run id the store holds nothing of is a typo (exit 2, one sentence); a run whose run.json was deleted
+    from under its versions is a damaged run, which the check reports (exit 1)."""
+    store = FileStore(tmp_path / ".stoa" / "bucket")
+    publish(store, n=2)
+    typo = verify(tmp_path, "--run", RUN + "x")
+    assert typo.returncode == 2 and "check --run" in typo.stderr, typo.stdout + typo.stderr
+    (store.root / RUN / "run.json").unlink()
+    damaged = verify(tmp_path, "--run", RUN)
+    assert damaged.returncode == 1 and "FAIL" in damaged.stdout and "has no run.json" in damaged.stdout, damaged.stderr

@@ -425,15 +425,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m entrypoints.psqa_
     follower = _check_args(args, client)
     if args.max_new_tokens is None and follower is None:  # --run's default is its run.json's (PublishedRun)
         args.max_new_tokens = _recipe_budget()
-    task = PsqaTask(args.data_dir)
-    problems = heldout_subset(task.dataset("test"), args.questions, args.seed)
-    search = search_tool(client, k=args.top_k, strict=True)  # a failed search fails the point, never scores 0
     curve = read_curve(args.out)
     others = [p.model for p in curve if follower is not None and not p.model.startswith(follower.label + " v")]
     if others:  # one file, one line in the plot: two runs' points would zigzag into one curve
         raise ValueError(f"--out {args.out} holds the curve of {others[0].rsplit(' v', 1)[0]}: give each run its "
                          "own --out")
     done = {p.version for p in curve}
+    task = PsqaTask(args.data_dir)
+    problems = heldout_subset(task.dataset("test"), args.questions, args.seed)
+    search = search_tool(client, k=args.top_k, strict=True)  # a failed search fails the point, never scores 0
     while True:
         if follower is not None:  # the newest version, once it is --every past the last point
             newest = follower.newest()

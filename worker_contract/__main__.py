@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from urllib.parse import urlparse
 
     from .env import load_env, redact, store_url
-    from .layout import check_run_id, manifest_key
+    from .layout import check_run_id, manifest_key, run_prefix
     from .store import StoreError, open_store
     from .verify import verify_run
 
@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"run {run!r} is not here: there is no store at {url}; pass --store or set "
                              "DRL_STORE to the run's bucket")
         store = open_store(url, env)
-        if store.head(manifest_key(run)) is None:  # a wrong run id or store is bad input, not a failed check
+        if store.head(manifest_key(run)) is None and next(iter(store.list(run_prefix(run))), None) is None:
+            # nothing of the run at all: a wrong run id or store is bad input; a run.json gone from a run's objects
+            # is a damaged run, which the check reports (exit 1)
             raise ValueError(f"run {run!r} has no run.json in {redact(url)}: check --run (or DRL_RUN) and --store")
         return 0 if verify_run(store, run) else 1
     except (ValueError, StoreError) as e:  # store errors pass through redaction: no secret in them

@@ -104,9 +104,14 @@ def run_main(main: Callable[[], int | None], prog: str) -> int:
         raise
     except Exception as e:
         if isinstance(e, ModuleNotFoundError) and missing_dependency(e):  # before anything below imports one
-            print(f"{prog}: this Python ({sys.executable}) lacks {e.name!r}, which stoa trainer needs: run the "
-                  "command in the project's venv (`source .venv/bin/activate`, or `.venv/bin/python -m ...`; "
-                  "`make setup` makes it), or install the project into this Python", file=sys.stderr)
+            if sys.prefix == sys.base_prefix:  # no venv at all: the project's was not activated
+                fix = ("run the command in the project's venv (`source .venv/bin/activate`, or `.venv/bin/python "
+                       "-m ...`; `make setup` makes it), or install the project into this Python")
+            else:  # a venv without it: an extra this command needs was not installed
+                fix = (f"install it into this venv ({sys.prefix}): `make setup` installs what every command needs; "
+                       "a worker-only install takes its backend's extra (pip install -e '.[mlx]' or '.[worker]')")
+            print(f"{prog}: this Python ({sys.executable}) lacks {e.name!r}, which this command needs: {fix}",
+                  file=sys.stderr)
             return EXIT_BAD_INPUT
         if isinstance(e, user_errors()):
             try:

@@ -70,11 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.store or not args.run:
         p.error("--store and --run are required (or set DRL_STORE and DRL_RUN)")
     if args.retriever_tier is not None:  # the environment's value is no argparse choice: checked here, as typed
-        args.retriever_tier = args.retriever_tier.strip().lower()
-        if args.retriever_tier not in TIERS:
-            given = ("--retriever-tier" if any(a.startswith("--retriever-tier") for a in (argv or sys.argv[1:]))
-                     else "DRL_RETRIEVER_TIER")
-            p.error(f"{given}={args.retriever_tier!r} must be one of {', '.join(TIERS)}")
+        typed, args.retriever_tier = args.retriever_tier, args.retriever_tier.strip().lower()
+        if args.retriever_tier not in TIERS:  # named as given: the flag (or an abbreviation of it), else the variable
+            flag = any(a.startswith("--retriever-t") for a in (sys.argv[1:] if argv is None else argv))
+            p.error(f"{'--retriever-tier' if flag else 'DRL_RETRIEVER_TIER'}={typed!r} must be one of {', '.join(TIERS)}")
     return args
 
 

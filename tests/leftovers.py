@@ -61,10 +61,15 @@ class Leftovers:
                 terminalreporter.line(line)
 
 
+def pytest_configure(config):
+    """As a plugin of its own (`-p leftovers`: its test runs it so, in a suite of one leaking test)."""
+    register(config)
+
+
 def register(config) -> None:
     """On the controller only (an xdist worker inherits the token and finds nothing of its own to end). The token
     is always new: a suite a test starts must not take the outer suite's processes for its own."""
-    if hasattr(config, "workerinput"):
+    if hasattr(config, "workerinput") or config.pluginmanager.has_plugin("stoa-leftovers"):
         return
     token = os.environ[MARK] = uuid.uuid4().hex
     config.pluginmanager.register(Leftovers(token), "stoa-leftovers")

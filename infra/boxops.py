@@ -156,7 +156,7 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
         if dry_run:
             log(f"would stop the launcher of run {run} (pid {launcher}) as Ctrl-C would [dry run]")
             return out
-        out["stopped"] = interrupt_launcher(launcher, paths.state_dir, timeout_s=max(timeout_s, LAUNCHER_STOP_S),
+        out["stopped"] = stop_launcher(launcher, paths.state_dir, timeout_s=max(timeout_s, LAUNCHER_STOP_S),
                                             log=log)
         return out
     jobs, note = _ray_jobs(run)
@@ -207,7 +207,7 @@ SHIPPED_MARK = ".stoa-tree.sha256"
 
 #: the lock a running `make gsm8k RUN=<run>` holds on its run dir (embedded/run.py takes it with `lock_run_dir`)
 RUN_LOCK = ".lock"
-#: seconds `stop` waits for an interrupted launcher: its children's graceful stop (embedded/localprocs.py, 60 s)
+#: seconds `stop` waits for a launcher it stopped: its children's graceful stop (embedded/localprocs.py, 60 s)
 #: and its last evaluation and summary
 LAUNCHER_STOP_S = 120.0
 
@@ -365,7 +365,7 @@ def _refuse_live_run(root: Path, run: str, what: str) -> None:
                          f"make gsm8k RUN={run}); {what} refused: stop it first ({how}) and try again")
 
 
-def interrupt_launcher(pid: int, state_dir: str | Path, *, timeout_s: float, log=print) -> bool:
+def stop_launcher(pid: int, state_dir: str | Path, *, timeout_s: float, log=print) -> bool:
     """What Ctrl-C in its terminal does: SIGTERM to the launcher holding the run's lock, which it takes as a clean
     stop (its learner checkpoints, its workers finish their group) and says so in its summary there; True once it
     let go of the lock. Not SIGINT: a launcher started in the background of a script ignores that one."""

@@ -61,9 +61,10 @@ def drops_of(version: int) -> dict[str, int]:
 
 
 def build_run(store, run: str, *, pointer: int, anchor_interval: int, workers: dict[str, list[int]],
-              staleness: int = 3, now: float | None = None) -> Built:
+              staleness: int = 3, now: float | None = None, gone_s: dict[str, float] | None = None) -> Built:
     """Publish versions 1..pointer (an anchor every `anchor_interval`), a stats object per version, and one
-    rollout group per entry of `workers` (worker id -> the versions its groups were sampled at)."""
+    rollout group per entry of `workers` (worker id -> the versions its groups were sampled at), 10 s apart and
+    the last 10 s before `now`, or `gone_s[worker]` seconds before it (a worker long gone)."""
     now = time.time() if now is None else now
     key = signing.generate_private_key()
     manifest = manifest_for(run, staleness=staleness, anchor_interval=anchor_interval, key=key)
@@ -95,5 +96,6 @@ def build_run(store, run: str, *, pointer: int, anchor_interval: int, workers: d
     for worker, versions in workers.items():
         for i, v in enumerate(versions):
             key_ = layout.rollout_key(run, v, worker, f"g{i:04d}")
-            store.put_if_absent(key_, record(run, worker, f"g{i:04d}", v, created_at=now - 10 * (len(versions) - i)))
+            ago = (gone_s or {}).get(worker, 0.0) + 10 * (len(versions) - i)
+            store.put_if_absent(key_, record(run, worker, f"g{i:04d}", v, created_at=now - ago))
     return built

@@ -41,11 +41,12 @@ WORKERS = {
     "mac-b": [8, 8, 9],            # one behind
     "old-box": [2, 2],             # long gone: outside the listed window
 }
+GONE = {"old-box": 3600.0}         # its groups are an hour old
 
 
 @pytest.fixture
 def built(store):
-    return build_run(store, RUN, pointer=10, anchor_interval=4, workers=WORKERS)
+    return build_run(store, RUN, pointer=10, anchor_interval=4, workers=WORKERS, gone_s=GONE)
 
 
 def test_status_reads_pointer_anchors_workers_and_stats(store, built):
@@ -101,7 +102,8 @@ def test_listing_is_bounded_by_recent_versions(file_store):
     counted = ListCounter(file_store.root)
     st = collect_status(counted, RUN, now=b.now, include_bytes=False)
     rollout_lists = [p for p, _ in counted.prefixes if p.startswith(layout.rollouts_prefix(RUN))]
-    assert sorted(rollout_lists) == [layout.rollout_version_prefix(RUN, v) for v in range(33, 42)]
+    # the window's versions, and the one just below them (is the window longer than they reach back?)
+    assert sorted(rollout_lists) == [layout.rollout_version_prefix(RUN, v) for v in range(32, 42)]
     stats_lists = [s for p, s in counted.prefixes if p == layout.stats_prefix(RUN)]
     assert stats_lists == [layout.stats_key(RUN, 28)]
     assert layout.run_prefix(RUN) not in [p for p, _ in counted.prefixes]  # no full listing without bytes
@@ -137,7 +139,7 @@ def test_cost_estimate_counts_writes_and_scales_with_time(store, built):
 def test_status_shown_in_a_file_bucket_and_moto_gives_the_same_view(file_store, s3_store):
     now = time.time() + 5
     for s in (file_store, s3_store):
-        build_run(s, RUN, pointer=10, anchor_interval=4, workers=WORKERS, now=now)
+        build_run(s, RUN, pointer=10, anchor_interval=4, workers=WORKERS, now=now, gone_s=GONE)
     volatile = {"store", "bytes_by_prefix", "cost", "pointer_age_s", "publishes"}
     a = collect_status(file_store, RUN, now=now).model_dump(exclude=volatile)
     b = collect_status(s3_store, RUN, now=now).model_dump(exclude=volatile)
@@ -170,7 +172,7 @@ def test_rich_table_shows_the_numbers(store, built):
 
 
 def test_invoke_status_task_against_moto(moto_server, s3_store, tmp_path):
-    build_run(s3_store, RUN, pointer=10, anchor_interval=4, workers=WORKERS)
+    build_run(s3_store, RUN, pointer=10, anchor_interval=4, workers=WORKERS, gone_s=GONE)
     env = {**moto_server.env(), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "invoke", "status", "--run", RUN, "--json",
                           "--store", s3_store.url], cwd=REPO, env=env, capture_output=True, text=True,
@@ -229,19 +231,20 @@ class GetCounter(FileStore):
 def test_record_reads_are_bounded_and_cached_between_refreshes(file_store, monkeypatch):
     import infra.ops.status as status_mod
 
-    b = build_run(file_store, RUN, pointer=10, anchor_interval=4, workers=WORKERS)
+    b = build_run(file_store, RUN, pointer=10, anchor_interval=4, workers=WORKERS, gone_s=GONE)
     monkeypatch.setattr(status_mod, "MAX_RECORD_READS", 3)
     counted, cache = GetCounter(file_store.root), {}
     GetCounter.reads = 0
     st = collect_status(counted, RUN, now=b.now, include_bytes=False, record_times=cache)
-    assert GetCounter.reads == 3 and len(cache) == 3 and any("from 3 records only" in n for n in st.notes)
+    # 3 records, and old-box's newest below the listed versions (an hour old: the listing covers the window)
+    assert GetCounter.reads == 4 and len(cache) == 4 and any("from 3 records only" in n for n in st.notes)
     # each listed worker's newest first, in turn: mac-a's v10 and mac-b's v9, then mac-a's next
     assert {w.worker_id for w in st.workers if w.last_seen_s is not None} == {"mac-a", "mac-b"}
     for _ in range(2):
         st = collect_status(counted, RUN, now=b.now, include_bytes=False, record_times=cache)
-    assert GetCounter.reads == 8 and len(cache) == 8 and not st.notes  # every record read exactly once
+    assert GetCounter.reads == 9 and len(cache) == 9 and not st.notes  # every record read exactly once
     collect_status(counted, RUN, now=b.now, include_bytes=False, record_times=cache)
-    assert GetCounter.reads == 8
+    assert GetCounter.reads == 9
 
 
 @pytest.mark.parametrize("as_json", [False, True], ids=["tables", "json"])
@@ -319,3 +322,29 @@ def test_a_partial_read_sees_every_worker_and_sums_their_rates(file_store):
     assert rate == pytest.approx(360, rel=0.02)
     by = {r.worker_id: r for r in rows}
     assert all(by[w].last_seen_s == pytest.approx(0) and by[w].groups_recent >= 21 for w in ("mac-a", "mac-b", "mac-c"))
+
+
+def test_versions_that_come_fast_reach_back_less_than_the_window(file_store):
+    """The embedded run publishes about a version a second: the listed versions (pointer back to staleness + 4)
+    reach back some seconds, and status divided what they hold by the whole 5-minute window (11 a minute where
+    about 460 were uploaded in the last minute). The rate is over the seconds they reach back, and a note says so."""
+    from opsbucket import record
+
+    from infra.ops import status as status_mod
+
+    now = 10_000.0
+    for v in range(90, 101):  # 11 versions a second apart, 2 workers, 4 groups each a version
+        for worker in ("mac-a", "mac-b"):
+            for j in range(4):
+                t = now - (100 - v) - j * 0.2
+                gid = f"g{int(t * 1000):013d}-{j:08x}"
+                file_store.put_if_absent(layout.rollout_key(RUN, v, worker, gid), record(RUN, worker, gid, v, t))
+    items = status_mod.recent_rollouts(file_store, RUN, 100 - 3 - status_mod.EXTRA_VERSIONS_BACK, 101)
+    times, partial = status_mod._upload_times(file_store, items, {})
+    assert not partial and len(times) == 8 * 8  # versions 93..100
+    assert status_mod._uploads_below(file_store, RUN, 93, now - 300, {})  # v92's uploads are seconds old
+    _, rate = status_mod.summarize_workers(items, times, 100, now, 300.0, partial, short=True)
+    assert rate == pytest.approx(480, rel=0.1)  # 8 groups a second
+    notes: list[str] = []
+    activity = status_mod._activity(file_store, RUN, 100, 3, now, 300.0, {}, notes)
+    assert activity["groups_per_minute"] == pytest.approx(480, rel=0.1) and any("reach back" in n for n in notes)

@@ -216,11 +216,30 @@ def _rate_per_minute(wt: list[float], now: float, window_s: float, partial: bool
     return sum(now - t <= window_s for t in wt) / (window_s / 60)
 
 
+def _uploads_below(store: Store, run: str, first: int, since: float, cache: dict[str, float]) -> bool:
+    """Whether the version just below the listed ones holds an upload made after `since` (its newest record's
+    created_at, cached): then the listing reaches back less than the window, as when versions come every few
+    seconds."""
+    if first - 1 < 1:
+        return False
+    newest = max((o.key for o in store.list(layout.rollout_version_prefix(run, first - 1))), default=None)
+    if newest is None:
+        return False
+    if newest not in cache:
+        try:
+            cache[newest] = decode_record(store.get(newest)).created_at
+        except (NotFound, RecordError):
+            cache[newest] = float("nan")
+    return cache[newest] > since  # False for nan
+
+
 def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
-                      window_s: float, partial: bool = False) -> tuple[list[WorkerSeen], float | None]:
+                      window_s: float, partial: bool = False,
+                      short: bool = False) -> tuple[list[WorkerSeen], float | None]:
     """Per-worker rows and the upload rate over the window, summed over the workers. With `partial` times (each
     worker's newest records only) a worker's rate is its read uploads' own, over the time they span, and a
-    worker none of whose records were read has no recent count (unknown, not 0) and adds nothing."""
+    worker none of whose records were read has no recent count (unknown, not 0) and adds nothing. Where the listed
+    versions reach back less than the window (`short`: fast versions), the rate is over the time they reach back."""
     by_worker: dict[str, list[tuple[layout.RolloutKey, ObjectInfo]]] = {}
     for k, o in items:
         by_worker.setdefault(k.worker_id, []).append((k, o))
@@ -238,7 +257,11 @@ def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
     rate = None
     if times:
         known = [[times[o.key] for _, o in kos if o.key in times] for kos in by_worker.values()]
-        rate = sum(_rate_per_minute(wt, now, window_s, partial) for wt in known if wt)
+        reach = now - min(times.values())
+        if short and not partial and 0 < reach < window_s:  # the listed versions reach back less than the window
+            rate = len(times) / (reach / 60)
+        else:
+            rate = sum(_rate_per_minute(wt, now, window_s, partial) for wt in known if wt)
     return rows, rate
 
 
@@ -397,13 +420,20 @@ def _activity(store: Store, run: str, pointer: int, staleness_bound: int, now: f
               record_times: dict[str, float], notes: list[str]) -> dict:
     """What happened near the pointer, as RunStatus fields: the workers' uploads (per worker, the rate, the
     staleness histogram) and what the trainer's recent stats objects and patches say."""
-    items = recent_rollouts(store, run, pointer - staleness_bound - EXTRA_VERSIONS_BACK, pointer + 1)
+    first = pointer - staleness_bound - EXTRA_VERSIONS_BACK
+    items = recent_rollouts(store, run, first, pointer + 1)
     times, partial = _upload_times(store, items, record_times)
+    short = _uploads_below(store, run, first, now - window_s, record_times)
     if partial:
         notes.append(f"upload times read from {MAX_RECORD_READS} records only, each worker's newest in turn (more "
                      "each refresh): groups/min sums each worker's rate over its read records, and a worker none of "
                      "whose records were read shows no recent count")
-    workers, rate = summarize_workers(items, times, pointer, now, window_s, partial)
+    workers, rate = summarize_workers(items, times, pointer, now, window_s, partial, short)
+    reach = now - min(times.values()) if times else None
+    if short and not partial and reach is not None and 0 < reach < window_s:
+        notes.append(f"the listed versions (the pointer back to staleness + {EXTRA_VERSIONS_BACK}) reach back "
+                     f"{reach:.0f} s, less than the {window_s / 60:g}-minute window (versions come fast): groups/min "
+                     "is over those seconds, and each worker's recent count covers only them")
     stats = read_stats(store, run, pointer)
     drops, recent = sum_drops(stats)
     consumed = consumed_staleness(stats)

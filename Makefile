@@ -76,7 +76,8 @@ preflight: setup  ## check a launch before it happens (nox -s preflight)
 
 clean:  ## remove the venv and nox's cache; keeps .stoa/ (local runs, signing keys) unless STATE=1
 	@if [ -n "$(filter 1,$(STATE))" ]; then $(PYTHON) -c 'import sys; from infra.boxops import live_runs; r = live_runs("."); \
-	  r and print(f"make clean STATE=1: run(s) {chr(44).join(r)} running here hold .stoa/ (stop each first: Ctrl-C where it runs, or invoke stop --run RUN --local); nothing removed", file=sys.stderr); sys.exit(2 if r else 0)' || exit 2; fi
+	  stops = "; ".join(f"invoke stop --run {x} --local" for x in r); \
+	  r and print(f"make clean STATE=1: run(s) {chr(44).join(r)} running here hold .stoa/ (stop each first: Ctrl-C where it runs, or {stops}); nothing removed", file=sys.stderr); sys.exit(2 if r else 0)' || exit 2; fi
 	@echo "removing $(VENV)/ and .nox/"
 	rm -rf $(VENV) .nox
 	@if [ -n "$(filter 1,$(STATE))" ]; then echo "STATE=1: removing .stoa/ (every local run, its checkpoints and signing key)"; \

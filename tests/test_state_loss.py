@@ -33,6 +33,7 @@ def test_make_clean_state_refuses_while_a_run_holds_its_lock(tmp_path):
         fcntl.flock(lock, fcntl.LOCK_EX)  # what a running `make gsm8k RUN=live-run` holds
         r = subprocess.run(["make", "clean", "STATE=1"], cwd=root, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "live-run" in r.stderr and "nothing removed" in r.stderr, r.stdout + r.stderr
+        assert "invoke stop --run live-run --local" in r.stderr, r.stderr  # the run named, not RUN
         assert (root / ".stoa" / "runs" / "live-run" / "trainer.key").exists()
     r = subprocess.run(["make", "clean", "STATE=1"], cwd=root, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not (root / ".stoa").exists(), r.stdout + r.stderr

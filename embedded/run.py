@@ -450,7 +450,8 @@ def _watch(cfg, state, tail, evaluator, learner: Child, workers: list[Child], pr
 
 def interrupted(signum: int) -> tuple[str, int]:
     """How the run ended when the launcher got `signum` (the first of them): its words and exit status."""
-    by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    by = ("Ctrl-C" if signum == signal.SIGINT else "SIGTERM (invoke stop, or another process)"
+          if signum == signal.SIGTERM else signal.Signals(signum).name)
     return f"stopped by {by}", 128 + signum
 
 

@@ -375,11 +375,15 @@ def stop_launcher(pid: int, state_dir: str | Path, *, timeout_s: float, log=prin
     except ProcessLookupError:  # it ended between the look and the signal
         return True
     deadline = time.monotonic() + timeout_s
-    while run_is_live(state_dir) and time.monotonic() < deadline:
+    started = _proc_start(pid)
+    # the lock goes first, then the launcher itself (its summary printed); on Linux, wait for both
+    while (run_is_live(state_dir) or (started is not None and _proc_start(pid) == started)) \
+            and time.monotonic() < deadline:
         time.sleep(0.2)
-    if run_is_live(state_dir):
+    if run_is_live(state_dir) or (started is not None and _proc_start(pid) == started):
         log(f"the launcher (pid {pid}) is still stopping after {timeout_s:.0f} s; its terminal shows how far it got")
         return False
+    log(f"the launcher of the run (pid {pid}) has ended; its terminal (or log) has its summary")
     return True
 
 

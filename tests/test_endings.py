@@ -51,7 +51,8 @@ def test_sigterm_to_the_learner_is_not_a_finished_run(tmp_path):
     assert _ending(cfg, state, child, True, "time budget of 600 s reached", 0, _Console()) == (
         "time budget of 600 s reached", 0)
     child = _learner(tmp_path, "import sys; sys.exit(143)")
-    assert _ending(cfg, state, child, True, *interrupted(signal.SIGTERM), _Console()) == ("stopped by SIGTERM", 143)
+    assert _ending(cfg, state, child, True, *interrupted(signal.SIGTERM), _Console()) == (
+        "stopped by SIGTERM (invoke stop, or another process)", 143)
     cfg, state = _at(300)
     assert _ending(cfg, state, _learner(tmp_path, "pass"), False, "finished", 0, _Console()) == ("300 steps done", 0)
 
@@ -59,7 +60,7 @@ def test_sigterm_to_the_learner_is_not_a_finished_run(tmp_path):
 def test_sigterm_to_the_launcher_is_not_ctrl_c():
     """SIGTERM to `make gsm8k` once said 'stopped by Ctrl-C' with 130."""
     assert interrupted(signal.SIGINT) == ("stopped by Ctrl-C", 130)
-    assert interrupted(signal.SIGTERM) == ("stopped by SIGTERM", 143)
+    assert interrupted(signal.SIGTERM) == ("stopped by SIGTERM (invoke stop, or another process)", 143)
 
 
 def test_a_killed_childs_tail_is_from_this_session(tmp_path):

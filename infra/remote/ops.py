@@ -60,8 +60,8 @@ def _call(host: str | None, step: str, remote_dir: str, run_id: str, *args: str,
             return _boxops(conn, step, remote_dir, run_id, *args, python=python)
     except RemoteStepError as e:
         if e.exited == 2 and e.stderr:
-            where = f"on {host}" if host else "here"
-            raise ValueError(f"{step} {where}: {e.stderr.splitlines()[-1]}") from None
+            said = e.stderr.splitlines()[-1].removeprefix("python -m infra.boxops: ")  # its sentence names the step
+            raise ValueError(f"{step} on {host}: {said}" if host else said) from None
         raise
 
 

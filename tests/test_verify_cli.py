@@ -91,6 +91,8 @@ def test_default_store_is_the_embedded_file_store(tmp_path):
     publish(FileStore(tmp_path / ".stoa" / "bucket"), n=2)
     res = verify(tmp_path, "--run", RUN)
     assert res.returncode == 0 and "pointer v2" in res.stdout, res.stdout + res.stderr
+    quiet = verify(tmp_path, "--run", RUN, "--quiet")  # a long run has a line per version: only the summary here
+    assert quiet.returncode == 0 and quiet.stdout.strip() == res.stdout.strip().splitlines()[-1], quiet.stdout
     res = verify(tmp_path)
     assert res.returncode == 2 and "pass --run RUN or set DRL_RUN" in res.stderr, res.stderr
 
@@ -105,3 +107,5 @@ def test_a_run_whose_run_json_is_gone_fails_the_check_and_a_wrong_id_is_bad_inpu
     (store.root / RUN / "run.json").unlink()
     damaged = verify(tmp_path, "--run", RUN)
     assert damaged.returncode == 1 and "FAIL" in damaged.stdout and "has no run.json" in damaged.stdout, damaged.stderr
+    quiet = verify(tmp_path, "--run", RUN, "-q")
+    assert quiet.returncode == 1 and quiet.stdout == damaged.stdout, quiet.stdout  # its one line is the failure

@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--store", help="store URL: file:///abs/path, s3://bucket, r2://bucket (default: DRL_STORE, "
                                    "else r2://$R2_BUCKET with the four R2 values, else ./.stoa/bucket)")
     v.add_argument("--run", help="run id (default: DRL_RUN)")
+    v.add_argument("--quiet", "-q", action="store_true",
+                   help="print only failures and the summary line (a long run has a line per version)")
     v.add_argument("--env-file", help="credentials file (default: .r2env in the current directory if it "
                                       "exists; must be mode 0600); the environment wins over it")
     args = parser.parse_args(argv)
@@ -48,7 +50,16 @@ def main(argv: list[str] | None = None) -> int:
             # nothing of the run at all: a wrong run id or store is bad input; a run.json gone from a run's objects
             # is a damaged run, which the check reports (exit 1)
             raise ValueError(f"run {run!r} has no run.json in {redact(url)}: check --run (or DRL_RUN) and --store")
-        return 0 if verify_run(store, run) else 1
+        if not args.quiet:
+            return 0 if verify_run(store, run) else 1
+        lines: list[str] = []
+        ok = verify_run(store, run, out=lines.append)
+        for line in lines[:-1]:  # the failures, then the summary line
+            if line.startswith("FAIL") or line.split()[1:2] == ["FAIL"]:
+                print(line)
+        if lines:
+            print(lines[-1])
+        return 0 if ok else 1
     except (ValueError, StoreError) as e:  # store errors pass through redaction: no secret in them
         from .cli import one_sentence
 

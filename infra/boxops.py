@@ -150,7 +150,7 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
     paths = BoxPaths(remote_dir=remote_dir, run=run)
     launcher = _live_launcher(Path(remote_dir).resolve(), run)
     if launcher == -1:  # held by a process that did not write itself down: nothing known to signal
-        _refuse_live_run(Path(remote_dir).resolve(), run, "stop")
+        raise ValueError(_live_run_refusal(paths, "stop"))
     if launcher is not None:
         out = {"run": run, "launcher": launcher, "ray_jobs": [], "pid": None, "leftovers": [], "stopped": False}
         if dry_run:
@@ -359,10 +359,15 @@ def _refuse_live_run(root: Path, run: str, what: str) -> None:
     from .slime_launch import BoxPaths
 
     if _live_launcher(root, run) is not None:
-        state = BoxPaths(remote_dir=str(root), run=run).state_dir
-        how = "Ctrl-C where it runs" if what == "stop" else f"invoke stop --run {run} --local, or Ctrl-C where it runs"
-        raise ValueError(f"run {run} is running on this machine (another process holds {state}/{RUN_LOCK}, e.g. "
-                         f"make gsm8k RUN={run}); {what} refused: stop it first ({how}) and try again")
+        raise ValueError(_live_run_refusal(BoxPaths(remote_dir=str(root), run=run), what))
+
+
+def _live_run_refusal(paths, what: str) -> str:
+    """The sentence that refuses `what` while a process other than the detached trainer holds the run's lock."""
+    run = paths.run
+    how = "Ctrl-C where it runs" if what == "stop" else f"invoke stop --run {run} --local, or Ctrl-C where it runs"
+    return (f"run {run} is running on this machine (another process holds {paths.state_dir}/{RUN_LOCK}, e.g. "
+            f"make gsm8k RUN={run}); {what} refused: stop it first ({how}) and try again")
 
 
 def stop_launcher(pid: int, state_dir: str | Path, *, timeout_s: float, log=print) -> bool:
@@ -376,11 +381,13 @@ def stop_launcher(pid: int, state_dir: str | Path, *, timeout_s: float, log=prin
         return True
     deadline = time.monotonic() + timeout_s
     started = _proc_start(pid)
-    # the lock goes first, then the launcher itself (its summary printed); on Linux, wait for both
-    while (run_is_live(state_dir) or (started is not None and _proc_start(pid) == started)) \
-            and time.monotonic() < deadline:
+
+    def stopping() -> bool:  # the lock goes first, then the launcher itself (its summary printed); on Linux, both
+        return run_is_live(state_dir) or (started is not None and _proc_start(pid) == started)
+
+    while stopping() and time.monotonic() < deadline:
         time.sleep(0.2)
-    if run_is_live(state_dir) or (started is not None and _proc_start(pid) == started):
+    if stopping():
         log(f"the launcher (pid {pid}) is still stopping after {timeout_s:.0f} s; its terminal shows how far it got")
         return False
     log(f"the launcher of the run (pid {pid}) has ended; its terminal (or log) has its summary")

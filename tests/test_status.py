@@ -343,7 +343,9 @@ def test_versions_that_come_fast_reach_back_less_than_the_window(file_store):
     times, partial = status_mod._upload_times(file_store, items, {})
     assert not partial and len(times) == 8 * 8  # versions 93..100
     assert status_mod._uploads_below(file_store, RUN, 93, now - 300, {})  # v92's uploads are seconds old
-    _, rate = status_mod.summarize_workers(items, times, 100, now, 300.0, partial, short=True)
+    reach = status_mod._listing_reach(file_store, RUN, 93, times, partial, now, 300.0, {})
+    assert 7 < reach < 8  # v93's first group, 7.6 s ago
+    _, rate = status_mod.summarize_workers(items, times, 100, now, 300.0, partial, reach)
     assert rate == pytest.approx(480, rel=0.1)  # 8 groups a second
     notes: list[str] = []
     activity = status_mod._activity(file_store, RUN, 100, 3, now, 300.0, {}, notes)

@@ -189,12 +189,20 @@ def _upload_times(store: Store, items: list[tuple[layout.RolloutKey, ObjectInfo]
         return times, False
     todo = _newest_of_each_worker_in_turn([(k, o) for k, o in items if o.key not in cache])
     for o in todo[:MAX_RECORD_READS]:
-        try:
-            cache[o.key] = decode_record(store.get(o.key)).created_at
-        except (NotFound, RecordError):
-            cache[o.key] = float("nan")  # unreadable: the learner drops it; never read it again
+        _created_at(store, o.key, cache)
     times = {o.key: cache[o.key] for _, o in items if o.key in cache and cache[o.key] == cache[o.key]}
     return times, len(todo) > MAX_RECORD_READS
+
+
+def _created_at(store: Store, key: str, cache: dict[str, float]) -> float:
+    """A record's created_at, read once: records are immutable, so `cache` keeps it across refreshes (nan for
+    one that cannot be read: the learner drops it; it is never read again)."""
+    if key not in cache:
+        try:
+            cache[key] = decode_record(store.get(key)).created_at
+        except (NotFound, RecordError):
+            cache[key] = float("nan")
+    return cache[key]
 
 
 def _newest_of_each_worker_in_turn(items: list[tuple[layout.RolloutKey, ObjectInfo]]) -> list[ObjectInfo]:
@@ -216,6 +224,16 @@ def _rate_per_minute(wt: list[float], now: float, window_s: float, partial: bool
     return sum(now - t <= window_s for t in wt) / (window_s / 60)
 
 
+def _listing_reach(store: Store, run: str, first: int, times: dict[str, float], partial: bool, now: float,
+                   window_s: float, cache: dict[str, float]) -> float | None:
+    """Seconds the listed versions (from `first`) reach back when that is less than the window and the version
+    below them holds uploads inside it (fast versions); None when the listing covers the window, or when only a
+    partial read of it is known (each worker's own span is used then)."""
+    below = _uploads_below(store, run, first, now - window_s, cache)
+    reach = now - min(times.values()) if times else 0.0
+    return reach if below and not partial and 0 < reach < window_s else None
+
+
 def _uploads_below(store: Store, run: str, first: int, since: float, cache: dict[str, float]) -> bool:
     """Whether the version just below the listed ones holds an upload made after `since` (its newest record's
     created_at, cached): then the listing reaches back less than the window, as when versions come every few
@@ -223,23 +241,17 @@ def _uploads_below(store: Store, run: str, first: int, since: float, cache: dict
     if first - 1 < 1:
         return False
     newest = max((o.key for o in store.list(layout.rollout_version_prefix(run, first - 1))), default=None)
-    if newest is None:
-        return False
-    if newest not in cache:
-        try:
-            cache[newest] = decode_record(store.get(newest)).created_at
-        except (NotFound, RecordError):
-            cache[newest] = float("nan")
-    return cache[newest] > since  # False for nan
+    return newest is not None and _created_at(store, newest, cache) > since  # False for nan
 
 
 def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
                       window_s: float, partial: bool = False,
-                      short: bool = False) -> tuple[list[WorkerSeen], float | None]:
+                      reach_s: float | None = None) -> tuple[list[WorkerSeen], float | None]:
     """Per-worker rows and the upload rate over the window, summed over the workers. With `partial` times (each
     worker's newest records only) a worker's rate is its read uploads' own, over the time they span, and a
     worker none of whose records were read has no recent count (unknown, not 0) and adds nothing. Where the listed
-    versions reach back less than the window (`short`: fast versions), the rate is over the time they reach back."""
+    versions reach back less than the window (`reach_s`, _listing_reach: fast versions), the rate is over those
+    seconds."""
     by_worker: dict[str, list[tuple[layout.RolloutKey, ObjectInfo]]] = {}
     for k, o in items:
         by_worker.setdefault(k.worker_id, []).append((k, o))
@@ -257,9 +269,8 @@ def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
     rate = None
     if times:
         known = [[times[o.key] for _, o in kos if o.key in times] for kos in by_worker.values()]
-        reach = now - min(times.values())
-        if short and not partial and 0 < reach < window_s:  # the listed versions reach back less than the window
-            rate = len(times) / (reach / 60)
+        if reach_s is not None:
+            rate = len(times) / (reach_s / 60)
         else:
             rate = sum(_rate_per_minute(wt, now, window_s, partial) for wt in known if wt)
     return rows, rate
@@ -423,16 +434,15 @@ def _activity(store: Store, run: str, pointer: int, staleness_bound: int, now: f
     first = pointer - staleness_bound - EXTRA_VERSIONS_BACK
     items = recent_rollouts(store, run, first, pointer + 1)
     times, partial = _upload_times(store, items, record_times)
-    short = _uploads_below(store, run, first, now - window_s, record_times)
+    reach_s = _listing_reach(store, run, first, times, partial, now, window_s, record_times)
     if partial:
         notes.append(f"upload times read from {MAX_RECORD_READS} records only, each worker's newest in turn (more "
                      "each refresh): groups/min sums each worker's rate over its read records, and a worker none of "
                      "whose records were read shows no recent count")
-    workers, rate = summarize_workers(items, times, pointer, now, window_s, partial, short)
-    reach = now - min(times.values()) if times else None
-    if short and not partial and reach is not None and 0 < reach < window_s:
+    workers, rate = summarize_workers(items, times, pointer, now, window_s, partial, reach_s)
+    if reach_s is not None:
         notes.append(f"the listed versions (the pointer back to staleness + {EXTRA_VERSIONS_BACK}) reach back "
-                     f"{reach:.0f} s, less than the {window_s / 60:g}-minute window (versions come fast): groups/min "
+                     f"{reach_s:.0f} s, less than the {window_s / 60:g}-minute window (versions come fast): groups/min "
                      "is over those seconds, and each worker's recent count covers only them")
     stats = read_stats(store, run, pointer)
     drops, recent = sum_drops(stats)

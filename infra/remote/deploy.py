@@ -230,28 +230,21 @@ class RemoteLaunch:
 
     def box_command(self) -> str:
         # DRL_MIN_FREE_GB set here (a box small on purpose) holds on the box too: its check_box reads it there
-        override = _min_free_override()
-        floor = f"DRL_MIN_FREE_GB={q(override)} " if override else ""
+        from ..box_check import min_free_override
+
+        override = min_free_override()
+        floor = f"DRL_MIN_FREE_GB={override:g} " if override is not None else ""
         return (f"cd {q(self.remote_dir)} && {floor}{q(self.python)} -m infra.launch_gpu "
                 f"--recipe-json {q(str(PurePosixPath(self.recipe_file)))}")
-
-
-def _min_free_override() -> str:
-    """DRL_MIN_FREE_GB as set on this machine ('' when unset; infra/box_check.py refuses one that is not a number
-    of GB): it overrides the recipe's disk figure, here and on the box."""
-    from ..box_check import min_free_override
-
-    gb = min_free_override()
-    return "" if gb is None else f"{gb:g}"
 
 
 def _disk_floor(cfg) -> float:
     """The free disk the recipe needs (infra.slime_launch.disk_floor_gb; the model's size from the built-in facts:
     nothing is downloaded yet), or DRL_MIN_FREE_GB as set on this machine."""
+    from ..box_check import required_free_gb
     from ..slime_launch import KNOWN_HF_CONFIGS, disk_floor_gb
 
-    override = _min_free_override()
-    return float(override) if override else disk_floor_gb(cfg, KNOWN_HF_CONFIGS.get(cfg.model.hf_id or ""))
+    return required_free_gb(disk_floor_gb(cfg, KNOWN_HF_CONFIGS.get(cfg.model.hf_id or "")))
 
 
 def _model_dirs(r: RemoteLaunch) -> list[str]:

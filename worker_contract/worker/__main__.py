@@ -13,8 +13,6 @@ from ..cli import number
 
 #: more CPU threads than this is no machine's (torch crashed at 99999)
 MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))
-#: --retriever-tier / DRL_RETRIEVER_TIER (WorkerSettings.retriever_tier)
-TIERS = ("auto", "light", "medium", "heavy")
 
 
 def default_store(env) -> str | None:
@@ -70,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.store or not args.run:
         p.error("--store and --run are required (or set DRL_STORE and DRL_RUN)")
     if args.retriever_tier is not None:  # the environment's value is no argparse choice: checked here, as typed
+        from .retrieval import TIERS
+
         typed, args.retriever_tier = args.retriever_tier, args.retriever_tier.strip().lower()
         if args.retriever_tier not in TIERS:  # named as given: the flag (or an abbreviation of it), else the variable
             flag = any(a.startswith("--retriever-t") for a in (sys.argv[1:] if argv is None else argv))

@@ -21,6 +21,7 @@ from embedded.config import resolve_embedded
 from trainer.rollouts.pool import BatchRules, GroupPool, Tally
 from worker_contract import layout
 from worker_contract.schema import RolloutRecord, Sample, SamplingParams
+from worker_contract.tasks import get_task
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +39,7 @@ def _record(i: int, task: str, samples: list[Sample]) -> RolloutRecord:
 
 
 def _batch_metrics(task: str, groups: list[list[Sample]]) -> dict[str, float]:
-    pool = GroupPool(BatchRules(len(groups), 2), lambda c: range(max(1, c - 3), c + 1), Tally(), 3)
+    pool = GroupPool(BatchRules(len(groups), 2), lambda c: range(max(1, c - 3), c + 1), Tally(), 3, get_task(task))
     for i, samples in enumerate(groups):
         assert pool.admit(layout.rollout_key("r", 1, "w", f"g{i}"), _record(i, task, samples), "w") is None
     return pool.take(1).metrics

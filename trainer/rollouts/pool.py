@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from worker_contract import layout
 from worker_contract.routes import RouteError, RouteShape, decode_routes
 from worker_contract.schema import MAX_RECORD_BYTES, RolloutRecord
-from worker_contract.tasks import get_task, is_task
+from worker_contract.tasks import Task
 
 if TYPE_CHECKING:
     from worker_contract.manifest import RunManifest
@@ -287,8 +287,11 @@ def _key_version(key: str) -> int:
 class GroupPool:
     """Usable groups by record key, their use counts (the ledger), and one key per (worker, group id)."""
 
-    def __init__(self, rules: BatchRules, window: Callable[[int], range], tally: Tally, staleness: int):
+    def __init__(self, rules: BatchRules, window: Callable[[int], range], tally: Tally, staleness: int,
+                 task: Task | None = None):
         self.rules, self.window, self.tally, self.staleness = rules, window, tally, staleness
+        self.task = task
+        """The run's task, built once, for its own batch metrics (None: the pool's metrics only)."""
         self._entries: dict[str, _Entry] = {}
         self._ledger: dict[str, int] = {}
         self._ids: dict[tuple[str, str], str] = {}  # (worker, group_id) -> key, inside the window
@@ -367,9 +370,8 @@ class GroupPool:
         }
         for lag in range(self.staleness + 1):
             m[f"rollout/staleness_hist/{lag}"] = float(sum(g.lag == lag for g in groups))
-        for task in sorted(t for t in {g.record.task for g in groups} if is_task(t)):  # the task's own metrics
-            m.update(get_task(task).batch_metrics([s for g in groups if g.record.task == task
-                                                   for s in g.record.samples]))
+        if self.task is not None:  # the task's own metrics (another task's records were dropped as wrong_task)
+            m.update(self.task.batch_metrics([s for g in groups for s in g.record.samples]))
         return m
 
     # -- checkpoint state ------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from worker_contract import layout
 from worker_contract.schema import RecordError, decode_record
 from worker_contract.store import NotFound, ObjectInfo, Store, StoreError
+from worker_contract.tasks import get_task
 
 from .pool import (
     DROP_REASONS,
@@ -66,7 +67,8 @@ class RolloutSource:
         self._readers: ThreadPoolExecutor | None = None
         self.run = rules.run
         self.tally = Tally()
-        self._pool = GroupPool(batching, rules.window, self.tally, rules.staleness)
+        self._pool = GroupPool(batching, rules.window, self.tally, rules.staleness,
+                               get_task(rules.task) if rules.task is not None else None)
         self.list_calls = 0
         self._last_seen: dict[str, str] = {}  # prefix -> last key listed
         self._seen: dict[str, set[str]] = defaultdict(set)  # prefix -> keys handled

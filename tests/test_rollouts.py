@@ -419,3 +419,15 @@ def test_a_slow_read_does_not_hold_back_the_reads_after_it(tmp_path):
     assert store.others_while_held >= 12, store.others_while_held
     assert time.monotonic() - t0 < store.hold_s
     assert [g.key for g in src.take_batch(5).groups] == keys  # pooled (and so judged) in listing order
+
+
+def test_the_runs_task_adds_its_batch_metrics_and_a_task_only_workers_know_adds_none(tmp_path):
+    store = FileStore(tmp_path)
+    for i in range(3):
+        put_record(store, record_dict(group=f"g{i}", task="psqa"))
+        put_record(store, record_dict(group=f"h{i}", task="known-to-workers-only"))
+    psqa = source(store, task="psqa").next_batch(5)
+    assert psqa.metrics["rollout/search_rate"] == 0.0  # every sample's mask is all ones: no tool turn
+    # a task registered only in the workers' processes (a bench's, a user's own) is fine: no task metrics
+    other = source(store, task="known-to-workers-only").next_batch(5)
+    assert len(other.groups) == 3 and not any(k.startswith("rollout/search") for k in other.metrics)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from worker_contract import layout
 from worker_contract.schema import RecordError, decode_record
 from worker_contract.store import NotFound, ObjectInfo, Store, StoreError
-from worker_contract.tasks import get_task
+from worker_contract.tasks import get_task, is_task
 
 from .pool import (
     DROP_REASONS,
@@ -68,7 +68,7 @@ class RolloutSource:
         self.run = rules.run
         self.tally = Tally()
         self._pool = GroupPool(batching, rules.window, self.tally, rules.staleness,
-                               get_task(rules.task) if rules.task is not None else None)
+                               get_task(rules.task) if rules.task is not None and is_task(rules.task) else None)
         self.list_calls = 0
         self._last_seen: dict[str, str] = {}  # prefix -> last key listed
         self._seen: dict[str, set[str]] = defaultdict(set)  # prefix -> keys handled

@@ -309,6 +309,11 @@ def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: Non
         follower.stop_evt.set()
         mem.stop_evt.set()
         procs.stop(timeout_s=args.stop_timeout_s)
+        # the follower ends its patch in hand first (a minute at 8 B): a daemon thread still in native code when
+        # the interpreter exits aborted the process after its result was written (rc 134 on the H100 at 7284f0f)
+        for thread in (follower, mem):
+            if thread.is_alive():
+                thread.join(timeout=300)
     rows = [r for r in read_rows(paths.metrics) if "train/grad_norm" in r]
     out["checkpoints"] = checkpoint_figures(rows, cfg, model)
     out["follower"] = {"joined_at": follower.joined, "follows": follower.follows, "error": follower.error,

@@ -300,6 +300,7 @@ def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: Non
         out.update(summary_throughput(rows, wall, args.workers, out["first_worker_join_s"], {}, _lags(follower),
                                       (t0_at, t1_at)))
         out.update(patch_figures(rows))
+        record(out)  # the window's figures are kept if a call's time limit cuts the cold join (minutes at 8 B)
         out["cold_join"] = cold_join(store, run, plane)
         record(out)
         if kill:

@@ -16,7 +16,8 @@ from worker_contract.anchor import read_manifest
 from worker_contract.manifest import ContractMismatch
 from worker_contract.planes import get_plane
 from worker_contract.pointer import make_pointer
-from worker_contract.pulse import sign_patch
+from worker_contract.pulse import encode_patch, read_header, sign_patch
+from worker_contract.pulse.format import pack, split
 from worker_contract.reconstruct import Reconstructor, SyncError
 from worker_contract.verify import verify_run
 
@@ -123,6 +124,38 @@ def test_forged_patch_is_refused_and_last_good_state_kept(store):
     _still_good(rec, states)
     with pytest.raises(SyncError):
         Reconstructor(store, manifest.run, plane="bf16").join()
+
+
+@pytest.mark.parametrize("lie_at", ["the last patch", "a patch before the last"])
+def test_a_signed_patch_that_builds_another_state_than_its_digest_is_refused(store, lie_at):
+    """Every step of a walk is hashed against its signed result digest (DESIGN: digests and signatures at every
+    step): a patch signed by the run's key whose body builds another state than its digest names (a trainer
+    bug) is refused by name, last in the walk or not, and the follower keeps the state it had."""
+    import numpy as np
+
+    manifest, key, pub, policy, states = _published(store, n=2, anchor_interval=10)
+    rec = Reconstructor(store, manifest.run, plane="bf16", public_key=manifest.trainer_public_key)
+    assert rec.join()[0] == 2
+    for _ in range(2):
+        policy.step()
+        states[pub.publish(policy.state()).version] = get_plane("bf16").from_hf(policy.state())
+    # v3's patch, rebuilt to make v3 with one element off where v4 leaves it as it is, under v3's true digest
+    name = next(n for n in states[3] if states[3][n].size > 1)
+    same = np.flatnonzero(states[3][name].reshape(-1).view(np.uint16) == states[4][name].reshape(-1).view(np.uint16))
+    wrong = {n: a.copy() for n, a in states[3].items()}
+    wrong[name].reshape(-1).view(np.uint16)[same[0]] ^= 1
+    true_header = read_header(store.get(layout.patch_key(manifest.run, 3)))
+    _hb, header, _sig, body = split(encode_patch(states[2], wrong, base_version=2, target_version=3))
+    lie = pack(header.model_copy(update={"result_digest": true_header.result_digest,
+                                         "base_digest": true_header.base_digest}), bytes(body))
+    store.delete(layout.patch_key(manifest.run, 3))
+    store.put(layout.patch_key(manifest.run, 3), sign_patch(lie, key))
+    if lie_at == "the last patch":  # the pointer back at v3 (the test's own key moves it)
+        store.put(layout.pointer_key(manifest.run),
+                  make_pointer(manifest.run, 3, 1, true_header.result_digest, key).to_bytes())
+    with pytest.raises(SyncError, match="^v3: the patch result does not match the patch's result digest"):
+        rec.follow()
+    _still_good(rec, states)
 
 
 def test_forged_or_damaged_anchor_is_refused(file_store):

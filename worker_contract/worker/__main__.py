@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop after this many groups (default: run until stopped)")
     p.add_argument("--max-groups-per-version", type=number(int, at_least=0, hint="0: never pause"), default=None,
                    help="pause after this many groups at one version until a newer one is published")
+    p.add_argument("--idle-after", type=number(float, at_least=0, hint="0: never slow down"), default=None,
+                   help="seconds without a new version (and 64 groups of the one held uploaded) after which the "
+                        "trainer is taken as stopped: one batch every 5 minutes until a new version (default 900)")
     p.add_argument("--batch-groups", type=number(int), default=os.environ.get("DRL_BATCH_GROUPS") or None,
                    help="groups sampled together, their rows sharing each forward, all from one weights version "
                         "(default: $DRL_BATCH_GROUPS, else 1); a GPU worker needs more than one to be fast")
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {k: v for k, v in dict(
         store=args.store, run=args.run, model_dir=args.model, worker_id=args.worker_id, max_groups=args.groups,
         seed=args.seed, threads=args.threads, max_groups_per_version=args.max_groups_per_version,
+        idle_after_s=args.idle_after,
         wait_timeout_s=args.wait, log_every_s=args.log_every, lag_versions=args.lag_versions,
         backend=args.backend, mlx_dtype=args.mlx_dtype, batch_groups=args.batch_groups,
         retriever_url=args.retriever_url, retriever_tier=args.retriever_tier, max_turns=args.max_turns,

@@ -78,6 +78,12 @@ class WorkerSettings(BaseModel):
     max_groups_per_version: int = Field(0, ge=0)
     """Pause after this many groups at one version until a newer one is published (0 = never pause): a
     worker sharing a machine with the learner should not burn CPU on groups that would only go stale."""
+    idle_after_s: float = Field(900.0, ge=0)
+    """When no newer version has come for this long and `idle_after_groups` groups of the one held are uploaded,
+    the trainer has likely stopped: sample one batch every `idle_every_s` until a new version comes (0 = never
+    slow down). A trickle, not a stop, so a learner still waiting for its batch gets it."""
+    idle_after_groups: int = Field(64, ge=1)
+    idle_every_s: float = Field(300.0, gt=0)
     poll_interval_s: float = 2.0
     """How often to look for run.json / the first version while waiting, and the log cadence floor."""
     follow_interval_s: float = Field(0.5, gt=0)
@@ -231,6 +237,9 @@ class Worker:
         self.n_samples, self.plane = declared_contract(self.env)
         self.stats = WorkerStats()
         self._per_version: dict[int, int] = {}
+        self.version = 0  # the weights version held: 0 until the cold join
+        self._version_at = time.monotonic()  # when the version held came (the idle trickle's clock)
+        self._idle_batch_at: float | None = None  # None: not idle; else when the trickle's last batch started
         self._rng = random.Random(settings.seed if settings.seed is not None else os.urandom(16))
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -384,6 +393,11 @@ class Worker:
         else:
             wrote = self.policy.load_plane(self.plane, state, changes)
         self.stats.swaps.append({"version": version, "seconds": round(time.monotonic() - t0, 4), **(wrote or {})})
+        if version != self.version:
+            self._version_at = time.monotonic()
+            if self._idle_batch_at is not None:
+                self._idle_batch_at = None
+                log.info("worker %s: v%d came; sampling at full speed again", self.s.worker_id, version)
         self.version = version
         self.stats.versions_seen.append(version)
 
@@ -408,7 +422,7 @@ class Worker:
             self.sync()  # between groups only: a group never mixes versions
             if self._ahead():
                 self.sync(wait=True)  # nothing left to sample on this version: follow the pointer now
-            if self._ahead():
+            if self._ahead() or self._idle():
                 stop.wait(min(self.s.poll_interval_s, 0.5))
                 continue
             problems = [train[self._rng.randrange(len(train))] for _ in range(self._batch_size())]
@@ -452,6 +466,25 @@ class Worker:
     def _ahead(self) -> bool:
         cap = self.s.max_groups_per_version
         return cap > 0 and self._per_version.get(self.version, 0) >= cap
+
+    def _idle(self) -> bool:
+        """True while the idle trickle holds the next batch back (`idle_after_s`): no newer version for that
+        long, enough groups of this one uploaded, and the trickle's last batch under `idle_every_s` ago."""
+        now, since = time.monotonic(), time.monotonic() - self._version_at
+        if not self.s.idle_after_s or since < self.s.idle_after_s \
+                or self._per_version.get(self.version, 0) < self.s.idle_after_groups:
+            return False
+        if self._idle_batch_at is None:  # entering the trickle: its first batch comes `idle_every_s` from now
+            self._idle_batch_at = now
+            log.info("worker %s: no version newer than v%d for %.0f s, and %d groups of it uploaded: the trainer "
+                     "has likely stopped; sampling one batch every %.0f s until a new version comes (Ctrl-C "
+                     "stops the worker)", self.s.worker_id, self.version, since,
+                     self._per_version.get(self.version, 0), self.s.idle_every_s)
+            return True
+        if now - self._idle_batch_at < self.s.idle_every_s:
+            return True
+        self._idle_batch_at = now
+        return False
 
     def sample_group(self, problem: Problem) -> RolloutRecord:
         return self.sample_groups([problem])[0]

@@ -24,7 +24,7 @@ def test_a_worker_whose_trainer_publishes_nothing_slows_to_one_batch_an_interval
     assert stats.groups == 3 and stats.versions_seen == [1]
     made = sorted(rec.created_at for _, rec in _records(store))
     gaps = [b - a for a, b in zip(made, made[1:], strict=False)]
-    assert all(g >= 1.2 for g in gaps), gaps  # the trickle's interval, not sampling's pace
+    assert all(g >= 1.5 for g in gaps), gaps  # the trickle's interval (from a batch's end), not sampling's pace
     said = [r.getMessage() for r in caplog.records if "has likely stopped" in r.getMessage()]
     assert len(said) == 1 and "no version newer than v1" in said[0] and "one batch every 2 s" in said[0], said
 
@@ -48,6 +48,22 @@ def test_a_new_version_ends_the_trickle_at_once(tmp_path, tiny_model_dir):  # no
     stats = w.run(threading.Event())
     assert stats.versions_seen == [1, 2] and sorted(r.policy_version for _, r in _records(store)) == [1, 2]
     assert time.monotonic() - t0 < 20  # v2 ended the trickle: its group did not wait out the 30 s
+
+
+def test_the_trickle_starts_after_its_time_at_one_version_and_a_newer_version_ends_it(run_store, tiny_model_dir):  # noqa: F811
+    store, *_ = run_store
+    w = _worker(store, tiny_model_dir, idle_after_s=60, idle_after_groups=1, idle_every_s=300)
+    w._took(1)
+    w._per_version = {1: 5, 2: 5}
+    assert not w._idle()  # v1 has been held for under 60 s
+    w._version_at -= 120
+    assert w._idle()  # 2 minutes at v1 with its groups uploaded: the trickle holds the next batch back
+    w._took(2)
+    assert not w._idle()  # v2's clock starts now, though 5 of its groups are uploaded
+    lagging = _worker(store, tiny_model_dir, idle_after_s=60, idle_after_groups=1, lag_versions=2)
+    lagging._took(1)
+    lagging._per_version, lagging._version_at = {1: 5}, lagging._version_at - 120
+    assert not lagging._idle()  # a worker that lags on purpose never trickles
 
 
 def test_the_trickle_is_on_by_default_and_off_at_zero():

@@ -80,8 +80,10 @@ class WorkerSettings(BaseModel):
     worker sharing a machine with the learner should not burn CPU on groups that would only go stale."""
     idle_after_s: float = Field(900.0, ge=0)
     """When no newer version has come for this long and `idle_after_groups` groups of the one held are uploaded,
-    the trainer has likely stopped: sample one batch every `idle_every_s` until a new version comes (0 = never
-    slow down). A trickle, not a stop, so a learner still waiting for its batch gets it."""
+    the trainer has likely stopped: sample one batch every `idle_every_s` (from the end of the last) until a
+    new version comes (0 = never slow down). A trickle, not a stop, so a learner still waiting for its batch
+    gets it. Off for a worker that lags on purpose (`lag_versions`): its version can stand while the pointer
+    moves."""
     idle_after_groups: int = Field(64, ge=1)
     idle_every_s: float = Field(300.0, gt=0)
     poll_interval_s: float = 2.0
@@ -393,13 +395,17 @@ class Worker:
         else:
             wrote = self.policy.load_plane(self.plane, state, changes)
         self.stats.swaps.append({"version": version, "seconds": round(time.monotonic() - t0, 4), **(wrote or {})})
+        self._took(version)
+        self.stats.versions_seen.append(version)
+
+    def _took(self, version: int) -> None:
+        """Hold `version` from now on; a newer one restarts the idle trickle's clock and ends the trickle."""
         if version != self.version:
             self._version_at = time.monotonic()
             if self._idle_batch_at is not None:
                 self._idle_batch_at = None
                 log.info("worker %s: v%d came; sampling at full speed again", self.s.worker_id, version)
         self.version = version
-        self.stats.versions_seen.append(version)
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> WorkerStats:
@@ -432,6 +438,8 @@ class Worker:
                 self.stats.groups += 1
                 self.stats.samples += len(record.samples)
                 self.stats.rewards.extend(s.reward for s in record.samples)
+            if self._idle_batch_at is not None:  # the trickle's interval runs from the end of its batch
+                self._idle_batch_at = time.monotonic()
             if time.monotonic() - last_log >= self.s.log_every_s and key is not None:
                 last_log = time.monotonic()
                 self._log_progress(key)
@@ -469,9 +477,9 @@ class Worker:
 
     def _idle(self) -> bool:
         """True while the idle trickle holds the next batch back (`idle_after_s`): no newer version for that
-        long, enough groups of this one uploaded, and the trickle's last batch under `idle_every_s` ago."""
+        long, enough groups of this one uploaded, and the trickle's last batch ended under `idle_every_s` ago."""
         now, since = time.monotonic(), time.monotonic() - self._version_at
-        if not self.s.idle_after_s or since < self.s.idle_after_s \
+        if not self.s.idle_after_s or self.s.lag_versions or since < self.s.idle_after_s \
                 or self._per_version.get(self.version, 0) < self.s.idle_after_groups:
             return False
         if self._idle_batch_at is None:  # entering the trickle: its first batch comes `idle_every_s` from now

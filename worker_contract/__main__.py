@@ -50,16 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             # nothing of the run at all: a wrong run id or store is bad input; a run.json gone from a run's objects
             # is a damaged run, which the check reports (exit 1)
             raise ValueError(f"run {run!r} has no run.json in {redact(url)}: check --run (or DRL_RUN) and --store")
-        if not args.quiet:
-            return 0 if verify_run(store, run) else 1
-        lines: list[str] = []
-        ok = verify_run(store, run, out=lines.append)
-        for line in lines[:-1]:  # the failures, then the summary line
-            if line.startswith("FAIL") or line.split()[1:2] == ["FAIL"]:
-                print(line)
-        if lines:
-            print(lines[-1])
-        return 0 if ok else 1
+        return 0 if verify_run(store, run, quiet=args.quiet) else 1
     except (ValueError, StoreError) as e:  # store errors pass through redaction: no secret in them
         from .cli import one_sentence
 

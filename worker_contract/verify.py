@@ -156,8 +156,9 @@ def _summary(run: str, pointer: Pointer, walk: _Walk, failures: int) -> str:
             + (": OK" if not failures else ": FAILED"))
 
 
-def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bool:
-    """Walk and check every version; prints one line per version and a summary; True when all is well."""
+def verify_run(store: Store, run: str, out: Callable[[str], None] = print, *, quiet: bool = False) -> bool:
+    """Walk and check every version; prints one line per version (`quiet`: only the failing ones) and a summary;
+    True when all is well."""
     try:
         manifest = load_manifest(store, run)
     except NotFound:
@@ -178,7 +179,8 @@ def verify_run(store: Store, run: str, out: Callable[[str], None] = print) -> bo
     for v in range(1, pointer.version + 1):
         ok, notes = walk.version(v, is_pointer=v == pointer.version)
         failures += not ok
-        out(f"v{v:<6} {'ok  ' if ok else 'FAIL'} {'; '.join(notes)}")
+        if not (ok and quiet):
+            out(f"v{v:<6} {'ok  ' if ok else 'FAIL'} {'; '.join(notes)}")
     if (why := walk.pointer_failure(pointer)) is not None:
         failures += 1
         out(f"FAIL {why}")

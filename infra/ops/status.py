@@ -268,10 +268,10 @@ def summarize_workers(items, times: dict[str, float], pointer: int, now: float,
     rows.sort(key=lambda r: (r.last_seen_s if r.last_seen_s is not None else float("inf"), r.lag, r.worker_id))
     rate = None
     if times:
-        known = [[times[o.key] for _, o in kos if o.key in times] for kos in by_worker.values()]
         if reach_s is not None:
             rate = len(times) / (reach_s / 60)
         else:
+            known = [[times[o.key] for _, o in kos if o.key in times] for kos in by_worker.values()]
             rate = sum(_rate_per_minute(wt, now, window_s, partial) for wt in known if wt)
     return rows, rate
 

@@ -241,7 +241,7 @@ class Worker:
         self._per_version: dict[int, int] = {}
         self.version = 0  # the weights version held: 0 until the cold join
         self._version_at = time.monotonic()  # when the version held came (the idle trickle's clock)
-        self._idle_batch_at: float | None = None  # None: not idle; else when the trickle's last batch started
+        self._idle_batch_at: float | None = None  # None: not idle; else when the trickle's last batch ended
         self._rng = random.Random(settings.seed if settings.seed is not None else os.urandom(16))
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -478,7 +478,8 @@ class Worker:
     def _idle(self) -> bool:
         """True while the idle trickle holds the next batch back (`idle_after_s`): no newer version for that
         long, enough groups of this one uploaded, and the trickle's last batch ended under `idle_every_s` ago."""
-        now, since = time.monotonic(), time.monotonic() - self._version_at
+        now = time.monotonic()
+        since = now - self._version_at
         if not self.s.idle_after_s or self.s.lag_versions or since < self.s.idle_after_s \
                 or self._per_version.get(self.version, 0) < self.s.idle_after_groups:
             return False
@@ -489,10 +490,7 @@ class Worker:
                      "stops the worker)", self.s.worker_id, self.version, since,
                      self._per_version.get(self.version, 0), self.s.idle_every_s)
             return True
-        if now - self._idle_batch_at < self.s.idle_every_s:
-            return True
-        self._idle_batch_at = now
-        return False
+        return now - self._idle_batch_at < self.s.idle_every_s  # the loop restarts the clock when a batch ends
 
     def sample_group(self, problem: Problem) -> RolloutRecord:
         return self.sample_groups([problem])[0]

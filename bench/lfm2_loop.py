@@ -290,7 +290,8 @@ def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: Non
         out["first_worker_join_s"] = _joined_at(paths.run_dir / "worker-1.log", t_start, args.join_timeout_s,
                                                 learner.alive)
         _learner_alive(learner, "before the first worker joined")
-        follower.start()
+        if args.follower:
+            follower.start()
         t0, t0_at = time.monotonic(), time.time()
         while _window_open(args, t0, learner, paths.metrics):
             time.sleep(1)
@@ -317,7 +318,7 @@ def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: Non
                 thread.join(timeout=300)
     rows = [r for r in read_rows(paths.metrics) if "train/grad_norm" in r]
     out["checkpoints"] = checkpoint_figures(rows, cfg, model)
-    out["follower"] = {"joined_at": follower.joined, "follows": follower.follows, "error": follower.error,
+    out["follower"] = {"ran": args.follower, "joined_at": follower.joined, "follows": follower.follows, "error": follower.error,
                        "versions_reconstructed_bit_exact": sum(f["to"] - f["from"] for f in follower.follows),
                        "apply_s_per_version_median": _median([f["per_version_s"] for f in follower.follows])}
     out["peak_gpu_mib"], out["peak_host_gib"] = mem.peak_mib, mem.peak_host_gib
@@ -380,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="checkpoint.interval (default: the recipe's). One past the window's steps writes none in it: "
                     "for a disk that cannot hold one (about 67 GB at 8B; the one-GPU H200's disk is 64 GiB), with "
                     "--no-kill, and a short --stop-timeout-s so the learner's last checkpoint is cut short")
+    ap.add_argument("--no-follower", dest="follower", action="store_false",
+                    help="no CPU follower (it stands in for a Mac worker's reconstruction; its host copy of the plane "
+                    "beside the learner's offloaded state is more than the one-GPU H200's 128 GiB host holds at 24 "
+                    "layers); the cold join still checks the last version bit-exact")
     ap.add_argument("--no-kill", action="store_true", help="skip the kill-and-resume (the first plane's, by default)")
     ap.add_argument("--reuse-model", action="store_true", help="keep --root and its model from an earlier call "
                     "(a device call's time limit splits the planes and the kill over several calls)")

@@ -40,23 +40,17 @@ def build_model(out: Path, layers: int, tiny: bool, device: str) -> dict:
     """Random weights of LFM2.5-8B-A1B's shapes (bench/lfm2_step.py's config and randomisation), bf16
     safetensors, with the embedded run's small tokenizer (its ids are a subset of the model's vocabulary)."""
     import torch
-    from transformers import Lfm2MoeForCausalLM
 
     from embedded.basemodel import _render, build_tokenizer
     from worker_contract.tasks import get_task
 
-    from .lfm2_step import lfm2_config, param_counts, randomize
+    from .lfm2_step import lfm2_config, random_model
 
     task = get_task("arithmetic")
     tok = build_tokenizer([_render(task, task.dataset("train")[i]) for i in range(2000)], 512)
     cfg = lfm2_config(layers, tiny, **({"vocab_size": 512} if tiny else {}))
     cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tok.eos_token_id, tok.pad_token_id, None
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Lfm2MoeForCausalLM(cfg).to(torch.bfloat16).eval()
-    randomize(model, norm_std=0.1)
-    counts = param_counts({k: v.numel() for k, v in model.state_dict().items() if "inv_freq" not in k
-                           and not k.endswith("lm_head.weight")}, cfg)
+    model, counts = random_model(cfg, device)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     del model

@@ -75,18 +75,25 @@ def param_counts(total: dict[str, int], cfg) -> dict[str, float]:
     return {"params": n, "expert_params": experts, "active_params": active}
 
 
-def make_model_dir(layers: int, out: Path, device: str = "cuda", tiny: bool = False) -> dict:
+def random_model(cfg, device: str):
+    """A bf16 LFM2-MoE of `cfg` on `device`, randomised as above (seed 0), and its parameter counts."""
     import torch
-    from tokenizers import Tokenizer, models
     from transformers import Lfm2MoeForCausalLM
 
-    cfg = lfm2_config(layers, tiny)
     torch.manual_seed(0)
     with torch.device(device):
         model = Lfm2MoeForCausalLM(cfg).to(torch.bfloat16).eval()
     randomize(model, norm_std=0.1)
     counts = param_counts({k: v.numel() for k, v in model.state_dict().items() if "inv_freq" not in k
                            and not k.endswith("lm_head.weight")}, cfg)
+    return model, counts
+
+
+def make_model_dir(layers: int, out: Path, device: str = "cuda", tiny: bool = False) -> dict:
+    import torch
+    from tokenizers import Tokenizer, models
+
+    model, counts = random_model(lfm2_config(layers, tiny), device)
     model.save_pretrained(out)
     Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(out / "tokenizer.json"))
     del model

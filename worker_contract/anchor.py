@@ -213,19 +213,25 @@ def read_manifest(store: Store, run: str, version: int, public_key: str) -> Anch
     return m
 
 
+def _shard_bytes(store: Store, run: str, version: int, shard) -> bytes:
+    """One shard's bytes, checked against its manifest entry's size and digest (AnchorError names the damage)."""
+    key = layout.anchor_shard_key(run, version, shard.index)
+    try:
+        data = store.get(key)
+    except NotFound:
+        raise AnchorError(f"anchor v{version} shard {shard.index} is missing ({key})") from None
+    if len(data) != shard.size or blake3_hex(data) != shard.digest:
+        raise AnchorError(f"anchor v{version} shard {shard.index} does not match its manifest digest")
+    return data
+
+
 def check_anchor(store: Store, run: str, version: int, public_key: str) -> AnchorManifest:
     """The anchor's manifest after checking that every shard it lists is there, of its size and digest (one
     shard in memory at a time, no tensor decoded); AnchorError names the first damage. What `read_anchor`
     would refuse at the shard level, for a caller that must know an anchor is usable before relying on it."""
     m = read_manifest(store, run, version, public_key)
     for shard in m.shards:
-        key = layout.anchor_shard_key(run, version, shard.index)
-        try:
-            data = store.get(key)
-        except NotFound:
-            raise AnchorError(f"anchor v{version} shard {shard.index} is missing ({key})") from None
-        if len(data) != shard.size or blake3_hex(data) != shard.digest:
-            raise AnchorError(f"anchor v{version} shard {shard.index} does not match its manifest digest")
+        _shard_bytes(store, run, version, shard)
     return m
 
 
@@ -237,13 +243,7 @@ def read_anchor(store: Store, run: str, version: int, public_key: str, *,
     state: dict[str, np.ndarray] = {}
     done, total = 0, m.total_bytes()
     for shard in m.shards:
-        key = layout.anchor_shard_key(run, version, shard.index)
-        try:
-            data = store.get(key)
-        except NotFound:
-            raise AnchorError(f"anchor v{version} shard {shard.index} is missing ({key})") from None
-        if len(data) != shard.size or blake3_hex(data) != shard.digest:
-            raise AnchorError(f"anchor v{version} shard {shard.index} does not match its manifest digest")
+        data = _shard_bytes(store, run, version, shard)
         tensors, _meta = safetensors_np.load(data)
         for name, arr in tensors.items():
             t = want.get(name)

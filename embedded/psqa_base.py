@@ -352,16 +352,14 @@ def ensure_psqa_base(data_dir: str | Path, cache_dir: str | Path, search: Search
         return out, PsqaBaseReport.model_validate_json((out / "base.json").read_text())
     from transformers.utils import logging as hf_logging
 
+    from .view import transformers_errors_only
+
     hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "causal_conv1d falls back to PyTorch" and the like would tear a panel
-    try:
-        with build_lock(out, log):  # a second launch of the same base waits for the first, then uses its base
-            if (out / "base.json").exists():
-                return out, PsqaBaseReport.model_validate_json((out / "base.json").read_text())
-            return _build(cfg, task, train, test, search, digest, out, log, show_progress, device)
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    # a second launch of the same base waits for the first, then uses its base
+    with transformers_errors_only(), build_lock(out, log):
+        if (out / "base.json").exists():
+            return out, PsqaBaseReport.model_validate_json((out / "base.json").read_text())
+        return _build(cfg, task, train, test, search, digest, out, log, show_progress, device)
 
 
 def _build(cfg: PsqaBaseConfig, task: PsqaTask, train: list[PsqaProblem], test: list[PsqaProblem], search: Search,

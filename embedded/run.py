@@ -242,6 +242,8 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
         return 2
     from worker_contract.tasks import get_task
 
+    from .view import transformers_errors_only
+
     services = None
     if (kit := local_services(get_task(cfg.task))) is not None:  # e.g. the generated corpus and the retriever
         services = kit.PsqaServices(cfg, paths)
@@ -249,7 +251,8 @@ def run_embedded(cfg: EmbeddedRecipe, console=None, *, root: Path = STOA_DIR) ->
     # Ctrl-C does, through the `finally` below, instead of killing the launcher where it stands
     term = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
-        return _run_locked(cfg, paths, console, services)
+        with transformers_errors_only():  # the base's build and this process's held-out evaluations
+            return _run_locked(cfg, paths, console, services)
     finally:
         signal.signal(signal.SIGTERM, term)
         if services is not None:

@@ -7,6 +7,7 @@ elsewhere (CI, a pipe) a plain line is printed every few steps instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -14,6 +15,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def transformers_errors_only():
+    """transformers says only its errors meanwhile: its once-per-process notes ("causal_conv1d falls back to
+    PyTorch", printed at the first forward of the base's build or of the first held-out evaluation) would tear
+    the panel, and a user cannot act on them."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 class MetricsTail:
@@ -204,12 +220,13 @@ def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: 
     t.add_row("groups received", f"{int(state.accepted)} this session (accepted into the learner's pool)")
     t.add_row("drops", f"{_drops(state)} (this session)")
     t.add_row("wall time", f"{time.monotonic() - state.started:.0f} s")
-    t.add_row("metrics", str(paths.metrics))
-    for p in plots:
-        t.add_row("plot", str(p))
-    t.add_row("logs", str(paths.run_dir / "learner.log") + ", worker-*.log")
-    # the venv's Python by its path: a bare `python` outside the activated venv lacks the project's packages
-    t.add_row("check", f"{shlex.quote(sys.executable)} -m worker_contract verify --store {shlex.quote(store_url)} "
-              f"--run {state.run}")
-    t.add_row("resume", f"make {state.recipe} RUN={state.run}")
     console.print(t)
+    # what a user copies goes below the table, a line each: a table cell cuts a long path to the terminal's width
+    copied = [("metrics", str(paths.metrics)), *(("plot", str(p)) for p in plots),
+              ("logs", str(paths.run_dir / "learner.log") + ", worker-*.log"),
+              # the venv's Python by its path: a bare `python` outside the activated venv lacks the project's packages
+              ("check", f"{shlex.quote(sys.executable)} -m worker_contract verify --store {shlex.quote(store_url)} "
+                        f"--run {state.run}"),
+              ("resume", f"make {state.recipe} RUN={state.run}")]
+    for label, value in copied:
+        console.print(f"{label + ':':<9}{value}", soft_wrap=True, markup=False, highlight=False)

@@ -119,6 +119,27 @@ def test_the_summary_off_a_terminal_keeps_whole_lines(tmp_path, capsys):
     assert str(paths.metrics) in out and f"--store file://{tmp_path}/bucket --run x" in out, out
 
 
+def test_the_summary_on_a_narrow_terminal_keeps_paths_and_commands_whole(tmp_path):
+    """On an 80-column terminal the summary's table cut its plot paths ("…/plots/train_reward.p…"): what a user
+    copies (paths, the check and resume commands) is printed whole, one line each, the terminal wrapping it."""
+    import io
+
+    from rich.console import Console
+
+    from embedded.run import EmbeddedPaths
+    from embedded.view import summary
+
+    paths = EmbeddedPaths(tmp_path / ("a-long-directory-name-" * 3) / ".stoa", "x")
+    plot = paths.run_dir / "plots" / "heldout_accuracy.png"
+    _cfg, state = _at(3)
+    buf = io.StringIO()
+    summary(Console(file=buf, width=80, force_terminal=True, color_system=None), state, paths=paths, plots=[plot],
+            stop_reason="3 steps done", store_url=f"file://{tmp_path}/bucket")
+    lines = buf.getvalue().splitlines()
+    for whole in (str(plot), str(paths.metrics), f"--store file://{tmp_path}/bucket --run x", "RUN=x"):
+        assert any(whole in line for line in lines), (whole, buf.getvalue())
+
+
 def test_a_resumed_run_shows_this_sessions_counts_not_a_mix(tmp_path):
     """A resumed learner counts groups and drops from 0 (it reads the bucket again). The panel once showed the
     last session's 1006 groups, then this session's 58, and the summary's total was this session's alone."""
@@ -182,3 +203,20 @@ def test_sigterm_during_the_set_up_ends_it_as_ctrl_c_does(tmp_path):
             proc.wait()
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "make gsm8k: interrupted", (proc.returncode, err)
     assert not run_is_live(run_dir)
+
+
+def test_transformers_notes_are_kept_off_the_panel(capfd):
+    """A resumed psqa run printed transformers' "causal_conv1d_fn is falling back" note twice over its panel
+    (the launcher's first held-out forward); the base's build hid it, the run did not. Errors still show."""
+    from transformers.utils import logging as hf_logging
+
+    from embedded.view import transformers_errors_only
+
+    log = hf_logging.get_logger("transformers.models.lfm2.modeling_lfm2")
+    before = hf_logging.get_verbosity()
+    with transformers_errors_only():
+        log.warning("a note the user cannot act on")
+        log.error("an error the user must see")
+    assert hf_logging.get_verbosity() == before
+    err = capfd.readouterr().err
+    assert "an error the user must see" in err and "a note the user cannot act on" not in err, err

@@ -72,8 +72,12 @@ def build_base(cfg: EmbeddedRecipe, paths, data: Path, search, console) -> Path:
 
     model_dir, report = ensure_psqa_base(data, paths.cache, search, cfg=PsqaBaseConfig(**cfg.embedded.psqa.base),
                                          log=console.print, show_progress=True)
+    e = cfg.embedded
     console.print(f"base model {model_dir}: {report.params / 1e6:.2f} M parameters, held-out cover-EM "
-                  f"{100 * report.pass1:.1f}%, search rate {100 * report.search_rate:.0f}%")
+                  f"{100 * report.pass1:.1f}%, search rate {100 * report.search_rate:.0f}% (as built: "
+                  f"{report.heldout_questions} questions, 4 samples each at temperature 1; the run's own base "
+                  f"figure scores v1, these weights in the {cfg.contract.plane} plane, on {e.eval_problems} "
+                  f"questions, {e.psqa.eval_k} sample each at temperature {e.eval_temperature})")
     return Path(model_dir)
 
 

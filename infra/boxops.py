@@ -167,8 +167,11 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
     if note:
         log(note)
     if dry_run:
-        log(f"would stop Ray jobs {out['ray_jobs'] or 'none'} and process group {pid or 'none'}"
-            + (f", and {_describe(leftovers)} left by a launcher that is gone" if leftovers else "") + " [dry run]")
+        if not (jobs or pid or leftovers):
+            log(f"nothing of run {run} is running here: nothing to stop [dry run]")
+        else:
+            log(f"would stop Ray jobs {out['ray_jobs'] or 'none'} and process group {pid or 'none'}"
+                + (f", and {_describe(leftovers)} left by a launcher that is gone" if leftovers else "") + " [dry run]")
         return out
     if (Path(paths.state_dir) / CHILDREN_DIR).is_dir():  # also the records of children gone by themselves
         out["leftovers"] = [_named(c) for c in stop_leftovers(paths.state_dir, timeout_s=timeout_s, log=log)]

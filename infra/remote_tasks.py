@@ -70,6 +70,8 @@ def _plan(host, run, rd, ssh_key, step: str, purge: bool = False) -> list[str]:
                 return [f"stop the launcher of run {run} (pid {out['launcher']}, e.g. make gsm8k RUN={run}) as "
                         "Ctrl-C would (SIGTERM): it stops its learner, which checkpoints, and its workers"]
             left = out.get("leftovers", [])
+            if not (out["ray_jobs"] or out["pid"] or left):
+                return []
             return [f"stop Ray jobs {', '.join(out['ray_jobs']) or 'none'} and the trainer process group "
                     f"{out['pid'] or '(none running)'} of run {run}"] + ([leftovers_action(run, left)] if left else [])
         return remote_teardown(host, run, ssh_key=ssh_key, remote_dir=rd, purge=purge, dry_run=True)["actions"]
@@ -78,8 +80,8 @@ def _plan(host, run, rd, ssh_key, step: str, purge: bool = False) -> list[str]:
 @stoa_task(help={**_COMMON, "dry_run": "say what would be stopped; stop nothing",
                  "yes": "stop without asking (scripts)"})
 def stop(c, run=None, host=None, local=False, ssh_key=None, remote_dir=None, dry_run=False, yes=False):
-    """Stop the run's trainer: its Ray jobs and its process group, by PID; a `make gsm8k` of the run here is
-    stopped as Ctrl-C would stop it in its terminal (asks first)."""
+    """Stop the run's trainer: its Ray jobs and its process group, by PID; a `make gsm8k` or `make psqa` of the
+    run here is stopped as Ctrl-C would stop it in its terminal (asks first)."""
     from infra.remote import stop as remote_stop
 
     run, host, rd = _args(run, host, local, remote_dir)
@@ -87,8 +89,12 @@ def stop(c, run=None, host=None, local=False, ssh_key=None, remote_dir=None, dry
     if dry_run:
         print(json.dumps(remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd, dry_run=True), indent=2))
         return
+    plan = _plan(host, run, rd, ssh_key, "stop")
+    if not plan:
+        print(f"nothing of run {run} is running on {where} ({rd}): nothing to stop")
+        return
     print(f"on {where} ({rd}):")
-    confirm(_plan(host, run, rd, ssh_key, "stop"), yes=yes)
+    confirm(plan, yes=yes)
     print(json.dumps(remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd), indent=2))
 
 

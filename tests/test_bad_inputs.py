@@ -244,7 +244,9 @@ ROWS = [
     Row("teardown-no-host", ["invoke", "teardown", "--run", "nope"], says=("--host", "--local")),
     Row("teardown-local-no-tty", ["invoke", "teardown", "--run", "seed-run", "--local", "--purge"],
         says=("--yes", ".stoa/runs/seed-run"), lines=None),  # names what it would delete, then refuses
-    Row("stop-local-no-tty", ["invoke", "stop", "--run", "seed-run", "--local"], says=("--yes",), lines=None),
+    # nothing of seed-run runs: said, with no question to refuse without a terminal (teardown's row asks one)
+    Row("stop-local-nothing-running", ["invoke", "stop", "--run", "seed-run", "--local"], rc=0,
+        says=("nothing of run seed-run is running", "nothing to stop")),
     Row("teardown-bad-host", ["invoke", "teardown", "--run", "x", "--host", "user@"], says=("HOST='user@'",)),
     Row("stop-no-host", ["invoke", "stop", "--run", "seed-run"], says=("--host", "--local")),
     Row("stop-bad-run", ["invoke", "stop", "--run", "A B", "--local"], says=("run id",)),

@@ -270,9 +270,15 @@ def test_invoke_stop_and_teardown_dry_run_on_this_box(tmp_path):
         assert '"run": "no-such-run-xyz"' in res.stdout
         # stop logs the box's own dry-run lines; teardown prints its plan, marked as a dry run
         assert ("dry run" in res.stderr) if task == "stop" else ('"dry_run": true' in res.stdout)
+        if task == "stop":  # a run that is not running is said so, not "would stop Ray jobs none ..."
+            assert "nothing of run no-such-run-xyz is running here: nothing to stop" in res.stderr, res.stderr
         res = subprocess.run([str(invoke), task, "--run", "no-such-run-xyz", "--dry-run"], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and "--local" in res.stderr
+    # nothing to stop: said, with no question asked (stdin is closed here: a question would fail)
+    res = subprocess.run([str(invoke), "stop", "--run", "no-such-run-xyz", "--local"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0 and "nothing of run no-such-run-xyz is running on this machine" in res.stdout, res
     res = subprocess.run([str(invoke), "stop", "--run", "Bad Run", "--local", "--dry-run"], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "DRL_RUN='Bad Run' is not a valid run id" in res.stderr

@@ -135,7 +135,8 @@ def plot_curve(out_dir: str | Path) -> Path | None:
     v = [p.version for p in points]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(v, [p.pass1 for p in points], "o-", label="cover-EM pass@1")
-    ax.plot(v, [p.pass_k for p in points], "s-", label=f"pass@{points[-1].k}")
+    if points[-1].k > 1:  # at k=1 pass@k is pass@1, a second line hidden under the first
+        ax.plot(v, [p.pass_k for p in points], "s-", label=f"pass@{points[-1].k}")
     ax.plot(v, [p.search_rate for p in points], "^--", label="search rate")
     ax.set_xlabel("policy version")
     ax.set_ylim(0, 1)

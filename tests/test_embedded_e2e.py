@@ -150,6 +150,7 @@ def test_embedded_run_end_to_end_then_resume(tmp_path):
     # a finished run is not restarted
     rc, out = _run(tmp_path, run, **{"embedded.max_steps": 6})
     assert rc == 0 and "already took 6 steps" in out
+    assert "raise embedded.max_steps in " in out and "it resumes from its checkpoint" in out, out
 
 
 @pytest.mark.integration

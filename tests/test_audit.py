@@ -66,6 +66,7 @@ def test_honest_worker_passes_tampering_and_wrong_weights_are_flagged(model_dir)
     assert stats["honest"]["logprob_mismatch"] < 0.02 and not stats["honest"]["flagged"]
     assert stats["tamper"]["logprob_mismatch"] > 0.5 and stats["tamper"]["flagged"]
     assert stats["wrongw"]["logprob_mismatch"] > DEFAULT_THRESHOLD and stats["wrongw"]["flagged"]
+    assert stats["honest"]["audited_version"] == 5  # the version it was measured at ("old"'s 4 never was)
     m = audit.metrics()
     assert m["worker/honest/flagged"] == 0.0 and m["worker/tamper/flagged"] == 1.0
     assert m["audit/flagged_workers"] == 2.0 and m["worker/honest/audited_tokens"] >= 64
@@ -186,3 +187,5 @@ def test_learner_flags_a_tampering_worker_in_metrics_and_bucket_stats(model_dir,
     text = console.export_text()
     row = {line.strip("│ ").split(" ")[0]: line for line in text.splitlines() if line.startswith("│")}
     assert "FLAGGED" in row["tamper"] and "FLAGGED" not in row["honest"], text
+    # with the version it was measured at: a learner that never waits audits its first step only
+    assert seen["honest"].audited_version is not None and f"@v{seen['honest'].audited_version}" in row["honest"]

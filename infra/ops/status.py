@@ -64,6 +64,9 @@ class WorkerSeen(_Model):
     """Mean |learner - recorded| behaviour log-prob per token (nats), trainer's audit (None if not audited)."""
     flagged: bool | None = None
     """True when the trainer's audit flags its log-probs (wrong weights, wrong plane, or edited)."""
+    audited_version: int | None = None
+    """Policy version of its newest group the audit compared (None if none): far below the pointer, the
+    mismatch is old news (the audit sees only groups at the learner's exact weights)."""
 
 
 class PublishSeen(_Model):
@@ -352,6 +355,8 @@ def add_learner_counts(workers: list[WorkerSeen], stats: dict[int, dict]) -> Non
             mismatch = ws.get("logprob_mismatch")
             w.logprob_mismatch = float(mismatch) if isinstance(mismatch, int | float) else None
             w.flagged = ws["flagged"] if isinstance(ws.get("flagged"), bool) else None
+            audited = ws.get("audited_version")
+            w.audited_version = audited if isinstance(audited, int) and not isinstance(audited, bool) else None
 
 
 def sum_drops(stats: dict[int, dict]) -> tuple[dict[str, int], dict[str, int]]:

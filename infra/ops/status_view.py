@@ -57,10 +57,13 @@ def _overview(st: RunStatus) -> Table:
 
 
 def _audit_cell(w) -> Text:
-    """The trainer's log-prob audit of a worker: its mismatch in nats, red and marked when flagged."""
+    """The trainer's log-prob audit of a worker: its mismatch in nats and the version it was last measured at,
+    red and marked when flagged."""
     if w.logprob_mismatch is None:
         return Text("-")
-    return Text(f"{'FLAGGED ' if w.flagged else ''}{w.logprob_mismatch:.3f}", style="bold red" if w.flagged else "")
+    at = f" @v{w.audited_version}" if w.audited_version is not None else ""
+    return Text(f"{'FLAGGED ' if w.flagged else ''}{w.logprob_mismatch:.3f}{at}",
+                style="bold red" if w.flagged else "")
 
 
 def _workers(st: RunStatus) -> Table:

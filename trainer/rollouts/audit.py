@@ -40,6 +40,9 @@ class _Worker:
     """Tokens audited in total."""
     groups: int = 0
     """Groups audited in total."""
+    version: int | None = None
+    """Policy version of its newest audited group: a learner that never waits for its fleet audits only
+    its first step, and an old version here says so."""
 
 
 class WorkerAudit:
@@ -94,6 +97,7 @@ class WorkerAudit:
             w.recent.append((total, n))
             w.tokens += n
             w.groups += 1
+            w.version = max(w.version or 0, r.policy_version)
 
     def audit_step(self, records: Sequence[RolloutRecord], weights_version: int | None,
                    logprobs: LogprobFn) -> int:
@@ -119,12 +123,13 @@ class WorkerAudit:
             and m > self.threshold
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per audited worker: logprob_mismatch (nats per token, recent window), flagged, audited tokens."""
+        """Per audited worker: logprob_mismatch (nats per token, recent window), flagged, audited tokens and
+        groups, and the policy version of its newest audited group."""
         out = {}
         for wid, w in self._workers.items():
             m = self.mismatch(wid)
             out[wid] = {"logprob_mismatch": m, "flagged": self.flagged(wid), "audited_tokens": w.tokens,
-                        "audited_groups": w.groups}
+                        "audited_groups": w.groups, "audited_version": w.version}
         return out
 
     def metrics(self) -> dict[str, float]:

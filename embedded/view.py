@@ -115,10 +115,15 @@ class RunState:
 
     def heldout(self) -> tuple[float | None, float | None]:
         """(first, latest) held-out accuracy: the first is the base's in a fresh run."""
+        first, last = self.heldout_points()
+        return (first[2] if first else None), (last[2] if last else None)
+
+    def heldout_points(self) -> tuple[tuple | None, tuple | None]:
+        """The first and the latest held-out evaluation, each (step, version, accuracy)."""
         if not self.evals:
             return None, None
         ordered = sorted(self.evals, key=lambda e: (e[0] if e[0] is not None else -1, e[1]))
-        return ordered[0][2], ordered[-1][2]
+        return ordered[0], ordered[-1]
 
 
 SEARCH_KEYS = ("rollout/search_rate", "rollout/correct_after_search", "eval/search_rate",
@@ -214,7 +219,10 @@ def summary(console, state: RunState, *, paths, plots: list[Path], stop_reason: 
     t.add_row("train reward", f"{_pct(sum(r0) / len(r0) if r0 else None)} -> {_pct(state.recent_reward())} "
               "(first 5 steps -> last 5)")
     delta = f" ({_points(base, last):+.1f} points)" if base is not None and last is not None else ""
-    t.add_row(_acc_label(state), f"{_pct(base)} -> {_pct(last)}{delta}")
+    e0, e1 = state.heldout_points()
+    # the versions scored: the last is the final evaluation's, run after the panel's last frame
+    scored = f"; v{e0[1]} -> v{e1[1]}" if e0 and e1 else ""
+    t.add_row(_acc_label(state), f"{_pct(base)} -> {_pct(last)}{delta}{scored}")
     for label, value in _search_rows(state):
         t.add_row(label, value)
     t.add_row("groups received", f"{int(state.accepted)} this session (accepted into the learner's pool)")

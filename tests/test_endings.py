@@ -170,7 +170,10 @@ def test_the_printed_change_is_the_difference_of_the_printed_shares(tmp_path, ca
     state.evals = [(0, 1, 0.2475), (10, 11, 0.54)]
     summary(default_console(), state, paths=EmbeddedPaths(tmp_path, "x"), plots=[], stop_reason="10 steps done",
             store_url=f"file://{tmp_path}/bucket")
-    assert "24.8% -> 54.0% (+29.2 points)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "24.8% -> 54.0% (+29.2 points)" in out
+    # and which versions those are: the last, the final evaluation's, came after the panel's last frame
+    assert "(+29.2 points); v1 -> v11" in out, out
 
 
 def test_sigterm_during_the_set_up_ends_it_as_ctrl_c_does(tmp_path):

@@ -77,7 +77,8 @@ def build_base(cfg: EmbeddedRecipe, paths, data: Path, search, console) -> Path:
                   f"{100 * report.pass1:.1f}%, search rate {100 * report.search_rate:.0f}% (as built: "
                   f"{report.heldout_questions} questions, 4 samples each at temperature 1; the run's own base "
                   f"figure scores v1, these weights in the {cfg.contract.plane} plane, on {e.eval_problems} "
-                  f"questions, {e.psqa.eval_k} sample each at temperature {e.eval_temperature})")
+                  f"questions, {e.psqa.eval_k} sample{'s' if e.psqa.eval_k > 1 else ''} each, "
+                  f"{'greedy' if e.eval_temperature is None else f'at temperature {e.eval_temperature:g}'})")
     return Path(model_dir)
 
 

@@ -312,12 +312,15 @@ def _refusal(cfg: EmbeddedRecipe, paths: EmbeddedPaths, console) -> int | None:
 
     done = _steps_done(paths, lambda line: console.print(line, style="yellow", markup=False, highlight=False))
     if done >= cfg.train.num_steps:
-        from trainer.config import recipe_path
+        from trainer.config import RECIPES, recipe_path
 
+        # the recipe's name, not the file it was launched from (`--recipe my.yaml` may carry another's name)
+        where = (f"{recipe_path(cfg.name)} (or the recipe file it was launched with)" if cfg.name in RECIPES
+                 else "the recipe file it was launched with")
         console.print(f"run {cfg.run!r} already took {done} steps (embedded.max_steps={cfg.train.num_steps}): "
                       f"nothing to do. Its metrics: {paths.metrics}. To train it further, raise embedded.max_steps "
-                      f"in {recipe_path(cfg.name)} and run it again (it resumes from its checkpoint); a new RUN "
-                      "starts fresh", markup=False, highlight=False, soft_wrap=True)
+                      f"in {where} and run it again (it resumes from its checkpoint); a new RUN starts fresh",
+                      markup=False, highlight=False, soft_wrap=True)
         return 0
     try:
         from trainer.run_init import check_recipe_against_run

@@ -121,8 +121,9 @@ def status(remote_dir: str, run: str, lines: int = 20) -> dict:
     }
 
 
-def _ray_jobs(run: str) -> tuple[list, str | None]:
-    """(client, running jobs of `run`) through the dashboard; ([], reason) when Ray is not reachable."""
+def _ray_jobs(run: str) -> tuple[list, str | None, bool]:
+    """([(client, job)] of `run`'s running jobs, a note, whether Ray's jobs are known): no dashboard
+    listening means no Ray job here (known); a dashboard that answers but cannot list them leaves them unknown."""
     import socket
     from urllib.parse import urlparse
 
@@ -130,16 +131,16 @@ def _ray_jobs(run: str) -> tuple[list, str | None]:
     try:  # nothing listens: no Ray here, and no need to import it
         socket.create_connection((url.hostname, url.port), timeout=1).close()
     except OSError:
-        return [], f"no Ray dashboard at {DASHBOARD}: no Ray job to stop"
+        return [], f"no Ray dashboard at {DASHBOARD}: no Ray job to stop", True
     try:
         from ray.job_submission import JobStatus, JobSubmissionClient
 
         client = JobSubmissionClient(DASHBOARD)
         jobs = [j for j in client.list_jobs() if (j.metadata or {}).get("stoa_run") == run
                 and j.status in (JobStatus.PENDING, JobStatus.RUNNING)]
-        return [(client, j) for j in jobs], None
-    except Exception as e:  # Ray absent or no dashboard: there is no Ray job to stop
-        return [], f"no Ray jobs reachable at {DASHBOARD} ({type(e).__name__})"
+        return [(client, j) for j in jobs], None, True
+    except Exception as e:  # something listens there but does not list Ray's jobs: they are unknown
+        return [], f"Ray's jobs could not be listed at {DASHBOARD} ({type(e).__name__}): any of run {run} are not stopped", False
 
 
 def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = False, log=print) -> dict:
@@ -159,15 +160,15 @@ def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = 
         out["stopped"] = stop_launcher(launcher, paths.state_dir, timeout_s=max(timeout_s, LAUNCHER_STOP_S),
                                             log=log)
         return out
-    jobs, note = _ray_jobs(run)
+    jobs, note, listed = _ray_jobs(run)
     pid = alive_pid(paths.pid_file)
     leftovers = leftover_children(paths.state_dir)
-    out = {"run": run, "ray_jobs": [j.submission_id for _, j in jobs], "pid": pid,
+    out = {"run": run, "ray_jobs": [j.submission_id for _, j in jobs], "ray_jobs_listed": listed, "pid": pid,
            "leftovers": [_named(c) for c in leftovers], "stopped": False}
     if note:
         log(note)
     if dry_run:
-        if not (jobs or pid or leftovers):
+        if listed and not (jobs or pid or leftovers):
             log(f"nothing of run {run} is running here: nothing to stop [dry run]")
         else:
             log(f"would stop Ray jobs {out['ray_jobs'] or 'none'} and process group {pid or 'none'}"

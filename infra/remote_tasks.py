@@ -67,11 +67,11 @@ def _plan(host, run, rd, ssh_key, step: str, purge: bool = False) -> list[str]:
 
             out = remote_stop(host, run, ssh_key=ssh_key, remote_dir=rd, dry_run=True)
             if out.get("launcher"):
-                return [f"stop the launcher of run {run} (pid {out['launcher']}, e.g. make gsm8k RUN={run}) as "
+                return [f"stop the launcher of run {run} (pid {out['launcher']}, e.g. make gsm8k|psqa RUN={run}) as "
                         "Ctrl-C would (SIGTERM): it stops its learner, which checkpoints, and its workers"]
             left = out.get("leftovers", [])
-            if not (out["ray_jobs"] or out["pid"] or left):
-                return []
+            if out.get("ray_jobs_listed", True) and not (out["ray_jobs"] or out["pid"] or left):
+                return []  # nothing to stop (Ray's jobs unknown is not nothing)
             return [f"stop Ray jobs {', '.join(out['ray_jobs']) or 'none'} and the trainer process group "
                     f"{out['pid'] or '(none running)'} of run {run}"] + ([leftovers_action(run, left)] if left else [])
         return remote_teardown(host, run, ssh_key=ssh_key, remote_dir=rd, purge=purge, dry_run=True)["actions"]

@@ -50,9 +50,11 @@ def pytest_unconfigure(config):
 #: fixtures are built once; these modules share one worker too. test_bad_inputs runs its whole table in one
 #: module fixture (`outcomes`); test_preflight's box rows run on this machine (directly or over its sshd) and
 #: one of them listens on 0.0.0.0:8265, the Ray dashboard port box.ray_dashboard reads, where the native
-#: launch's learner (test_native_loop_on_cpu) serves its dashboard. Keys: a module, or one test of a module
+#: launch's learner (test_native_loop_on_cpu) serves its dashboard, and where test_remote's stand-in for a
+#: dashboard that cannot list jobs listens. Keys: a module, or one test of a module
 XDIST_GROUPS = {"tests/test_preflight.py": "port-8265",
-                "tests/test_native_launch.py::test_native_loop_on_cpu": "port-8265"}
+                "tests/test_native_launch.py::test_native_loop_on_cpu": "port-8265",
+                "tests/test_remote.py::test_stop_does_not_say_nothing_runs_when_rays_jobs_are_unknown": "port-8265"}
 #: modules whose tests each make a unit of their own (a worker each, at the same time): each test holds several
 #: minutes of real processes, and they share nothing costly (a module fixture is built again per worker)
 XDIST_SPLIT = ("tests/test_embedded_e2e.py", "tests/test_secret_scan.py", "tests/test_resume.py",

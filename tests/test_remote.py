@@ -285,6 +285,58 @@ def test_invoke_stop_and_teardown_dry_run_on_this_box(tmp_path):
     assert not (REPO_ROOT / ".stoa" / "runs" / "no-such-run-xyz").exists()
 
 
+def test_stop_does_not_say_nothing_runs_when_rays_jobs_are_unknown(tmp_path):
+    """Something answers on Ray's dashboard port but lists no jobs (a dashboard that hangs, another program):
+    the run's Ray jobs are unknown, so `stop` must not say that nothing of the run is running."""
+    import socket
+    import threading
+
+    from infra import boxops
+
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the port may still hold a closed connection
+    try:
+        srv.bind(("127.0.0.1", 8265))
+    except OSError:
+        srv.close()
+        pytest.skip("port 8265 is taken (a Ray dashboard here)")
+    srv.listen(8)
+    stop = threading.Event()
+
+    def serve(conn):  # HTTP 500 to each request, until the client hangs up (it closes first: no TIME_WAIT here)
+        with conn:
+            conn.settimeout(5)
+            try:
+                while data := conn.recv(65536):
+                    if b"\r\n\r\n" in data:
+                        conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n"
+                                     b"Connection: close\r\n\r\n")
+            except OSError:
+                pass
+
+    def answer_and_hang_up():  # a peer that answers every request with an error: Ray's job client lists nothing
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn = srv.accept()[0]
+            except OSError:
+                continue
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    t = threading.Thread(target=answer_and_hang_up, daemon=True)
+    t.start()
+    said: list[str] = []
+    try:
+        out = boxops.stop(str(tmp_path), "quiet-run", dry_run=True, log=said.append)
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        srv.close()
+    assert out["ray_jobs_listed"] is False and out["ray_jobs"] == [], (out, said)
+    assert not any("nothing to stop" in line for line in said), said
+    assert any("could not be listed" in line for line in said), said
+
+
 def test_on_box_launch_stops_at_check_box_here(monkeypatch):
     """`make gsm8k` on a box without a GPU stops at the first step and reports why, changing nothing."""
     if shutil.which("nvidia-smi"):

@@ -312,7 +312,8 @@ def run_plane(args, plane: str, model: dict, kill: bool, record=lambda _out: Non
                 thread.join(timeout=300)
     rows = [r for r in read_rows(paths.metrics) if "train/grad_norm" in r]
     out["checkpoints"] = checkpoint_figures(rows, cfg, model)
-    out["follower"] = {"ran": args.follower, "joined_at": follower.joined, "follows": follower.follows, "error": follower.error,
+    out["follower"] = {"ran": args.follower, "joined_at": follower.joined, "follows": follower.follows,
+                       "error": follower.error,
                        "versions_reconstructed_bit_exact": sum(f["to"] - f["from"] for f in follower.follows),
                        "apply_s_per_version_median": _median([f["per_version_s"] for f in follower.follows])}
     out["peak_gpu_mib"], out["peak_host_gib"] = mem.peak_mib, mem.peak_host_gib

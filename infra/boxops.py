@@ -140,7 +140,8 @@ def _ray_jobs(run: str) -> tuple[list, str | None, bool]:
                 and j.status in (JobStatus.PENDING, JobStatus.RUNNING)]
         return [(client, j) for j in jobs], None, True
     except Exception as e:  # something listens there but does not list Ray's jobs: they are unknown
-        return [], f"Ray's jobs could not be listed at {DASHBOARD} ({type(e).__name__}): any of run {run} are not stopped", False
+        return [], (f"Ray's jobs could not be listed at {DASHBOARD} ({type(e).__name__}): any of run {run} "
+                    "are not stopped"), False
 
 
 def stop(remote_dir: str, run: str, *, timeout_s: float = 30.0, dry_run: bool = False, log=print) -> dict:
